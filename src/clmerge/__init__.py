@@ -1,0 +1,3 @@
+"""clmerge: continual learning and model merging on pretrained models."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,147 @@
+"""The ``clmerge`` command line (typer)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="clmerge: continual learning and model merging on pretrained models.")
+console = Console()
+err = Console(stderr=True)
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {msg}")
+    raise typer.Exit(code)
+
+
+def _fmt(v) -> str:
+    return "—" if v is None else f"{v:.2f}"
+
+
+def print_results(metrics: dict) -> None:
+    """The accuracy matrix and the metrics as tables."""
+    R = metrics["accuracy_matrix"]
+    t = Table(title=f"accuracy matrix (%) — {metrics.get('method')} on {metrics.get('dataset')} "
+                    f"({metrics.get('scenario')}); row i: after task i")
+    t.add_column("after")
+    for j in range(len(R)):
+        t.add_column(f"T{j}", justify="right")
+    for i, row in enumerate(R):
+        t.add_row(f"task {i}", *[_fmt(v) for v in row])
+    console.print(t)
+    m = Table(title="metrics (task-weighted; sample-weighted in brackets)")
+    for col in ("Acc", "AAA", "forgetting", "BWT", "FWT", "plasticity"):
+        m.add_column(col, justify="right")
+    m.add_row(*[f"{_fmt(metrics.get(k))}" + (f" ({_fmt(metrics.get(k + '_sample'))})" if k + "_sample" in metrics else "")
+                for k in ("acc", "aaa", "forgetting", "bwt", "fwt", "plasticity")])
+    til = metrics.get("til")
+    if til:
+        m.add_row(*[f"TIL {_fmt(til.get(k))}" for k in ("acc", "aaa", "forgetting", "bwt", "fwt", "plasticity")])
+    console.print(m)
+
+
+@app.command()
+def run(
+    config: Path | None = typer.Argument(None, help="YAML config (default: the embedded default experiment)"),
+    set_: list[str] = typer.Option([], "--set", help="override a key: dotted.key=value (repeatable)"),
+    out: Path | None = typer.Option(None, "--out", help="run directory (default: runs/<method>-<dataset>-<time>)"),
+    resume: bool = typer.Option(False, "--resume", help="continue a stopped run in --out from its last finished task"),
+) -> None:
+    """Run a continual-learning experiment and write a run directory."""
+    from .config import ConfigError, load_config
+    from .engine.run import run_experiment
+
+    try:
+        cfg = load_config(config, set_)
+    except (ConfigError, ValueError) as exc:
+        _fail(str(exc))
+    if out is None:
+        if resume:
+            _fail("--resume needs --out DIR (the run directory to continue)")
+        out = Path("runs") / f"{cfg.method.name}-{cfg.scenario.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        metrics = run_experiment(cfg, out, resume=resume)
+    except KeyboardInterrupt:
+        err.print(f"\ninterrupted: finished tasks are checkpointed; continue with: clmerge run "
+                  f"{config or ''} --out {out} --resume")
+        raise typer.Exit(130)
+    except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as exc:
+        _fail(str(exc))
+    print_results(metrics)
+    console.print(f"run directory: [bold]{out}[/] (report: {out / 'report.html'})")
+
+
+@app.command()
+def report(run_dir: Path = typer.Argument(..., help="a run directory")) -> None:
+    """(Re)build RUN_DIR/report.html."""
+    from .report import build_report
+
+    try:
+        path = build_report(run_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        _fail(str(exc))
+    console.print(f"wrote {path}")
+
+
+@app.command()
+def methods() -> None:
+    """List the continual-learning methods."""
+    from .methods import available_methods
+
+    for name, desc in available_methods().items():
+        console.print(f"[bold]{name:<14}[/] {desc}")
+
+
+@app.command()
+def datasets() -> None:
+    """List the data sources."""
+    from .data import available_datasets
+
+    for name, desc in available_datasets().items():
+        console.print(f"[bold]{name:<14}[/] {desc}")
+
+
+@app.command()
+def models() -> None:
+    """List the backbone presets."""
+    from .models import available_backbones
+
+    for name, desc in available_backbones().items():
+        console.print(f"[bold]{name:<16}[/] {desc}")
+
+
+@app.command()
+def pretrain(
+    preset: str = typer.Option("vit-tiny-fmnist", "--preset", help="what to pretrain"),
+    out: Path | None = typer.Option(None, "--out", help="output directory (default: the package's assets)"),
+    epochs: int | None = typer.Option(None, "--epochs", help="override the preset's epochs"),
+    data_root: str | None = typer.Option(None, "--data-root", help="where the Fashion-MNIST IDX files are"),
+) -> None:
+    """Reproducibly pretrain a shipped backbone (weights + provenance.json)."""
+    from .models.presets import asset_dir
+    from .pretrain import PRESETS
+
+    if preset not in PRESETS:
+        _fail(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    target = out or asset_dir(preset.replace("-", "_"))
+    kwargs = {"data_root": data_root} | ({"epochs": epochs} if epochs else {})
+    try:
+        prov = PRESETS[preset](target, **kwargs)
+    except FileNotFoundError as exc:
+        _fail(str(exc))
+    console.print(f"wrote {target}: test accuracy {prov['test_accuracy']:.2f}%, sha256 {prov['sha256'][:16]}…")
+
+
+def main() -> None:
+    app(prog_name="clmerge")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""Typed experiment configuration (pydantic), YAML I/O and ``--set dotted.key=value`` overrides.
+
+Stable keys (a contract other tools rely on): ``scenario.dataset``, ``scenario.n_tasks``, ``scenario.kind``,
+``scenario.seed``, ``model.name``, ``method.name``, ``seed``. Every other key has a default written out in the
+resolved ``config.yaml`` of a run. An unknown or misspelled key is an error that names the key and the closest
+valid one; types and ranges are checked before anything runs.
+
+Method-specific options live under ``method:`` next to ``method.name`` and are validated against the options
+model the method registers (see ``methods.base.register_method``).
+"""
+
+from __future__ import annotations
+
+from difflib import get_close_matches
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "ConfigError",
+    "ExperimentConfig",
+    "ScenarioConfig",
+    "ModelConfig",
+    "HeadConfig",
+    "OptimConfig",
+    "TrainConfig",
+    "RunConfig",
+    "MethodConfig",
+    "load_config",
+    "parse_config",
+    "apply_overrides",
+    "dump_config",
+    "default_config",
+]
+
+
+class ConfigError(ValueError):
+    """A config problem, with the dotted key that caused it."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ScenarioConfig(_Strict):
+    dataset: str = "mnist5k"
+    kind: Literal["class_incremental", "task_incremental", "domain_incremental"] = "class_incremental"
+    n_tasks: int = Field(5, ge=1)
+    seed: int = 0
+    shuffle_classes: bool = Field(True, description="permute the class order with scenario.seed (else sorted)")
+    class_order: list[int] | None = Field(None, description="explicit class order; overrides shuffle_classes")
+    classes_per_task: list[int] | None = Field(None, description="uneven splits: classes in each task")
+    transform: Literal["none", "permutation", "rotation"] = Field(
+        "none", description="per-task input transform (domain-incremental, or task-incremental permuted data)"
+    )
+    rotations: list[float] | None = Field(None, description="degrees per task for transform=rotation")
+    permute_first_task: bool = Field(False, description="transform=permutation: permute task 0 too")
+    train_per_class: int | None = Field(None, ge=1, description="subsample the training set per class")
+    test_per_class: int | None = Field(None, ge=1, description="subsample the test set per class")
+    train_per_task: int | None = Field(None, ge=1, description="domain/permuted tasks: training images per task")
+    val_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="held-out validation part of each task's train set")
+    data_root: str | None = Field(None, description="root of on-disk datasets (else $CLMERGE_DATA, ./data)")
+    image_size: int | None = Field(None, ge=1, description="folder datasets: side after resize+crop (default: backbone's)")
+    options: dict[str, Any] = Field(default_factory=dict, description="extra keyword options for the data source")
+
+
+class ModelConfig(_Strict):
+    name: str = "vit-tiny-fmnist"
+    pretrained: bool = True
+    source: str | None = Field(None, description="local directory or hub id of the weights")
+    config: dict[str, Any] = Field(default_factory=dict, description="architecture overrides (random-init builds)")
+    head_bias: bool = True
+
+
+class HeadConfig(_Strict):
+    loss: Literal["local", "seen"] = Field(
+        "local",
+        description="local: cross-entropy over the current task's logits only (SD-LoRA and InfLoRA code); "
+        "seen: over all classes seen so far",
+    )
+
+
+class OptimConfig(_Strict):
+    name: Literal["sgd", "adam", "adamw"] = "adam"
+    lr: float = Field(5e-3, gt=0)
+    first_task_lr: float | None = Field(None, gt=0, description="a different lr for task 0 (SD-LoRA ImageNet-A)")
+    head_lr: float | None = Field(None, gt=0, description="a different lr for the classifier head")
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    schedule: Literal["constant", "cosine", "multistep"] = "constant"
+    milestones: list[int] = Field(default_factory=list, description="multistep: epochs at which lr *= gamma")
+    gamma: float = Field(0.1, gt=0)
+    warmup_epochs: int = Field(0, ge=0)
+    grad_clip: float | None = Field(None, gt=0)
+
+
+class TrainConfig(_Strict):
+    epochs: int = Field(5, ge=1)
+    batch_size: int = Field(64, ge=1)
+    eval_batch_size: int = Field(500, ge=1)
+    max_steps_per_epoch: int | None = Field(None, ge=1, description="cap steps per epoch (dry runs)")
+
+
+class RunConfig(_Strict):
+    device: str = Field("cpu", description="cpu, cuda, cuda:N or auto")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's)")
+    progress: bool = True
+    keep_checkpoints: int = Field(1, ge=1, description="how many per-task checkpoints to keep (newest)")
+    report: bool = Field(True, description="write report.html at the end")
+    eval_til: bool = Field(True, description="class-incremental: also report task-id-known accuracy")
+
+
+class MethodConfig(BaseModel):
+    """``name`` plus the method's own options (validated against the method's registered options model)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = "seq_lora"
+
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class ExperimentConfig(_Strict):
+    seed: int = 0
+    scenario: ScenarioConfig = Field(default_factory=ScenarioConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    head: HeadConfig = Field(default_factory=HeadConfig)
+    method: MethodConfig = Field(default_factory=MethodConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "ExperimentConfig":
+        s = self.scenario
+        if s.classes_per_task is not None and len(s.classes_per_task) != s.n_tasks:
+            raise ValueError(
+                f"scenario.classes_per_task has {len(s.classes_per_task)} entries but scenario.n_tasks is {s.n_tasks}"
+            )
+        if s.rotations is not None and len(s.rotations) != s.n_tasks:
+            raise ValueError(f"scenario.rotations has {len(s.rotations)} entries but scenario.n_tasks is {s.n_tasks}")
+        if s.kind == "domain_incremental" and s.transform == "none":
+            raise ValueError("scenario.kind=domain_incremental needs scenario.transform (permutation or rotation)")
+        return self
+
+    def method_options(self):
+        """The validated options object of the configured method."""
+        from .methods import method_options_model
+
+        return method_options_model(self.method.name).model_validate(self.method.options())
+
+
+# ----------------------------------------------------------------------------------------------------------
+def _nearest(key: str, valid: list[str]) -> str:
+    near = get_close_matches(key, valid, n=1, cutoff=0.5)
+    return f" (did you mean {near[0]!r}?)" if near else f"; valid keys: {', '.join(valid)}"
+
+
+def _check_keys(data: Any, model: type[BaseModel], path: str) -> None:
+    """Walk ``data`` against ``model``'s fields: unknown keys raise ConfigError with the nearest valid key."""
+    if not isinstance(data, dict):
+        return
+    fields = model.model_fields
+    for key, value in data.items():
+        dotted = f"{path}{key}"
+        if key not in fields:
+            if model is MethodConfig:
+                continue  # checked against the method's own options below
+            raise ConfigError(f"unknown config key {dotted!r}{_nearest(key, list(fields))}")
+        ann = fields[key].annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            _check_keys(value, ann, dotted + ".")
+    if model is MethodConfig:
+        _check_method_keys(data, path)
+
+
+def _check_method_keys(data: dict, path: str) -> None:
+    from .methods import available_methods, method_options_model
+
+    name = data.get("name", MethodConfig().name)
+    if name not in available_methods():
+        raise ConfigError(f"{path}name: unknown method {name!r}{_nearest(name, list(available_methods()))}")
+    opts = method_options_model(name)
+    for key in data:
+        if key != "name" and key not in opts.model_fields:
+            valid = list(opts.model_fields) or ["(this method has no options)"]
+            raise ConfigError(f"unknown config key {path}{key!r} for method {name!r}{_nearest(key, valid)}")
+
+
+def _format_validation(exc: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(root)"
+        got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+        lines.append(f"{prefix}{loc}: {err['msg']}{got}")
+    return "; ".join(lines)
+
+
+def parse_config(data: dict | None) -> ExperimentConfig:
+    """Validate a plain dict into an :class:`ExperimentConfig` (unknown keys and bad values -> ConfigError)."""
+    data = dict(data or {})
+    _check_keys(data, ExperimentConfig, "")
+    try:
+        cfg = ExperimentConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation(exc)) from None
+    try:
+        cfg.method_options()
+    except ValidationError as exc:
+        raise ConfigError(_format_validation(exc, prefix="method.")) from None
+    return cfg
+
+
+def _parse_value(text: str) -> Any:
+    """``--set`` values are YAML scalars/lists: ``1e-3`` -> float, ``[1,2]`` -> list, ``null`` -> None."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``dotted.key=value`` strings to a nested dict (returns a new dict)."""
+    import copy
+
+    out = copy.deepcopy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected dotted.key=value")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {p!r} is not a section")
+        node[parts[-1]] = _parse_value(text.strip())
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Read a YAML config (or the embedded default when ``path`` is None) and apply ``--set`` overrides."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: invalid YAML ({exc})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    data = apply_overrides(data, overrides or [])
+    return parse_config(data)
+
+
+def dump_config(cfg: ExperimentConfig) -> str:
+    """The fully resolved config as YAML, every default written out (method options included)."""
+    data = cfg.model_dump(mode="json")
+    data["method"] = {"name": cfg.method.name, **cfg.method_options().model_dump(mode="json")}
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def default_config() -> ExperimentConfig:
+    """The embedded default experiment that ``clmerge run`` runs with no arguments."""
+    return parse_config({})

@@ -1,0 +1,170 @@
+"""The data interface every source implements, and the registry of sources.
+
+A *source* is a labelled image collection with a train and a test split (optionally a class-name list).
+Items are ``(image, label)`` with ``image`` a float tensor ``(C, H, W)`` in ``[0, 1]`` and ``label`` the
+source's original class id. Sources never normalise: the backbone does (see ``models.backbones``).
+
+Two implementations cover everything:
+- :class:`TensorData`: images held in memory (MNIST-5k, digits, Fashion-MNIST, MNIST-1D, CIFAR-100);
+- :class:`FileListData`: a list of image files decoded with PIL on access (ImageNet-R/A, DomainNet, CUB, folders).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = [
+    "ClassificationData",
+    "TensorData",
+    "FileListData",
+    "DataSplits",
+    "register_dataset",
+    "build_dataset",
+    "available_datasets",
+    "DATASETS",
+]
+
+
+class ClassificationData:
+    """Base class: ``targets`` (N,) int64 numpy array and ``get_batch(indices) -> (x, y)``."""
+
+    targets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def get_batch(self, indices: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        x, y = self.get_batch(np.asarray([i]))
+        return x[0], int(y[0])
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.targets.max()) + 1 if len(self.targets) else 0
+
+
+class TensorData(ClassificationData):
+    """In-memory images. ``images`` is uint8 (0-255) or float in [0, 1], shape (N, C, H, W)."""
+
+    def __init__(self, images: torch.Tensor, targets: np.ndarray | torch.Tensor, *, name: str = "") -> None:
+        if images.dim() != 4:
+            raise ValueError(f"{name or 'TensorData'}: images must be (N, C, H, W), got {tuple(images.shape)}")
+        targets = np.asarray(targets, dtype=np.int64)
+        if len(targets) != images.shape[0]:
+            raise ValueError(f"{name or 'TensorData'}: {images.shape[0]} images but {len(targets)} labels")
+        self.images = images
+        self.targets = targets
+        self.name = name
+
+    def get_batch(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.as_tensor(np.asarray(indices), dtype=torch.long)
+        x = self.images.index_select(0, idx)
+        x = x.float().div_(255.0) if x.dtype == torch.uint8 else x.float()
+        return x, torch.as_tensor(self.targets[idx.numpy()], dtype=torch.long)
+
+
+class FileListData(ClassificationData):
+    """Images read from files with PIL, converted to RGB (or L) and resized to ``image_size`` on access.
+
+    Args:
+        paths: image files.
+        targets: class id per file.
+        image_size: square side after resizing (shorter side to ``image_size * 256 / 224``, then a centre crop,
+            the standard ViT test transform); ``None`` keeps the original size (all images must match).
+        mode: PIL mode, ``"RGB"`` or ``"L"``.
+    """
+
+    def __init__(self, paths: list[Path], targets, *, image_size: int | None = 224, mode: str = "RGB", name: str = "") -> None:
+        self.paths = [Path(p) for p in paths]
+        self.targets = np.asarray(targets, dtype=np.int64)
+        if len(self.paths) != len(self.targets):
+            raise ValueError(f"{name}: {len(self.paths)} files but {len(self.targets)} labels")
+        self.image_size = image_size
+        self.mode = mode
+        self.name = name
+
+    def load(self, i: int) -> torch.Tensor:
+        from PIL import Image, UnidentifiedImageError
+
+        path = self.paths[i]
+        try:
+            with Image.open(path) as im:
+                im = im.convert(self.mode)
+                if self.image_size is not None:
+                    im = _resize_center_crop(im, self.image_size)
+                arr = np.asarray(im, dtype=np.uint8)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"{self.name}: image file missing: {path}") from exc
+        except (UnidentifiedImageError, OSError) as exc:
+            raise ValueError(f"{self.name}: cannot decode image {path} ({exc})") from exc
+        t = torch.from_numpy(arr.copy())
+        t = t.unsqueeze(0) if t.dim() == 2 else t.permute(2, 0, 1)
+        return t.float().div_(255.0)
+
+    def get_batch(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = np.asarray(indices)
+        x = torch.stack([self.load(int(i)) for i in idx])
+        return x, torch.as_tensor(self.targets[idx], dtype=torch.long)
+
+
+def _resize_center_crop(im, size: int):
+    from PIL import Image
+
+    short = round(size * 256 / 224)
+    w, h = im.size
+    scale = short / min(w, h)
+    im = im.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BICUBIC)
+    w, h = im.size
+    left, top = (w - size) // 2, (h - size) // 2
+    return im.crop((left, top, left + size, top + size))
+
+
+@dataclass
+class DataSplits:
+    """What a source builder returns."""
+
+    train: ClassificationData
+    test: ClassificationData
+    class_names: list[str] = field(default_factory=list)
+    fingerprint: dict = field(default_factory=dict)  # file names / hashes for the run manifest
+
+    @property
+    def num_classes(self) -> int:
+        return max(self.train.num_classes, self.test.num_classes)
+
+
+DATASETS: dict[str, tuple[Callable[..., DataSplits], str]] = {}
+
+
+def register_dataset(name: str, description: str) -> Callable:
+    """Register ``fn(*, data_root, image_size, seed, **options) -> DataSplits`` under ``name``."""
+
+    def deco(fn):
+        if name in DATASETS:
+            raise ValueError(f"dataset {name!r} registered twice")
+        DATASETS[name] = (fn, description)
+        return fn
+
+    return deco
+
+
+def available_datasets() -> dict[str, str]:
+    return {k: d for k, (_, d) in sorted(DATASETS.items())}
+
+
+def build_dataset(name: str, **kwargs) -> DataSplits:
+    if name not in DATASETS:
+        from difflib import get_close_matches
+
+        near = get_close_matches(name, DATASETS, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ValueError(f"scenario.dataset: unknown dataset {name!r}{hint}; known: {', '.join(sorted(DATASETS))}")
+    fn, _ = DATASETS[name]
+    return fn(**kwargs)

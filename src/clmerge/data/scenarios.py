@@ -1,0 +1,238 @@
+"""Scenarios: how a labelled source is cut into a sequence of tasks.
+
+Every task owns a range of head outputs ``[offset, offset + n_classes)`` and its labels are mapped into it:
+- class-incremental: disjoint class groups; ranges are consecutive; inference is over all seen classes;
+- task-incremental: like class-incremental (or, with a per-task input transform, all classes in every task),
+  but each task's range is its own head and evaluation masks to it (the task id is known);
+- domain-incremental: every task has all classes and one shared range; tasks differ by a fixed input transform
+  (a pixel permutation or a rotation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .base import ClassificationData, DataSplits
+
+__all__ = [
+    "TaskData",
+    "Task",
+    "Scenario",
+    "PixelPermutation",
+    "Rotation",
+    "class_order_from_seed",
+    "split_classes",
+    "build_scenario",
+]
+
+
+class PixelPermutation:
+    """A fixed permutation of pixel positions (the same for every channel), drawn from ``seed``."""
+
+    def __init__(self, seed: int, num_pixels: int) -> None:
+        self.seed = seed
+        g = torch.Generator().manual_seed(int(seed))
+        self.perm = torch.randperm(num_pixels, generator=g)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        if h * w != len(self.perm):
+            raise ValueError(f"permutation is for {len(self.perm)} pixels, images have {h * w}")
+        return x.reshape(b, c, h * w)[:, :, self.perm].reshape(b, c, h, w)
+
+    def __repr__(self) -> str:
+        return f"permutation(seed={self.seed})"
+
+
+class Rotation:
+    """Rotate images by a fixed angle (degrees) about their centre, bilinear, zero fill."""
+
+    def __init__(self, degrees: float) -> None:
+        self.degrees = float(degrees)
+        t = np.deg2rad(self.degrees)
+        self.theta = torch.tensor([[np.cos(t), -np.sin(t), 0.0], [np.sin(t), np.cos(t), 0.0]], dtype=torch.float32)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.degrees % 360 == 0:
+            return x
+        grid = F.affine_grid(self.theta.expand(x.shape[0], 2, 3), list(x.shape), align_corners=False)
+        return F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+
+    def __repr__(self) -> str:
+        return f"rotation({self.degrees:g})"
+
+
+@dataclass
+class TaskData:
+    """A view of a source: selected indices, labels mapped to head outputs, optional input transform."""
+
+    source: ClassificationData
+    indices: np.ndarray
+    label_map: np.ndarray  # original class id -> head output index (-1: not in this task)
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def get_batch(self, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.source.get_batch(self.indices[np.asarray(positions)])
+        if self.transform is not None:
+            x = self.transform(x)
+        return x, torch.as_tensor(self.label_map[y.numpy()], dtype=torch.long)
+
+    def batches(self, batch_size: int, *, shuffle: bool = False, generator: torch.Generator | None = None,
+                max_batches: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        n = len(self)
+        order = torch.randperm(n, generator=generator).numpy() if shuffle else np.arange(n)
+        for k, start in enumerate(range(0, n, batch_size)):
+            if max_batches is not None and k >= max_batches:
+                return
+            yield self.get_batch(order[start : start + batch_size])
+
+    def num_batches(self, batch_size: int) -> int:
+        return (len(self) + batch_size - 1) // batch_size
+
+
+@dataclass
+class Task:
+    index: int
+    name: str
+    key: str  # identity by content (class group / transform), stable across task orders
+    classes: list[int]  # original class ids
+    offset: int  # first head output of this task
+    n_classes: int
+    train: TaskData
+    test: TaskData
+    val: TaskData | None = None
+
+    @property
+    def class_range(self) -> tuple[int, int]:
+        return self.offset, self.offset + self.n_classes
+
+    def describe(self) -> dict:
+        return {"index": self.index, "name": self.name, "key": self.key, "classes": self.classes,
+                "offset": self.offset, "n_classes": self.n_classes, "n_train": len(self.train),
+                "n_val": len(self.val) if self.val is not None else 0, "n_test": len(self.test)}
+
+
+@dataclass
+class Scenario:
+    kind: str
+    tasks: list[Task]
+    class_order: list[int]
+    class_names: list[str] = field(default_factory=list)
+
+    @property
+    def num_outputs(self) -> int:
+        return max(t.offset + t.n_classes for t in self.tasks)
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+
+def class_order_from_seed(classes: list[int], seed: int, shuffle: bool = True) -> list[int]:
+    classes = sorted(classes)
+    if not shuffle:
+        return classes
+    rng = np.random.default_rng(seed)
+    return [classes[i] for i in rng.permutation(len(classes))]
+
+
+def split_classes(order: list[int], n_tasks: int, classes_per_task: list[int] | None = None) -> list[list[int]]:
+    """Cut ``order`` into task groups: equal groups, or the given (possibly uneven) sizes."""
+    if classes_per_task is None:
+        if len(order) % n_tasks:
+            raise ValueError(
+                f"{len(order)} classes do not split evenly into {n_tasks} tasks; set scenario.classes_per_task"
+            )
+        classes_per_task = [len(order) // n_tasks] * n_tasks
+    if any(c < 1 for c in classes_per_task) or sum(classes_per_task) > len(order):
+        raise ValueError(f"scenario.classes_per_task {classes_per_task} does not fit {len(order)} classes")
+    groups, start = [], 0
+    for c in classes_per_task:
+        groups.append(list(order[start : start + c]))
+        start += c
+    return groups
+
+
+def _subsample(targets: np.ndarray, idx: np.ndarray, per_class: int | None, rng: np.random.Generator) -> np.ndarray:
+    if per_class is None:
+        return idx
+    keep = []
+    for c in np.unique(targets[idx]):
+        members = idx[targets[idx] == c]
+        keep.append(np.sort(members[rng.permutation(len(members))[:per_class]]))
+    return np.sort(np.concatenate(keep)) if keep else idx
+
+
+def _val_split(idx: np.ndarray, frac: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray | None]:
+    if frac <= 0:
+        return idx, None
+    perm = rng.permutation(len(idx))
+    n_val = max(1, int(round(frac * len(idx))))
+    return np.sort(idx[perm[n_val:]]), np.sort(idx[perm[:n_val]])
+
+
+def _transforms(kind: str, n_tasks: int, seed: int, shape: tuple[int, ...], rotations, permute_first: bool):
+    if kind == "none":
+        return [None] * n_tasks
+    if kind == "permutation":
+        npix = int(np.prod(shape[-2:]))
+        return [None if (t == 0 and not permute_first) else PixelPermutation(seed * 1000 + t, npix) for t in range(n_tasks)]
+    angles = rotations if rotations is not None else [180.0 * t / n_tasks for t in range(n_tasks)]
+    return [Rotation(a) for a in angles]
+
+
+def build_scenario(splits: DataSplits, *, kind: str, n_tasks: int, seed: int = 0, shuffle_classes: bool = True,
+                   class_order: list[int] | None = None, classes_per_task: list[int] | None = None,
+                   transform: str = "none", rotations: list[float] | None = None, permute_first_task: bool = False,
+                   train_per_class: int | None = None, test_per_class: int | None = None,
+                   train_per_task: int | None = None, val_fraction: float = 0.0) -> Scenario:
+    """Cut ``splits`` into tasks. Deterministic in ``seed``; see the module docstring for the kinds."""
+    rng = np.random.default_rng(seed)
+    ytr, yte = splits.train.targets, splits.test.targets
+    all_classes = sorted(set(np.unique(ytr).tolist()))
+    if class_order is not None:
+        unknown = sorted(set(class_order) - set(all_classes))
+        if unknown or len(set(class_order)) != len(class_order):
+            raise ValueError(f"scenario.class_order: unknown or repeated classes {unknown or class_order}")
+    order = list(class_order) if class_order is not None else class_order_from_seed(all_classes, seed, shuffle_classes)
+    tr_all = _subsample(ytr, np.arange(len(ytr)), train_per_class, rng)
+    te_all = _subsample(yte, np.arange(len(yte)), test_per_class, rng)
+    if kind == "class_incremental" or (kind == "task_incremental" and transform == "none"):
+        groups = split_classes(order, n_tasks, classes_per_task)
+        tfs = [None] * n_tasks
+    else:
+        groups = [order] * n_tasks
+        shape = tuple(splits.train.get_batch(np.asarray([0]))[0].shape)
+        tfs = _transforms(transform, n_tasks, seed, shape, rotations, permute_first_task)
+    tasks, offset = [], 0
+    max_label = max(all_classes + [int(yte.max()) if len(yte) else 0]) + 1
+    for t, (group, tf) in enumerate(zip(groups, tfs)):
+        label_map = np.full(max_label, -1, dtype=np.int64)
+        task_offset = 0 if kind == "domain_incremental" else offset
+        label_map[group] = task_offset + np.arange(len(group))
+        tr = tr_all[np.isin(ytr[tr_all], group)]
+        if train_per_task is not None and len(tr) > train_per_task:
+            tr = np.sort(tr[rng.permutation(len(tr))[:train_per_task]])
+        tr, va = _val_split(tr, val_fraction, rng)
+        te = te_all[np.isin(yte[te_all], group)]
+        if tf is not None:
+            key = repr(tf)
+        elif transform != "none" and kind != "class_incremental":
+            key = "identity"
+        else:
+            key = f"classes{sorted(map(int, group))}"
+        tasks.append(Task(
+            index=t, name=f"task {t}: {key}", key=key, classes=list(map(int, group)), offset=task_offset,
+            n_classes=len(group), train=TaskData(splits.train, tr, label_map, tf),
+            test=TaskData(splits.test, te, label_map, tf),
+            val=TaskData(splits.train, va, label_map, tf) if va is not None else None,
+        ))
+        offset += len(group)
+    return Scenario(kind=kind, tasks=tasks, class_order=list(map(int, order)), class_names=list(splits.class_names))

@@ -1,0 +1,1 @@
+"""The continual loop, evaluation, checkpoint/resume and the run directory."""

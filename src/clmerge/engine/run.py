@@ -1,0 +1,220 @@
+"""The continual loop: config -> scenario, model, method -> train/evaluate/checkpoint per task -> metrics.
+
+Reads top to bottom (DESIGN.md, "The data flow of a continual run"). Randomness is derived from
+``(seed, task)`` at the start of every task, so a run resumed at task t+1 from the checkpoint of task t gives
+exactly the same numbers as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .. import __version__
+from ..adapters.structure import model_structure, rebuild_structure
+from ..config import ExperimentConfig, dump_config
+from ..data import build_dataset, build_scenario
+from ..data.scenarios import Scenario
+from ..methods import build_method
+from ..methods.base import ContinualMethod, TaskContext
+from ..metrics import summarize
+from ..models import ContinualClassifier, IncrementalHead, build_backbone
+from ..utils.io import append_jsonl, atomic_write_text, read_json, write_json
+from .checkpoint import RunLock, latest_checkpoint, load_checkpoint, save_checkpoint
+from .evaluate import evaluate_tasks
+from .training import fit
+
+__all__ = ["run_experiment", "prepare", "RunState", "task_generator", "resolve_device"]
+
+
+@dataclass
+class RunState:
+    rows: list[list[float | None]] = field(default_factory=list)
+    til_rows: list[list[float | None]] = field(default_factory=list)
+    task_seconds: list[float] = field(default_factory=list)
+    initial: list[float] | None = None
+    events_lines: int = 0
+
+    def to_meta(self) -> dict:
+        return {"rows": self.rows, "til_rows": self.til_rows, "task_seconds": self.task_seconds,
+                "initial": self.initial, "events_lines": self.events_lines}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def task_generator(seed: int, task: int) -> torch.Generator:
+    """The per-task RNG; also reseeds torch's global RNG so dropout and ad-hoc draws repeat on resume."""
+    s = (seed * 1_000_003 + task * 7919 + 17) % (2**63 - 1)
+    torch.manual_seed(s)
+    return torch.Generator().manual_seed(s)
+
+
+def build_classifier(cfg: ExperimentConfig) -> ContinualClassifier:
+    torch.manual_seed(cfg.seed)  # random-init backbones (pretrained: false) depend on the seed
+    m = cfg.model
+    backbone = build_backbone(m.name, pretrained=m.pretrained, source=m.source, config=m.config)
+    return ContinualClassifier(backbone, IncrementalHead(backbone.feature_dim, bias=m.head_bias))
+
+
+def prepare(cfg: ExperimentConfig) -> tuple[Scenario, ContinualClassifier, ContinualMethod, dict]:
+    """Build the scenario, the model and the method (with ``setup`` applied) and the run manifest."""
+    s = cfg.scenario
+    model = build_classifier(cfg)
+    image_size = s.image_size or getattr(model.backbone, "image_size", None)
+    splits = build_dataset(s.dataset, data_root=s.data_root, image_size=image_size, seed=s.seed, **s.options)
+    scenario = build_scenario(
+        splits, kind=s.kind, n_tasks=s.n_tasks, seed=s.seed, shuffle_classes=s.shuffle_classes,
+        class_order=s.class_order, classes_per_task=s.classes_per_task, transform=s.transform, rotations=s.rotations,
+        permute_first_task=s.permute_first_task, train_per_class=s.train_per_class, test_per_class=s.test_per_class,
+        train_per_task=s.train_per_task, val_fraction=s.val_fraction,
+    )
+    method = build_method(cfg.method.name, cfg.method_options(), seed=cfg.seed)
+    method.setup(model)
+    manifest = {
+        "clmerge_version": __version__, "python": sys.version.split()[0], "torch": torch.__version__,
+        "platform": platform.platform(), "seed": cfg.seed, "scenario_seed": s.seed, "kind": scenario.kind,
+        "dataset": s.dataset, "class_order": scenario.class_order, "tasks": [t.describe() for t in scenario.tasks],
+        "data": splits.fingerprint, "backbone": dict(getattr(model.backbone, "info", {})), "method": cfg.method.name,
+        "trainable_params_after_setup": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+    return scenario, model, method, manifest
+
+
+def _check_run_dir(out: Path, cfg_text: str, resume: bool) -> None:
+    cfg_file = out / "config.yaml"
+    if resume:
+        if cfg_file.exists() and cfg_file.read_text() != cfg_text:
+            raise ValueError(f"{cfg_file}: the run was started with a different config; resume with the same one")
+        return
+    if cfg_file.exists() or (out / "checkpoints").exists():
+        raise FileExistsError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+
+
+def _restore(out: Path, model: ContinualClassifier, method: ContinualMethod, device) -> tuple[int, RunState]:
+    ck = latest_checkpoint(out)
+    if ck is None:  # killed during the first task: start over
+        (out / "events.jsonl").unlink(missing_ok=True)
+        return 0, RunState()
+    model_state, method_tensors, meta = load_checkpoint(ck)
+    rebuild_structure(model, meta["structure"])
+    model.load_state_dict(model_state, strict=True)
+    model.to(device)
+    method.load_state({k: v.to(device) for k, v in method_tensors.items()}, meta["method"])
+    st = meta["state"]
+    state = RunState(st["rows"], st["til_rows"], st["task_seconds"], st["initial"], st["events_lines"])
+    events = out / "events.jsonl"
+    if events.exists():  # drop events written by the interrupted task
+        lines = events.read_text().splitlines(keepends=True)[: state.events_lines]
+        atomic_write_text(events, "".join(lines))
+    return meta["task"] + 1, state
+
+
+def _row(results, n_tasks: int, key: str) -> list[float | None]:
+    vals = [r[key] for r in results]
+    return vals + [None] * (n_tasks - len(vals))
+
+
+def _train_task(cfg, t, scenario, model, method, state, out, device) -> None:
+    task = scenario.tasks[t]
+    gen = task_generator(cfg.seed, t)
+    log = lambda ev: _log(out, state, ev)  # noqa: E731
+    ctx = TaskContext(task=task, seen_tasks=scenario.tasks[: t + 1], device=device, generator=gen,
+                      head_loss=cfg.head.loss, batch_size=cfg.train.batch_size,
+                      eval_batch_size=cfg.train.eval_batch_size, log=log)
+    ctx.fit = lambda **kw: fit(**{"optim": cfg.optim, "generator": gen, "device": device, "log": log,
+                                  "task_index": t, "batch_size": cfg.train.batch_size, **kw})
+    t0 = time.time()
+    method.begin_task(task, ctx)
+    model.to(device)
+    if scenario.kind == "domain_incremental" and t == 0 and state.initial is None:
+        res = evaluate_tasks(method.inference_model(), scenario.tasks, n_outputs=scenario.num_outputs,
+                             batch_size=cfg.train.eval_batch_size, device=device)
+        state.initial = [r["acc"] for r in res]
+    lr = cfg.optim.first_task_lr if (t == 0 and cfg.optim.first_task_lr) else cfg.optim.lr
+    fit(model, task.train, groups=method.parameter_groups(model), loss_fn=lambda m, x, y: method.loss(m, x, y, ctx),
+        optim=cfg.optim, epochs=cfg.train.epochs, batch_size=cfg.train.batch_size, generator=gen, device=device,
+        lr=lr, before_step=lambda m: method.before_step(m, ctx), after_step=lambda m: method.after_step(m, ctx),
+        max_steps_per_epoch=cfg.train.max_steps_per_epoch, log=log, desc=f"task {t + 1}/{len(scenario)}",
+        progress=cfg.run.progress, task_index=t)
+    method.end_task(task, ctx)
+    state.task_seconds.append(time.time() - t0)
+
+
+def _evaluate_row(cfg, t, scenario, method, state, device) -> None:
+    task = scenario.tasks[t]
+    future = scenario.kind == "domain_incremental"
+    tasks = scenario.tasks if future else scenario.tasks[: t + 1]
+    n_out = scenario.num_outputs if future else task.offset + task.n_classes
+    res = evaluate_tasks(method.inference_model(), tasks, n_outputs=n_out, batch_size=cfg.train.eval_batch_size,
+                         device=device)
+    state.rows.append(_row(res, len(scenario), "acc"))
+    state.til_rows.append(_row(res, len(scenario), "til_acc"))
+
+
+def _log(out: Path, state: RunState, event: dict) -> None:
+    append_jsonl(out / "events.jsonl", {"time": round(time.time(), 3), **event})
+    state.events_lines += 1
+
+
+def final_metrics(cfg: ExperimentConfig, scenario: Scenario, method: ContinualMethod, state: RunState) -> dict:
+    sizes = [len(t.test) for t in scenario.tasks]
+    metrics = {"accuracy_matrix": state.rows, **summarize(state.rows, sizes=sizes, initial=state.initial)}
+    til = scenario.kind == "class_incremental" and cfg.run.eval_til
+    metrics["til_accuracy_matrix"] = state.til_rows if til else None
+    metrics["til"] = summarize(state.til_rows, sizes=sizes) if til else None
+    metrics.update(
+        initial_accuracy=state.initial, task_names=[t.name for t in scenario.tasks], task_keys=[t.key for t in scenario.tasks],
+        task_sizes=sizes, method=cfg.method.name, scenario=scenario.kind, dataset=cfg.scenario.dataset,
+        timings={"total_s": round(sum(state.task_seconds), 2), "per_task_s": [round(s, 2) for s in state.task_seconds]},
+        method_metrics=method.metrics(),
+    )
+    return metrics
+
+
+def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool = False) -> dict:
+    """Run (or resume) the experiment into ``out_dir``; return the metrics dict (also in metrics.json)."""
+    out = Path(out_dir)
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    device = resolve_device(cfg.run.device)
+    cfg_text = dump_config(cfg)
+    with RunLock(out):
+        _check_run_dir(out, cfg_text, resume)
+        scenario, model, method, manifest = prepare(cfg)
+        start, state = _restore(out, model, method, device) if resume else (0, RunState())
+        atomic_write_text(out / "config.yaml", cfg_text)
+        write_json(out / "manifest.json", manifest)
+        model.to(device)
+        bar = tqdm(range(start, len(scenario)), desc="tasks", disable=not cfg.run.progress)
+        for t in bar:
+            _train_task(cfg, t, scenario, model, method, state, out, device)
+            _evaluate_row(cfg, t, scenario, method, state, device)
+            row = [v for v in state.rows[-1][: t + 1]]
+            _log(out, state, {"event": "task_end", "task": t, "seconds": round(state.task_seconds[-1], 3),
+                              "acc_row": row, "avg_acc": float(np.mean(row))})
+            meta = {"task": t, "structure": model_structure(model), "method": method.state_meta(),
+                    "state": state.to_meta()}
+            save_checkpoint(out, t, model.state_dict(), method.state_tensors(), meta, keep=cfg.run.keep_checkpoints)
+            bar.set_postfix(avg_acc=f"{np.mean(row):.1f}")
+        metrics = final_metrics(cfg, scenario, method, state)
+        write_json(out / "metrics.json", metrics)
+        if cfg.run.report:
+            from ..report import build_report
+
+            build_report(out)
+    return metrics
+
+
+def load_metrics(run_dir: str | Path) -> dict:
+    return read_json(Path(run_dir) / "metrics.json")

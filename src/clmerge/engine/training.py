@@ -1,0 +1,105 @@
+"""The training loop of one task (also used by methods for inner loops such as HALRP's warm-up)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..config import OptimConfig
+
+__all__ = ["build_optimizer", "build_scheduler", "fit"]
+
+
+def build_optimizer(groups: list[dict], cfg: OptimConfig, *, lr: float | None = None) -> torch.optim.Optimizer:
+    """SGD / Adam / AdamW over parameter groups; a group named ``head`` gets ``cfg.head_lr`` if set."""
+    lr = lr if lr is not None else cfg.lr
+    groups = [dict(g) for g in groups if g["params"]]
+    if not groups:
+        raise ValueError("no trainable parameters: the method froze everything")
+    for g in groups:
+        if g.get("name") == "head" and cfg.head_lr is not None:
+            g["lr"] = cfg.head_lr
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.name == "adam":
+        return torch.optim.Adam(groups, lr=lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+
+def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, epochs: int, steps_per_epoch: int):
+    """Per-step LambdaLR: linear warm-up over ``warmup_epochs``, then constant / cosine / multistep."""
+    total = max(1, epochs * steps_per_epoch)
+    warm = cfg.warmup_epochs * steps_per_epoch
+
+    def factor(step: int) -> float:
+        w = min(1.0, (step + 1) / warm) if warm else 1.0
+        if cfg.schedule == "cosine":
+            return w * 0.5 * (1.0 + math.cos(math.pi * min(step, total) / total))
+        if cfg.schedule == "multistep":
+            epoch = step // max(1, steps_per_epoch)
+            return w * cfg.gamma ** sum(epoch >= m for m in cfg.milestones)
+        return w
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def fit(
+    model: nn.Module,
+    data,
+    *,
+    groups: list[dict],
+    loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+    optim: OptimConfig,
+    epochs: int,
+    batch_size: int,
+    generator: torch.Generator,
+    device: torch.device,
+    lr: float | None = None,
+    before_step: Callable[[nn.Module], None] | None = None,
+    after_step: Callable[[nn.Module], None] | None = None,
+    max_steps_per_epoch: int | None = None,
+    log: Callable[[dict], None] | None = None,
+    desc: str = "train",
+    progress: bool = False,
+    task_index: int | None = None,
+) -> dict:
+    """Train ``model`` on ``data`` (a ``TaskData``) for ``epochs``; return ``{"losses": [...], "seconds": s}``."""
+    opt = build_optimizer(groups, optim, lr=lr)
+    steps = data.num_batches(batch_size)
+    if max_steps_per_epoch is not None:
+        steps = min(steps, max_steps_per_epoch)
+    sched = build_scheduler(opt, optim, epochs, steps)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    losses, t0 = [], time.time()
+    model.train()
+    for epoch in range(epochs):
+        total, n, te = 0.0, 0, time.time()
+        batches = data.batches(batch_size, shuffle=True, generator=generator, max_batches=steps)
+        for x, y in tqdm(batches, total=steps, desc=f"{desc} epoch {epoch + 1}/{epochs}", leave=False, disable=not progress):
+            x, y = x.to(device), y.to(device)
+            loss = loss_fn(model, x, y)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"{desc}: loss is {loss.item()} at epoch {epoch + 1}; lower optim.lr?")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if before_step is not None:
+                before_step(model)
+            if optim.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(params, optim.grad_clip)
+            opt.step()
+            sched.step()
+            if after_step is not None:
+                after_step(model)
+            total += float(loss.detach()) * len(x)
+            n += len(x)
+        losses.append(total / max(n, 1))
+        if log is not None:
+            log({"event": "epoch", "task": task_index, "phase": desc, "epoch": epoch + 1, "loss": losses[-1],
+                 "lr": opt.param_groups[0]["lr"], "seconds": round(time.time() - te, 3)})
+    model.eval()
+    return {"losses": losses, "seconds": time.time() - t0}

@@ -1,0 +1,24 @@
+"""Continual-learning methods, one file each, registered by name with ``@register_method``."""
+
+from .base import (
+    METHODS,
+    ContinualMethod,
+    MethodOptions,
+    TaskContext,
+    available_methods,
+    build_method,
+    method_options_model,
+    register_method,
+)
+from . import finetune, regularized, seq_lora  # noqa: E402,F401  (register the methods)
+
+__all__ = [
+    "METHODS",
+    "ContinualMethod",
+    "MethodOptions",
+    "TaskContext",
+    "available_methods",
+    "build_method",
+    "method_options_model",
+    "register_method",
+]

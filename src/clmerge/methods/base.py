@@ -1,0 +1,152 @@
+"""The method protocol (mammoth's hooks, minus the plumbing) and the method registry.
+
+The engine owns the optimizer step, schedules, logging, evaluation and checkpoints. A method only says how
+the model changes around a task (``setup``, ``begin_task``, ``end_task``), what is trained
+(``parameter_groups``), what the loss is (``loss``), optionally what happens to gradients (``before_step``),
+which model is evaluated (``inference_model``), and what it must remember across tasks (``state_tensors`` /
+``state_meta``, saved in every checkpoint).
+
+Hooks that change the model's *structure* (add LoRA components, grow the head) must be deterministic given
+the task, because a resumed run rebuilds the structure from the checkpoint (see ``adapters.structure``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+from ..data.scenarios import Task
+from ..engine.losses import classification_loss
+from ..models.classifier import ContinualClassifier
+
+__all__ = [
+    "MethodOptions",
+    "TaskContext",
+    "ContinualMethod",
+    "register_method",
+    "available_methods",
+    "method_options_model",
+    "build_method",
+    "METHODS",
+]
+
+
+class MethodOptions(BaseModel):
+    """Base for a method's options: unknown keys are errors; every field documents its paper source."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+@dataclass
+class TaskContext:
+    """What a hook may use: the task, earlier tasks, device, RNG, the head loss mode, an event logger."""
+
+    task: Task
+    seen_tasks: list[Task]
+    device: torch.device
+    generator: torch.Generator
+    head_loss: str = "local"
+    batch_size: int = 64
+    eval_batch_size: int = 500
+    log: Callable[[dict], None] = field(default=lambda event: None)
+    fit: Callable[..., dict] | None = None  # engine.training.fit bound to this run (for warm-ups, inner loops)
+
+
+class ContinualMethod:
+    """Base class with default hooks. Subclasses set ``name``, ``description`` and ``Options``."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    Options: ClassVar[type[MethodOptions]] = MethodOptions
+
+    def __init__(self, options: MethodOptions, *, seed: int = 0) -> None:
+        self.options = options
+        self.seed = seed
+        self.model: ContinualClassifier | None = None
+        self._metrics: dict[str, Any] = {}
+
+    # -- structure ---------------------------------------------------------------------------------------
+    def setup(self, model: ContinualClassifier) -> None:
+        """Called once on the freshly built model (e.g. inject LoRA layers, freeze the backbone)."""
+        self.model = model
+
+    def begin_task(self, task: Task, ctx: TaskContext) -> None:
+        """Default: grow the head to cover the task's outputs."""
+        self.model.head.ensure_classes(task.offset + task.n_classes, generator=ctx.generator)
+
+    # -- training ----------------------------------------------------------------------------------------
+    def parameter_groups(self, model: nn.Module) -> list[dict]:
+        """Trainable parameters, the head in its own group (``optim.head_lr`` applies to it)."""
+        head_ids = {id(p) for p in model.head.parameters()}
+        body = [p for p in model.parameters() if p.requires_grad and id(p) not in head_ids]
+        head = [p for p in model.head.parameters() if p.requires_grad]
+        groups = [{"params": body, "name": "body"}] if body else []
+        return groups + ([{"params": head, "name": "head"}] if head else [])
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
+        return classification_loss(model(x), y, ctx.task, ctx.head_loss)
+
+    def before_step(self, model: nn.Module, ctx: TaskContext) -> None:
+        """After ``backward``, before ``optimizer.step`` (gradient projection lives here)."""
+
+    def after_step(self, model: nn.Module, ctx: TaskContext) -> None:
+        """After ``optimizer.step``."""
+
+    def end_task(self, task: Task, ctx: TaskContext) -> None:
+        """After training on ``task`` (Fisher estimates, merges, folding)."""
+
+    def inference_model(self) -> nn.Module:
+        return self.model
+
+    # -- memory across tasks -------------------------------------------------------------------------------
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def state_meta(self) -> dict:
+        return {"metrics": self._metrics}
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        self._metrics = dict(meta.get("metrics", {}))
+
+    def metrics(self) -> dict:
+        """Method-specific values for ``metrics.json`` (e.g. P&M's alpha per task)."""
+        return dict(self._metrics)
+
+    def record(self, key: str, value: Any) -> None:
+        """Append ``value`` to the list ``metrics()[key]``."""
+        self._metrics.setdefault(key, []).append(value)
+
+
+METHODS: dict[str, type[ContinualMethod]] = {}
+
+
+def register_method(cls: type[ContinualMethod]) -> type[ContinualMethod]:
+    """Class decorator: register ``cls`` under ``cls.name`` (duplicate names are an error)."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    if cls.name in METHODS:
+        raise ValueError(f"method {cls.name!r} registered twice")
+    METHODS[cls.name] = cls
+    return cls
+
+
+def available_methods() -> dict[str, str]:
+    return {k: METHODS[k].description for k in sorted(METHODS)}
+
+
+def method_options_model(name: str) -> type[MethodOptions]:
+    if name not in METHODS:
+        from difflib import get_close_matches
+
+        near = get_close_matches(name, METHODS, n=1)
+        raise ValueError(f"method.name: unknown method {name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    return METHODS[name].Options
+
+
+def build_method(name: str, options: MethodOptions, *, seed: int = 0) -> ContinualMethod:
+    return METHODS[name](options, seed=seed)

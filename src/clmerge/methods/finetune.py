@@ -1,0 +1,24 @@
+"""``finetune``: sequential full fine-tuning of the backbone (the lower bound of the LoRA papers' tables)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from .base import ContinualMethod, MethodOptions, register_method
+
+__all__ = ["Finetune", "FinetuneOptions"]
+
+
+class FinetuneOptions(MethodOptions):
+    train_backbone: bool = Field(True, description="train every backbone parameter (false: head only)")
+
+
+@register_method
+class Finetune(ContinualMethod):
+    name = "finetune"
+    description = "sequential full fine-tuning of backbone and head (no protection against forgetting)"
+    Options = FinetuneOptions
+
+    def setup(self, model) -> None:
+        super().setup(model)
+        model.backbone.requires_grad_(self.options.train_backbone)

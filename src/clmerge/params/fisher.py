@@ -1,0 +1,116 @@
+"""Diagonal Fisher information from per-sample gradients (``torch.func``: ``vmap`` over ``grad``).
+
+F_theta = (1/N) sum_i (d/d theta log p(y_i | x_i; theta))^2, with y_i the true label (empirical Fisher, the
+form LoRA-P&M Eq. 9 and EWC use) or a label drawn from the model's own prediction (``true`` Fisher).
+Sums accumulate in float64. ``per_sample_loop_fisher`` is the naive reference (one backward per sample), kept
+for tests and the speed benchmark.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+__all__ = ["per_sample_grads", "diagonal_fisher", "per_sample_loop_fisher"]
+
+LogitFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _nll(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, y, reduction="sum")
+
+
+def per_sample_grads(model: nn.Module, names: list[str], x: torch.Tensor, y: torch.Tensor, *,
+                     logits_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Gradients of the per-sample NLL w.r.t. the named parameters, shape (B, *param.shape) each."""
+    named = dict(model.named_parameters())
+    missing = [n for n in names if n not in named]
+    if missing:
+        raise KeyError(f"per_sample_grads: model has no parameters {missing[:5]}")
+    params = {n: named[n].detach() for n in names}
+    frozen = {n: p.detach() for n, p in named.items() if n not in params}
+    buffers = dict(model.named_buffers())
+    call = logits_fn or (lambda m, inp: m(inp))
+
+    class _Bound(nn.Module):  # lets logits_fn see the functional model
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, inp: torch.Tensor) -> torch.Tensor:
+            return call(self.inner, inp)
+
+    bound = _Bound(model)
+
+    def loss_one(p: dict, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        state = {**{f"inner.{k}": v for k, v in p.items()}, **{f"inner.{k}": v for k, v in frozen.items()},
+                 **{f"inner.{k}": v for k, v in buffers.items()}}
+        out = functional_call(bound, state, (xi.unsqueeze(0),))
+        return _nll(out, yi.unsqueeze(0))
+
+    return vmap(grad(loss_one), in_dims=(None, 0, 0), randomness="different")(params, x, y)
+
+
+def _labels(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str, generator, logits_fn) -> torch.Tensor:
+    if mode == "empirical":
+        return y
+    if mode == "true":
+        with torch.no_grad():
+            logits = logits_fn(model, x) if logits_fn else model(x)
+            return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1)
+    raise ValueError(f"unknown Fisher mode {mode!r} (expected 'empirical' or 'true')")
+
+
+def diagonal_fisher(model: nn.Module, names: list[str], batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
+                    mode: str = "empirical", logits_fn=None, generator: torch.Generator | None = None,
+                    max_samples: int | None = None) -> dict[str, torch.Tensor]:
+    """Mean of squared per-sample gradients over ``batches`` (float64 sums, returned as float32).
+
+    Args:
+        names: parameter names of ``model`` to compute the Fisher for.
+        batches: iterable of (x, y) with y already mapped to the logits that ``logits_fn`` returns.
+        logits_fn: ``(model, x) -> logits`` (default ``model(x)``), e.g. to restrict to one task's outputs.
+        max_samples: stop after this many samples.
+    """
+    sums = {n: None for n in names}
+    count = 0
+    was_training = model.training
+    model.eval()
+    for x, y in batches:
+        if max_samples is not None:
+            x, y = x[: max_samples - count], y[: max_samples - count]
+        if len(x) == 0:
+            break
+        labels = _labels(model, x, y, mode, generator, logits_fn)
+        g = per_sample_grads(model, names, x, labels, logits_fn=logits_fn)
+        for n in names:
+            sq = g[n].double().pow(2).sum(0)
+            sums[n] = sq if sums[n] is None else sums[n] + sq
+        count += len(x)
+        if max_samples is not None and count >= max_samples:
+            break
+    model.train(was_training)
+    if count == 0:
+        raise ValueError("diagonal_fisher: no samples")
+    return {n: (s / count).float() for n, s in sums.items()}
+
+
+def per_sample_loop_fisher(model: nn.Module, names: list[str], batches, *, logits_fn=None) -> dict[str, torch.Tensor]:
+    """Reference: one forward/backward per sample (slow; for tests and benchmarks)."""
+    named = dict(model.named_parameters())
+    sums = {n: torch.zeros_like(named[n], dtype=torch.float64) for n in names}
+    count = 0
+    for x, y in batches:
+        for i in range(len(x)):
+            model.zero_grad(set_to_none=True)
+            out = logits_fn(model, x[i : i + 1]) if logits_fn else model(x[i : i + 1])
+            _nll(out, y[i : i + 1]).backward()
+            for n in names:
+                sums[n] += named[n].grad.double().pow(2)
+            count += 1
+    model.zero_grad(set_to_none=True)
+    return {n: (s / count).float() for n, s in sums.items()}

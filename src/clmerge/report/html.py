@@ -1,0 +1,359 @@
+"""Self-contained HTML reports: one page per run (``clmerge report RUN_DIR``) and one per sweep.
+
+The pages embed every image as a base64 ``data:`` URI and carry their CSS inline; they contain no
+JavaScript and no external links, so they open offline and can be mailed or archived as a single file.
+Every string read from a run's files is HTML-escaped before it reaches the page.
+
+Only ``metrics.json`` with an ``accuracy_matrix`` is required; every other file and field may be missing
+or null, and the matching part of the report is then left out or shows "—".
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timezone
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from clmerge.metrics import forgetting_per_task
+from clmerge.report import plots
+from clmerge.utils.io import atomic_write_text, read_json
+
+__all__ = ["build_report", "build_sweep_report", "load_run", "format_number"]
+
+MISSING = "—"
+# (label, task-weighted key, sample-weighted key or None); values are percent / percentage points.
+METRIC_ROWS: tuple[tuple[str, str, str | None], ...] = (
+    ("Final accuracy (Acc)", "acc", "acc_sample"),
+    ("Average anytime accuracy (AAA)", "aaa", "aaa_sample"),
+    ("Average forgetting", "forgetting", "forgetting_sample"),
+    ("Backward transfer (BWT)", "bwt", "bwt_sample"),
+    ("Forward transfer (FWT)", "fwt", None),
+    ("Plasticity", "plasticity", None),
+)
+SWEEP_METRICS: tuple[str, ...] = ("acc", "aaa", "forgetting")
+
+_CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 2em auto;
+       max-width: 1100px; padding: 0 1em; color: #222; line-height: 1.4; }
+h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ddd; padding-bottom: 0.2em; margin-top: 1.6em; }
+.meta { color: #555; } .meta span { margin-right: 1.5em; }
+table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.92em; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.7em; text-align: left; vertical-align: top; }
+th { background: #f3f3f3; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+img { max-width: 100%; height: auto; margin: 0.4em 1em 0.4em 0; }
+pre { background: #f7f7f7; border: 1px solid #ddd; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
+.note { color: #777; font-style: italic; }
+"""
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def format_number(value: Any, fmt: str = ".2f") -> str:
+    """Format a metric for display: numbers with ``fmt``, ``None`` as "—", anything else as ``str``.
+
+    The result is plain text; callers escape it.
+    """
+    if value is None:
+        return MISSING
+    if _is_number(value):
+        return format(value, fmt)
+    return str(value)
+
+
+def _format_free(value: Any) -> str:
+    """Format a free-form value (a method metric, a manifest field) as plain text; callers escape it.
+
+    Ints are shown exactly, floats to 4 significant digits, lists inline, dicts as JSON, ``None`` as "—".
+    """
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_format_free(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return json.dumps(value, default=str)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)  # counts, seeds, ranks: exact, never "1.234e+04"
+    return format_number(value, ".4g")
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric_from: int = 1) -> str:
+    """An HTML table; every header and cell is escaped. Columns from ``numeric_from`` on are right-aligned."""
+    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
+    body = []
+    for row in rows:
+        cells = "".join(
+            f'<td class="num">{escape(c)}</td>' if k >= numeric_from else f"<td>{escape(c)}</td>"
+            for k, c in enumerate(row)
+        )
+        body.append(f"<tr>{cells}</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _img(png: bytes, alt: str) -> str:
+    data = base64.b64encode(png).decode("ascii")
+    return f'<img alt="{escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+def _section(title: str, body: str) -> str:
+    return f"<section><h2>{escape(title)}</h2>\n{body}\n</section>"
+
+
+def _page(title: str, header: str, sections: Sequence[str]) -> str:
+    return (
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        f"<title>{escape(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
+        f"{header}\n" + "\n".join(s for s in sections if s) + "\n</body>\n</html>\n"
+    )
+
+
+def _read_events(path: Path) -> tuple[list[dict], int]:
+    """Parse ``events.jsonl``; return the records and the number of unreadable lines skipped.
+
+    A run killed mid-write can leave a torn last line; the report shows what it can and says how much it
+    skipped instead of failing.
+    """
+    if not path.exists():
+        return [], 0
+    events, bad = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            bad += 1
+            continue
+        if isinstance(record, dict):
+            events.append(record)
+        else:
+            bad += 1
+    return events, bad
+
+
+def load_run(run_dir: str | Path) -> dict[str, Any]:
+    """Read the files of a run directory that the report uses.
+
+    Args:
+        run_dir: the run directory.
+
+    Returns:
+        ``{"metrics", "manifest", "config_text", "events", "bad_event_lines", "metrics_mtime"}``;
+        ``manifest`` is ``{}`` and ``config_text`` ``None`` when their files are absent.
+
+    Raises:
+        FileNotFoundError: if ``metrics.json`` is missing (the message names the expected path).
+        ValueError: if ``metrics.json`` or ``manifest.json`` is not valid JSON, or ``metrics.json`` has no
+            usable ``accuracy_matrix``.
+    """
+    run_dir = Path(run_dir)
+    metrics_path = run_dir / "metrics.json"
+    if not metrics_path.is_file():
+        raise FileNotFoundError(f"no metrics.json in run directory {run_dir} (expected {metrics_path})")
+    metrics = read_json(metrics_path)
+    if not isinstance(metrics, dict):
+        raise ValueError(f"{metrics_path}: expected a JSON object, got {type(metrics).__name__}")
+    R = metrics.get("accuracy_matrix")
+    if not isinstance(R, list) or not R or not all(isinstance(row, list) for row in R):
+        raise ValueError(f"{metrics_path}: 'accuracy_matrix' must be a non-empty list of rows, got {R!r:.80}")
+    try:
+        plots.matrix_to_array(R)
+    except ValueError as exc:
+        raise ValueError(f"{metrics_path}: {exc}") from exc
+    manifest_path, config_path = run_dir / "manifest.json", run_dir / "config.yaml"
+    manifest = read_json(manifest_path) if manifest_path.is_file() else {}
+    events, bad = _read_events(run_dir / "events.jsonl")
+    config_text = config_path.read_text(encoding="utf-8", errors="replace") if config_path.is_file() else None
+    return {
+        "metrics": metrics,
+        "manifest": manifest if isinstance(manifest, dict) else {},
+        "config_text": config_text,
+        "events": events,
+        "bad_event_lines": bad,
+        "metrics_mtime": datetime.fromtimestamp(metrics_path.stat().st_mtime, tz=timezone.utc),
+    }
+
+
+def _task_names(metrics: Mapping[str, Any], manifest: Mapping[str, Any], T: int) -> list[str]:
+    """Task labels: metrics ``task_names``, else manifest task names, else ``task j``."""
+    names = metrics.get("task_names")
+    if not isinstance(names, list):
+        tasks = manifest.get("tasks")
+        tasks = tasks if isinstance(tasks, list) else []
+        names = [t.get("name") if isinstance(t, dict) else None for t in tasks]
+    return [str(names[j]) if j < len(names) and names[j] is not None else f"task {j}" for j in range(T)]
+
+
+def _header(run: Mapping[str, Any], run_dir: Path) -> str:
+    metrics, manifest = run["metrics"], run["manifest"]
+    method = format_number(metrics.get("method"))
+    title = f"clmerge report: {method}"
+    fields = [
+        ("method", metrics.get("method")),
+        ("dataset", metrics.get("dataset")),
+        ("scenario", metrics.get("scenario")),
+        ("metrics written", run["metrics_mtime"].strftime("%Y-%m-%d %H:%M:%S UTC")),
+        ("seed", manifest.get("seed")),
+        ("clmerge", manifest.get("clmerge_version")),
+        ("torch", manifest.get("torch")),
+    ]
+    timings = metrics.get("timings")
+    if isinstance(timings, dict) and _is_number(timings.get("total_s")):
+        fields.append(("total time", f"{timings['total_s']:.1f} s"))
+    spans = "".join(f"<span><b>{escape(k)}:</b> {escape(_format_free(v))}</span>" for k, v in fields)
+    where = f'<p class="meta">{escape(str(run_dir))}</p>'
+    return f'<h1>{escape(title)}</h1>\n<p class="meta">{spans}</p>\n{where}'
+
+
+def _metrics_section(metrics: Mapping[str, Any]) -> str:
+    til = metrics.get("til") if isinstance(metrics.get("til"), dict) else None
+    headers = ["metric", "task-weighted", "sample-weighted"] + (["TIL (task-weighted)"] if til else [])
+    rows = []
+    for label, key, sample_key in METRIC_ROWS:
+        sample = metrics.get(sample_key) if sample_key else None
+        row = [label, format_number(metrics.get(key)), format_number(sample)]
+        if til:
+            row.append(format_number(til.get(key)))
+        rows.append(row)
+    note = '<p class="note">Accuracies in percent, forgetting and transfer in percentage points.</p>'
+    return _section("Metrics", _table(headers, rows) + note)
+
+
+def _safe_plot(make: Callable[[], bytes], alt: str) -> str:
+    """Render one plot; a plot that fails on odd data becomes a note instead of sinking the report."""
+    try:
+        return _img(make(), alt)
+    except (ValueError, TypeError) as exc:
+        return f'<p class="note">{escape(alt)}: could not be drawn ({escape(str(exc))}).</p>'
+
+
+def _forgetting_values(metrics: Mapping[str, Any]) -> list | None:
+    values = metrics.get("forgetting_per_task")
+    if isinstance(values, list):
+        return values
+    try:  # not in the file: derive it from the matrix when the matrix is complete enough
+        return forgetting_per_task(metrics["accuracy_matrix"])
+    except (ValueError, TypeError, IndexError):
+        return None
+
+
+def _plot_sections(run: Mapping[str, Any], names: list[str]) -> list[str]:
+    metrics = run["metrics"]
+    R = metrics["accuracy_matrix"]
+    heat = _safe_plot(lambda: plots.accuracy_heatmap(R, names, "Accuracy matrix"), "accuracy matrix")
+    til_R = metrics.get("til_accuracy_matrix")
+    if isinstance(til_R, list) and til_R:
+        til_title = "TIL accuracy (task id known)"
+        heat += _safe_plot(lambda: plots.accuracy_heatmap(til_R, names, til_title), "TIL accuracy matrix")
+    out = [_section("Accuracy matrix", heat)]
+    curves = _safe_plot(lambda: plots.accuracy_curves(R, names), "accuracy curves")
+    out.append(_section("Accuracy over tasks", curves))
+    forgetting = _forgetting_values(metrics)
+    if forgetting:
+        bars = _safe_plot(lambda: plots.forgetting_bars(forgetting, names), "forgetting per task")
+        out.append(_section("Forgetting per task", bars))
+    if plots.epoch_losses(run["events"]):
+        loss = _safe_plot(lambda: plots.loss_curve(run["events"]), "training loss")
+        out.append(_section("Training loss", loss))
+    if run["bad_event_lines"]:
+        out.append(f'<p class="note">events.jsonl: {run["bad_event_lines"]} unreadable line(s) skipped.</p>')
+    return out
+
+
+def _method_metrics_section(metrics: Mapping[str, Any]) -> str:
+    values = metrics.get("method_metrics")
+    if not isinstance(values, dict) or not values:
+        return ""
+    rows = [[str(k), _format_free(v)] for k, v in values.items()]
+    return _section("Method metrics", _table(["name", "value"], rows, numeric_from=2))
+
+
+def _tasks_section(manifest: Mapping[str, Any], metrics: Mapping[str, Any]) -> str:
+    tasks = manifest.get("tasks")
+    if not isinstance(tasks, list) or not tasks:
+        return ""
+    timings = metrics.get("timings") if isinstance(metrics.get("timings"), dict) else {}
+    per_task = timings.get("per_task_s") if isinstance(timings.get("per_task_s"), list) else []
+    rows = []
+    for j, task in enumerate(tasks):
+        task = task if isinstance(task, dict) else {}
+        seconds = per_task[j] if j < len(per_task) else None
+        classes = task.get("classes")
+        rows.append([
+            str(j),
+            format_number(task.get("name")),
+            MISSING if classes is None else _format_free(classes),
+            _format_free(task.get("n_train")),
+            _format_free(task.get("n_test")),
+            format_number(seconds, ".1f"),
+        ])
+    table = _table(["#", "name", "classes", "n_train", "n_test", "train time (s)"], rows, numeric_from=3)
+    extra = []
+    if manifest.get("class_order") is not None:
+        extra.append(f"<p><b>class order:</b> {escape(_format_free(manifest['class_order']))}</p>")
+    backbone = manifest.get("backbone")
+    if isinstance(backbone, dict):
+        extra.append(f"<p><b>backbone:</b> {escape(format_number(backbone.get('preset')))} "
+                     f"(sha256 <code>{escape(format_number(backbone.get('sha256')))}</code>)</p>")
+    return _section("Tasks", table + "".join(extra))
+
+
+def build_report(run_dir: str | Path) -> Path:
+    """Write ``RUN_DIR/report.html``, a self-contained report of one run, atomically.
+
+    Args:
+        run_dir: a run directory (see the run-directory contract in DESIGN.md).
+
+    Returns:
+        The path of the written report.
+
+    Raises:
+        FileNotFoundError: if ``RUN_DIR/metrics.json`` is missing.
+        ValueError: if a JSON file is malformed or the accuracy matrix is unusable.
+    """
+    run_dir = Path(run_dir)
+    run = load_run(run_dir)
+    metrics = run["metrics"]
+    names = _task_names(metrics, run["manifest"], plots.matrix_to_array(metrics["accuracy_matrix"]).shape[0])
+    sections = [_metrics_section(metrics), *_plot_sections(run, names), _method_metrics_section(metrics),
+                _tasks_section(run["manifest"], metrics)]
+    if run["config_text"] is not None:
+        sections.append(_section("Resolved config", f"<pre>{escape(run['config_text'])}</pre>"))
+    title = f"clmerge report: {format_number(metrics.get('method'))}"
+    out = run_dir / "report.html"
+    atomic_write_text(out, _page(title, _header(run, run_dir), sections))
+    return out
+
+
+def build_sweep_report(
+    out_path: str | Path, runs: Mapping[str, Mapping[str, Any]], title: str = "clmerge sweep"
+) -> Path:
+    """Write a self-contained page comparing several runs' metrics, atomically.
+
+    Args:
+        out_path: where to write the HTML file (parent directories are created).
+        runs: run label -> that run's ``metrics.json`` contents (any field may be missing or null).
+        title: page title.
+
+    Returns:
+        ``out_path`` as a :class:`~pathlib.Path`.
+    """
+    out_path = Path(out_path)
+    keys = [*SWEEP_METRICS, "bwt", "acc_sample"]
+    rows = [[str(label), *(format_number(m.get(k)) for k in keys)] for label, m in runs.items()]
+    sections = [_section("Metrics", _table(["run", *keys], rows))]
+    if runs:
+        values = {str(label): {k: m.get(k) for k in SWEEP_METRICS} for label, m in runs.items()}
+        bars = _safe_plot(lambda: plots.metric_bars(values, SWEEP_METRICS), "metrics per run")
+        sections.append(_section("Comparison", bars))
+    curves = {str(k): m.get("accuracy_curve") for k, m in runs.items()}
+    curves = {k: c for k, c in curves.items() if isinstance(c, list) and c}
+    if curves:
+        lines = _safe_plot(lambda: plots.multi_order_curves(curves), "accuracy curve per run")
+        sections.append(_section("Accuracy curves", lines))
+    header = f'<h1>{escape(title)}</h1>\n<p class="meta">{len(runs)} run(s)</p>'
+    atomic_write_text(out_path, _page(title, header, sections))
+    return out_path

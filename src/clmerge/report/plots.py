@@ -1,0 +1,286 @@
+"""Plots for run reports, returned as PNG bytes.
+
+Every function builds its own :class:`matplotlib.figure.Figure` (no pyplot, no global backend switch, no
+state kept between calls) and renders it with the Agg canvas, so it is safe in headless processes and in
+threads that also use pyplot elsewhere.
+
+Accuracy matrices follow :mod:`clmerge.metrics`: ``R[i][j]`` is the accuracy (percent) on task j after
+training task i; ``None`` marks an entry that was not evaluated (above the diagonal, usually).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+__all__ = [
+    "PNG_SIGNATURE",
+    "matrix_to_array",
+    "accuracy_heatmap",
+    "accuracy_curves",
+    "forgetting_bars",
+    "epoch_losses",
+    "loss_curve",
+    "multi_order_curves",
+    "metric_bars",
+]
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_DPI = 100
+
+
+def _new_figure(width: float, height: float) -> Figure:
+    fig = Figure(figsize=(width, height), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _to_png(fig: Figure) -> bytes:
+    buf = io.BytesIO()
+    # No "Software" tEXt chunk: keeps the bytes free of the matplotlib URL and version.
+    fig.savefig(buf, format="png", dpi=_DPI, bbox_inches="tight", metadata={"Software": None})
+    return buf.getvalue()
+
+
+def _label(names: Sequence[str] | None, j: int) -> str:
+    return str(names[j]) if names is not None and j < len(names) else f"task {j}"
+
+
+def matrix_to_array(R: Sequence[Sequence[float | None]]) -> np.ndarray:
+    """Convert an accuracy matrix with ``None`` holes to a square float array with ``nan`` holes.
+
+    Short rows are padded with ``nan`` so a ragged matrix still plots.
+
+    Args:
+        R: the accuracy matrix, a list of rows.
+
+    Returns:
+        A ``(T, T)`` float64 array, T = max(number of rows, longest row).
+
+    Raises:
+        ValueError: if R is empty or holds something that is neither a number nor ``None``.
+    """
+    if not R:
+        raise ValueError("accuracy matrix is empty")
+    size = max(len(R), max(len(row) for row in R))
+    out = np.full((size, size), np.nan)
+    for i, row in enumerate(R):
+        for j, value in enumerate(row):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"accuracy matrix entry [{i}][{j}] is {value!r}, expected a number or null")
+            out[i, j] = float(value)
+    return out
+
+
+def accuracy_heatmap(
+    R: Sequence[Sequence[float | None]],
+    task_names: Sequence[str] | None = None,
+    title: str = "Accuracy matrix",
+) -> bytes:
+    """Heatmap of the accuracy matrix with every evaluated cell annotated.
+
+    Rows are "after training task i", columns "evaluated on task j". Missing entries (``None``, normally
+    the ones above the diagonal) are left blank.
+
+    Args:
+        R: accuracy matrix in percent.
+        task_names: labels for the tasks; ``task j`` where missing.
+        title: the figure title.
+
+    Returns:
+        The PNG image as bytes.
+    """
+    A = matrix_to_array(R)
+    T = A.shape[0]
+    side = min(2.0 + 0.55 * T, 12.0)
+    fig = _new_figure(side + 1.2, side)
+    ax = fig.add_subplot()
+    im = ax.imshow(np.ma.masked_invalid(A), cmap="viridis", vmin=0.0, vmax=100.0)
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="accuracy (%)")
+    fontsize = max(5.0, min(9.0, 120.0 / T))
+    for i in range(T):
+        for j in range(T):
+            if np.isfinite(A[i, j]) and T <= 30:  # beyond ~30 tasks the numbers cannot be read anyway
+                color = "black" if A[i, j] > 60.0 else "white"
+                ax.text(j, i, f"{A[i, j]:.1f}", ha="center", va="center", color=color, fontsize=fontsize)
+    labels = [_label(task_names, j) for j in range(T)]
+    ax.set_xticks(range(T), labels, rotation=45, ha="right", fontsize=fontsize)
+    ax.set_yticks(range(T), labels, fontsize=fontsize)
+    ax.set_xlabel("evaluated on task j")
+    ax.set_ylabel("after training task i")
+    ax.set_title(title)
+    return _to_png(fig)
+
+
+def _average_curve(A: np.ndarray) -> list[float]:
+    """Task-weighted mean of the evaluated entries of row i over columns j <= i (nan if none)."""
+    curve = []
+    for i in range(A.shape[0]):
+        seen = A[i, : i + 1][np.isfinite(A[i, : i + 1])]
+        curve.append(float(seen.mean()) if seen.size else float("nan"))
+    return curve
+
+
+def accuracy_curves(R: Sequence[Sequence[float | None]], task_names: Sequence[str] | None = None) -> bytes:
+    """Accuracy on each task j as later tasks are learned (i >= j), plus the bold average curve.
+
+    The average at step i is the task-weighted mean of ``R[i][j]`` over the evaluated j <= i, i.e. the
+    accuracy curve whose mean is AAA.
+
+    Args:
+        R: accuracy matrix in percent.
+        task_names: labels for the tasks (legend); ``task j`` where missing.
+
+    Returns:
+        The PNG image as bytes.
+    """
+    A = matrix_to_array(R)
+    T = A.shape[0]
+    fig = _new_figure(6.4, 4.0)
+    ax = fig.add_subplot()
+    steps = np.arange(T)
+    for j in range(T):
+        ys = A[j:, j]
+        ok = np.isfinite(ys)
+        if ok.any():
+            label = _label(task_names, j)
+            ax.plot(steps[j:][ok], ys[ok], marker="o", markersize=3, linewidth=1, alpha=0.7, label=label)
+    ax.plot(steps, _average_curve(A), color="black", linewidth=2.5, marker="s", label="average")
+    ax.set_xticks(steps)
+    ax.set_xlabel("after training task i")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title("Accuracy over tasks")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=max(1, (T + 1) // 12), loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return _to_png(fig)
+
+
+def forgetting_bars(
+    forgetting_per_task: Sequence[float | None], task_names: Sequence[str] | None = None
+) -> bytes:
+    """Bar chart of the forgetting of each task (best earlier accuracy minus final accuracy).
+
+    Args:
+        forgetting_per_task: one value per task j < T-1, in percentage points; ``None`` draws no bar.
+        task_names: labels for the tasks; ``task j`` where missing.
+
+    Returns:
+        The PNG image as bytes.
+    """
+    values = np.array([np.nan if v is None else float(v) for v in forgetting_per_task], dtype=float)
+    n = len(values)
+    fig = _new_figure(min(2.5 + 0.45 * max(n, 1), 12.0), 3.6)
+    ax = fig.add_subplot()
+    xs = np.arange(n)
+    ax.bar(xs, np.nan_to_num(values), color=np.where(values >= 0, "tab:red", "tab:green"))
+    ok = np.isfinite(values)
+    if ok.any():
+        ax.axhline(float(values[ok].mean()), color="black", linestyle="--", linewidth=1, label="mean")
+        ax.legend(fontsize=8)
+    ax.axhline(0.0, color="grey", linewidth=0.8)
+    ax.set_xticks(xs, [_label(task_names, j) for j in range(n)], rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("forgetting (points)")
+    ax.set_title("Forgetting per task")
+    ax.grid(axis="y", alpha=0.3)
+    return _to_png(fig)
+
+
+def epoch_losses(events: Sequence[Mapping[str, Any]]) -> list[tuple[Any, float]]:
+    """The ``(task, loss)`` pairs of the ``epoch`` events that carry a numeric loss, in file order."""
+    out = []
+    for ev in events:
+        loss = ev.get("loss")
+        if ev.get("event") == "epoch" and isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            out.append((ev.get("task"), float(loss)))
+    return out
+
+
+def loss_curve(events: Sequence[Mapping[str, Any]]) -> bytes:
+    """Training loss per epoch across all tasks, with a dashed line at each task boundary.
+
+    Only ``{"event": "epoch", "loss": ...}`` records are used, in file order; other events are ignored.
+
+    Args:
+        events: the parsed lines of ``events.jsonl``.
+
+    Returns:
+        The PNG image as bytes (an empty, labelled plot when there is no epoch loss).
+    """
+    points = epoch_losses(events)
+    fig = _new_figure(6.4, 3.6)
+    ax = fig.add_subplot()
+    ax.plot(range(1, len(points) + 1), [loss for _, loss in points], marker=".", linewidth=1.2)
+    previous = object()
+    for k, (task, _) in enumerate(points, start=1):
+        if task != previous:
+            if k > 1:
+                ax.axvline(k - 0.5, color="grey", linestyle="--", linewidth=0.8)
+            ax.annotate(f"T{task}", (k, 1.0), xycoords=("data", "axes fraction"), fontsize=7, va="bottom")
+            previous = task
+    if not points:
+        ax.text(0.5, 0.5, "no epoch losses recorded", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("epoch (all tasks)")
+    ax.set_ylabel("training loss")
+    ax.set_title("Training loss", pad=14)
+    ax.grid(alpha=0.3)
+    return _to_png(fig)
+
+
+def multi_order_curves(curves: Mapping[str, Sequence[float | None]]) -> bytes:
+    """Average-accuracy curve of each run (e.g. one per task order), on shared axes.
+
+    Args:
+        curves: label -> accuracy curve (percent after each task; ``None`` leaves a gap).
+
+    Returns:
+        The PNG image as bytes.
+    """
+    fig = _new_figure(6.4, 4.0)
+    ax = fig.add_subplot()
+    for label, curve in curves.items():
+        ys = np.array([np.nan if v is None else float(v) for v in curve], dtype=float)
+        ax.plot(np.arange(len(ys)), ys, marker="o", markersize=3, linewidth=1.5, label=str(label))
+    longest = max((len(c) for c in curves.values()), default=0)
+    ax.set_xticks(range(longest))
+    ax.set_xlabel("after training task i")
+    ax.set_ylabel("average accuracy (%)")
+    ax.set_title("Accuracy curve per run")
+    ax.grid(alpha=0.3)
+    if curves:
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return _to_png(fig)
+
+
+def metric_bars(values: Mapping[str, Mapping[str, float | None]], metrics: Sequence[str]) -> bytes:
+    """Grouped bar chart comparing runs: one group per run, one bar per metric.
+
+    Args:
+        values: run label -> {metric name -> value}; a missing or ``None`` value draws no bar.
+        metrics: which metric names to draw, in order.
+
+    Returns:
+        The PNG image as bytes.
+    """
+    labels = list(values)
+    n, m = len(labels), max(len(metrics), 1)
+    fig = _new_figure(min(3.0 + 0.9 * max(n, 1) * m / 3, 14.0), 4.0)
+    ax = fig.add_subplot()
+    width = 0.8 / m
+    xs = np.arange(n)
+    for k, metric in enumerate(metrics):
+        ys = [values[r].get(metric) for r in labels]
+        ys = [float(y) if isinstance(y, (int, float)) and not isinstance(y, bool) else np.nan for y in ys]
+        ax.bar(xs + (k - (m - 1) / 2) * width, np.nan_to_num(ys), width, label=metric)
+    ax.set_xticks(xs, labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("percent / points")
+    ax.set_title("Runs compared")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _to_png(fig)

@@ -1,0 +1,111 @@
+"""Small, safe file helpers: atomic writes, JSON, safetensors, hashing.
+
+Every file clmerge writes goes through :func:`atomic_write_bytes` (temporary file in the same directory,
+``fsync``, then ``os.replace``), so a run killed at any moment leaves either the old file or the new one,
+never a torn one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save
+
+__all__ = [
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "write_json",
+    "read_json",
+    "save_tensors",
+    "load_tensors",
+    "sha256_file",
+    "sha256_bytes",
+    "append_jsonl",
+]
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (tmp file + fsync + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def read_json(path: str | Path) -> Any:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def append_jsonl(path: str | Path, record: dict) -> None:
+    """Append one JSON line. A line is written with a single ``write`` so readers never see half a record."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps(record, default=_json_default) + "\n"
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(line)
+        fh.flush()
+
+
+def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Save a tensor dict as safetensors, atomically. Tensors are made contiguous and detached first."""
+    clean = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    atomic_write_bytes(path, save(clean, metadata=metadata))
+
+
+def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no such weights file: {path}")
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # safetensors raises several error types for corrupt headers
+        raise ValueError(f"{path}: not a readable safetensors file ({exc})") from exc
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()

@@ -96,7 +96,7 @@ def methods() -> None:
     from .methods import available_methods
 
     for name, desc in available_methods().items():
-        console.print(f"[bold]{name:<14}[/] {desc}")
+        typer.echo(f"{name:<14} {desc}")
 
 
 @app.command()
@@ -105,7 +105,7 @@ def datasets() -> None:
     from .data import available_datasets
 
     for name, desc in available_datasets().items():
-        console.print(f"[bold]{name:<14}[/] {desc}")
+        typer.echo(f"{name:<14} {desc}")
 
 
 @app.command()
@@ -114,7 +114,7 @@ def models() -> None:
     from .models import available_backbones
 
     for name, desc in available_backbones().items():
-        console.print(f"[bold]{name:<16}[/] {desc}")
+        typer.echo(f"{name:<16} {desc}")
 
 
 @app.command()

@@ -47,9 +47,12 @@ def tiny_vit_config(**overrides):
 
 
 @register_backbone("vit-tiny-fmnist", "small HF ViT (28x28, 6 layers, ~1M params) pretrained on Fashion-MNIST; ships with clmerge")
-def vit_tiny_fmnist(*, pretrained: bool = True, source: str | None = None, **_) -> VisionBackbone:
+def vit_tiny_fmnist(*, pretrained: bool = True, source: str | None = None, config: dict | None = None,
+                    **_) -> VisionBackbone:
     weights = None
     info = {"preset": "vit-tiny-fmnist"}
+    if config and pretrained:
+        raise ValueError("model.config: architecture overrides need model.pretrained: false (the weights fix it)")
     if pretrained:
         d = Path(source) if source else asset_dir("vit_tiny_fmnist")
         wfile = d / "model.safetensors"
@@ -63,7 +66,7 @@ def vit_tiny_fmnist(*, pretrained: bool = True, source: str | None = None, **_) 
         prov = d / "provenance.json"
         if prov.exists():
             info["sha256"] = read_json(prov).get("sha256")
-    return _hf_vit(tiny_vit_config(), weights=weights, info=info, mean=FMNIST_MEAN, std=FMNIST_STD)
+    return _hf_vit(tiny_vit_config(**(config or {})), weights=weights, info=info, mean=FMNIST_MEAN, std=FMNIST_STD)
 
 
 @register_backbone("vit-b16", "ViT-B/16, 224x224 (HF google/vit-base-patch16-224, or model.source); random init with pretrained: false")

@@ -187,7 +187,7 @@ def _check_method_keys(data: dict, path: str) -> None:
     for key in data:
         if key != "name" and key not in opts.model_fields:
             valid = list(opts.model_fields) or ["(this method has no options)"]
-            raise ConfigError(f"unknown config key {path}{key!r} for method {name!r}{_nearest(key, valid)}")
+            raise ConfigError(f"unknown config key {path + key!r} for method {name!r}{_nearest(key, valid)}")
 
 
 def _format_validation(exc: ValidationError, prefix: str = "") -> str:

@@ -105,13 +105,13 @@ def pretrain_vit_tiny_fmnist(
             loss.backward()
             opt.step()
             sched.step()
-            run_loss += float(loss)
+            run_loss += loss.item()
             bar.set_postfix(loss=f"{run_loss / (i + 1):.3f}")
         history.append({"epoch": epoch + 1, "train_loss": run_loss / steps_per_epoch})
     test_acc = _accuracy(model, xte, yte)
     out = Path(out_dir)
     wfile = out / "model.safetensors"
-    save_tensors(wfile, backbone.inner.state_dict(), metadata={"format": "pt", "preset": "vit-tiny-fmnist"})
+    save_tensors(wfile, backbone.inner.state_dict(), metadata={"format": "pt"})  # one key: safetensors orders several at random
     write_json(out / "config.json", VIT_TINY_FMNIST)
     provenance = {
         "preset": "vit-tiny-fmnist",

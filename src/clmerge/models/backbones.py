@@ -83,6 +83,7 @@ class VisionBackbone(nn.Module):
         self.feature_dim = feature_dim
         self.image_size = image_size
         self.num_channels = num_channels
+        mean, std = _per_channel(mean, num_channels), _per_channel(std, num_channels)
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
         self.info = dict(info or {})
@@ -104,6 +105,17 @@ class VisionBackbone(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._extract(self.inner, self.preprocess(x))  # (B, D)
+
+
+def _per_channel(values: list[float], channels: int) -> list[float]:
+    """Normalisation statistics for ``channels`` channels (a single value is repeated, RGB averaged to gray)."""
+    if len(values) == channels:
+        return list(values)
+    if len(values) == 1:
+        return list(values) * channels
+    if channels == 1:
+        return [sum(values) / len(values)]
+    raise ValueError(f"{len(values)} normalisation values for a {channels}-channel model")
 
 
 def _hf_cls_features(inner: nn.Module, pixels: torch.Tensor) -> torch.Tensor:

@@ -8,14 +8,30 @@ for tests and the speed benchmark.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-__all__ = ["per_sample_grads", "diagonal_fisher", "per_sample_loop_fisher"]
+__all__ = ["per_sample_grads", "diagonal_fisher", "per_sample_loop_fisher", "eager_attention"]
+
+
+@contextmanager
+def eager_attention(model: nn.Module) -> Iterator[None]:
+    """Temporarily switch HF attention to the eager kernel: SDPA has no vmap batching rule on CPU and falls
+    back to a per-sample loop, which defeats vectorised per-sample gradients."""
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")}
+    saved = {k: c._attn_implementation for k, c in configs.items()}
+    try:
+        for c in configs.values():
+            c._attn_implementation = "eager"
+        yield
+    finally:
+        for k, c in configs.items():
+            c._attn_implementation = saved[k]
 
 LogitFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -52,7 +68,8 @@ def per_sample_grads(model: nn.Module, names: list[str], x: torch.Tensor, y: tor
         out = functional_call(bound, state, (xi.unsqueeze(0),))
         return _nll(out, yi.unsqueeze(0))
 
-    return vmap(grad(loss_one), in_dims=(None, 0, 0), randomness="different")(params, x, y)
+    with eager_attention(model):
+        return vmap(grad(loss_one), in_dims=(None, 0, 0), randomness="different")(params, x, y)
 
 
 def _labels(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str, generator, logits_fn) -> torch.Tensor:

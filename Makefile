@@ -1,0 +1,26 @@
+# Quick start: `make demo` runs the default experiment, `make test` runs the test suite.
+# Both create the local virtual environment on first use (torch pinned by constraints.txt).
+VENV ?= .venv
+PYTHON ?= python3
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: demo test bench-default clean-venv
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/clmerge run
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q
+
+bench-default: $(STAMP)
+	$(VENV)/bin/python benchmarks/default_run.py
+
+clean-venv:
+	rm -rf $(VENV)

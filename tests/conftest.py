@@ -1,0 +1,37 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+TINY_VIT = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
+
+
+def tiny_config(**overrides) -> dict:
+    """A config dict for fast end-to-end runs: random-init 1-layer ViT on digits, 2 tasks, a few steps."""
+    cfg = {
+        "seed": 0,
+        "scenario": {"dataset": "digits", "n_tasks": 2, "classes_per_task": [2, 2], "seed": 0,
+                     "train_per_class": 40, "test_per_class": 20},
+        "model": {"name": "vit-tiny-fmnist", "pretrained": False, "config": dict(TINY_VIT)},
+        "method": {"name": "seq_lora", "rank": 2},
+        "optim": {"lr": 1e-2},
+        "train": {"epochs": 2, "batch_size": 16, "max_steps_per_epoch": 3},
+        "run": {"progress": False, "report": False},
+    }
+    for key, value in overrides.items():
+        node = cfg
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return cfg
+
+
+@pytest.fixture
+def tiny_cfg():
+    return tiny_config

@@ -24,9 +24,10 @@ from .emr import emr_merging
 from .fisher import fisher_merging
 from .regmean import gram_matrices, regmean
 from .cart import cart, cart_indexing
+from .adamerging import adamerging
 
 __all__ = [
     "MERGES", "available", "get_method", "merge", "register_merge", "MergeInputError", "ModelSet", "ParamSource",
     "weight_average", "task_arithmetic", "low_rank_task_arithmetic", "ties", "dare", "consensus", "tall_masks",
-    "tall_mask_ties", "emr_merging", "fisher_merging", "regmean", "gram_matrices", "cart", "cart_indexing",
+    "tall_mask_ties", "emr_merging", "fisher_merging", "regmean", "gram_matrices", "cart", "cart_indexing", "adamerging",
 ]

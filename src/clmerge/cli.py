@@ -139,6 +139,15 @@ def pretrain(
     console.print(f"wrote {target}: test accuracy {prov['test_accuracy']:.2f}%, sha256 {prov['sha256'][:16]}…")
 
 
+from .merging.cli import list_methods as _list_merges  # noqa: E402
+from .merging.cli import merge_bench_command as _merge_bench_command  # noqa: E402
+from .merging.cli import merge_command as _merge_command  # noqa: E402
+
+app.command("merge")(_merge_command)
+app.command("merges", help="List the model-merging methods.")(_list_merges)
+app.command("merge-bench")(_merge_bench_command)
+
+
 def main() -> None:
     app(prog_name="clmerge")
 

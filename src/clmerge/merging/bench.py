@@ -1,0 +1,243 @@
+"""The merging benchmark: experts fine-tuned from one tiny ViT on offline tasks, every method evaluated.
+
+Tasks are offline image sets (MNIST-5k, scikit-learn digits, Fashion-MNIST when installed) under fixed
+transformations (rotation, pixel permutation, inversion); each task has its own head. Experts are cached as
+safetensors next to the JSON config whose SHA-256 names them, so a rerun with the same config trains nothing.
+Every method's hyperparameters are chosen on a validation split carved from the training data; test data is
+used only for the reported numbers. Run it with ``clmerge merge-bench`` (see ``benchmarks/merging/``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..utils.io import atomic_write_text, load_tensors, save_tensors, write_json
+from .registry import merge
+
+__all__ = ["BenchTask", "BenchConfig", "SUITES", "DEFAULT_GRIDS", "run_benchmark", "expert_for_task"]
+
+
+@dataclass(frozen=True)
+class BenchTask:
+    """One task: a data source and a fixed transformation (``identity``, ``rot<deg>``, ``perm<seed>``, ``invert``)."""
+
+    dataset: str
+    transform: str = "identity"
+
+    @property
+    def name(self) -> str:
+        return f"{self.dataset}-{self.transform}"
+
+
+def _t(spec: str) -> BenchTask:
+    d, tr = spec.split(":")
+    return BenchTask(d, tr)
+
+
+SUITES: dict[str, list[BenchTask]] = {
+    "8": [_t(s) for s in ("mnist5k:identity", "mnist5k:rot90", "mnist5k:rot180", "mnist5k:invert", "mnist5k:perm1",
+                          "digits:identity", "digits:rot90", "digits:invert")],
+}
+SUITES["14"] = SUITES["8"] + [_t(s) for s in ("mnist5k:rot270", "mnist5k:perm2", "digits:rot180", "digits:perm1",
+                                              "fashion_mnist:rot90", "fashion_mnist:invert")]
+SUITES["tiny"] = [_t(s) for s in ("digits:identity", "digits:rot90", "digits:invert")]
+
+DEFAULT_GRIDS: dict[str, dict[str, list[Any]]] = {
+    "weight_average": {},
+    "task_arithmetic": {"scaling": [0.1, 0.2, 0.3, 0.5, 0.7, 1.0]},
+    "ties": {"density": [0.1, 0.2], "scaling": [0.5, 1.0, 1.5]},
+    "dare": {"drop_rate": [0.5, 0.9], "scaling": [0.2, 0.3, 0.5]},
+    "consensus": {"k": [2], "scaling": [0.2, 0.3, 0.5, 0.7]},
+    "low_rank_task_arithmetic": {"rank_ratio": [0.04, 0.08, 0.16, 0.32], "scaling": [0.3, 0.5, 1.0]},
+    "cart": {"rank_ratio": [0.04, 0.08, 0.16, 0.32], "scaling": [0.5, 1.0, 1.5, 2.0]},
+}
+
+
+@dataclass
+class BenchConfig:
+    """Everything that makes an expert (hashed into its cache name) plus evaluation settings."""
+
+    suite: str = "8"
+    backbone: str = "vit-tiny-fmnist"
+    pretrained: bool = True
+    arch: dict = field(default_factory=dict)  # architecture overrides (random init only)
+    epochs: int = 3
+    lr: float = 1e-3
+    batch_size: int = 64
+    max_train: int | None = None
+    val_fraction: float = 0.15
+    max_eval: int | None = None
+    seed: int = 0
+
+    def expert_key(self, task: BenchTask) -> dict:
+        keep = {k: v for k, v in asdict(self).items() if k not in ("suite", "max_eval")}
+        return {"task": asdict(task), **keep}
+
+
+def _transform(spec: str, x: Tensor) -> Tensor:
+    if spec == "identity":
+        return x
+    if spec == "invert":
+        return 1.0 - x
+    if spec.startswith("rot"):
+        from ..data import Rotation
+
+        return Rotation(float(spec[3:]))(x)
+    if spec.startswith("perm"):
+        from ..data import PixelPermutation
+
+        return PixelPermutation(int(spec[4:]), x.shape[-1] * x.shape[-2])(x)
+    raise ValueError(f"unknown transform {spec!r}")
+
+
+def load_task(task: BenchTask, cfg: BenchConfig) -> dict[str, tuple[Tensor, Tensor]]:
+    """``{"train", "val", "test"}`` -> ``(x, y)`` tensors for ``task`` (val carved from train with a fixed seed)."""
+    from ..data import build_dataset
+
+    splits = build_dataset(task.dataset)
+    out = {}
+    rng = np.random.default_rng(cfg.seed)
+    tr = rng.permutation(len(splits.train))
+    n_val = max(1, int(cfg.val_fraction * len(tr)))
+    parts = {"val": tr[:n_val], "train": tr[n_val:], "test": np.arange(len(splits.test))}
+    for name, idx in parts.items():
+        src = splits.test if name == "test" else splits.train
+        cap = cfg.max_train if name == "train" else cfg.max_eval
+        idx = idx[:cap] if cap else idx
+        x, y = src.get_batch(idx)
+        out[name] = (_transform(task.transform, x.float()), torch.as_tensor(y, dtype=torch.long))
+    return out
+
+
+def build_base(cfg: BenchConfig) -> nn.Module:
+    """The shared starting backbone (shipped weights, or a seeded random init)."""
+    from ..models import build_backbone
+
+    torch.manual_seed(cfg.seed)
+    kw = {"pretrained": cfg.pretrained} | ({"config": cfg.arch} if cfg.arch else {})
+    return build_backbone(cfg.backbone, **kw)
+
+
+def _accuracy(backbone: nn.Module, head: nn.Module, x: Tensor, y: Tensor, bs: int = 256) -> float:
+    backbone.eval()
+    correct = 0
+    with torch.no_grad():
+        for i in range(0, len(x), bs):
+            correct += int((head(backbone(x[i:i + bs])).argmax(-1) == y[i:i + bs]).sum())
+    return 100.0 * correct / max(1, len(x))
+
+
+def expert_for_task(task: BenchTask, cfg: BenchConfig, data: dict, cache: Path) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """``(backbone params, head params)`` of the expert for ``task``: from the cache, or fine-tuned now."""
+    key = cfg.expert_key(task)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    path = cache / f"{task.name}-{digest[:16]}.safetensors"
+    if path.exists():
+        sd = load_tensors(path)
+    else:
+        backbone = build_base(cfg)
+        x, y = data["train"]
+        head = nn.Linear(backbone.feature_dim, int(y.max()) + 1)
+        opt = torch.optim.AdamW(list(backbone.parameters()) + list(head.parameters()), lr=cfg.lr, weight_decay=0.0)
+        g = torch.Generator().manual_seed(cfg.seed)
+        backbone.train()
+        for _ in range(cfg.epochs):
+            for idx in torch.randperm(len(x), generator=g).split(cfg.batch_size):
+                loss = F.cross_entropy(head(backbone(x[idx])), y[idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        sd = {f"backbone.{k}": v for k, v in backbone.state_dict().items()} | \
+             {f"head.{k}": v for k, v in head.state_dict().items()}
+        save_tensors(path, sd, metadata={"sha256_of_config": digest})
+        write_json(path.with_suffix(".json"), {"sha256": digest, "config": key})
+    split = lambda p: {k[len(p):]: v for k, v in sd.items() if k.startswith(p)}  # noqa: E731
+    return split("backbone."), split("head.")
+
+
+def _grid(space: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    keys = list(space)
+    return [dict(zip(keys, vals)) for vals in itertools.product(*(space[k] for k in keys))] or [{}]
+
+
+def _evaluate(backbone: nn.Module, params: dict[str, Tensor], heads: list[nn.Module], data: list[dict],
+              split: str) -> list[float]:
+    backbone.load_state_dict(params)
+    return [_accuracy(backbone, h, *d[split]) for h, d in zip(heads, data)]
+
+
+def run_benchmark(cfg: BenchConfig, out: Path, *, grids: dict[str, dict[str, list[Any]]] | None = None,
+                  cache: Path | None = None, log=print) -> dict:
+    """Fine-tune (or load) the experts, search each method's grid on validation, report test accuracy.
+
+    Writes ``out/results.json`` and ``out/results.md``; returns the results dict.
+    """
+    tasks = SUITES[cfg.suite]
+    grids = DEFAULT_GRIDS if grids is None else grids
+    cache = cache or out / "experts"
+    data = [load_task(t, cfg) for t in tasks]
+    base_model = build_base(cfg)
+    base = {k: v.clone() for k, v in base_model.state_dict().items()}
+    experts, heads = [], []
+    for t, d in zip(tasks, data):
+        log(f"expert {t.name}")
+        bp, hp = expert_for_task(t, cfg, d, cache)
+        head = nn.Linear(base_model.feature_dim, hp["weight"].shape[0])
+        head.load_state_dict(hp)
+        experts.append(bp)
+        heads.append(head)
+    individual = [_evaluate(base_model, e, [h], [d], "test")[0] for e, h, d in zip(experts, heads, data)]
+    rows = {"pretrained": {"hp": {}, "test": _evaluate(base_model, base, heads, data, "test")},
+            "individual": {"hp": {}, "test": individual}}
+    curves: dict[str, list] = {}
+    for method, space in grids.items():
+        best, best_val, seen = None, -1.0, []
+        for hp in _grid(space):
+            merged = merge(method, base=base, experts=experts, **hp)
+            val = float(np.mean(_evaluate(base_model, merged, heads, data, "val")))
+            seen.append({"hp": hp, "val": val})
+            if val > best_val:
+                best, best_val = hp, val
+        merged = merge(method, base=base, experts=experts, **best)
+        rows[method] = {"hp": best, "val": best_val, "test": _evaluate(base_model, merged, heads, data, "test")}
+        curves[method] = seen
+        log(f"{method}: {best} val {best_val:.2f}")
+    for r in rows.values():
+        r["avg"] = float(np.mean(r["test"]))
+        r["normalized"] = float(np.mean([a / max(i, 1e-9) for a, i in zip(r["test"], individual)])) * 100
+    results = {"config": asdict(cfg), "tasks": [t.name for t in tasks], "rows": rows, "search": curves}
+    write_json(out / "results.json", results)
+    atomic_write_text(out / "results.md", results_markdown(results))
+    return results
+
+
+def results_markdown(results: dict) -> str:
+    """The results table: absolute test accuracy per task, average, normalized accuracy, chosen hyperparameters."""
+    tasks = results["tasks"]
+    head = "| method | " + " | ".join(tasks) + " | avg | normalized | hyperparameters (val-selected) |"
+    lines = [head, "|" + "---|" * (len(tasks) + 4)]
+    for name, r in results["rows"].items():
+        cells = " | ".join(f"{a:.1f}" for a in r["test"])
+        lines.append(f"| {name} | {cells} | {r['avg']:.1f} | {r['normalized']:.1f} | {r['hp'] or ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def bench_command(out: Path, suite: str = "8", epochs: int = 3, max_train: int | None = None,
+                  max_eval: int | None = None, random_init: bool = False, methods: Sequence[str] | None = None) -> dict:
+    """What ``clmerge merge-bench`` runs (kept free of typer so tests can call it)."""
+    if suite not in SUITES:
+        raise ValueError(f"unknown suite {suite!r}; known: {', '.join(SUITES)}")
+    cfg = BenchConfig(suite=suite, epochs=epochs, max_train=max_train, max_eval=max_eval, pretrained=not random_init)
+    grids = DEFAULT_GRIDS if not methods else {m: DEFAULT_GRIDS.get(m, {}) for m in methods}
+    return run_benchmark(cfg, out, grids=grids)

@@ -1,0 +1,94 @@
+"""CART: centered arithmetic with rank-reduced task vectors (Choi et al. 2024, "Revisiting Weight Averaging").
+
+Eq. (4): ``theta_* = theta_avg + lambda * sum_t SVD_k(theta_t - theta_avg)`` for every weight matrix; other
+tensors are averaged. CART-Indexing (App. C.2) keeps the per-task low-rank parts and rebuilds task ``t``'s
+model as ``theta_avg + lambda * SVD_k(theta_t - theta_avg)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .driver import map_keys, stack64
+from .lowrank import DEFAULT_EXCLUDE, is_lowrank_param, low_rank_approx, target_rank
+from .registry import register_merge
+from .sources import open_models
+
+__all__ = ["cart", "cart_indexing", "centered_low_rank_sum"]
+
+
+def centered_low_rank_sum(experts: Sequence[Tensor], k: int, *, svd: str = "exact", seed: int = 0,
+                          only: int | None = None) -> tuple[Tensor, Tensor]:
+    """``(theta_avg, sum_t SVD_k(theta_t - theta_avg))`` for one matrix (float64 mean, fp32 SVD).
+
+    Args:
+        only: if given, the sum is over that single task (CART-Indexing).
+    """
+    x = stack64(experts)  # (T, m, n)
+    avg = x.mean(0)
+    tasks = range(len(experts)) if only is None else [only]
+    total = torch.zeros_like(avg)
+    for t in tasks:
+        centered = (x[t] - avg).float()
+        total += low_rank_approx(centered, k, method=svd, seed=seed + t).double()
+    return avg, total
+
+
+def _cart_kernel(rank_ratio: float, scaling: float, rounding: str, svd: str, seed: int, include: str | None,
+                 exclude: str | None, task: int | None):
+    def kernel(key: str, b: Tensor | None, xs: list[Tensor]) -> Tensor:
+        shape = tuple(xs[0].shape)
+        if not is_lowrank_param(key, shape, exclude, include):
+            return stack64(xs).mean(0)  # non-matrix (and excluded) parameters: plain average
+        k = target_rank(shape, rank_ratio, rounding)
+        avg, low = centered_low_rank_sum(xs, k, svd=svd, seed=seed, only=task)
+        return avg + scaling * low
+
+    return kernel
+
+
+@register_merge("cart", "centered task vectors truncated per matrix to a low rank (CART, Choi et al. 2024)",
+                needs_base=False)
+def cart(*, base: Any = None, experts: Sequence[Any], rank_ratio: float = 0.08, scaling: float = 1.0,
+         rounding: str = "ceil", svd: str = "exact", seed: int = 0, include: str | None = None,
+         exclude: str | None = DEFAULT_EXCLUDE) -> dict[str, Tensor]:
+    """CART, Eq. (4) / Alg. 1: ``theta_avg + lambda * sum_t SVD_k(theta_t - theta_avg)`` per weight matrix.
+
+    At ``rank_ratio = 0`` and ``1`` this is weight averaging (the centered vectors sum to zero).
+
+    Args:
+        base: ignored (CART needs no pretrained weights).
+        experts: the fine-tuned parameters.
+        rank_ratio: ``gamma``; ``k = ceil(gamma * min(m, n))`` (paper: about 0.08 is near-optimal).
+        scaling: ``lambda`` (paper grid 0.2..3.0; released configs use 1.5-2.0).
+        rounding: ``"ceil"`` (paper) or ``"floor"`` (official code, ``max(1, int(gamma r))``).
+        svd: ``"exact"`` or ``"randomized"`` (seeded range finder; faster for small ``k``).
+        seed: seed of the randomized SVD.
+        include: regex of keys to truncate, replacing the default rule (see ``lowrank.is_lowrank_param``).
+        exclude: regex of 2-D ``*weight`` keys that are averaged instead (default: embeddings, norms).
+    """
+    models = open_models(base, experts)
+    return map_keys(models, _cart_kernel(rank_ratio, scaling, rounding, svd, seed, include, exclude, None))
+
+
+@register_merge("cart_indexing", "CART's compression variant: task t's model = average + its own low-rank part",
+                needs_base=False)
+def cart_indexing(*, base: Any = None, experts: Sequence[Any], task: int = 0, rank_ratio: float = 0.08,
+                  scaling: float = 1.0, rounding: str = "ceil", svd: str = "exact", seed: int = 0,
+                  include: str | None = None, exclude: str | None = DEFAULT_EXCLUDE) -> dict[str, Tensor]:
+    """CART-Indexing, App. C.2: ``theta_avg + lambda * SVD_k(theta_task - theta_avg)`` per weight matrix.
+
+    The paper's formula has no ``lambda`` (``scaling = 1``, the default); the official code applies its
+    ``prior``. Other arguments as in :func:`cart`.
+
+    Args:
+        task: which expert's model to rebuild (the task identity is known at inference).
+    """
+    models = open_models(base, experts)
+    if not 0 <= task < models.num_experts:
+        raise ValueError(f"task must be in [0, {models.num_experts}), got {task}")
+    return map_keys(models, _cart_kernel(rank_ratio, scaling, rounding, svd, seed, include, exclude, task))

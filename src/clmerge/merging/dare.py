@@ -1,0 +1,63 @@
+"""DARE (Yu et al. 2024, "Language models are Super Mario"): drop and rescale task vectors, then merge."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .driver import map_keys
+from .registry import register_merge
+from .sources import open_models
+from .ties import ties_from_task_vectors
+
+__all__ = ["dare", "dare_tensor"]
+
+
+def dare_tensor(tv: Tensor, drop_rate: float, *, rescale: bool, generator: torch.Generator) -> Tensor:
+    """DARE Eq. (1)-(2) on one tensor: ``m ~ Bernoulli(drop_rate)``, ``tau~ = (1 - m) * tau / (1 - p)``."""
+    keep = torch.rand(tv.shape, generator=generator) >= drop_rate
+    out = tv * keep
+    return out / (1.0 - drop_rate) if rescale else out
+
+
+def _generator(seed: int, key: str, t: int) -> torch.Generator:
+    # The mask of (key, expert) depends only on the seed, the key and the expert index: the same numbers in
+    # any key order and in every pass (DARE+TIES reads each key twice).
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode()) * 131 + t) % (2**63))
+
+
+@register_merge("dare", "randomly drop task-vector entries and rescale the rest, then task arithmetic or TIES")
+def dare(*, base: Any, experts: Sequence[Any], drop_rate: float = 0.5, rescale: bool = True, seed: int = 0,
+         combine: str = "task_arithmetic", scaling: float = 0.3, density: float = 1.0,
+         trim_scope: str = "global") -> dict[str, Tensor]:
+    """DARE: ``tau~_t = m_t * tau_t / (1 - p)``, ``m_t ~ Bernoulli(1 - p)`` elementwise, then ``combine``.
+
+    Args:
+        drop_rate: ``p``, the fraction of entries dropped.
+        rescale: divide the kept entries by ``1 - p`` (the paper; ``False`` is plain random pruning).
+        seed: the random masks depend only on (seed, key, expert index).
+        combine: ``"task_arithmetic"`` (``theta_0 + lambda sum_t tau~_t``) or ``"ties"``.
+        scaling: ``lambda``.
+        density, trim_scope: TIES's trim when ``combine="ties"`` (``density=1``: sign election only).
+    """
+    if not 0.0 <= drop_rate < 1.0:
+        raise ValueError(f"drop_rate must be in [0, 1), got {drop_rate}")
+    models = open_models(base, experts)
+
+    def dropped(key: str, b: Tensor, xs: list[Tensor], idx: list[int]) -> Tensor:
+        return torch.stack([dare_tensor(x.float() - b.float(), drop_rate, rescale=rescale,
+                                        generator=_generator(seed, key, t)) for x, t in zip(xs, idx)])
+
+    if combine == "task_arithmetic":
+        def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
+            return b.double() + scaling * dropped(key, b, xs, list(range(len(xs)))).double().sum(0)
+
+        return map_keys(models, kernel, needs_base=True)
+    if combine == "ties":
+        return ties_from_task_vectors(models, dropped, density=density, scaling=scaling,
+                                      trim_scope=trim_scope, merge_fn="mean")
+    raise ValueError(f"combine must be 'task_arithmetic' or 'ties', got {combine!r}")

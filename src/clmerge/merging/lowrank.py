@@ -1,0 +1,93 @@
+"""Low-rank helpers shared by CART, CART-Indexing, low-rank task arithmetic and the analysis tools.
+
+- :func:`target_rank`: ``k = ceil(rank_ratio * r)`` with ``r = min(m, n)`` (CART Alg. 1 line 7), or the
+  official code's ``max(1, int(rank_ratio * r))`` with ``rounding="floor"``; ``rank_ratio = 0`` gives 0 and
+  ``rank_ratio = 1`` gives ``r`` under both rules.
+- :func:`low_rank_approx`: ``SVD_k(M)``, exact (thin SVD) or randomized (a seeded range finder with power
+  iterations, Halko et al. 2011, Alg. 4.4), so results repeat exactly for a given seed.
+- :func:`is_lowrank_param`: which tensors get low-rank treatment (CART Sec. 5.1: the attention and MLP weight
+  matrices; biases, norms and embeddings are averaged).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+from torch import Tensor
+
+__all__ = ["target_rank", "low_rank_approx", "svd_factors", "is_lowrank_param", "DEFAULT_EXCLUDE"]
+
+# 2-D "weight" tensors whose name matches this are NOT truncated (embeddings, norms, position tables).
+DEFAULT_EXCLUDE = r"(embed|norm|(^|\.)ln|position|cls_token|class_embedding|(^|\.)proj$)"
+
+
+def target_rank(shape: tuple[int, ...], rank_ratio: float, rounding: str = "ceil") -> int:
+    """Number of singular triplets kept for a matrix of ``shape``.
+
+    Args:
+        shape: the matrix shape ``(m, n)``.
+        rank_ratio: ``gamma`` in [0, 1].
+        rounding: ``"ceil"`` (the paper, Alg. 1) or ``"floor"`` (official code: ``max(1, int(gamma r))``).
+    """
+    if not 0.0 <= rank_ratio <= 1.0:
+        raise ValueError(f"rank_ratio must be in [0, 1], got {rank_ratio}")
+    r = min(shape)
+    if rank_ratio == 0.0:
+        return 0
+    if rounding == "ceil":
+        return min(r, math.ceil(rank_ratio * r - 1e-9))
+    if rounding == "floor":
+        return min(r, max(1, int(rank_ratio * r)))
+    raise ValueError(f"rounding must be 'ceil' or 'floor', got {rounding!r}")
+
+
+def svd_factors(m: Tensor, k: int, *, method: str = "exact", oversample: int = 10, power_iters: int = 2,
+                seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Top-``k`` singular triplets ``(U_k (m,k), S_k (k,), Vh_k (k,n))`` of ``m``.
+
+    Args:
+        method: ``"exact"`` (``torch.linalg.svd``) or ``"randomized"``.
+        oversample: extra columns of the random sketch (randomized only).
+        power_iters: subspace iterations (randomized only); 2 is usually enough for task vectors.
+        seed: seed of the sketch (randomized only).
+    """
+    if method not in ("exact", "randomized"):
+        raise ValueError(f"svd method must be 'exact' or 'randomized', got {method!r}")
+    if method == "exact" or k >= min(m.shape) // 2:
+        u, s, vh = torch.linalg.svd(m, full_matrices=False)
+        return u[:, :k], s[:k], vh[:k]
+    g = torch.Generator().manual_seed(seed)
+    ell = min(min(m.shape), k + oversample)
+    omega = torch.randn(m.shape[1], ell, generator=g, dtype=m.dtype)  # (n, l)
+    q = torch.linalg.qr(m @ omega).Q  # (m, l)
+    for _ in range(power_iters):
+        q = torch.linalg.qr(m.T @ q).Q
+        q = torch.linalg.qr(m @ q).Q
+    ub, s, vh = torch.linalg.svd(q.T @ m, full_matrices=False)  # (l, n) sketch
+    return (q @ ub)[:, :k], s[:k], vh[:k]
+
+
+def low_rank_approx(m: Tensor, k: int, **svd_kw) -> Tensor:
+    """``SVD_k(m) = sum_{i<=k} sigma_i u_i v_i^T``; exact zeros for ``k = 0`` and ``m`` itself for full rank."""
+    if k <= 0:
+        return torch.zeros_like(m)
+    if k >= min(m.shape):
+        return m.clone()
+    u, s, vh = svd_factors(m, k, **svd_kw)
+    return (u * s) @ vh
+
+
+def is_lowrank_param(key: str, shape: tuple[int, ...], exclude: str | None = DEFAULT_EXCLUDE,
+                     include: str | None = None) -> bool:
+    """Whether ``key`` is a weight matrix that low-rank methods truncate.
+
+    Default rule (CART Sec. 5.1, first released code): a 2-D tensor named ``*weight`` that is not an
+    embedding, norm or position table. ``include`` (a regex) replaces the rule by an explicit choice of keys.
+    """
+    if len(shape) != 2:
+        return False
+    if include is not None:
+        return re.search(include, key) is not None
+    return key.endswith("weight") and not (exclude and re.search(exclude, key))

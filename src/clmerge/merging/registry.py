@@ -1,0 +1,96 @@
+"""The one registry of merge methods.
+
+A merge method is a plain function ``fn(*, base, experts, **hyperparameters) -> dict[str, Tensor]`` registered
+with :func:`register_merge`. Registering a name twice is an error (no silent overwrite).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["MergeMethod", "MERGES", "register_merge", "available", "merge", "get_method"]
+
+MergeFn = Callable[..., dict[str, Tensor]]
+
+
+@dataclass(frozen=True)
+class MergeMethod:
+    """A registered merge method: its name, one-line description and function."""
+
+    name: str
+    description: str
+    fn: MergeFn
+    needs_base: bool
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """Keyword hyperparameters with their defaults (``inspect.Parameter.empty`` when required)."""
+        sig = inspect.signature(self.fn)
+        return {n: p.default for n, p in sig.parameters.items() if n not in ("base", "experts")}
+
+
+MERGES: dict[str, MergeMethod] = {}
+
+
+def register_merge(name: str, description: str, *, needs_base: bool = True) -> Callable[[MergeFn], MergeFn]:
+    """Decorator: register ``fn`` under ``name``.
+
+    Args:
+        name: the method's public name (``merging.merge(name, ...)``).
+        description: one line, shown by ``merging.available()`` and ``clmerge merge --help``.
+        needs_base: whether the method uses the pretrained parameters ``base``.
+
+    Raises:
+        ValueError: if ``name`` is already registered.
+    """
+
+    def deco(fn: MergeFn) -> MergeFn:
+        if name in MERGES:
+            raise ValueError(f"merge method {name!r} is already registered (by {MERGES[name].fn.__module__})")
+        MERGES[name] = MergeMethod(name, description, fn, needs_base)
+        return fn
+
+    return deco
+
+
+def available() -> dict[str, str]:
+    """Registered method names, each with its one-line description."""
+    return {n: m.description for n, m in sorted(MERGES.items())}
+
+
+def get_method(name: str) -> MergeMethod:
+    """The registered method ``name``; an unknown name is an error naming the nearest known ones."""
+    if name not in MERGES:
+        near = difflib.get_close_matches(name, MERGES, n=3)
+        hint = f" (did you mean {', '.join(near)}?)" if near else ""
+        raise KeyError(f"unknown merge method {name!r}{hint}; known: {', '.join(sorted(MERGES))}")
+    return MERGES[name]
+
+
+def merge(name: str, *, base: Any = None, experts: Sequence[Any], **hyperparameters: Any) -> dict[str, Tensor]:
+    """Merge ``experts`` (parameter dicts or weight-file paths) with the registered method ``name``.
+
+    Args:
+        name: a name from :func:`available`.
+        base: the pretrained parameters (dict or path); required by task-vector methods.
+        experts: the fine-tuned parameter dicts, or paths to safetensors / ``.bin`` / ``.pt`` files.
+        **hyperparameters: the method's keyword hyperparameters (see its function's docstring).
+
+    Raises:
+        KeyError: unknown method. TypeError: unknown hyperparameter (with the nearest valid names).
+    """
+    method = get_method(name)
+    valid = method.hyperparameters()
+    for key in hyperparameters:
+        if key not in valid:
+            near = difflib.get_close_matches(key, valid, n=2)
+            hint = f" (did you mean {', '.join(near)}?)" if near else ""
+            raise TypeError(f"{name}: unknown hyperparameter {key!r}{hint}; valid: {', '.join(valid) or 'none'}")
+    if method.needs_base and base is None:
+        raise ValueError(f"{name}: needs base= (the pretrained parameters)")
+    return method.fn(base=base, experts=experts, **hyperparameters)

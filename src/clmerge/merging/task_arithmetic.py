@@ -1,0 +1,34 @@
+"""Task arithmetic (Ilharco et al. 2023; CART Eq. 2)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor
+
+from .driver import map_keys, task_vectors64
+from .registry import register_merge
+from .sources import open_models
+
+__all__ = ["task_arithmetic"]
+
+
+@register_merge("task_arithmetic", "pretrained + scaling * sum of task vectors (Ilharco et al. 2023)")
+def task_arithmetic(*, base: Any, experts: Sequence[Any], scaling: float = 0.3) -> dict[str, Tensor]:
+    """Task arithmetic, CART Eq. (2): ``theta = theta_0 + lambda * sum_t (theta_t - theta_0)``.
+
+    With ``scaling = 1/T`` this is weight averaging.
+
+    Args:
+        base: the pretrained parameters ``theta_0``.
+        experts: the fine-tuned parameters ``theta_t``.
+        scaling: ``lambda`` (0.3 is the value Ilharco et al. and FusionBench use by default; tune it on
+            validation data).
+    """
+    models = open_models(base, experts)
+
+    def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
+        return b.double() + scaling * task_vectors64(b, xs).sum(0)
+
+    return map_keys(models, kernel, needs_base=True)

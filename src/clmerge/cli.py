@@ -123,6 +123,8 @@ def pretrain(
     out: Path | None = typer.Option(None, "--out", help="output directory (default: the package's assets)"),
     epochs: int | None = typer.Option(None, "--epochs", help="override the preset's epochs"),
     data_root: str | None = typer.Option(None, "--data-root", help="where the Fashion-MNIST IDX files are"),
+    threads: int = typer.Option(1, "--threads", help="torch threads (the shipped weights used 1; bit-exact "
+                                "reproduction needs the same count)"),
 ) -> None:
     """Reproducibly pretrain a shipped backbone (weights + provenance.json)."""
     from .models.presets import asset_dir
@@ -131,7 +133,7 @@ def pretrain(
     if preset not in PRESETS:
         _fail(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
     target = out or asset_dir(preset.replace("-", "_"))
-    kwargs = {"data_root": data_root} | ({"epochs": epochs} if epochs else {})
+    kwargs = {"data_root": data_root, "threads": threads} | ({"epochs": epochs} if epochs else {})
     try:
         prov = PRESETS[preset](target, **kwargs)
     except FileNotFoundError as exc:

@@ -58,7 +58,7 @@ def _accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: i
 def pretrain_vit_tiny_fmnist(
     out_dir: str | Path,
     *,
-    epochs: int = 8,
+    epochs: int = 6,
     batch_size: int = 256,
     lr: float = 1e-3,
     weight_decay: float = 0.05,
@@ -66,13 +66,18 @@ def pretrain_vit_tiny_fmnist(
     seed: int = 0,
     data_root: str | None = None,
     limit: int | None = None,
+    threads: int | None = 1,
     progress: bool = True,
 ) -> dict:
     """Train the tiny ViT and write ``model.safetensors``, ``config.json`` and ``provenance.json`` to ``out_dir``.
 
     Args:
         limit: use only the first ``limit`` training images (tests); the shipped weights use all 60k.
+        threads: torch intra-op threads. Bit-identical weights need the same count (CPU reductions are split
+            by thread); the shipped weights were made with 1.
     """
+    if threads:
+        torch.set_num_threads(threads)
     torch.manual_seed(seed)
     files, (xtr, ytr, xte, yte) = _load_fmnist(data_root)
     if limit:

@@ -55,6 +55,27 @@ def _accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: i
     return 100.0 * correct / len(x)
 
 
+def _train_epochs(model, xtr, ytr, opt, sched, gen, *, epochs: int, batch_size: int, progress: bool) -> list[dict]:
+    steps_per_epoch = math.ceil(len(xtr) / batch_size)
+    history = []
+    for epoch in range(epochs):
+        model.train()
+        perm = torch.randperm(len(xtr), generator=gen)
+        bar = tqdm(range(steps_per_epoch), desc=f"pretrain epoch {epoch + 1}/{epochs}", disable=not progress)
+        run_loss = 0.0
+        for i in bar:
+            idx = perm[i * batch_size : (i + 1) * batch_size]
+            loss = F.cross_entropy(model(_augment(xtr[idx], gen)), ytr[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            run_loss += loss.item()
+            bar.set_postfix(loss=f"{run_loss / (i + 1):.3f}")
+        history.append({"epoch": epoch + 1, "train_loss": run_loss / steps_per_epoch})
+    return history
+
+
 def pretrain_vit_tiny_fmnist(
     out_dir: str | Path,
     *,
@@ -96,23 +117,7 @@ def pretrain_vit_tiny_fmnist(
         opt, lambda s: min(1.0, (s + 1) / warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
     )
     t0 = time.time()
-    history = []
-    for epoch in range(epochs):
-        model.train()
-        perm = torch.randperm(len(xtr), generator=gen)
-        bar = tqdm(range(steps_per_epoch), desc=f"pretrain epoch {epoch + 1}/{epochs}", disable=not progress)
-        run_loss = 0.0
-        for i in bar:
-            idx = perm[i * batch_size : (i + 1) * batch_size]
-            xb = _augment(xtr[idx], gen)
-            loss = F.cross_entropy(model(xb), ytr[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            run_loss += loss.item()
-            bar.set_postfix(loss=f"{run_loss / (i + 1):.3f}")
-        history.append({"epoch": epoch + 1, "train_loss": run_loss / steps_per_epoch})
+    history = _train_epochs(model, xtr, ytr, opt, sched, gen, epochs=epochs, batch_size=batch_size, progress=progress)
     test_acc = _accuracy(model, xte, yte)
     out = Path(out_dir)
     wfile = out / "model.safetensors"

@@ -11,6 +11,7 @@ Two implementations cover everything:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,7 @@ __all__ = [
 ]
 
 
-class ClassificationData:
+class ClassificationData(ABC):
     """Base class: ``targets`` (N,) int64 numpy array and ``get_batch(indices) -> (x, y)``."""
 
     targets: np.ndarray
@@ -38,8 +39,9 @@ class ClassificationData:
     def __len__(self) -> int:
         return len(self.targets)
 
+    @abstractmethod
     def get_batch(self, indices: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        """Images (B, C, H, W) in [0, 1] and original labels (B,) for the given item indices."""
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         x, y = self.get_batch(np.asarray([i]))

@@ -16,7 +16,7 @@ from torch import nn
 
 from .structure import register_wrapper
 
-__all__ = ["TaskBatchNorm", "set_active_task", "TaskRoutedModel", "wrap_batchnorms"]
+__all__ = ["TaskBatchNorm", "PerTaskCopies", "set_active_task", "TaskRoutedModel", "wrap_batchnorms"]
 
 _BN = (nn.BatchNorm1d, nn.BatchNorm2d)
 
@@ -95,3 +95,43 @@ class TaskRoutedModel(nn.Module):
             outs.append(block(self.model.backbone(x)))  # (B, n_t)
         set_active_task(self.model, len(blocks) - 1)
         return torch.cat(outs, dim=-1)
+
+
+class PerTaskCopies(nn.Module):
+    """One independent copy of a network per task (STL); copy 0 is the original module.
+
+    Args:
+        base: the freshly built network (task 0's copy; later copies are re-initialised deep copies).
+    """
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.copies = nn.ModuleList([base])
+        self.active_task = 0
+
+    @property
+    def out_features(self) -> int:
+        return int(getattr(self.copies[0], "out_features"))
+
+    def add_task(self, *, reinit: bool = True) -> nn.Module:
+        """Append a copy of copy 0; with ``reinit`` its parameters are drawn afresh (torch's global RNG)."""
+        new = copy.deepcopy(self.copies[0])
+        if reinit:
+            for m in new.modules():
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+        self.copies.append(new)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.copies[self.active_task](x)
+
+    def get_structure(self) -> dict:
+        return {"n_tasks": len(self.copies)}
+
+    def set_structure(self, structure: dict) -> None:
+        while len(self.copies) < int(structure["n_tasks"]):
+            self.add_task(reinit=False)
+
+
+register_wrapper(PerTaskCopies, PerTaskCopies)

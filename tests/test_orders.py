@@ -33,6 +33,7 @@ def test_task_orders_listed_then_seeded():
     cfg = parse_config({"scenario": {"n_tasks": 5, "task_orders": [[4, 3, 2, 1, 0]]}, "method": {"name": "finetune"}})
     orders = task_orders(cfg, 3)
     assert orders[0] == [4, 3, 2, 1, 0] and sorted(orders[2]) == list(range(5))
+    assert len({tuple(o) for o in task_orders(cfg, 6)}) == 6  # always distinct
     plain = parse_config({"scenario": {"n_tasks": 5}, "method": {"name": "finetune"}})
     assert task_orders(plain, 2)[0] == [0, 1, 2, 3, 4]
     with pytest.raises(ConfigError, match="task_order"):

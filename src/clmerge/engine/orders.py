@@ -4,11 +4,13 @@
 identifies tasks by content (``Task.key``), and writes ``OUT/orders_summary.json`` (OPD per task, MOPD, AOPD,
 Acc and BWT per order and their mean), ``OUT/orders_summary.md`` and ``OUT/orders_report.html`` (per-order
 accuracy curves). Orders: the config's ``scenario.task_orders`` first (a benchmark's listed orders), then order
-0 = the natural order if none is listed, and seeded permutations ``RandomState(r).permutation(T)`` beyond.
+0 = the natural order if none is listed, and seeded permutations ``RandomState(seed).permutation(T)`` beyond
+(seed = 0, 1, ..., skipping orders already chosen).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -26,15 +28,20 @@ def task_orders(cfg: ExperimentConfig, n: int) -> list[list[int]]:
     if n < 1:
         raise ValueError(f"--orders must be at least 1, got {n}")
     T = cfg.scenario.n_tasks
+    if n > math.factorial(T):
+        raise ValueError(f"--orders {n}: {T} tasks have only {math.factorial(T)} distinct orders")
     listed = [list(o) for o in (cfg.scenario.task_orders or [])]
-    out = []
+    out: list[list[int]] = []
+    seed = 0
     for r in range(n):
         if r < len(listed):
             out.append(listed[r])
-        elif r == 0:
-            out.append(list(range(T)))
-        else:
-            out.append(np.random.RandomState(r).permutation(T).tolist())
+            continue
+        order = list(range(T)) if r == 0 else np.random.RandomState(seed).permutation(T).tolist()
+        while order in out:  # skip seeds that repeat an order already chosen
+            seed += 1
+            order = np.random.RandomState(seed).permutation(T).tolist()
+        out.append(order)
     return out
 
 

@@ -21,7 +21,8 @@ def test_paper_config_parses_and_builds(path):
     assert len(s.task_orders) == 5 and len({tuple(o) for o in s.task_orders}) == 5
     if s.class_order is not None:
         assert sorted(s.class_order) == list(range(100))
-    b = build_backbone(cfg.model.name, pretrained=cfg.model.pretrained, source=cfg.model.source, config=cfg.model.config)
+    m = cfg.model
+    b = build_backbone(m.name, pretrained=m.pretrained, source=m.source, config=m.config)
     assert b(torch.rand(2, 3, 32, 32)).shape[0] == 2
 
 

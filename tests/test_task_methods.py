@@ -126,3 +126,27 @@ def test_cli_orders_sweep(tmp_path):
     s = json.loads((tmp_path / "o" / "orders_summary.json").read_text())
     assert s["orders"] == [[0, 1], [1, 0]] and set(s["opd"]) == {"identity", "permutation(seed=1)"}
     assert (tmp_path / "o" / "orders_report.html").exists() and (tmp_path / "o" / "order_1" / "metrics.json").exists()
+
+
+def test_gpm_projection_leaves_earlier_inputs_unchanged():
+    """After end_task, a projected gradient G satisfies G M = 0, so W x is unchanged for x in the stored span."""
+    from clmerge.methods.base import TaskContext
+
+    data = tiny_cfg("gpm", threshold=1.0, samples=20)
+    data["model"] = {"name": "lenet", "config": {"image_size": 8, "num_channels": 1, "channels": [2, 3], "fc": [5],
+                                                 "mean": [0.5], "std": [0.5]}}
+    scenario, model, method, _ = prepare(parse_config(data))
+    task = scenario.tasks[0]
+    ctx = TaskContext(task=task, seen_tasks=[task], device=torch.device("cpu"), generator=torch.Generator().manual_seed(0))
+    method.begin_task(task, ctx)
+    ctx.generator = torch.Generator().manual_seed(0)
+    method.end_task(task, ctx)
+    ctx.generator = torch.Generator().manual_seed(0)  # the same representation batch as end_task drew
+    convs = {n: m for n, m in model.backbone.named_modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))}
+    reps = method._representations(task, ctx)
+    for name, layer in convs.items():
+        layer.weight.grad = torch.randn_like(layer.weight)
+    method.before_step(model, ctx)
+    for name, layer in convs.items():
+        g = layer.weight.grad.reshape(layer.weight.shape[0], -1).double()
+        assert (g @ reps[name]).abs().max() < 1e-4 * max(1.0, float(reps[name].abs().max()))  # float32 roundoff

@@ -147,7 +147,8 @@ class ExperimentConfig(_Strict):
             )
         if s.rotations is not None and len(s.rotations) != s.n_tasks:
             raise ValueError(f"scenario.rotations has {len(s.rotations)} entries but scenario.n_tasks is {s.n_tasks}")
-        for key, order in [("task_order", s.task_order)] + [(f"task_orders[{i}]", o) for i, o in enumerate(s.task_orders or [])]:
+        listed = [(f"task_orders[{i}]", o) for i, o in enumerate(s.task_orders or [])]
+        for key, order in [("task_order", s.task_order)] + listed:
             if order is not None and sorted(order) != list(range(s.n_tasks)):
                 raise ValueError(f"scenario.{key} {order} is not a permutation of 0..{s.n_tasks - 1}")
         if s.kind == "domain_incremental" and s.transform == "none":

@@ -59,7 +59,8 @@ def summarize_orders(metrics_by_order: list[dict], orders: list[list[int]]) -> d
     out = {
         "method": metrics_by_order[0].get("method"), "dataset": metrics_by_order[0].get("dataset"),
         "orders": orders, "final_acc_by_order": finals, "acc_per_order": accs, "bwt_per_order": bwts,
-        "acc": float(np.mean(accs)), "acc_se": float(np.std(accs, ddof=1) / np.sqrt(len(accs))) if len(accs) > 1 else None,
+        "acc": float(np.mean(accs)),
+        "acc_se": float(np.std(accs, ddof=1) / np.sqrt(len(accs))) if len(accs) > 1 else None,
         "bwt": float(np.mean([b for b in bwts if b is not None])) if any(b is not None for b in bwts) else None,
         "accuracy_curves": {f"order {r}": m.get("accuracy_curve") for r, m in enumerate(metrics_by_order)},
         "opd": None, "mopd": None, "aopd": None,

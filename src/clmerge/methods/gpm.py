@@ -122,7 +122,8 @@ class GPM(ContinualMethod):
         for name, layer in layers.items():
             a = inputs[name]
             if isinstance(layer, nn.Conv2d):
-                cols = F.unfold(a, layer.kernel_size, dilation=layer.dilation, padding=layer.padding, stride=layer.stride)
+                cols = F.unfold(a, layer.kernel_size, dilation=layer.dilation, padding=layer.padding,
+                                stride=layer.stride)
                 rep = cols.permute(1, 0, 2).reshape(cols.shape[1], -1)  # (I d d, B L)
             else:
                 rep = a.reshape(-1, a.shape[-1]).T  # (I, B)
@@ -137,6 +138,7 @@ class GPM(ContinualMethod):
         for name, rep in self._representations(task, ctx).items():
             self.bases[name] = extend_basis(rep, self.bases.get(name), threshold)
         self.record("basis_dims", {n: int(b.shape[1]) for n, b in self.bases.items()})
+        self.record("memory_bytes", sum(4 * b.numel() for b in self.bases.values()))  # stored as float32
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {f"basis/{n}": b for n, b in self.bases.items()}

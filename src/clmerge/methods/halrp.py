@@ -100,7 +100,8 @@ class HALRP(ContinualMethod):
             p.requires_grad_(True)
         if ctx.fit is None:
             raise RuntimeError("halrp needs the engine's training loop (TaskContext.fit) for its warm-up")
-        res = ctx.fit(model=free, data=task.train, groups=[{"params": body, "name": "body"}, {"params": head, "name": "head"}],
+        groups = [{"params": body, "name": "body"}, {"params": head, "name": "head"}]
+        res = ctx.fit(model=free, data=task.train, groups=groups,
                       loss_fn=lambda m, x, y: classification_loss(m(x), y, task, ctx.head_loss),
                       epochs=self.options.warmup_epochs, desc=f"halrp warm-up task {task.index}")
         self.record("warmup_loss", res["losses"][-1])
@@ -138,7 +139,8 @@ class HALRP(ContinualMethod):
             w_free = free_layers[name].base_layer.weight.detach()
             r, s = lrp.least_squares_scalings(w_free, w_base)
             b = lrp.residual_matrix(w_free, w_base, r, s)
-            sig_src = b if o.sigma_source == "residual" else (w_free.double().mean((2, 3)) if w_free.dim() == 4 else w_free.double())
+            w_mat = w_free.double().mean((2, 3)) if w_free.dim() == 4 else w_free.double()
+            sig_src = b if o.sigma_source == "residual" else w_mat  # A1: Eq. 9 as printed uses W^free
             info[name] = {"r": r, "s": s, "b": b, "sigma": torch.linalg.svdvals(sig_src.double()),
                           "c": layer.kernel_positions if o.conv_scale else 1, "bias": free_layers[name].base_layer.bias}
         names = list(info)

@@ -17,7 +17,7 @@ __all__ = ["HALRPOptions"]
 
 class HALRPOptions(MethodOptions):
     alpha: float = Field(0.9, gt=0, le=1, description="loss approximation rate of the global rank cut (Eq. 11)")
-    warmup_epochs: int = Field(1, ge=1, description="n_r: free warm-up epochs of a network copy per task (Alg. 1 step 3)")
+    warmup_epochs: int = Field(1, ge=1, description="n_r: free warm-up epochs of a network copy (Alg. 1 step 3)")
     first_task_extra_epochs: bool = Field(
         True, description="train task 0 for warmup_epochs more epochs, so every task trains n = n_r + train.epochs")
     lambda_l1: float = Field(1e-4, ge=0, description="lambda0: L1 on U', V' (Eq. 12)")
@@ -36,14 +36,15 @@ class HALRPOptions(MethodOptions):
     sigma_source: Literal["residual", "weight"] = Field(
         "residual", description="A1: singular values of B^free (correct) or of W^free (Eq. 9 as printed)")
     rank_method: Literal["global", "flat"] = Field(
-        "global", description="A15: global = Hessian-aware cut; flat = upper_rank in every layer (Table 6 'LRP', reading 1)")
+        "global", description="A15: global = Hessian-aware cut; flat = upper_rank in every layer "
+        "(Table 6 'LRP', reading 1)")
     factor_init: Literal["svd", "random"] = Field(
         "svd", description="svd (Eq. 6) or random U', V' of the same Frobenius norms (Table 6 'Random LRP')")
     warmup_from: Literal["base", "scratch"] = Field(
         "base", description="A8: warm-up starts from the base hidden layers (code) or a fresh random init")
     grad_multiplier: float = Field(1.0, gt=0, description="A12: scale gradients before each step (code: 10)")
     prune: bool = Field(True, description="prune U', V' entries when growth exceeds the budget (Sec. 4.4)")
-    prune_q: float = Field(0.4, gt=0, lt=1, description="budget 1 - q of relative growth (code: 0.8 CIFAR100, 0.4 else)")
+    prune_q: float = Field(0.4, gt=0, lt=1, description="budget 1 - q of growth (code: 0.8 CIFAR100, else 0.4)")
     prune_abs: float = Field(1e-5, ge=0, description="absolute threshold of the mixed rule")
     prune_scope: Literal["per_task", "global"] = Field(
         "per_task", description="A10: per_task = the code's percentile per task, re-applied to all past tasks; "

@@ -1,4 +1,6 @@
-"""Small networks trained from scratch (HALRP spec 003, section 4.2): ``mlp``, ``lenet``, ``alexnet``, ``resnet18_reduced``.
+"""Small networks trained from scratch (HALRP spec 003, section 4.2).
+
+Registered as ``mlp``, ``lenet``, ``alexnet`` and ``resnet18_reduced``.
 
 Each maps images to a feature vector (the heads stay in :class:`~clmerge.models.classifier.IncrementalHead`) and is
 wrapped in a :class:`VisionBackbone` that resizes / adapts channels / normalises the input. Every hidden

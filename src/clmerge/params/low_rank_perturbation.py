@@ -40,7 +40,8 @@ def least_squares_scalings(w_free: torch.Tensor, w_base: torch.Tensor) -> tuple[
         ``(r, s)`` of shapes (J,) and (I,), float64.
     """
     if w_free.shape != w_base.shape or w_free.dim() not in (2, 4):
-        raise ValueError(f"expected equal (J, I) or (J, I, d, d) shapes, got {tuple(w_free.shape)}, {tuple(w_base.shape)}")
+        raise ValueError(f"expected equal (J, I) or (J, I, d, d) shapes, got {tuple(w_free.shape)}, "
+                         f"{tuple(w_base.shape)}")
     wf, wb = w_free.double(), w_base.double()
     other_r = [d for d in range(wf.dim()) if d != 0]
     r = (wf * wb).sum(other_r) / (wb * wb).sum(other_r).clamp_min(_EPS)  # (J,)  Eq. 19

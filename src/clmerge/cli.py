@@ -53,6 +53,8 @@ def run(
     set_: list[str] = typer.Option([], "--set", help="override a key: dotted.key=value (repeatable)"),
     out: Path | None = typer.Option(None, "--out", help="run directory (default: runs/<method>-<dataset>-<time>)"),
     resume: bool = typer.Option(False, "--resume", help="continue a stopped run in --out from its last finished task"),
+    orders: int | None = typer.Option(None, "--orders", help="run over N task orders into --out/order_<r>/ and "
+                                      "report OPD/MOPD/AOPD (see clmerge.engine.orders)"),
 ) -> None:
     """Run a continual-learning experiment and write a run directory."""
     from .config import ConfigError, load_config
@@ -66,6 +68,8 @@ def run(
         if resume:
             _fail("--resume needs --out DIR (the run directory to continue)")
         out = Path("runs") / f"{cfg.method.name}-{cfg.scenario.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if orders is not None:
+        return _run_orders(cfg, out, orders, resume)
     try:
         metrics = run_experiment(cfg, out, resume=resume)
     except KeyboardInterrupt:
@@ -76,6 +80,17 @@ def run(
         _fail(str(exc))
     print_results(metrics)
     console.print(f"run directory: [bold]{out}[/] (report: {out / 'report.html'})")
+
+
+def _run_orders(cfg, out: Path, n: int, resume: bool) -> None:
+    from .engine.orders import run_orders
+
+    try:
+        summary = run_orders(cfg, out, n, resume=resume)
+    except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as exc:
+        _fail(str(exc))
+    console.print((out / "orders_summary.md").read_text())
+    console.print(f"order runs in: [bold]{out}[/] (report: {out / 'orders_report.html'}; mopd {_fmt(summary['mopd'])})")
 
 
 @app.command()

@@ -64,6 +64,11 @@ class ScenarioConfig(_Strict):
     data_root: str | None = Field(None, description="root of on-disk datasets (else $CLMERGE_DATA, ./data)")
     image_size: int | None = Field(None, ge=1, description="folder datasets: side after resize+crop (default: backbone's)")
     options: dict[str, Any] = Field(default_factory=dict, description="extra keyword options for the data source")
+    task_order: list[int] | None = Field(
+        None, description="present the tasks in this order (a permutation of 0..n_tasks-1; tasks keep their content)")
+    task_orders: list[list[int]] | None = Field(
+        None, description="a benchmark's listed task orders, used by `clmerge run --orders N` (seeded permutations "
+        "beyond them)")
 
 
 class ModelConfig(_Strict):
@@ -142,6 +147,10 @@ class ExperimentConfig(_Strict):
             )
         if s.rotations is not None and len(s.rotations) != s.n_tasks:
             raise ValueError(f"scenario.rotations has {len(s.rotations)} entries but scenario.n_tasks is {s.n_tasks}")
+        listed = [(f"task_orders[{i}]", o) for i, o in enumerate(s.task_orders or [])]
+        for key, order in [("task_order", s.task_order)] + listed:
+            if order is not None and sorted(order) != list(range(s.n_tasks)):
+                raise ValueError(f"scenario.{key} {order} is not a permutation of 0..{s.n_tasks - 1}")
         if s.kind == "domain_incremental" and s.transform == "none":
             raise ValueError("scenario.kind=domain_incremental needs scenario.transform (permutation or rotation)")
         return self

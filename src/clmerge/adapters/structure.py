@@ -27,6 +27,11 @@ def register_wrapper(cls: type, wrap: Callable[[nn.Module], nn.Module]) -> None:
 register_wrapper(LoRALinear, LoRALinear)
 
 
+def _register_task_wrappers() -> None:
+    """Per-task wrappers of HALRP/STL live in their own modules; importing them registers them."""
+    from . import halrp, task_modules  # noqa: F401
+
+
 def model_structure(model: nn.Module) -> dict:
     """JSON-able description of wrappers, per-module structures and shared magnitudes."""
     wrapped = {n: type(m).__name__ for n, m in model.named_modules() if type(m).__name__ in WRAPPERS}
@@ -45,6 +50,7 @@ def rebuild_structure(model: nn.Module, structure: dict) -> None:
     for key, shape in structure.get("magnitudes", {}).items():
         if key not in mags:
             mags[key] = nn.Parameter(torch.zeros(shape))
+    _register_task_wrappers()
     for name, cls_name in structure.get("wrapped", {}).items():
         if cls_name not in WRAPPERS:
             raise ValueError(f"checkpoint needs wrapper {cls_name!r} at {name!r}, which is not registered")

@@ -11,7 +11,7 @@ Every task owns a range of head outputs ``[offset, offset + n_classes)`` and its
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ __all__ = [
     "class_order_from_seed",
     "split_classes",
     "build_scenario",
+    "reorder_tasks",
 ]
 
 
@@ -192,8 +193,13 @@ def build_scenario(splits: DataSplits, *, kind: str, n_tasks: int, seed: int = 0
                    class_order: list[int] | None = None, classes_per_task: list[int] | None = None,
                    transform: str = "none", rotations: list[float] | None = None, permute_first_task: bool = False,
                    train_per_class: int | None = None, test_per_class: int | None = None,
-                   train_per_task: int | None = None, val_fraction: float = 0.0) -> Scenario:
-    """Cut ``splits`` into tasks. Deterministic in ``seed``; see the module docstring for the kinds."""
+                   train_per_task: int | None = None, val_fraction: float = 0.0,
+                   task_order: list[int] | None = None) -> Scenario:
+    """Cut ``splits`` into tasks. Deterministic in ``seed``; see the module docstring for the kinds.
+
+    ``task_order`` presents the tasks in another order (a permutation of 0..n_tasks-1 over the tasks as built):
+    every task keeps its content (classes, transform, samples, ``key``); only positions and offsets change.
+    """
     rng = np.random.default_rng(seed)
     ytr, yte = splits.train.targets, splits.test.targets
     all_classes = sorted(set(np.unique(ytr).tolist()))
@@ -235,4 +241,32 @@ def build_scenario(splits: DataSplits, *, kind: str, n_tasks: int, seed: int = 0
             val=TaskData(splits.train, va, label_map, tf) if va is not None else None,
         ))
         offset += len(group)
+    if task_order is not None:
+        tasks = reorder_tasks(tasks, task_order, kind)
+        if groups[0] is not order:  # disjoint class groups: the class order follows the task order
+            order = [c for t in tasks for c in t.classes]
     return Scenario(kind=kind, tasks=tasks, class_order=list(map(int, order)), class_names=list(splits.class_names))
+
+
+def _shift_labels(data: TaskData | None, shift: int) -> TaskData | None:
+    if data is None or shift == 0:
+        return data
+    label_map = data.label_map.copy()
+    label_map[label_map >= 0] += shift
+    return TaskData(data.source, data.indices, label_map, data.transform)
+
+
+def reorder_tasks(tasks: list[Task], order: list[int], kind: str) -> list[Task]:
+    """Present ``tasks`` in ``order`` (a permutation of their positions), re-assigning indices and head offsets."""
+    if sorted(order) != list(range(len(tasks))):
+        raise ValueError(f"scenario.task_order {order} is not a permutation of 0..{len(tasks) - 1}")
+    out, offset = [], 0
+    for new_index, old in enumerate(order):
+        t = tasks[old]
+        new_offset = 0 if kind == "domain_incremental" else offset
+        shift = new_offset - t.offset
+        out.append(replace(t, index=new_index, name=f"task {new_index}: {t.key}", offset=new_offset,
+                           train=_shift_labels(t.train, shift), test=_shift_labels(t.test, shift),
+                           val=_shift_labels(t.val, shift)))
+        offset += t.n_classes
+    return out

@@ -77,7 +77,7 @@ def prepare(cfg: ExperimentConfig) -> tuple[Scenario, ContinualClassifier, Conti
         splits, kind=s.kind, n_tasks=s.n_tasks, seed=s.seed, shuffle_classes=s.shuffle_classes,
         class_order=s.class_order, classes_per_task=s.classes_per_task, transform=s.transform, rotations=s.rotations,
         permute_first_task=s.permute_first_task, train_per_class=s.train_per_class, test_per_class=s.test_per_class,
-        train_per_task=s.train_per_task, val_fraction=s.val_fraction,
+        train_per_task=s.train_per_task, val_fraction=s.val_fraction, task_order=s.task_order,
     )
     method = build_method(cfg.method.name, cfg.method_options(), seed=cfg.seed)
     method.setup(model)
@@ -158,7 +158,8 @@ def _evaluate_row(cfg, t, scenario, method, state, device) -> None:
     n_out = scenario.num_outputs if future else task.offset + task.n_classes
     res = evaluate_tasks(method.inference_model(), tasks, n_outputs=n_out, batch_size=cfg.train.eval_batch_size,
                          device=device)
-    state.rows.append(_row(res, len(scenario), "acc"))
+    # task-incremental: the task id is known, so accuracy is the argmax within the task's own range
+    state.rows.append(_row(res, len(scenario), "til_acc" if scenario.kind == "task_incremental" else "acc"))
     state.til_rows.append(_row(res, len(scenario), "til_acc"))
 
 

@@ -10,7 +10,7 @@ from .base import (
     method_options_model,
     register_method,
 )
-from . import finetune, regularized, seq_lora  # noqa: E402,F401  (register the methods)
+from . import finetune, gpm, halrp, regularized, seq_lora, stl  # noqa: E402,F401  (register the methods)
 
 __all__ = [
     "METHODS",

@@ -1,6 +1,6 @@
 """Backbones, heads and presets."""
 
-from . import presets  # noqa: F401  (registers the presets)
+from . import presets, small_nets  # noqa: F401  (register the presets and the small networks)
 from .backbones import VisionBackbone, available_backbones, build_backbone, register_backbone
 from .classifier import ContinualClassifier, IncrementalHead
 

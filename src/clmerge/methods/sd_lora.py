@@ -189,7 +189,9 @@ def direction_gram(layers: list[LoRALinear], names: list[str], norm: str) -> tor
         for j in range(n):
             for k in range(j, n):
                 v = ((ups[j].t() @ ups[k]) * (downs[j] @ downs[k].t())).sum() / (norms[j] * norms[k] + 1e-300)
-                gram[j, k] = gram[k, j] = v
+                gram[j, k] += v
+                if j != k:
+                    gram[k, j] += v
     return gram
 
 
@@ -247,7 +249,7 @@ class SDLoRAKD(SDLoRA):
     def _absorb(self, old: list[str], new: str, coef: torch.Tensor) -> None:
         mags = self.model.lora_magnitudes
         keys = {n: self._layers_first().components[n].magnitude for n in old + [new]}
-        a_t = float(mags[keys[new]]) if self.options.kd_merge == "function_preserving" else 1.0
+        a_t = float(mags[keys[new]].detach()) if self.options.kd_merge == "function_preserving" else 1.0
         for n, c in zip(old, coef):
             mags[keys[n]].add_(a_t * float(c))
         for layer in self._layers().values():

@@ -131,7 +131,7 @@ def _train_task(cfg, t, scenario, model, method, state, out, device) -> None:
     log = lambda ev: _log(out, state, ev)  # noqa: E731
     ctx = TaskContext(task=task, seen_tasks=scenario.tasks[: t + 1], device=device, generator=gen,
                       head_loss=cfg.head.loss, batch_size=cfg.train.batch_size,
-                      eval_batch_size=cfg.train.eval_batch_size, log=log)
+                      eval_batch_size=cfg.train.eval_batch_size, log=log, n_tasks=len(scenario))
     ctx.fit = lambda **kw: fit(**{"optim": cfg.optim, "generator": gen, "device": device, "log": log,
                                   "task_index": t, "batch_size": cfg.train.batch_size, **kw})
     t0 = time.time()

@@ -11,6 +11,7 @@ from .base import (
     register_method,
 )
 from . import finetune, gpm, halrp, regularized, seq_lora, stl  # noqa: E402,F401  (register the methods)
+from . import inflora, pm, sd_lora  # noqa: E402,F401
 
 __all__ = [
     "METHODS",

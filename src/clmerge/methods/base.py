@@ -53,6 +53,7 @@ class TaskContext:
     head_loss: str = "local"
     batch_size: int = 64
     eval_batch_size: int = 500
+    n_tasks: int | None = None  # length of the task sequence (InfLoRA's DualGPM threshold schedule)
     log: Callable[[dict], None] = field(default=lambda event: None)
     fit: Callable[..., dict] | None = None  # engine.training.fit bound to this run (for warm-ups, inner loops)
 

@@ -1,0 +1,50 @@
+"""Shared helpers for the LoRA continual-learning method tests (tiny random-init ViT, 2 tasks)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from clmerge.config import parse_config
+from clmerge.engine.run import prepare, run_experiment
+from clmerge.methods.base import TaskContext
+
+TINY = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
+
+
+def tiny_config(method: dict, *, n_tasks: int = 2, keep: int = 1, **extra):
+    data = {"scenario": {"dataset": "mnist5k", "n_tasks": n_tasks, "train_per_class": 6, "test_per_class": 3},
+            "model": {"pretrained": False, "config": TINY},
+            "method": method, "train": {"epochs": 1, "batch_size": 16},
+            "run": {"progress": False, "report": False, "keep_checkpoints": keep, "threads": 1}, **extra}
+    return parse_config(data)
+
+
+def tiny_setup(method: dict, **kw):
+    """(scenario, model, method) with ``setup`` applied."""
+    scenario, model, meth, _ = prepare(tiny_config(method, **kw))
+    return scenario, model, meth
+
+
+def context(scenario, t: int, seed: int = 0) -> TaskContext:
+    return TaskContext(task=scenario.tasks[t], seen_tasks=scenario.tasks[: t + 1], device=torch.device("cpu"),
+                       generator=torch.Generator().manual_seed(seed + t), n_tasks=len(scenario))
+
+
+def run_and_resume(method: dict, tmp_path: Path) -> tuple[dict, dict]:
+    """Run 2 tasks; copy the run, drop its last checkpoint and metrics, resume; return both metrics."""
+    cfg = tiny_config(method, keep=2)
+    a, b = tmp_path / "a", tmp_path / "b"
+    full = run_experiment(cfg, a)
+    shutil.copytree(a, b)
+    (b / "checkpoints" / "task_001.safetensors").unlink()
+    (b / "metrics.json").unlink()
+    resumed = run_experiment(cfg, b, resume=True)
+    return full, resumed
+
+
+def assert_same_run(full: dict, resumed: dict) -> None:
+    assert full["accuracy_matrix"] == resumed["accuracy_matrix"]
+    assert full["method_metrics"] == resumed["method_metrics"]

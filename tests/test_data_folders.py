@@ -14,7 +14,10 @@ import yaml
 from PIL import Image
 
 import clmerge.data.cifar as cifar
+import clmerge.data.cub as cub
+import clmerge.data.domainnet as domainnet
 import clmerge.data.folders as folders
+import clmerge.data.imagenet as imagenet
 from clmerge.data.base import DATASETS, build_dataset
 
 WNIDS = ["n01443537", "n01484850", "n01494475"]
@@ -185,7 +188,7 @@ def _raw_berkeley(folder: Path, n: int = 5) -> None:
 def test_imagenet_r_presplit(tmp_path):
     _class_tree(tmp_path / "imagenet-r" / "train", WNIDS, 3, ext="jpg")
     _class_tree(tmp_path / "imagenet-r" / "test", WNIDS, 1, ext="jpg")
-    s = folders.imagenet_r(data_root=tmp_path, image_size=16)
+    s = imagenet.imagenet_r(data_root=tmp_path, image_size=16)
     assert "pre-split" in s.fingerprint["layout"]
     assert s.class_names == WNIDS and len(s.train) == 9 and len(s.test) == 3
     assert s.test.targets.tolist() == [0, 1, 2]
@@ -197,7 +200,7 @@ def test_imagenet_r_presplit_preferred_over_yaml(tmp_path):
     _class_tree(tmp_path / "imagenet-r" / "test", WNIDS, 1, ext="jpg")
     (tmp_path / "imagenet-r_train.yaml").write_text("data: []\ntargets: []\n")
     (tmp_path / "imagenet-r_test.yaml").write_text("data: []\ntargets: []\n")
-    assert "pre-split" in folders.imagenet_r(data_root=tmp_path).fingerprint["layout"]
+    assert "pre-split" in imagenet.imagenet_r(data_root=tmp_path).fingerprint["layout"]
 
 
 def _coda_yaml(where: Path, folder: Path) -> tuple[list, list]:
@@ -218,7 +221,7 @@ def test_imagenet_r_coda_yaml(tmp_path, yaml_in_folder):
     folder = tmp_path / "imagenet-r"
     _raw_berkeley(folder, n=4)
     train, test = _coda_yaml(folder if yaml_in_folder else tmp_path, folder)
-    s = folders.imagenet_r(data_root=tmp_path, image_size=16)
+    s = imagenet.imagenet_r(data_root=tmp_path, image_size=16)
     assert "yaml" in s.fingerprint["layout"]
     assert len(s.train) == 9 and len(s.test) == 3
     assert s.train.targets.tolist() == train["targets"] and s.test.targets.tolist() == test["targets"]
@@ -237,16 +240,16 @@ def test_imagenet_r_bad_yaml(tmp_path):
     (folder / "imagenet-r_train.yaml").write_text("data: [a.jpg, b.jpg]\ntargets: [0]\n")
     (folder / "imagenet-r_test.yaml").write_text("data: [a.jpg]\ntargets: [0]\n")
     with pytest.raises(ValueError, match="imagenet-r_train.yaml.*2 entries in 'data' but 1"):
-        folders.imagenet_r(data_root=tmp_path)
+        imagenet.imagenet_r(data_root=tmp_path)
     (folder / "imagenet-r_train.yaml").write_text("data: [a.jpg\n")
     with pytest.raises(ValueError, match="imagenet-r_train.yaml: not valid YAML"):
-        folders.imagenet_r(data_root=tmp_path)
+        imagenet.imagenet_r(data_root=tmp_path)
     (folder / "imagenet-r_train.yaml").write_text("data: [a.jpg]\ntargets: [x]\n")
     with pytest.raises(ValueError, match="targets\\[0\\]"):
-        folders.imagenet_r(data_root=tmp_path)
+        imagenet.imagenet_r(data_root=tmp_path)
     (folder / "imagenet-r_test.yaml").unlink()
     with pytest.raises(FileNotFoundError, match="imagenet-r_test.yaml"):
-        folders.imagenet_r(data_root=tmp_path)
+        imagenet.imagenet_r(data_root=tmp_path)
 
 
 def test_imagenet_r_yaml_paths_missing(tmp_path):
@@ -255,15 +258,15 @@ def test_imagenet_r_yaml_paths_missing(tmp_path):
     (folder / "imagenet-r_train.yaml").write_text("data: [data/imagenet-r/n0/gone.jpg]\ntargets: [0]\n")
     (folder / "imagenet-r_test.yaml").write_text("data: [data/imagenet-r/n0/gone.jpg]\ntargets: [0]\n")
     with pytest.raises(FileNotFoundError, match="gone.jpg"):
-        folders.imagenet_r(data_root=tmp_path)
+        imagenet.imagenet_r(data_root=tmp_path)
 
 
 def test_imagenet_r_raw_split(tmp_path):
     folder = tmp_path / "imagenet-r"
     _raw_berkeley(folder, n=10)
     before = _listing(tmp_path)
-    s = folders.imagenet_r(data_root=tmp_path, image_size=16, seed=1)
-    again = folders.imagenet_r(data_root=tmp_path, image_size=16, seed=1)
+    s = imagenet.imagenet_r(data_root=tmp_path, image_size=16, seed=1)
+    again = imagenet.imagenet_r(data_root=tmp_path, image_size=16, seed=1)
     assert _listing(tmp_path) == before
     assert "raw folder, seeded" in s.fingerprint["layout"]
     assert s.class_names == WNIDS and len(s.train) == 24 and len(s.test) == 6
@@ -275,25 +278,25 @@ def test_imagenet_r_raw_split(tmp_path):
 
 def test_imagenet_r_missing(tmp_path):
     with pytest.raises(FileNotFoundError, match="imagenet_r.*imagenet-r.*Accepted layouts.*imagenet-r.tar"):
-        folders.imagenet_r(data_root=tmp_path)
+        imagenet.imagenet_r(data_root=tmp_path)
     (tmp_path / "imagenet-r").mkdir()
     with pytest.raises(FileNotFoundError, match="CODA-Prompt"):
-        folders.imagenet_r(data_root=tmp_path)
+        imagenet.imagenet_r(data_root=tmp_path)
 
 
 def test_imagenet_a_layouts(tmp_path):
     pre = tmp_path / "pre" / "imagenet-a"
     _class_tree(pre / "train", WNIDS, 2, ext="jpg")
     _class_tree(pre / "test", WNIDS, 1, ext="jpg")
-    s = folders.imagenet_a(data_root=tmp_path / "pre", image_size=16)
+    s = imagenet.imagenet_a(data_root=tmp_path / "pre", image_size=16)
     assert "pre-split" in s.fingerprint["layout"] and len(s.train) == 6 and s.class_names == WNIDS
     _raw_berkeley(tmp_path / "raw" / "imagenet-a", n=5)
-    s = folders.imagenet_a(data_root=tmp_path / "raw", image_size=16, seed=0)
+    s = imagenet.imagenet_a(data_root=tmp_path / "raw", image_size=16, seed=0)
     assert "raw" in s.fingerprint["layout"] and len(s.train) == 12 and len(s.test) == 3
     _check_split(s)
     _check_batch(s.test)
     with pytest.raises(FileNotFoundError, match="imagenet_a.*imagenet-a.tar"):
-        folders.imagenet_a(data_root=tmp_path / "none")
+        imagenet.imagenet_a(data_root=tmp_path / "none")
 
 
 # ----------------------------------------------------------------------------------------------- DomainNet
@@ -316,7 +319,7 @@ def _domainnet(root: Path, dirname: str = "domainnet") -> Path:
 
 def test_domainnet(tmp_path):
     folder = _domainnet(tmp_path)
-    s = folders.domainnet(data_root=tmp_path, image_size=16, domains=["clipart", "sketch"])
+    s = domainnet.domainnet(data_root=tmp_path, image_size=16, domains=["clipart", "sketch"])
     assert len(s.train) == 8 and len(s.test) == 4
     assert s.train.targets.tolist() == [0, 0, 1, 1] * 2
     assert s.class_names == ["aircraft_carrier", "zebra"]
@@ -325,31 +328,31 @@ def test_domainnet(tmp_path):
         f"{d}_{p}.txt" for d in ("clipart", "sketch") for p in ("train", "test")
     }
     _check_batch(s.train)
-    one = folders.domainnet(data_root=tmp_path, image_size=16, domains="sketch")
+    one = domainnet.domainnet(data_root=tmp_path, image_size=16, domains="sketch")
     assert len(one.train) == 4 and all("sketch" in p.name for p in one.train.paths)
 
 
 def test_domainnet_capitalised_dir(tmp_path):
     _domainnet(tmp_path, "DomainNet")
-    assert len(folders.domainnet(data_root=tmp_path, domains=["clipart"]).test) == 2
+    assert len(domainnet.domainnet(data_root=tmp_path, domains=["clipart"]).test) == 2
 
 
 def test_domainnet_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="domainnet.*DomainNet.*M3SDA"):
-        folders.domainnet(data_root=tmp_path)
+        domainnet.domainnet(data_root=tmp_path)
     folder = _domainnet(tmp_path)
     with pytest.raises(
         FileNotFoundError, match="infograph_train.txt, .*infograph_test.txt, .*real_test.txt\\. Accepted"
     ):
-        folders.domainnet(data_root=tmp_path)  # default: all six domains
+        domainnet.domainnet(data_root=tmp_path)  # default: all six domains
     with pytest.raises(ValueError, match="unknown domain.*photo"):
-        folders.domainnet(data_root=tmp_path, domains=["photo"])
+        domainnet.domainnet(data_root=tmp_path, domains=["photo"])
     (folder / "clipart_test.txt").write_text("clipart/zebra/clipart_test_0.jpg 1\nclipart/zebra/x.jpg one\n")
     with pytest.raises(ValueError, match="clipart_test.txt, line 2: malformed"):
-        folders.domainnet(data_root=tmp_path, domains=["clipart"])
+        domainnet.domainnet(data_root=tmp_path, domains=["clipart"])
     (folder / "clipart_test.txt").write_text("just_a_path.jpg\n")
     with pytest.raises(ValueError, match="line 1"):
-        folders.domainnet(data_root=tmp_path, domains=["clipart"])
+        domainnet.domainnet(data_root=tmp_path, domains=["clipart"])
 
 
 # ----------------------------------------------------------------------------------------------- CUB-200-2011
@@ -379,7 +382,7 @@ def _cub(root: Path, classes_txt: bool = True) -> Path:
 @pytest.mark.parametrize("classes_txt", [True, False])
 def test_cub200(tmp_path, classes_txt):
     _cub(tmp_path, classes_txt)
-    s = folders.cub200(data_root=tmp_path, image_size=16)
+    s = cub.cub200(data_root=tmp_path, image_size=16)
     assert len(s.train) == 4 and len(s.test) == 2
     assert s.train.targets.tolist() == [0, 0, 1, 1] and s.test.targets.tolist() == [0, 1]
     assert s.class_names == ["Black_footed_Albatross", "Laysan_Albatross"]
@@ -393,17 +396,17 @@ def test_cub200(tmp_path, classes_txt):
 
 def test_cub200_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="cub200.*images.txt.*CUB_200_2011.tgz"):
-        folders.cub200(data_root=tmp_path)
+        cub.cub200(data_root=tmp_path)
     folder = _cub(tmp_path)
     (folder / "train_test_split.txt").write_text("1 1\n2 yes\n")
     with pytest.raises(ValueError, match="train_test_split.txt, line 2"):
-        folders.cub200(data_root=tmp_path)
+        cub.cub200(data_root=tmp_path)
     (folder / "train_test_split.txt").write_text("1 1\n2 1\n")
     with pytest.raises(ValueError, match="train_test_split.txt has no entry for image id"):
-        folders.cub200(data_root=tmp_path)
+        cub.cub200(data_root=tmp_path)
     (folder / "image_class_labels.txt").write_text("1 0\n")
     with pytest.raises(ValueError, match="image_class_labels.txt, line 1.*1-based"):
-        folders.cub200(data_root=tmp_path)
+        cub.cub200(data_root=tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------- CIFAR-100

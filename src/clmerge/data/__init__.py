@@ -13,7 +13,7 @@ from .base import (
 )
 from .scenarios import PixelPermutation, Rotation, Scenario, Task, TaskData, build_scenario
 
-from . import cifar, folders  # noqa: F401,E402  (on-disk layouts: folders, CIFAR-100, ImageNet-R/A, DomainNet, CUB)
+from . import cifar, cub, domainnet, folders, imagenet  # noqa: F401,E402  (on-disk layouts)
 
 __all__ = [
     "DATASETS",

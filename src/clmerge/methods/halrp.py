@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..adapters.halrp import HALRPLayer, halrp_layers, wrap_halrp_layers
+from ..adapters.halrp import halrp_layers, wrap_halrp_layers
 from ..adapters.task_modules import TaskBatchNorm, TaskRoutedModel, set_active_task, wrap_batchnorms
 from ..engine.losses import classification_loss
 from ..params import low_rank_perturbation as lrp

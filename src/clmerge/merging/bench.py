@@ -9,6 +9,7 @@ used only for the reported numbers. Run it with ``clmerge merge-bench`` (see ``b
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -116,11 +117,17 @@ def _transform(spec: str, x: Tensor) -> Tensor:
     raise ValueError(f"unknown transform {spec!r}")
 
 
-def load_task(task: BenchTask, cfg: BenchConfig) -> dict[str, tuple[Tensor, Tensor]]:
-    """``{"train", "val", "test"}`` -> ``(x, y)`` tensors for ``task`` (val carved from train with a fixed seed)."""
+@functools.lru_cache(maxsize=8)
+def _splits(dataset: str):
+    """The data source's splits, built once per process (studies load the same tasks many times)."""
     from ..data import build_dataset
 
-    splits = build_dataset(task.dataset)
+    return build_dataset(dataset)
+
+
+def load_task(task: BenchTask, cfg: BenchConfig) -> dict[str, tuple[Tensor, Tensor]]:
+    """``{"train", "val", "test"}`` -> ``(x, y)`` tensors for ``task`` (val carved from train with a fixed seed)."""
+    splits = _splits(task.dataset)
     out = {}
     rng = np.random.default_rng(cfg.seed)
     tr = rng.permutation(len(splits.train))

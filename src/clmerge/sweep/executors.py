@@ -33,8 +33,39 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
+class _Deferred:
+    """An in-process job, run when first waited on (so results stream in the driver's order)."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple) -> None:
+        self.fn, self.args, self.done = fn, args, False
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        if not self.done:
+            try:
+                self.value = self.fn(*[_resolve_local(a) for a in self.args])
+            except Exception as exc:  # delivered at result(), as a pool would
+                self.error = exc
+            self.done = True
+
+    def result(self) -> Any:
+        self.run()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def _resolve_local(arg: Any) -> Any:
+    if isinstance(arg, (cf.Future, _Deferred)):
+        return arg.result()
+    if isinstance(arg, list):
+        return [_resolve_local(a) for a in arg]
+    return arg
+
+
 class LocalExecutor:
-    """In process (``workers=0``: a job runs at ``submit``) or a spawn-started process pool."""
+    """In process (``workers=0``: a job runs when the driver first waits on it) or a spawn process pool."""
 
     def __init__(self, workers: int = 0) -> None:
         self.name = "local"
@@ -43,32 +74,23 @@ class LocalExecutor:
         if workers > 0:
             self._pool = cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
 
-    def _resolve(self, arg: Any) -> Any:
-        if isinstance(arg, cf.Future):
-            return arg.result()
-        if isinstance(arg, list):
-            return [self._resolve(a) for a in arg]
-        return arg
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future:
-        args = tuple(self._resolve(a) for a in args)
-        if self._pool is not None:
-            return self._pool.submit(fn, *args)
-        fut: cf.Future = cf.Future()
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as exc:  # delivered at result(), as a pool would
-            fut.set_exception(exc)
-        return fut
+    def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future | _Deferred:
+        if self._pool is None:
+            return _Deferred(fn, args)
+        return self._pool.submit(fn, *tuple(_resolve_local(a) for a in args))
 
     def put(self, value: Any) -> Any:
         return value
 
-    def wait_any(self, handles: Sequence[cf.Future]) -> cf.Future:
+    def wait_any(self, handles: Sequence[Any]) -> Any:
+        """In process: runs and returns the first handle; pool: the first finished, in ``handles`` order."""
+        if self._pool is None:
+            handles[0].run()
+            return handles[0]
         done, _ = cf.wait(handles, return_when=cf.FIRST_COMPLETED)
-        return min(done, key=lambda f: handles.index(f))  # deterministic among those already done
+        return next(h for h in handles if h in done)
 
-    def result(self, handle: cf.Future) -> Any:
+    def result(self, handle: Any) -> Any:
         return handle.result()
 
     def close(self) -> None:

@@ -127,7 +127,10 @@ def _prepare(out: Path, spec: StudySpec, resume: bool) -> set[str]:
     if resume and saved.exists() and saved.read_text() != text:
         raise ValueError(f"{saved} differs from the spec given: --resume needs the same study")
     atomic_write_text(saved, text)
-    return {r["point_id"] for r in read_results(out)}
+    rows = read_results(out)
+    # rewrite without a torn last line (a killed run), so appended records start on a fresh line
+    atomic_write_text(results, "".join(json.dumps(r) + "\n" for r in rows))
+    return {r["point_id"] for r in rows}
 
 
 def run_study(spec: StudySpec, out: str | Path, *, backend: str = "local", workers: int = 0,
@@ -180,7 +183,7 @@ def _schedule(ex: Executor, spec: StudySpec, todo: list[Point], out: Path, cache
 
     submit_ready()
     while experts.pending or merges:
-        h = ex.wait_any(list(experts.pending) + list(merges))
+        h = ex.wait_any(list(merges) + list(experts.pending))  # merges first: results stream early
         try:
             res = ex.result(h)
         except Exception as exc:  # a failed job: report, keep going, --resume retries

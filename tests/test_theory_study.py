@@ -19,7 +19,8 @@ TINY = "{num_hidden_layers: 1, hidden_size: 32, num_attention_heads: 2, intermed
 SMOKE_OVERRIDES = ["base.pretrained=false", f"base.arch={TINY}", "seeds=[0]",
                    "methods=[{name: averaging}, {name: ties, density: 0.2}]", "data.max_train=48",
                    "data.max_eval=24", "measure.noise_samples=6", "grid.steps=[2, 4, 8]", "defaults.steps=4",
-                   "measure.weighting_steps=[2, 8]"]
+                   "measure.weighting_steps=[2, 8]",
+                   "suite=[digits:identity, digits:rot90, digits:rot180, digits:invert, digits:perm1]"]
 
 
 def _strip(rows: list[dict]) -> list[dict]:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from matplotlib.ticker import NullFormatter
 
 from ..theory.laws import FORMS, evaluate_form
 from ..utils.io import atomic_write_text
@@ -33,6 +34,9 @@ def law_plot(name: str, per_method: dict[str, dict]) -> bytes:
         ax.plot(grid, evaluate_form(form, fit["coef"], grid), color=color, label=f"{method} (R²={r2})")
     if name in ("lr", "batch_size", "steps"):
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    ticks = sorted({v for f in per_method.values() for v in f["x"]})
+    ax.set_xticks(ticks, [f"{v:g}" for v in ticks])
     ax.set_xlabel(f"{name}   [{form.equation}]")
     ax.set_ylabel("merged test loss")
     ax.legend(fontsize=7)

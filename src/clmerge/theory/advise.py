@@ -43,10 +43,12 @@ def _law_line(name: str, fit: dict) -> str:
         up, down = parts[2], parts[1]
         dom = form.roles[2] if up > down else form.roles[1]
         opt = fit["optimum"]
-        where = f"fitted optimum {_g(opt)} (95% CI {fit['optimum_ci'] and [round(v, 3) for v in fit['optimum_ci']]})" \
-            if opt else "no interior optimum (one term is zero)"
-        return (f"- {name}: at the default {x0:g}, the {dom} term dominates ({_g(max(up, down))} vs "
-                f"{_g(min(up, down))}); {where}; grid {xs[0]:g}..{xs[-1]:g}. {tail}")
+        where = (f"fitted optimum {_g(opt)} (95% CI of the {100 * fit['optimum_share']:.0f}% of bootstrap fits "
+                 f"that have one: {fit['optimum_ci'] and [round(v, 3) for v in fit['optimum_ci']]})") \
+            if opt else "no finite optimum (one of the competing terms is fitted as zero)"
+        which = (f"the {dom} term dominates ({_g(max(up, down))} vs {_g(min(up, down))})" if max(up, down) > 0
+                 else "neither competing term is active (both fitted as zero: the loss is flat)")
+        return f"- {name}: at the default {x0:g}, {which}; {where}; grid {xs[0]:g}..{xs[-1]:g}. {tail}"
     rise = float(evaluate_form(form, c, xs[-1])[0] - evaluate_form(form, c, xs[0])[0])
     return (f"- {name}: the {form.roles[1]} term is {_g(parts[1])} at the default {x0:g} "
             f"(floor {_g(parts[0])}); from {xs[0]:g} to {xs[-1]:g} the fitted loss changes by {rise:+.4g}. {tail}")
@@ -76,7 +78,8 @@ def _other_lines(fits: dict) -> list[str]:
     w = fits.get("weighting")
     if w:
         out.append(f"- averaging experts trained for K = {w['steps']} steps weights them as {np.round(w['measured'], 3).tolist()}"
-                   f" (Eq. 14 predicts {np.round(w['predicted'], 3).tolist()}; mean abs error {w['mean_abs_error']:.3g}).")
+                   f" (Eq. 14 predicts {np.round(w['predicted'], 3).tolist()}; mean abs error {w['mean_abs_error']:.3g});"
+                   f" shares of the total displacement ||tau_i||: {np.round(w['displacement_share'], 3).tolist()}.")
     for var, s in (fits.get("stability") or {}).items():
         if isinstance(s, dict) and "slope" in s:
             ci = s["ci"] and [round(v, 2) for v in s["ci"]]

@@ -81,7 +81,9 @@ def _weighting(rows: list[dict]) -> dict[str, Any] | None:
         return None
     meas = np.array([r["implicit_weights"] for r in sel])
     pred = np.array([r["predicted_weights"] for r in sel])
+    share = np.array([r["displacement_share"] for r in sel])
     return {"steps": sel[0]["steps"], "measured": meas.mean(0).tolist(), "predicted": pred.mean(0).tolist(),
+            "displacement_share": share.mean(0).tolist(),
             "mean_abs_error": float(np.abs(meas - pred).mean()),
             "longer_weighs_more": bool(np.all(np.diff(meas.mean(0)[np.argsort(sel[0]["steps"])]) > 0)),
             "per_task_acc": np.array([r["per_task_acc"] for r in sel]).mean(0).tolist(), "n": len(sel)}

@@ -188,6 +188,7 @@ def merge_job(point: dict[str, Any], spec: dict[str, Any], experts: list[dict], 
             avg_tv = q.task_vectors(base, [merged])[0]
             ref_tvs = q.task_vectors(base, [split_expert(decode(e["params"]))[0] for e in refs])
             rec["implicit_weights"] = q.implicit_weights(avg_tv, ref_tvs)
+            rec["displacement_share"] = q.displacement_share(tvs)
             rec["predicted_weights"] = q.predicted_weights(p.steps)
         rec["timings"] = {"merge_s": t1 - t0, "eval_s": t2 - t1, "measure_s": time.perf_counter() - t2}
         return rec

@@ -152,7 +152,10 @@ def fit_form(form: LawForm, x: np.ndarray, y: np.ndarray, *, n_boot: int = 200, 
         "roles": list(form.roles), "coef": c.tolist(), "ci_low": lo.tolist(), "ci_high": hi.tolist(), "level": level,
         "r2": _r2(y, evaluate_form(form, c, x)), "n": len(x),
         "optimum": optimum(form, c),
+        # among the bootstrap fits that have an optimum (both competing terms > 0); their share says how
+        # often the data support a finite optimum at all
         "optimum_ci": [float(np.quantile(opts, a)), float(np.quantile(opts, 1 - a))] if len(opts) > 1 else None,
+        "optimum_share": len(opts) / n_boot,
         "observed_trend": trend, "spearman": rho, "paper_trend": form.paper_trend, "claim": form.claim,
         "agrees": _agrees(form, trend, c, lo), "x": x.tolist(), "y": y.tolist(), "boot": boot.tolist(),
     }

@@ -28,7 +28,7 @@ from ..merging.ties import magnitude_threshold
 from ..params.fisher import per_sample_grads
 
 __all__ = ["gradient_stats", "heterogeneity", "dispersion", "ties_operator", "dare_operator", "squared_distance",
-           "implicit_weights", "predicted_weights", "task_vectors"]
+           "implicit_weights", "displacement_share", "predicted_weights", "task_vectors"]
 
 Params = dict[str, Tensor]
 
@@ -131,6 +131,13 @@ def implicit_weights(avg_tv: Params, ref_tvs: Sequence[Params]) -> list[float]:
     b = torch.cat([avg_tv[k].reshape(-1) for k in keys]).double()
     w = torch.linalg.lstsq(a, b.unsqueeze(1)).solution.squeeze(1).numpy()
     return (w / w.sum()).tolist()
+
+
+def displacement_share(tvs: Sequence[Params]) -> list[float]:
+    """``||tau_i|| / sum_j ||tau_j||``: each expert's share of the total displacement. Under Eq. (14) with
+    normalised directions of equal length (``tau_i = -eta K_i d_i``) this is ``K_i / sum_j K_j`` too."""
+    norms = np.array([np.sqrt(sum(float(v[k].pow(2).sum()) for k in v)) for v in tvs])
+    return (norms / norms.sum()).tolist()
 
 
 def predicted_weights(steps: Sequence[int]) -> list[float]:

@@ -8,6 +8,10 @@
 Running a study (many jobs, local or Ray) is :func:`clmerge.sweep.run_study`.
 """
 
+from .advise import advise
+from .analysis import fit_study, predict
+from .laws import FORMS, fit_form
 from .spec import StudySpec, expand_points, load_study, parse_study
 
-__all__ = ["StudySpec", "expand_points", "load_study", "parse_study"]
+__all__ = ["StudySpec", "expand_points", "load_study", "parse_study", "FORMS", "fit_form", "fit_study", "predict",
+           "advise"]

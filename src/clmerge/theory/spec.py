@@ -92,10 +92,10 @@ class StudySpec(_Strict):
     defaults: Defaults = Field(default_factory=Defaults)
     grid: Grid = Field(default_factory=Grid)
     design: Literal["one_at_a_time", "full"] = "one_at_a_time"
-    seeds: list[int] = Field(default_factory=lambda: [0])
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     groups: int = Field(1, ge=1, description="random task groups per point (the paper uses 15)")
     group_seed: int = 0
-    methods: list[dict[str, Any]] = Field(default_factory=lambda: [{"name": "averaging"}])
+    methods: list[dict[str, Any]] = Field(default_factory=lambda: [{"name": "averaging"}], min_length=1)
     measure: MeasureSpec = Field(default_factory=MeasureSpec)
     threads: int = Field(1, ge=1, description="torch threads inside every job (fixed for identical numbers)")
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import multiprocessing
-import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -109,12 +108,11 @@ class RayExecutor:
         self._ray = ray
         self._started = False
         if not ray.is_initialized():
-            # Workers import clmerge from the same installation; keep their torch at one thread unless told.
-            env = {"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}}
+            # Workers import clmerge from their own installation; every job sets its torch thread count.
             if address is None:
-                ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=False)
+                ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
             else:
-                ray.init(address=address, runtime_env=env, log_to_driver=False)
+                ray.init(address=address, log_to_driver=False)
             self._started = True
         # One generic remote function: top-level ref arguments are resolved by Ray, lists of refs inside it.
         self._call = ray.remote(num_cpus=1)(_call_resolving)

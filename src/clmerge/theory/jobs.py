@@ -123,17 +123,24 @@ def _evaluate(backbone: nn.Module, params: Params, heads: list[nn.Module], data:
             "per_task_loss": losses, "per_task_acc": accs}
 
 
-def _gradient_terms(spec: StudySpec, p: Point, cfgs: list[BenchConfig], data: list[dict]) -> dict[str, Any]:
+_BASE_FIELDS = ("backbone", "pretrained", "arch", "seed")
+
+
+@lru_cache(maxsize=16)
+def _task_gradient(task: str, key: str, m: int) -> tuple[Params, float]:
+    """``(g_i, sigma_i^2)`` of ``task`` at the start of fine-tuning; cached per process, since every method
+    and every setting that shares the data and the base shares it."""
+    cfg = BenchConfig(**json.loads(key))
+    x, y = task_data(task, cfg)["train"]
+    backbone, head = init_expert(cfg, int(y.max()) + 1)
+    return q.gradient_stats(backbone, head, x[:m], y[:m])
+
+
+def _gradient_terms(spec: StudySpec, cfgs: list[BenchConfig], tasks: list[str]) -> dict[str, Any]:
     """``sigma_i^2`` and ``zeta_i^2`` at the start of fine-tuning (base backbone, seeded fresh head)."""
-    grads, sigma2 = [], []
-    m = spec.measure.noise_samples
-    for cfg, d in zip(cfgs, data):
-        x, y = d["train"]
-        backbone, head = init_expert(cfg, int(y.max()) + 1)
-        g, s2 = q.gradient_stats(backbone, head, x[:m], y[:m])
-        grads.append(g)
-        sigma2.append(s2)
-    return {"sigma2": sigma2, "zeta2": q.heterogeneity(grads)}
+    stats = [_task_gradient(t, json.dumps({k: getattr(c, k) for k in _DATA_FIELDS + _BASE_FIELDS}, sort_keys=True),
+                            spec.measure.noise_samples) for t, c in zip(tasks, cfgs)]
+    return {"sigma2": [s2 for _, s2 in stats], "zeta2": q.heterogeneity([g for g, _ in stats])}
 
 
 def _heterogeneity_terms(p: Point, tvs: list[Params]) -> dict[str, float]:
@@ -180,7 +187,7 @@ def merge_job(point: dict[str, Any], spec: dict[str, Any], experts: list[dict], 
         rec: dict[str, Any] = {**_evaluate(backbone, merged, heads, data), **extra}
         t2 = time.perf_counter()
         tvs = q.task_vectors(base, bbs)
-        rec |= _gradient_terms(s, p, cfgs, data) | _heterogeneity_terms(p, tvs)
+        rec |= _gradient_terms(s, cfgs, p.tasks) | _heterogeneity_terms(p, tvs)
         rec["n_train"] = [len(d["train"][1]) for d in data]
         if twin is not None:
             rec["stability_sq"] = q.squared_distance(bbs[0], split_expert(decode(twin["params"]))[0])

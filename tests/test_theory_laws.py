@@ -93,3 +93,18 @@ def test_predict_with_an_interval_from_the_fitted_laws():
         predict(fits, "averaging", batch_size=64)
     with pytest.raises(KeyError, match="ties"):
         predict(fits, "ties")
+
+
+def test_batch_lr_interaction_recovers_b_star_proportional_to_one_over_lr():
+    from clmerge.theory.analysis import _interaction
+
+    defaults = {"steps": 10, "lr": 0.01, "batch_size": 16, "data_ratio": 1.0, "optimizer": "sgd", "n_experts": 3}
+    rows = []
+    for lr in (0.005, 0.01, 0.02, 0.04):
+        for b in (2, 4, 8, 16, 32, 64, 128, 256):
+            loss = 1.0 + 2.0 / b + 40.0 * lr ** 2 * b  # b* = sqrt(2 / (40 lr^2)) = 0.2236 / lr
+            rows.append({**defaults, "kind": "grid", "method": "averaging", "lr": lr, "batch_size": b,
+                         "merged_loss": loss})
+    out = _interaction(rows, defaults, ["averaging"], n_boot=20)["averaging"]
+    assert out["by_lr"]["0.01"]["optimum"] == pytest.approx(np.sqrt(2 / 40) / 0.01, rel=1e-3)
+    assert out["b_star_slope"]["slope"] == pytest.approx(-1.0, abs=1e-3)

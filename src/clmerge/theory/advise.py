@@ -80,6 +80,11 @@ def _other_lines(fits: dict) -> list[str]:
         out.append(f"- averaging experts trained for K = {w['steps']} steps weights them as {np.round(w['measured'], 3).tolist()}"
                    f" (Eq. 14 predicts {np.round(w['predicted'], 3).tolist()}; mean abs error {w['mean_abs_error']:.3g});"
                    f" shares of the total displacement ||tau_i||: {np.round(w['displacement_share'], 3).tolist()}.")
+    for m, it in (fits.get("interaction") or {}).items():
+        sl = it.get("b_star_slope")
+        opts = {lr: f["optimum"] for lr, f in it["by_lr"].items()}
+        out.append(f"- {m}: best batch size by learning rate {opts}" + (
+            f"; log b* vs log lr slope {sl['slope']:.2f} (spec 4.C: -1)." if sl else "."))
     for var, s in (fits.get("stability") or {}).items():
         if isinstance(s, dict) and "slope" in s:
             ci = s["ci"] and [round(v, 2) for v in s["ci"]]

@@ -8,6 +8,7 @@
 * ``sparsification``: mean ``H(M) / H(id)`` of TIES and DARE (Corollary 1 predicts < 1).
 * ``weighting``: measured vs predicted ``lambda_i = K_i / sum K_j`` (Eq. 14).
 * ``terms``: mean ``sigma_i^2`` and ``zeta_i^2`` at the default setting.
+* ``interaction``: the batch-size law refitted at each learning rate of a 2-D lr x batch slice (P4).
 
 :func:`predict` combines the one-variable laws additively around the defaults (an approximation: the
 paper's bound is not separable, e.g. the ``eta^2 b`` interaction of the batch-size law).
@@ -46,6 +47,30 @@ def _fit_laws(rows: list[dict], defaults: dict, methods: list[str], n_boot: int)
             fit["default_x"] = defaults[form.column]
             laws.setdefault(name, {})[m] = fit
     return laws
+
+
+def _interaction(rows: list[dict], defaults: dict, methods: list[str], n_boot: int) -> dict[str, Any]:
+    """The batch-size law at each learning rate (needs a 2-D lr x batch slice, e.g. ``design: full``).
+
+    Spec 4.C: ``b* = sqrt(c_-1 / (c1 eta^2)) ∝ 1/eta`` (P4), so ``log b*`` against ``log eta`` has slope -1.
+    """
+    out: dict[str, Any] = {}
+    for m in methods:
+        sel = [r for r in rows if r["kind"] == "grid" and r["method"] == m
+               and all(r[h] == defaults[h] for h in HYPERPARAMETERS if h not in ("lr", "batch_size"))]
+        per_lr = {}
+        for lr in sorted({r["lr"] for r in sel}):
+            x = np.array([r["batch_size"] for r in sel if r["lr"] == lr], dtype=float)
+            if len(np.unique(x)) >= 3:
+                y = np.array([r["merged_loss"] for r in sel if r["lr"] == lr])
+                f = fit_form(FORMS["batch_size"], x, y, n_boot=n_boot)
+                per_lr[lr] = {k: f[k] for k in ("coef", "r2", "optimum", "optimum_ci", "observed_trend")}
+        if len(per_lr) >= 2:
+            opt = {lr: f["optimum"] for lr, f in per_lr.items() if f["optimum"] is not None}
+            slope = power_slope(np.array(list(opt)), np.array(list(opt.values())), n_boot=n_boot) \
+                if len(opt) >= 2 else None
+            out[m] = {"by_lr": {str(k): v for k, v in per_lr.items()}, "b_star_slope": slope, "expected_slope": -1.0}
+    return out
 
 
 def _stability(rows: list[dict], defaults: dict, n_boot: int) -> dict[str, Any]:
@@ -107,7 +132,8 @@ def fit_study(rows: list[dict], spec: StudySpec, *, n_boot: int = 200) -> dict[s
     methods = list(dict.fromkeys(m["name"] for m in spec.methods))
     return {"defaults": defaults, "methods": methods, "laws": _fit_laws(rows, defaults, methods, n_boot),
             "stability": _stability(rows, defaults, n_boot), "sparsification": _sparsification(rows),
-            "weighting": _weighting(rows), "terms": _terms(rows, defaults), "n_rows": len(rows)}
+            "weighting": _weighting(rows), "terms": _terms(rows, defaults),
+            "interaction": _interaction(rows, defaults, methods, n_boot), "n_rows": len(rows)}
 
 
 def predict(fits: dict[str, Any], method: str, level: float = 0.95, **hp: float) -> dict[str, Any]:

@@ -164,6 +164,14 @@ app.command("merge")(_merge_command)
 app.command("merges", help="List the model-merging methods.")(_list_merges)
 app.command("merge-bench")(_merge_bench_command)
 
+from .study_cli import advise_command as _advise_command  # noqa: E402
+from .study_cli import predict_command as _predict_command  # noqa: E402
+from .study_cli import study_command as _study_command  # noqa: E402
+
+app.command("study")(_study_command)
+app.command("predict")(_predict_command)
+app.command("advise")(_advise_command)
+
 
 def main() -> None:
     app(prog_name="clmerge")

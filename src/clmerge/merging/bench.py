@@ -9,6 +9,7 @@ used only for the reported numbers. Run it with ``clmerge merge-bench`` (see ``b
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -25,7 +26,8 @@ from torch import Tensor, nn
 from ..utils.io import atomic_write_text, load_tensors, save_tensors, write_json
 from .registry import merge
 
-__all__ = ["BenchTask", "BenchConfig", "SUITES", "DEFAULT_GRIDS", "run_benchmark", "expert_for_task"]
+__all__ = ["BenchTask", "BenchConfig", "SUITES", "DEFAULT_GRIDS", "run_benchmark", "expert_for_task", "train_expert",
+           "init_expert", "expert_digest", "expert_path", "loss_and_accuracy", "parse_task", "split_expert"]
 
 
 @dataclass(frozen=True)
@@ -40,9 +42,13 @@ class BenchTask:
         return f"{self.dataset}-{self.transform}"
 
 
-def _t(spec: str) -> BenchTask:
-    d, tr = spec.split(":")
-    return BenchTask(d, tr)
+def parse_task(spec: str) -> BenchTask:
+    """``"dataset:transform"`` -> :class:`BenchTask` (``"digits"`` alone means the identity transform)."""
+    d, _, tr = spec.partition(":")
+    return BenchTask(d, tr or "identity")
+
+
+_t = parse_task
 
 
 SUITES: dict[str, list[BenchTask]] = {
@@ -79,9 +85,19 @@ class BenchConfig:
     val_fraction: float = 0.15
     max_eval: int | None = None
     seed: int = 0
+    # Added for the expert studies of clmerge.theory. They enter the expert's cache key only when they differ
+    # from these defaults, so experts cached before these fields existed keep their names.
+    steps: int | None = None  # a fixed number of optimizer steps (overrides ``epochs``)
+    optimizer: str = "adamw"  # "sgd" (plain mini-batch SGD, the theory's setting), "adam" or "adamw"
+    momentum: float = 0.0  # SGD only
+    data_ratio: float = 1.0  # fraction of the (capped) training split used, the paper's alpha_i
+    perturb: int | None = None  # replace training sample ``perturb`` by a held-out one (L2-stability twin)
+
+    _NEW_DEFAULTS = {"steps": None, "optimizer": "adamw", "momentum": 0.0, "data_ratio": 1.0, "perturb": None}
 
     def expert_key(self, task: BenchTask) -> dict:
         keep = {k: v for k, v in asdict(self).items() if k not in ("suite", "max_eval")}
+        keep = {k: v for k, v in keep.items() if k not in self._NEW_DEFAULTS or v != self._NEW_DEFAULTS[k]}
         return {"task": asdict(task), **keep}
 
 
@@ -101,11 +117,17 @@ def _transform(spec: str, x: Tensor) -> Tensor:
     raise ValueError(f"unknown transform {spec!r}")
 
 
-def load_task(task: BenchTask, cfg: BenchConfig) -> dict[str, tuple[Tensor, Tensor]]:
-    """``{"train", "val", "test"}`` -> ``(x, y)`` tensors for ``task`` (val carved from train with a fixed seed)."""
+@functools.lru_cache(maxsize=8)
+def _splits(dataset: str):
+    """The data source's splits, built once per process (studies load the same tasks many times)."""
     from ..data import build_dataset
 
-    splits = build_dataset(task.dataset)
+    return build_dataset(dataset)
+
+
+def load_task(task: BenchTask, cfg: BenchConfig) -> dict[str, tuple[Tensor, Tensor]]:
+    """``{"train", "val", "test"}`` -> ``(x, y)`` tensors for ``task`` (val carved from train with a fixed seed)."""
+    splits = _splits(task.dataset)
     out = {}
     rng = np.random.default_rng(cfg.seed)
     tr = rng.permutation(len(splits.train))
@@ -115,6 +137,13 @@ def load_task(task: BenchTask, cfg: BenchConfig) -> dict[str, tuple[Tensor, Tens
         src = splits.test if name == "test" else splits.train
         cap = cfg.max_train if name == "train" else cfg.max_eval
         idx = idx[:cap] if cap else idx
+        if name == "train" and cfg.data_ratio < 1.0:
+            idx = idx[:max(1, int(round(cfg.data_ratio * len(idx))))]
+        if name == "train" and cfg.perturb is not None:
+            # Definition 1 of the theory spec: the j-th sample replaced by an independent draw z~_j (the
+            # first validation sample, never a training sample).
+            idx = idx.copy()
+            idx[cfg.perturb % len(idx)] = parts["val"][0]
         x, y = src.get_batch(idx)
         out[name] = (_transform(task.transform, x.float()), torch.as_tensor(y, dtype=torch.long))
     return out
@@ -138,32 +167,92 @@ def _accuracy(backbone: nn.Module, head: nn.Module, x: Tensor, y: Tensor, bs: in
     return 100.0 * correct / max(1, len(x))
 
 
+def loss_and_accuracy(backbone: nn.Module, head: nn.Module, x: Tensor, y: Tensor, bs: int = 256) -> tuple[float, float]:
+    """``(summed cross-entropy, number correct)`` of ``head(backbone(x))`` against ``y`` (sums, for pooling)."""
+    backbone.eval()
+    loss, correct = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(x), bs):
+            logits = head(backbone(x[i:i + bs]))
+            loss += float(F.cross_entropy(logits.double(), y[i:i + bs], reduction="sum"))
+            correct += int((logits.argmax(-1) == y[i:i + bs]).sum())
+    return loss, correct
+
+
+def expert_digest(task: BenchTask, cfg: BenchConfig) -> str:
+    """SHA-256 of the JSON of everything that makes the expert of ``task`` (its cache identity)."""
+    return hashlib.sha256(json.dumps(cfg.expert_key(task), sort_keys=True).encode()).hexdigest()
+
+
+def expert_path(cache: Path, task: BenchTask, cfg: BenchConfig) -> Path:
+    """Where the expert of ``task`` under ``cfg`` is cached (safetensors; its config JSON sits beside it)."""
+    return cache / f"{task.name}-{expert_digest(task, cfg)[:16]}.safetensors"
+
+
+def init_expert(cfg: BenchConfig, num_classes: int) -> tuple[nn.Module, nn.Module]:
+    """The starting point of every expert: the shared base backbone and a seeded fresh head."""
+    backbone = build_base(cfg)
+    return backbone, nn.Linear(backbone.feature_dim, num_classes)
+
+
+def _optimizer(cfg: BenchConfig, params: list) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+    raise ValueError(f"unknown optimizer {cfg.optimizer!r} (expected sgd, adam or adamw)")
+
+
+def _batches(n: int, cfg: BenchConfig, g: torch.Generator):
+    """Index batches: ``epochs`` passes, or exactly ``steps`` batches over repeated seeded permutations."""
+    if cfg.steps is None:
+        for _ in range(cfg.epochs):
+            yield from torch.randperm(n, generator=g).split(cfg.batch_size)
+        return
+    done = 0
+    while done < cfg.steps:
+        for idx in torch.randperm(n, generator=g).split(cfg.batch_size):
+            if done == cfg.steps:
+                return
+            yield idx
+            done += 1
+
+
+def train_expert(cfg: BenchConfig, data: dict) -> dict[str, Tensor]:
+    """Fine-tune one expert from :func:`init_expert` on ``data["train"]``; keys ``backbone.*`` and ``head.*``."""
+    x, y = data["train"]
+    backbone, head = init_expert(cfg, int(y.max()) + 1)
+    opt = _optimizer(cfg, list(backbone.parameters()) + list(head.parameters()))
+    g = torch.Generator().manual_seed(cfg.seed)
+    backbone.train()
+    for idx in _batches(len(x), cfg, g):
+        loss = F.cross_entropy(head(backbone(x[idx])), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {f"backbone.{k}": v for k, v in backbone.state_dict().items()} | \
+           {f"head.{k}": v for k, v in head.state_dict().items()}
+
+
+def split_expert(sd: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """``(backbone params, head params)`` of a saved expert dict."""
+    split = lambda p: {k[len(p):]: v for k, v in sd.items() if k.startswith(p)}  # noqa: E731
+    return split("backbone."), split("head.")
+
+
 def expert_for_task(task: BenchTask, cfg: BenchConfig, data: dict, cache: Path) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """``(backbone params, head params)`` of the expert for ``task``: from the cache, or fine-tuned now."""
-    key = cfg.expert_key(task)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-    path = cache / f"{task.name}-{digest[:16]}.safetensors"
+    path = expert_path(cache, task, cfg)
     if path.exists():
         sd = load_tensors(path)
     else:
-        backbone = build_base(cfg)
-        x, y = data["train"]
-        head = nn.Linear(backbone.feature_dim, int(y.max()) + 1)
-        opt = torch.optim.AdamW(list(backbone.parameters()) + list(head.parameters()), lr=cfg.lr, weight_decay=0.0)
-        g = torch.Generator().manual_seed(cfg.seed)
-        backbone.train()
-        for _ in range(cfg.epochs):
-            for idx in torch.randperm(len(x), generator=g).split(cfg.batch_size):
-                loss = F.cross_entropy(head(backbone(x[idx])), y[idx])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-        sd = {f"backbone.{k}": v for k, v in backbone.state_dict().items()} | \
-             {f"head.{k}": v for k, v in head.state_dict().items()}
+        digest = expert_digest(task, cfg)
+        sd = train_expert(cfg, data)
         save_tensors(path, sd, metadata={"sha256_of_config": digest})
-        write_json(path.with_suffix(".json"), {"sha256": digest, "config": key})
-    split = lambda p: {k[len(p):]: v for k, v in sd.items() if k.startswith(p)}  # noqa: E731
-    return split("backbone."), split("head.")
+        write_json(path.with_suffix(".json"), {"sha256": digest, "config": cfg.expert_key(task)})
+    return split_expert(sd)
 
 
 def _grid(space: dict[str, list[Any]]) -> list[dict[str, Any]]:

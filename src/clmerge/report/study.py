@@ -1,0 +1,95 @@
+"""``DIR/report.html`` of a study: each fitted law's data against its fit (with the bootstrap band), the
+L2-stability slopes, and the tables of fits and measured terms. Self-contained like every clmerge report."""
+
+from __future__ import annotations
+
+from html import escape
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.ticker import NullFormatter
+
+from ..theory.laws import FORMS, evaluate_form
+from ..utils.io import atomic_write_text
+from .html import _img, _page, _section, _table
+from .plots import _new_figure, _to_png
+
+__all__ = ["law_plot", "stability_plot", "build_study_report"]
+
+
+def law_plot(name: str, per_method: dict[str, dict]) -> bytes:
+    """Merged loss against one hyperparameter: the points of each method and its fitted curve, 95% band."""
+    fig = _new_figure(5.0, 3.4)
+    ax = fig.add_subplot(1, 1, 1)
+    form = FORMS[name]
+    for i, (method, fit) in enumerate(per_method.items()):
+        color = f"C{i}"
+        x, y = np.array(fit["x"]), np.array(fit["y"])
+        ax.scatter(x, y, s=14, color=color, alpha=0.7)
+        grid = np.geomspace(x.min(), x.max(), 60) if x.min() > 0 else np.linspace(x.min(), x.max(), 60)
+        band = evaluate_form(form, np.array(fit["boot"]), grid)
+        ax.fill_between(grid, np.quantile(band, 0.025, 0), np.quantile(band, 0.975, 0), color=color, alpha=0.15)
+        r2 = "n/a" if fit["r2"] is None else f"{fit['r2']:.2f}"
+        ax.plot(grid, evaluate_form(form, fit["coef"], grid), color=color, label=f"{method} (R²={r2})")
+    if name in ("lr", "batch_size", "steps"):
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    ticks = sorted({v for f in per_method.values() for v in f["x"]})
+    ax.set_xticks(ticks, [f"{v:g}" for v in ticks])
+    ax.set_xlabel(f"{name}   [{form.equation}]")
+    ax.set_ylabel("merged test loss")
+    ax.legend(fontsize=7)
+    return _to_png(fig)
+
+
+def stability_plot(stab: dict[str, Any]) -> bytes:
+    """``||x - x~||^2`` against each varied quantity on log-log axes with the fitted slope."""
+    fits = {k: v for k, v in stab.items() if isinstance(v, dict) and "slope" in v}
+    fig = _new_figure(3.4 * max(1, len(fits)), 3.0)
+    for i, (var, f) in enumerate(fits.items()):
+        ax = fig.add_subplot(1, len(fits), i + 1)
+        x, y = np.array(f["x"]), np.array(f["y"])
+        ax.loglog(x, y, "o", ms=4)
+        g = np.geomspace(x.min(), x.max(), 20)
+        c = np.exp(np.mean(np.log(y)) - f["slope"] * np.mean(np.log(x)))
+        ax.loglog(g, c * g ** f["slope"], "-", label=f"slope {f['slope']:.2f} (theory {f['expected']:g})")
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ticks = sorted(set(f["x"]))
+        ax.set_xticks(ticks, [f"{v:g}" for v in ticks])
+        ax.set_xlabel(var)
+        ax.set_ylabel("||x - x~||²" if i == 0 else "")
+        ax.legend(fontsize=7)
+    return _to_png(fig)
+
+
+def _fits_table(laws: dict[str, dict[str, dict]]) -> str:
+    rows = []
+    for name, per in laws.items():
+        for method, f in per.items():
+            coef = ", ".join(f"{t}={c:.3g} [{lo:.3g}, {hi:.3g}]"
+                             for t, c, lo, hi in zip(f["terms"], f["coef"], f["ci_low"], f["ci_high"]))
+            rows.append([name, method, f["equation"], coef, "—" if f["r2"] is None else f"{f['r2']:.3f}",
+                         "—" if f["optimum"] is None else f"{f['optimum']:.3g}", f["paper_trend"],
+                         f["observed_trend"], "yes" if f["agrees"] else "no"])
+    return _table(["law", "method", "form", "coefficients [95% CI]", "R²", "optimum", "paper", "observed", "agrees"],
+                  rows, numeric_from=4)
+
+
+def build_study_report(out: str | Path, rows: list[dict], fits: dict[str, Any], advice: str) -> Path:
+    """Write ``out/report.html`` and return its path."""
+    out = Path(out)
+    sections = [_section("Advice", f"<pre>{escape(advice)}</pre>"),
+                _section("Fitted laws (spec 004 section 4.C)", _fits_table(fits.get("laws", {})))]
+    plots = [_img(law_plot(n, per), f"law {n}") for n, per in fits.get("laws", {}).items()]
+    sections.append(_section("Data against fits", "\n".join(plots) or '<p class="note">no law could be fitted</p>'))
+    stab = fits.get("stability") or {}
+    if any(isinstance(v, dict) and "slope" in v for v in stab.values()):
+        sections.append(_section("L2 stability (Theorem 1)", _img(stability_plot(stab), "stability")))
+    n_grid = sum(r["kind"] == "grid" for r in rows)
+    header = (f"<h1>Study: {escape(out.name)}</h1><p class=\"meta\"><span>{n_grid} merged grid points</span>"
+              f"<span>{len(rows) - n_grid} weighting points</span></p>")
+    path = out / "report.html"
+    atomic_write_text(path, _page(f"clmerge study {out.name}", header, sections))
+    return path

@@ -1,0 +1,119 @@
+"""``clmerge study``, ``clmerge predict`` and ``clmerge advise`` (seed 004), registered by ``cli.py``.
+
+The commands are thin: the work is in :func:`clmerge.sweep.run_study` (jobs), :mod:`clmerge.theory`
+(fits, predictions, advice) and :mod:`clmerge.report.study` (the HTML page). :func:`finish_study` is the
+step after the jobs (fits.json, report.html, advice.txt), also run alone by ``clmerge study --fit-only``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+import yaml
+from rich.console import Console
+
+__all__ = ["study_command", "predict_command", "advise_command", "finish_study"]
+
+console = Console()
+err = Console(stderr=True)
+
+
+def _fail(msg: str) -> None:
+    err.print(f"[bold red]error:[/] {msg}")
+    raise typer.Exit(2)
+
+
+def finish_study(out: Path, rows: list[dict] | None = None, *, n_boot: int = 200) -> dict[str, Any]:
+    """Fit the laws of the study in ``out`` and write ``fits.json``, ``advice.txt`` and ``report.html``."""
+    from .report.study import build_study_report
+    from .sweep import read_results
+    from .theory.advise import advise
+    from .theory.analysis import fit_study
+    from .theory.spec import parse_study
+    from .utils.io import atomic_write_text, write_json
+
+    spec = parse_study(yaml.safe_load((out / "study.yaml").read_text()))
+    rows = read_results(out) if rows is None else rows
+    fits = fit_study(rows, spec, n_boot=n_boot)
+    write_json(out / "fits.json", fits)
+    text = advise(rows, fits)
+    atomic_write_text(out / "advice.txt", text + "\n")
+    build_study_report(out, rows, fits, text)
+    return fits
+
+
+def study_command(
+    spec: Path = typer.Argument(..., help="study spec YAML (see benchmarks/study_smoke.yaml)"),
+    out: Path = typer.Option(..., "--out", help="study directory (results.jsonl, fits.json, report.html)"),
+    backend: str = typer.Option("local", "--backend", help="local (in process / --workers pool) or ray"),
+    address: str | None = typer.Option(None, "--address", help="Ray: an existing cluster (auto, HOST:PORT, "
+                                       "ray://...); default: start a local one"),
+    workers: int = typer.Option(0, "--workers", help="local: process-pool size (0: in process)"),
+    num_cpus: int | None = typer.Option(None, "--num-cpus", help="Ray local cluster: CPUs (default: all)"),
+    resume: bool = typer.Option(False, "--resume", help="keep finished points in --out, run the rest"),
+    cache: Path | None = typer.Option(None, "--cache", help="expert cache directory (default: OUT/experts)"),
+    set_: list[str] = typer.Option([], "--set", help="override a spec key: dotted.key=value (repeatable)"),
+    fit_only: bool = typer.Option(False, "--fit-only", help="only refit the laws and rebuild the report"),
+) -> None:
+    """Run an expert-hyperparameter study, fit the laws, write the report."""
+    from .config import ConfigError
+    from .sweep import StudyError, run_study
+    from .theory.spec import load_study
+
+    try:
+        if not fit_only:
+            study = load_study(spec, set_)
+            run_study(study, out, backend=backend, workers=workers, address=address, num_cpus=num_cpus,
+                      resume=resume, cache=cache, log=console.print)
+        fits = finish_study(out)
+    except (ConfigError, FileExistsError, FileNotFoundError, ValueError, StudyError) as exc:
+        _fail(str(exc))
+    n = sum(len(v) for v in fits["laws"].values())
+    console.print(f"{n} law fits -> {out / 'fits.json'}; report: {out / 'report.html'}")
+
+
+def _parse_assignments(items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"expected NAME=VALUE, got {item!r}")
+        out[key.strip()] = float(value)
+    return out
+
+
+def predict_command(
+    study_dir: Path = typer.Argument(..., help="a study directory with fits.json"),
+    assignments: list[str] = typer.Argument(None, help="hyperparameters to change, e.g. lr=0.02 steps=80"),
+    method: str = typer.Option("averaging", "--method", help="merge method whose laws to use"),
+) -> None:
+    """Predict the merged loss at unseen expert hyperparameters, with a 95% interval."""
+    from .theory.analysis import predict
+    from .utils.io import read_json
+
+    try:
+        fits = read_json(study_dir / "fits.json")
+        res = predict(fits, method, **_parse_assignments(assignments or []))
+    except (FileNotFoundError, KeyError, ValueError) as exc:
+        _fail(str(exc).strip("'\""))
+    hp = ", ".join(f"{k}={v:g}" for k, v in res["hp"].items()) or "the defaults"
+    warn = f" (extrapolated in {', '.join(res['extrapolated'])})" if res["extrapolated"] else ""
+    console.print(f"{method} at {hp}: merged loss {res['loss']:.4f} "
+                  f"[{res['low']:.4f}, {res['high']:.4f}] (95%){warn}")
+
+
+def advise_command(study_dir: Path = typer.Argument(..., help="a study directory")) -> None:
+    """Plain-words advice: which expert settings merge best and which term of the bound dominates."""
+    from .sweep import read_results
+    from .theory.advise import advise
+    from .utils.io import read_json
+
+    if not (study_dir / "results.jsonl").exists():
+        _fail(f"{study_dir}: no results.jsonl (run `clmerge study` first)")
+    try:
+        fits = read_json(study_dir / "fits.json") if (study_dir / "fits.json").exists() else finish_study(study_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        _fail(str(exc))
+    typer.echo(advise(read_results(study_dir), fits))

@@ -1,0 +1,204 @@
+"""Run a study (``clmerge study``): schedule expert and merge jobs on an executor, stream results to disk.
+
+The driver owns the files; workers only compute. Every expert is cached under ``CACHE/<task>-<sha16>``
+(safetensors + JSON) by the SHA-256 of the config that makes it, so points share experts and a rerun trains
+nothing it already has. A merge job is submitted as soon as its experts exist, and each merged point is
+appended to ``DIR/results.jsonl`` the moment it finishes. At the end the file is rewritten in the
+study's point order, so the local and Ray backends leave the same file (up to the ``timings`` fields).
+
+``resume=True`` keeps the finished lines and runs only the missing points.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..merging.bench import BenchConfig, expert_digest, expert_path, parse_task
+from ..theory.jobs import expert_job, merge_job, twin_config
+from ..theory.spec import HYPERPARAMETERS, Point, StudySpec, expand_points
+from ..utils.io import append_jsonl, atomic_write_text, save_tensors, write_json
+from .executors import Executor, make_executor
+
+__all__ = ["run_study", "read_results", "StudyError"]
+
+
+class StudyError(RuntimeError):
+    """Some jobs failed; the finished points are on disk and ``--resume`` retries the rest."""
+
+
+def read_results(out: Path) -> list[dict[str, Any]]:
+    """The records of ``out/results.jsonl`` (a torn last line, from a killed run, is skipped)."""
+    path = Path(out) / "results.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+class _Experts:
+    """The experts a set of points needs: cached ones loaded, missing ones submitted, all as handles."""
+
+    def __init__(self, ex: Executor, cache: Path, threads: int) -> None:
+        self.ex, self.cache, self.threads = ex, cache, threads
+        self.handles: dict[str, Any] = {}  # digest -> handle (or stored value)
+        self.ready: set[str] = set()
+        self.pending: dict[Any, str] = {}  # handle -> digest
+        self.infos: dict[str, dict] = {}
+        self._what: dict[str, tuple[str, BenchConfig]] = {}
+
+    def need(self, task: str, cfg: BenchConfig) -> str:
+        digest = expert_digest(parse_task(task), cfg)
+        if digest in self.handles:
+            return digest
+        self._what[digest] = (task, cfg)
+        path = expert_path(self.cache, parse_task(task), cfg)
+        meta = path.with_suffix(".json")
+        if path.exists() and meta.exists():
+            info = json.loads(meta.read_text()).get("info")
+            if info is not None:
+                self.infos[digest] = info
+                self.handles[digest] = self.ex.put({"params": path.read_bytes(), "info": info})
+                self.ready.add(digest)
+                return digest
+        h = self.ex.submit(expert_job, task, asdict(cfg), self.threads)
+        self.handles[digest], self.pending[h] = h, digest
+        return digest
+
+    def finished(self, h: Any, res: dict) -> str:
+        digest = self.pending.pop(h)
+        task, cfg = self._what[digest]
+        path = expert_path(self.cache, parse_task(task), cfg)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        from safetensors.torch import load
+
+        save_tensors(path, load(res["params"]), metadata={"sha256_of_config": digest})
+        write_json(path.with_suffix(".json"), {"sha256": digest, "config": cfg.expert_key(parse_task(task)),
+                                               "info": res["info"]})
+        self.infos[digest] = res["info"]
+        self.ready.add(digest)
+        return digest
+
+
+def _needs(spec: StudySpec, p: Point, experts: _Experts) -> dict[str, Any]:
+    """Digests of the point's experts, its stability twin and (weighting points) its reference experts."""
+    out: dict[str, Any] = {"experts": [experts.need(t, c) for t, c in zip(p.tasks, [c for _, c in p.expert_configs(spec)])]}
+    if spec.measure.stability and p.kind == "grid":
+        out["twin"] = experts.need(p.tasks[0], twin_config(spec, p))
+    if p.kind == "weighting":
+        ref = p.model_copy(update={"steps": spec.defaults.steps})
+        out["refs"] = [experts.need(t, c) for t, (_, c) in zip(p.tasks, ref.expert_configs(spec))]
+    return out
+
+
+def _all_digests(needs: dict[str, Any]) -> list[str]:
+    return needs["experts"] + ([needs["twin"]] if "twin" in needs else []) + needs.get("refs", [])
+
+
+def _record(p: Point, res: dict, needs: dict, experts: _Experts) -> dict[str, Any]:
+    infos = [experts.infos[d] for d in needs["experts"]]
+    timings = res.pop("timings") | {"expert_train_s": [i["train_s"] for i in infos]}
+    hp = {k: getattr(p, k) for k in HYPERPARAMETERS} | {"momentum": p.momentum}
+    rec = {"point_id": p.id, "kind": p.kind, "varied": p.varied, **hp, "seed": p.seed, "group": p.group,
+           "tasks": p.tasks, "method": p.method["name"],
+           "method_options": {k: v for k, v in p.method.items() if k != "name"}, **res,
+           "experts": [{k: i[k] for k in ("task", "n_train", "test_loss", "test_acc")} for i in infos]}
+    return rec | {"timings": timings}
+
+
+def _prepare(out: Path, spec: StudySpec, resume: bool) -> set[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "results.jsonl"
+    if results.exists() and not resume:
+        raise FileExistsError(f"{results} exists: use --resume to continue that study, or another --out")
+    saved = out / "study.yaml"
+    text = yaml.safe_dump(spec.model_dump(), sort_keys=False)
+    if resume and saved.exists() and saved.read_text() != text:
+        raise ValueError(f"{saved} differs from the spec given: --resume needs the same study")
+    atomic_write_text(saved, text)
+    rows = read_results(out)
+    # rewrite without a torn last line (a killed run), so appended records start on a fresh line
+    atomic_write_text(results, "".join(json.dumps(r) + "\n" for r in rows))
+    return {r["point_id"] for r in rows}
+
+
+def run_study(spec: StudySpec, out: str | Path, *, backend: str = "local", workers: int = 0,
+              address: str | None = None, num_cpus: int | None = None, resume: bool = False,
+              cache: str | Path | None = None, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Run every point of ``spec`` not yet in ``out/results.jsonl``; return all records in point order.
+
+    Raises:
+        FileExistsError: results exist and ``resume`` is false. StudyError: some jobs failed.
+    """
+    out = Path(out)
+    done = _prepare(out, spec, resume)
+    points = expand_points(spec)
+    todo = [p for p in points if p.id not in done]
+    log(f"{len(points)} points, {len(points) - len(todo)} already done, {len(todo)} to run ({backend})")
+    ex = make_executor(backend, workers=workers, address=address, num_cpus=num_cpus)
+    failures: list[str] = []
+    try:
+        _schedule(ex, spec, todo, out, Path(cache) if cache else out / "experts", failures, log)
+    finally:
+        ex.close()
+    order = {p.id: i for i, p in enumerate(points)}
+    rows = sorted((r for r in read_results(out) if r["point_id"] in order), key=lambda r: order[r["point_id"]])
+    atomic_write_text(out / "results.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    if failures:
+        raise StudyError(f"{len(failures)} job(s) failed (first: {failures[0]}); rerun with --resume")
+    return rows
+
+
+def _schedule(ex: Executor, spec: StudySpec, todo: list[Point], out: Path, cache: Path, failures: list[str],
+              log: Callable[[str], None]) -> None:
+    experts = _Experts(ex, cache, spec.threads)
+    waiting = [(p, _needs(spec, p, experts)) for p in todo]
+    merges: dict[Any, tuple[Point, dict]] = {}
+    sdump, t0, n_done = spec.model_dump(), time.perf_counter(), 0
+
+    def submit_ready() -> None:
+        nonlocal waiting
+        still = []
+        for p, needs in waiting:
+            if all(d in experts.ready for d in _all_digests(needs)):
+                h = experts.handles
+                args = [p.model_dump(), sdump, [h[d] for d in needs["experts"]],
+                        h[needs["twin"]] if "twin" in needs else None,
+                        [h[d] for d in needs["refs"]] if "refs" in needs else None]
+                merges[ex.submit(merge_job, *args)] = (p, needs)
+            else:
+                still.append((p, needs))
+        waiting = still
+
+    submit_ready()
+    while experts.pending or merges:
+        h = ex.wait_any(list(merges) + list(experts.pending))  # merges first: results stream early
+        try:
+            res = ex.result(h)
+        except Exception as exc:  # a failed job: report, keep going, --resume retries
+            what = experts.pending.pop(h, None) or merges.pop(h)[0].id
+            failures.append(f"{what}: {type(exc).__name__}: {exc}")
+            log(f"FAILED {failures[-1]}")
+            continue
+        if h in experts.pending:
+            experts.finished(h, res)
+            submit_ready()
+            continue
+        p, needs = merges.pop(h)
+        append_jsonl(out / "results.jsonl", _record(p, res, needs, experts))
+        n_done += 1
+        log(f"[{n_done}/{len(todo)} {time.perf_counter() - t0:.0f}s] {p.method['name']} {p.varied or 'default'} "
+            f"N={p.n_experts} seed={p.seed} g={p.group}: loss {res['merged_loss']:.4f} acc {res['merged_acc']:.1f}")
+    for p, _ in waiting:  # experts failed
+        failures.append(f"{p.id}: an expert it needs failed")

@@ -1,0 +1,17 @@
+"""Seed 004, the generalization framework of model merging: study specs, the bound's measured terms, laws.
+
+* :mod:`.spec`: the study spec and its grid points; :mod:`.jobs`: expert fine-tuning and merge jobs;
+* :mod:`.quantities`: sigma_i^2, zeta_i^2, task-vector heterogeneity, L2 stability, implicit weights;
+* :mod:`.laws`: the one-variable forms of spec section 4.C, fitted with bootstrap intervals; ``predict``;
+* :mod:`.advise`: plain-words advice from a study's fits.
+
+Running a study (many jobs, local or Ray) is :func:`clmerge.sweep.run_study`.
+"""
+
+from .advise import advise
+from .analysis import fit_study, predict
+from .laws import FORMS, fit_form
+from .spec import StudySpec, expand_points, load_study, parse_study
+
+__all__ = ["StudySpec", "expand_points", "load_study", "parse_study", "FORMS", "fit_form", "fit_study", "predict",
+           "advise"]

@@ -1,0 +1,94 @@
+"""Time the default experiment (`clmerge run` with no arguments) end to end and record its metrics.
+
+Usage:
+    python benchmarks/default_run.py [--repeats 3] [--threads 2] [--out benchmarks/default_run.md]
+
+Each repeat runs `clmerge run --out <tmp>` in a fresh process (interpreter start, imports, data loading,
+training, evaluation, report) and measures wall time and the child's peak RSS. The machine's load average is
+recorded next to the figures, because a loaded 2-core machine inflates them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_once(threads: int) -> tuple[float, dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)}
+        cmd = [sys.executable, "-m", "clmerge.cli", "run", "--out", str(out), "--set", "run.progress=false",
+               "--set", f"run.threads={threads}"]
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+        wall = time.perf_counter() - t0
+        return wall, json.loads((out / "metrics.json").read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "default_run.md")
+    args = ap.parse_args()
+    load_before = os.getloadavg()
+    walls, metrics = [], None
+    for i in range(args.repeats):
+        wall, metrics = run_once(args.threads)
+        walls.append(wall)
+        print(f"repeat {i + 1}: {wall:.1f} s, Acc {metrics['acc']:.2f}", flush=True)
+    peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    write_markdown(args, walls, metrics, peak_mb, load_before, os.getloadavg())
+
+
+def write_markdown(args, walls: list[float], m: dict, peak_mb: float, load_before, load_after) -> None:
+    til = m.get("til") or {}
+    rows = "\n".join(
+        f"| task {i} | " + " | ".join("" if v is None else f"{v:.1f}" for v in row) + " |"
+        for i, row in enumerate(m["accuracy_matrix"])
+    )
+    header = "| after | " + " | ".join(f"T{j}" for j in range(len(m["accuracy_matrix"]))) + " |"
+    sep = "|---" * (len(m["accuracy_matrix"]) + 1) + "|"
+    text = f"""# Default run: `clmerge run` with no arguments
+
+Command: `python benchmarks/default_run.py --repeats {args.repeats} --threads {args.threads}`
+(each repeat is a fresh `clmerge run` process: imports, data, training, evaluation, report).
+
+Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()};
+load average before/after: {load_before[0]:.2f} / {load_after[0]:.2f}.
+
+| figure | value |
+|---|---|
+| wall time, median of {len(walls)} (min-max) | **{statistics.median(walls):.1f} s** ({min(walls):.1f}-{max(walls):.1f}) |
+| peak RSS of a run | {peak_mb:.0f} MB |
+| method / scenario | {m['method']} / {m['scenario']} on {m['dataset']}, {len(m['accuracy_matrix'])} tasks |
+| Acc (task-weighted) | {m['acc']:.2f} |
+| AAA | {m['aaa']:.2f} |
+| average forgetting | {m['forgetting']:.2f} |
+| BWT | {m['bwt']:.2f} |
+| TIL Acc / AAA (task id known) | {til.get('acc', float('nan')):.2f} / {til.get('aaa', float('nan')):.2f} |
+
+Accuracy matrix (%, class-incremental; row i = after task i):
+
+{header}
+{sep}
+{rows}
+"""
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

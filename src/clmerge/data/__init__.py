@@ -14,6 +14,7 @@ from .base import (
 from .scenarios import PixelPermutation, Rotation, Scenario, Task, TaskData, build_scenario
 
 from . import cifar, folders  # noqa: F401,E402  (on-disk layouts: folders, CIFAR-100, ImageNet-R/A, DomainNet, CUB)
+from . import mixed  # noqa: F401,E402  (multi-source task sequences, Five-dataset style)
 
 __all__ = [
     "DATASETS",

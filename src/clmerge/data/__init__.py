@@ -15,6 +15,7 @@ from .scenarios import PixelPermutation, Rotation, Scenario, Task, TaskData, bui
 
 from . import cifar, folders  # noqa: F401,E402  (on-disk layouts: folders, CIFAR-100, ImageNet-R/A, DomainNet, CUB)
 from . import mixed  # noqa: F401,E402  (multi-source task sequences, Five-dataset style)
+from . import omniglot, tinyimagenet  # noqa: F401,E402  (Omniglot-Rotation, Tiny ImageNet release layouts)
 
 __all__ = [
     "DATASETS",

@@ -55,6 +55,16 @@ MIXED_TASKS = [
     {"dataset": "digits", "transform": "rotation", "degrees": 180},
 ]
 
+# ablations / checks of spec 003 section 8 (name -> (method, option overrides on top of METHOD_OPTIONS))
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "halrp_noprune": ("halrp", {"prune": False}),  # P8: BWT exactly 0
+    "halrp_noimp": ("halrp", {"importance": "none"}),  # P3: LRP reading 2 (ranks from sigma^2 alone)
+    "halrp_flat": ("halrp", {"rank_method": "flat"}),  # P3: LRP reading 1 (upper_rank everywhere)
+    "halrp_random": ("halrp", {"factor_init": "random"}),  # P3: Random LRP
+    "halrp_alpha0.6": ("halrp", {"alpha": 0.6}),  # P5
+    "halrp_total_budget": ("halrp", {"prune_budget": "total"}),  # P9: budget on the total growth
+}
+
 METHOD_OPTIONS: dict[str, dict] = {
     # HALRP: spec 003 Table 8, P-MNIST row (lambda0 1e-6, lambda1 1e-3, alpha 0.9, n_r 1, q 0.4) + code switches
     "halrp": {"alpha": 0.9, "warmup_epochs": 1, "lambda_l1": 1e-6, "lambda_l2": 1e-3, "l2_half": True,
@@ -88,8 +98,9 @@ def scenario_for(setting: str, prof: dict) -> dict:
 
 
 def config_for(setting: str, net: str, method: str, prof: dict) -> dict:
-    """A plain config dict for one (setting, net, method)."""
-    opts = copy.deepcopy(METHOD_OPTIONS[method])
+    """A plain config dict for one (setting, net, method or variant)."""
+    method, extra = VARIANTS.get(method, (method, {}))
+    opts = {**copy.deepcopy(METHOD_OPTIONS[method]), **extra}
     epochs = prof["epochs"]
     if method == "halrp":
         epochs = max(1, epochs - opts["warmup_epochs"])
@@ -138,7 +149,8 @@ def run_one(setting: str, net: str, method: str, prof: dict, runs: Path) -> dict
            "bwt": summary["bwt"], "mopd": summary["mopd"], "aopd": summary["aopd"],
            "time_s": sum(m["timings"]["total_s"] for m in per) / len(per), "wall_s_this_call": time.time() - t0,
            **relative_size(cfg, per)}
-    if method == "halrp":
+    if cfg.method.name == "halrp":
+        row["budget"] = 1 - cfg.method_options().prune_q if cfg.method_options().prune else None
         row["ranks_last_task"] = per[0]["method_metrics"]["ranks"][-1]
         row["pruned_entries"] = per[0]["method_metrics"]["pruned_entries"]
     return row
@@ -175,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny run (profile smoke) into a temporary --runs dir")
     p.add_argument("--settings", nargs="+", default=["pfmnist", "mixed"], choices=["pfmnist", "mixed"])
     p.add_argument("--nets", nargs="+", default=["mlp", "lenet"], choices=["mlp", "lenet"])
-    p.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    p.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS + list(VARIANTS))
     p.add_argument("--runs", type=Path, default=HERE / "runs", help="run directories (git-ignored)")
     p.add_argument("--out", type=Path, default=HERE, help="where results_<profile>.md/json go")
     a = p.parse_args(argv)

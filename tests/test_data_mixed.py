@@ -69,8 +69,8 @@ def test_task_content_is_the_same_under_every_order(splits):
         assert torch.equal(xa, xb) and torch.equal(ya - ta.offset, yb - tb.offset)
         assert (yb >= tb.offset).all() and (yb < tb.offset + tb.n_classes).all()
     # the subsample of a task does not depend on the other entries either
-    alone = build_dataset("mixed", image_size=28, tasks=[TASKS[2]])
-    assert np.array_equal(alone.train.parts[0].indices, splits.train.parts[2].indices)
+    alone = build_dataset("mixed", image_size=28, tasks=[TASKS[3]])
+    assert np.array_equal(alone.train.parts[0].indices, splits.train.parts[3].indices)
 
 
 def test_class_incremental_uses_disjoint_ids(splits):
@@ -107,7 +107,9 @@ def test_default_keys():
 
 
 def test_orders_sweep_on_a_mixed_sequence(tmp_path):
-    tasks = [dict(t, train_per_class=8, test_per_class=3) for t in TASKS[:3]]
+    tasks = [{"dataset": "digits", "train_per_class": 8, "test_per_class": 3},
+             {"dataset": "digits", "transform": "rotation", "degrees": 90, "train_per_class": 8, "test_per_class": 3},
+             {"dataset": "digits", "transform": "invert", "train_per_class": 8, "test_per_class": 3}]
     cfg = parse_config({
         "scenario": {"dataset": "mixed", "kind": "task_incremental", "n_tasks": 3, "val_fraction": 0.2,
                      "options": {"tasks": tasks}},
@@ -116,5 +118,5 @@ def test_orders_sweep_on_a_mixed_sequence(tmp_path):
         "train": {"epochs": 1, "batch_size": 32}, "run": {"progress": False, "report": False},
     })
     summary = run_orders(cfg, tmp_path, 2)
-    assert set(summary["opd"]) == {"mnist5k", "digits", "mnist5k+rotation(90)"}
+    assert set(summary["opd"]) == {"digits", "digits+rotation(90)", "digits+invert"}
     assert summary["orders"][0] == [0, 1, 2] and summary["bwt_per_order"] == [0.0, 0.0]

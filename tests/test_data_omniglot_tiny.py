@@ -38,7 +38,8 @@ def make_tiny(root: Path, wnids: list[str], n_train: int = 3, n_val: int = 2, si
     for k, w in enumerate(wnids):
         for i in range(n_val):
             name = f"val_{k * n_val + i}.JPEG"
-            Image.fromarray(np.full((size, size, 3), (10 * k) % 256, np.uint8)).save(_mk(folder / "val" / "images" / name))
+            arr = np.full((size, size, 3), (10 * k) % 256, np.uint8)
+            Image.fromarray(arr).save(_mk(folder / "val" / "images" / name))
             lines.append(f"{name}\t{w}\t0\t0\t{size - 1}\t{size - 1}")
     (folder / "val" / "val_annotations.txt").write_text("\n".join(lines) + "\n")
     (folder / "wnids.txt").write_text("\n".join(reversed(wnids)) + "\n")

@@ -215,11 +215,12 @@ def _task_classes(spec: MixedTask, src: DataSplits, i: int) -> tuple[list[int], 
     unknown = sorted(set(classes) - set(all_classes))
     if unknown or len(set(classes)) != len(classes) or not classes:
         raise ValueError(f"mixed: tasks[{i}] ({spec.dataset}): classes {classes} are empty, repeated or not in the "
-                         f"source (it has {all_classes[:20]}{' ...' if len(all_classes) > 20 else ''}); bad: {unknown}")
+                         f"source (it has {all_classes[:20]}{' ...' if len(all_classes) > 20 else ''}); "
+                         f"bad: {unknown}")
     return classes, all_classes
 
 
-@register_dataset("mixed", "a task sequence mixing sources/transforms, one task per entry of options.tasks (Five-dataset style)")
+@register_dataset("mixed", "one task per entry of options.tasks, each from its own source/transform (Five-dataset style)")
 def mixed(*, data_root: str | None = None, image_size: int | None = None, seed: int = 0, tasks: Any = None,
           channels: int | None = None, split_seed: int | None = None, **options: Any) -> DataSplits:
     """Build the mixed source; see the module docstring.
@@ -264,8 +265,9 @@ def mixed(*, data_root: str | None = None, image_size: int | None = None, seed: 
         src_names = src.class_names or [str(k) for k in range(n_map)]
         names += [f"{key}/{src_names[k] if k < len(src_names) else k}" for k in classes]
         groups.append((key, list(range(offset, offset + len(classes)))))
-        info.append({"key": key, "dataset": spec.dataset, "classes": classes, "n_train": len(parts["train"][-1].indices),
-                     "n_test": len(parts["test"][-1].indices), "source": src.fingerprint})
+        info.append({"key": key, "dataset": spec.dataset, "classes": classes,
+                     "n_train": len(parts["train"][-1].indices), "n_test": len(parts["test"][-1].indices),
+                     "source": src.fingerprint})
         offset += len(classes)
     return DataSplits(
         train=MixedData(parts["train"], c, size, name="mixed/train"),

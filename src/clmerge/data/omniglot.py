@@ -94,7 +94,7 @@ def _expand(by_class: dict[str, list[Path]], ids: dict[str, int], turns: list[in
     return paths, labels, rots
 
 
-@register_dataset("omniglot", "Omniglot characters (background+evaluation), 0/90/180/270 rotated copies (APD protocol)")
+@register_dataset("omniglot", "Omniglot characters (background+evaluation), 0/90/180/270-degree copies (APD)")
 def omniglot(*, data_root: str | None = None, image_size: int | None = 28, seed: int = 0, n_classes: int = 1200,
              test_fraction: float = 0.2, split_seed: int | None = None, rotations: list[int] | None = None,
              invert: bool = True, sets: list[str] | None = None, **options: Any) -> DataSplits:

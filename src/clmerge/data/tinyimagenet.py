@@ -88,7 +88,7 @@ def _words(folder: Path, wnids: list[str]) -> list[str]:
     return [table.get(w, w) for w in wnids]
 
 
-@register_dataset("tinyimagenet", "Tiny ImageNet 200 classes, 64x64, release layout (train/<wnid>/images, labelled val as test)")
+@register_dataset("tinyimagenet", "Tiny ImageNet, 200 classes, 64x64, release layout (labelled val as test)")
 def tinyimagenet(*, data_root: str | None = None, image_size: int | None = 64, seed: int = 0,
                  **options: Any) -> DataSplits:
     """Tiny ImageNet from ``<root>/tiny-imagenet-200/``; see the module docstring.

@@ -14,6 +14,8 @@ from .base import (
 from .scenarios import PixelPermutation, Rotation, Scenario, Task, TaskData, build_scenario
 
 from . import cifar, cub, domainnet, folders, imagenet  # noqa: F401,E402  (on-disk layouts)
+from . import mixed  # noqa: F401,E402  (multi-source task sequences, Five-dataset style)
+from . import omniglot, tinyimagenet  # noqa: F401,E402  (Omniglot-Rotation, Tiny ImageNet release layouts)
 
 __all__ = [
     "DATASETS",

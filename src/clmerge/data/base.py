@@ -136,6 +136,9 @@ class DataSplits:
     test: ClassificationData
     class_names: list[str] = field(default_factory=list)
     fingerprint: dict = field(default_factory=dict)  # file names / hashes for the run manifest
+    # a source that defines its own tasks (``mixed``): (content key, class ids) per task, in order;
+    # build_scenario then uses these groups instead of cutting the class order
+    task_groups: list[tuple[str, list[int]]] | None = None
 
     @property
     def num_classes(self) -> int:

@@ -210,7 +210,12 @@ def build_scenario(splits: DataSplits, *, kind: str, n_tasks: int, seed: int = 0
     order = list(class_order) if class_order is not None else class_order_from_seed(all_classes, seed, shuffle_classes)
     tr_all = _subsample(ytr, np.arange(len(ytr)), train_per_class, rng)
     te_all = _subsample(yte, np.arange(len(yte)), test_per_class, rng)
-    if kind == "class_incremental" or (kind == "task_incremental" and transform == "none"):
+    preset_keys = None
+    if splits.task_groups is not None:  # the source defines its tasks (data/mixed.py)
+        groups, preset_keys = _preset_groups(splits.task_groups, kind=kind, n_tasks=n_tasks, transform=transform,
+                                             class_order=class_order, classes_per_task=classes_per_task)
+        order, tfs = [c for g in groups for c in g], [None] * n_tasks
+    elif kind == "class_incremental" or (kind == "task_incremental" and transform == "none"):
         groups = split_classes(order, n_tasks, classes_per_task)
         tfs = [None] * n_tasks
     else:
@@ -228,7 +233,9 @@ def build_scenario(splits: DataSplits, *, kind: str, n_tasks: int, seed: int = 0
             tr = np.sort(tr[rng.permutation(len(tr))[:train_per_task]])
         tr, va = _val_split(tr, val_fraction, rng)
         te = te_all[np.isin(yte[te_all], group)]
-        if tf is not None:
+        if preset_keys is not None:
+            key = preset_keys[t]
+        elif tf is not None:
             key = repr(tf)
         elif transform != "none" and kind != "class_incremental":
             key = "identity"
@@ -246,6 +253,20 @@ def build_scenario(splits: DataSplits, *, kind: str, n_tasks: int, seed: int = 0
         if groups[0] is not order:  # disjoint class groups: the class order follows the task order
             order = [c for t in tasks for c in t.classes]
     return Scenario(kind=kind, tasks=tasks, class_order=list(map(int, order)), class_names=list(splits.class_names))
+
+
+def _preset_groups(preset: list[tuple[str, list[int]]], *, kind: str, n_tasks: int, transform: str,
+                   class_order: list[int] | None, classes_per_task: list[int] | None) -> tuple[list, list[str]]:
+    """Check a source's own task groups against the scenario settings; return (groups, keys)."""
+    if len(preset) != n_tasks:
+        raise ValueError(f"scenario.n_tasks is {n_tasks} but the data source defines {len(preset)} tasks")
+    if kind == "domain_incremental" or transform != "none":
+        raise ValueError("a source that defines its own tasks (e.g. mixed) needs scenario.kind task_incremental or "
+                         "class_incremental and scenario.transform none (put transforms on its task entries)")
+    if class_order is not None or classes_per_task is not None:
+        raise ValueError("scenario.class_order / classes_per_task do not apply to a source that defines its own "
+                         "tasks (e.g. mixed); select classes per task entry instead")
+    return [list(map(int, g)) for _, g in preset], [str(k) for k, _ in preset]
 
 
 def _shift_labels(data: TaskData | None, shift: int) -> TaskData | None:

@@ -217,7 +217,10 @@ class HALRP(ContinualMethod):
         self.model.requires_grad_(False)
         pruned = self._prune(t) if (self.options.prune and t > 0) else 0
         self.record("pruned_entries", pruned)
-        self.record("growth", self.relative_growth(t))
+        parts = self.growth_parts(t)
+        self.record("growth", parts["total"])
+        self.record("growth_lowrank", parts["lowrank"])
+        self.record("growth_fixed", parts["fixed"])
         self._metrics["bytes_per_task"] = [4 * task_parameter_count(self.model, k) for k in range(t + 1)]
 
     def relative_growth(self, t: int) -> float:
@@ -226,23 +229,48 @@ class HALRP(ContinualMethod):
         extra = sum(task_parameter_count(self.model, k, with_biases=False) for k in range(1, t + 1))
         return extra / base
 
-    def _factor_values(self, tasks: list[int]) -> torch.Tensor:
+    def growth_parts(self, t: int) -> dict[str, float]:
+        """Growth after task t split into ``lowrank`` (non-zero U'/V' entries, the only prunable part) and ``fixed``
+        (r, s, BN, heads), each relative to the base as in :meth:`relative_growth`; ``total`` is their sum."""
+        base = task_parameter_count(self.model, 0)
+        total = sum(task_parameter_count(self.model, k, with_biases=False) for k in range(1, t + 1))
+        low = sum(int((f.u != 0).sum()) + int((f.v != 0).sum()) for layer in halrp_layers(self.model.backbone).values()
+                  for k in range(1, t + 1) for f in [layer.factors(k)])
+        return {"total": total / base, "lowrank": low / base, "fixed": (total - low) / base}
+
+    def _factor_values(self, tasks: list[int], *, nonzero: bool = False) -> torch.Tensor:
         parts = [torch.cat([f.u.detach().abs().flatten(), f.v.detach().abs().flatten()])
                  for layer in halrp_layers(self.model.backbone).values() for k in tasks for f in [layer.factors(k)]]
-        return torch.cat(parts).double().cpu()
+        vals = torch.cat(parts).double().cpu()
+        return vals[vals != 0] if nonzero else vals
+
+    def _prune_rate(self, t: int) -> float | None:
+        """The share of U'/V' entries to zero (None: within budget); see the ``prune_budget`` option."""
+        o = self.options
+        budget = 1 - o.prune_q
+        g = self.growth_parts(t)
+        if o.prune_budget == "code":
+            return None if g["total"] < budget else 1 - budget / g["total"]
+        if g["total"] <= budget or g["lowrank"] == 0:
+            return None
+        return min(1.0, 1 - max(0.0, budget - g["fixed"]) / g["lowrank"])
 
     def _prune(self, t: int) -> int:
         """Budget pruning (spec 2i, code's mixAR_AllLayer): if growth >= 1 - q, zero the smallest U'/V' entries."""
         o = self.options
-        inc = self.relative_growth(t)
-        if inc < 1 - o.prune_q:
+        rate = self._prune_rate(t)
+        if rate is None:
             return 0
-        rate = 1 - (1 - o.prune_q) / inc
         groups = [[k] for k in range(1, t + 1)] if o.prune_scope == "per_task" else [list(range(1, t + 1))]
         zeroed = 0
+        exact = o.prune_budget == "total"  # percentile over the entries still non-zero, so the count is met
         with torch.no_grad():
             for tasks in groups:
-                thr = max(o.prune_abs, float(np.percentile(self._factor_values(tasks).numpy(), 100 * rate)))
+                vals = self._factor_values(tasks, nonzero=exact).numpy()
+                if not len(vals):
+                    continue
+                q = float(np.percentile(vals, 100 * rate)) if rate < 1 else float(vals.max())
+                thr = max(o.prune_abs, q)
                 for layer in halrp_layers(self.model.backbone).values():
                     for k in tasks:
                         f = layer.factors(k)

@@ -46,6 +46,11 @@ class HALRPOptions(MethodOptions):
     prune: bool = Field(True, description="prune U', V' entries when growth exceeds the budget (Sec. 4.4)")
     prune_q: float = Field(0.4, gt=0, lt=1, description="budget 1 - q of growth (code: 0.8 CIFAR100, else 0.4)")
     prune_abs: float = Field(1e-5, ge=0, description="absolute threshold of the mixed rule")
+    prune_budget: Literal["code", "total"] = Field(
+        "code", description="what the budget 1 - q governs. code (spec 2i): rate = 1 - (1-q)/growth of the U'/V' "
+        "entries, which bounds the U'V' part of the growth by 1 - q while the total (with r, s, BN, heads, never "
+        "pruned) may exceed it; total: choose the rate so that the total growth is at most 1 - q (all U'/V' are "
+        "zeroed if r, s, BN and heads alone exceed it)")
     prune_scope: Literal["per_task", "global"] = Field(
         "per_task", description="A10: per_task = the code's percentile per task, re-applied to all past tasks; "
         "global = one percentile over all layers of all tasks (paper)")

@@ -1,0 +1,130 @@
+"""``tinyimagenet``: Tiny ImageNet (200 classes, 64x64) in its release layout (HALRP spec 003 section 4.1).
+
+Layout (``tiny-imagenet-200.zip`` unzipped)::
+
+    <root>/tiny-imagenet-200/wnids.txt                       (optional: the 200 wnids; else the train folders)
+    <root>/tiny-imagenet-200/words.txt                       (optional: wnid -> names, for class_names)
+    <root>/tiny-imagenet-200/train/<wnid>/images/*.JPEG      (500 per class)
+    <root>/tiny-imagenet-200/val/images/*.JPEG + val/val_annotations.txt   (50 per class)
+
+The test labels of the release are not public, so the labelled ``val`` split is the test split (as in the
+HALRP/GPM code); ``scenario.val_fraction`` (0.1 in the paper configs) holds out validation images from train.
+Class ids follow the sorted wnids. ``data_root`` may also point at the ``tiny-imagenet-200`` folder itself.
+Images keep their native 64x64 when ``image_size`` is ``None`` or 64, else resize + centre crop.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .base import DataSplits, register_dataset
+from .folders import (
+    _images_in,
+    _read_table,
+    _reject_unknown,
+    _split_fingerprint,
+    _splits_from_lists,
+    _subdirs,
+    missing_data_error,
+    resolve_data_root,
+)
+
+__all__ = ["tinyimagenet"]
+
+TINY_HOWTO = (
+    "Get it: download http://cs231n.stanford.edu/tiny-imagenet-200.zip and unzip it into {root} "
+    "(it creates tiny-imagenet-200/ with train/, val/ and wnids.txt)."
+)
+
+
+def _tiny_dir(root: Path) -> Path | None:
+    for folder in (root / "tiny-imagenet-200", root):
+        if (folder / "train").is_dir() and (folder / "val").is_dir():
+            return folder
+    return None
+
+
+def _wnids(folder: Path) -> list[str]:
+    path = folder / "wnids.txt"
+    if path.is_file():
+        ids = sorted({line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()})
+    else:
+        ids = [d.name for d in _subdirs(folder / "train")]
+    if not ids:
+        raise ValueError(f"tinyimagenet: no classes found in {path if path.is_file() else folder / 'train'}")
+    return ids
+
+
+def _val_annotations(folder: Path, ids: dict[str, int]) -> tuple[list[Path], list[int]]:
+    """``val/val_annotations.txt``: ``<file> <wnid> <x0> <y0> <x1> <y1>`` (tab-separated), first two columns used."""
+    path = folder / "val" / "val_annotations.txt"
+    if not path.is_file():
+        raise missing_data_error("tinyimagenet", str(path), [f"{folder}/val/images/*.JPEG + {path}"],
+                                 TINY_HOWTO.format(root=folder.parent))
+
+    def wnid(text: str) -> str:
+        name = text.split()[0]
+        if name not in ids:
+            raise ValueError(f"unknown wnid {name!r}")
+        return name
+
+    rows = _read_table(path, (str, wnid), expected="<file> <wnid> <box...>")
+    paths = [folder / "val" / "images" / f for _, f, _ in rows]
+    if paths and not paths[0].exists():
+        raise FileNotFoundError(f"tinyimagenet: {path} names {paths[0]}, which does not exist")
+    return paths, [ids[w] for _, _, w in rows]
+
+
+def _words(folder: Path, wnids: list[str]) -> list[str]:
+    path = folder / "words.txt"
+    if not path.is_file():
+        return list(wnids)
+    table = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if "\t" in line:
+            k, v = line.split("\t", 1)
+            table[k.strip()] = v.split(",")[0].strip()
+    return [table.get(w, w) for w in wnids]
+
+
+@register_dataset("tinyimagenet", "Tiny ImageNet, 200 classes, 64x64, release layout (labelled val as test)")
+def tinyimagenet(*, data_root: str | None = None, image_size: int | None = 64, seed: int = 0,
+                 **options: Any) -> DataSplits:
+    """Tiny ImageNet from ``<root>/tiny-imagenet-200/``; see the module docstring.
+
+    Args:
+        data_root: folder holding ``tiny-imagenet-200/`` (or that folder itself); see :func:`resolve_data_root`.
+        image_size: output side; ``None`` or 64 keeps the native 64x64, else resize + centre crop.
+        seed: unused (the split is the release's); accepted for a uniform signature.
+        **options: rejected (``ValueError``).
+
+    Returns:
+        The splits (train = ``train/``, test = labelled ``val/``), class names from ``words.txt`` if present.
+    """
+    _reject_unknown("tinyimagenet", options, [])
+    root = resolve_data_root(data_root)
+    folder = _tiny_dir(root)
+    if folder is None:
+        layouts = [f"{root}/tiny-imagenet-200/train/<wnid>/images/*.JPEG + val/images/ + val/val_annotations.txt",
+                   f"{root}/train/... + {root}/val/... (data_root pointing at tiny-imagenet-200)"]
+        raise missing_data_error("tinyimagenet", f"{root}/tiny-imagenet-200", layouts, TINY_HOWTO.format(root=root))
+    wnids = _wnids(folder)
+    ids = {w: i for i, w in enumerate(wnids)}
+    tr_paths, tr_labels = [], []
+    for w in wnids:
+        d = folder / "train" / w
+        files = _images_in(d / "images" if (d / "images").is_dir() else d)
+        if not files:
+            raise FileNotFoundError(f"tinyimagenet: no images for class {w} under {d}")
+        tr_paths += files
+        tr_labels += [ids[w]] * len(files)
+    te_paths, te_labels = _val_annotations(folder, ids)
+    size = None if image_size in (None, 64) else image_size
+    split_files = [p for p in (folder / "wnids.txt", folder / "val" / "val_annotations.txt") if p.is_file()]
+    fp = {"root": str(folder), "layout": "tiny-imagenet-200 release (val as test)",
+          "split_files": _split_fingerprint(split_files)}
+    out = _splits_from_lists("tinyimagenet", (tr_paths, tr_labels), (te_paths, te_labels), image_size=size,
+                             fingerprint=fp)
+    out.class_names = _words(folder, wnids)
+    return out

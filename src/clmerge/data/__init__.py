@@ -14,6 +14,7 @@ from .base import (
 from .scenarios import PixelPermutation, Rotation, Scenario, Task, TaskData, build_scenario
 
 from . import cifar, folders  # noqa: F401,E402  (on-disk layouts: folders, CIFAR-100, ImageNet-R/A, DomainNet, CUB)
+from . import combined  # noqa: F401,E402  (mnist5k_fmnist20)
 
 __all__ = [
     "DATASETS",

@@ -31,7 +31,7 @@ def test_there_are_paper_configs() -> None:
 def test_paper_config_dry_run(path: Path, tmp_path) -> None:
     cfg = load_config(path, _overrides(path))
     lines: list[str] = []
-    out = dry_run(cfg, echo=lines.append, workdir=tmp_path)
+    out = dry_run(cfg, echo=lines.append, workdir=tmp_path, train_per_class=1)
     assert out["tasks_run"] == 2 and out["n_tasks"] == cfg.scenario.n_tasks
     assert len(out["accuracy_row"]) == 2 and set(out["losses"]) == {0, 1}
     assert lines[-1].startswith("dry run ok")

@@ -214,7 +214,7 @@ def _run_tasks(cfg: ExperimentConfig, out: Path, tasks: int, echo: Callable[[str
             "method_metrics": method.metrics(), "trainable_params": manifest["trainable_params_after_setup"]}
 
 
-def dry_run(cfg: ExperimentConfig, *, tasks: int = 2, steps: int = 2, batch_size: int = 4,
+def dry_run(cfg: ExperimentConfig, *, tasks: int = 2, steps: int = 2, batch_size: int = 4, train_per_class: int = 2,
             workdir: str | Path | None = None, echo: Callable[[str], None] = print) -> dict:
     """Dry-run ``cfg`` (see the module docstring); returns a summary dict, raises on any failure.
 
@@ -223,15 +223,16 @@ def dry_run(cfg: ExperimentConfig, *, tasks: int = 2, steps: int = 2, batch_size
         tasks: how many of the first tasks to train (at least 1).
         steps: optimizer steps per task.
         batch_size: upper bound on the training batch size (the config's, if smaller, is kept).
+        train_per_class: training images per class (look-alike data and subsampling of bundled sources).
         workdir: where to write the look-alike data and the run (default: a temporary directory, removed).
         echo: where the summary lines go.
     """
     t0 = time.time()
-    dcfg = dry_run_config(cfg, steps=steps, batch_size=batch_size)
+    dcfg = dry_run_config(cfg, steps=steps, batch_size=batch_size, train_per_class=train_per_class)
     with tempfile.TemporaryDirectory(prefix="clmerge-dry-") as tmp:
         base = Path(workdir) if workdir is not None else Path(tmp)
         data_root = base / "data"
-        described = write_lookalike(dcfg, data_root)
+        described = write_lookalike(dcfg, data_root, n_train=train_per_class)
         if described is not None:
             dcfg.scenario.data_root = str(data_root)
             echo(f"look-alike data: {described}")

@@ -10,8 +10,9 @@ What a dry run does (so that a user with a GPU and the data can trust the config
    scenario cuts the same class split into the same tasks. Bundled sources (mnist5k, digits, mnist1d, ...)
    need nothing and are only subsampled per class;
 3. runs the real engine hooks (``engine.run``: ``begin_task``, ``fit``, ``end_task``) for the first
-   ``tasks`` tasks with ``steps`` optimizer steps per epoch and one epoch, a small batch (the method, its
-   options and the scenario are untouched), then one evaluation, saves a checkpoint and restores it into a
+   ``tasks`` tasks with one epoch of ``steps`` optimizer steps and a small batch (a method's own inner
+   training loops through ``ctx.fit``, e.g. HALRP's warm-up, are capped the same way; the method, its options
+   and the scenario are otherwise untouched), then one evaluation, saves a checkpoint and restores it into a
    freshly built model (the resume path);
 4. prints a short summary and returns it as a dict.
 """
@@ -80,6 +81,21 @@ def lookalike_classes(cfg: ExperimentConfig) -> int:
         return FOLDER_CLASSES[s.dataset]
     m = re.search(r"(\d+)/*$", s.data_root or "")
     return int(m.group(1)) if m else 10 * s.n_tasks
+
+
+def per_class_for_batches(cfg: ExperimentConfig, train_per_class: int, batch: int) -> int:
+    """The smallest per-class count >= ``train_per_class`` whose per-task training set (after the validation
+    hold-out) has at least one full batch, and neither it nor the validation part ends in a batch of a single
+    image (BatchNorm cannot train on one)."""
+    s, k = cfg.scenario, lookalike_classes(cfg)
+    split = s.kind == "class_incremental" or s.transform == "none"
+    cpt = (min(s.classes_per_task) if s.classes_per_task else k // s.n_tasks) if split else k
+    for n in range(train_per_class, train_per_class + 4 * batch + 2):
+        total = n * max(cpt, 1)
+        val = max(1, round(s.val_fraction * total)) if s.val_fraction > 0 else 0
+        if total - val >= batch and (total - val) % batch != 1 and val % batch != 1:
+            return n
+    return train_per_class
 
 
 def _png_pool(n: int = 8, size: int = 8) -> list[bytes]:
@@ -189,9 +205,23 @@ def _check_resume(cfg: ExperimentConfig, out: Path, device) -> None:
         raise RuntimeError("dry run: the checkpoint could not be restored")
 
 
+def _cap_inner_loops(method, steps: int) -> None:
+    """Methods' own training loops (``ctx.fit``: warm-ups, extra epochs) also run 1 epoch of ``steps`` steps."""
+    begin = method.begin_task
+
+    def capped_begin(task, ctx):
+        inner = ctx.fit
+        if inner is not None:
+            ctx.fit = lambda **kw: inner(**{**kw, "epochs": 1, "max_steps_per_epoch": steps})
+        return begin(task, ctx)
+
+    method.begin_task = capped_begin
+
+
 def _run_tasks(cfg: ExperimentConfig, out: Path, tasks: int, echo: Callable[[str], None]) -> dict:
     device = resolve_device(cfg.run.device)
     scenario, model, method, manifest = prepare(cfg)
+    _cap_inner_loops(method, cfg.train.max_steps_per_epoch)
     model.to(device)
     state, n = RunState(), min(tasks, len(scenario))
     params = sum(p.numel() for p in model.backbone.parameters())
@@ -228,6 +258,8 @@ def dry_run(cfg: ExperimentConfig, *, tasks: int = 2, steps: int = 2, batch_size
         echo: where the summary lines go.
     """
     t0 = time.time()
+    batch = min(cfg.train.batch_size, batch_size)
+    train_per_class = per_class_for_batches(cfg, train_per_class, batch)
     dcfg = dry_run_config(cfg, steps=steps, batch_size=batch_size, train_per_class=train_per_class)
     with tempfile.TemporaryDirectory(prefix="clmerge-dry-") as tmp:
         base = Path(workdir) if workdir is not None else Path(tmp)

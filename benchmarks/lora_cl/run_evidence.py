@@ -72,11 +72,12 @@ def make_config(bench: str, label: str, seed: int, lr: float, *, smoke: bool) ->
     """The run config: benchmark scenario (with the validation hold-out), method, lr, seed."""
     method, _ = METHODS[label]
     scen = {**BENCHMARKS[bench], "seed": seed, "val_fraction": VAL_FRACTION}
-    train = {"epochs": 5, "batch_size": 64}
-    if smoke:
+    train, model = {"epochs": 5, "batch_size": 64}, {"name": "vit-tiny-fmnist"}
+    if smoke:  # random-init 2-block tiny ViT: the smoke setting must not need the shipped weights
         scen.update(train_per_class=8, test_per_class=4)
         train = {"epochs": 1, "batch_size": 8, "max_steps_per_epoch": 2}
-    return {"seed": seed, "scenario": scen, "model": {"name": "vit-tiny-fmnist"}, "method": dict(method),
+        model = {"name": "vit-tiny-fmnist", "pretrained": False, "config": {"num_hidden_layers": 2}}
+    return {"seed": seed, "scenario": scen, "model": model, "method": dict(method),
             "optim": {"name": "adam", "lr": lr}, "train": train,
             "run": {"progress": False, "report": False, "threads": 1, "keep_checkpoints": 1}}
 

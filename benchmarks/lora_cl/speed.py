@@ -92,8 +92,15 @@ def inference_time(a) -> tuple[float, float, float]:
     cfg = _cfg({"name": "sd_lora"}, a, tasks=a.old_tasks + 1)
     device = resolve_device(cfg.run.device)
     scenario, model, meth, _ = prepare(cfg)
+    from clmerge.adapters import lora_layers
+
+    g = torch.Generator().manual_seed(0)
     for t in range(a.old_tasks + 1):
         meth.begin_task(scenario.tasks[t], _ctx(scenario, t, device))
+        with torch.no_grad():  # non-zero directions, as if trained, so the comparison is not trivial
+            for layer in lora_layers(model.backbone).values():
+                up = layer.components[f"task{t}"].lora_up
+                up.copy_(0.02 * torch.randn(up.shape, generator=g))
         meth.end_task(scenario.tasks[t], _ctx(scenario, t, device))
     folded = meth.inference_model().to(device)
     m = cfg.model
@@ -131,6 +138,9 @@ def fisher_time(a) -> tuple[float, float, float]:
     meth.begin_task(scenario.tasks[0], _ctx(scenario, 0, device))
     model.to(device)
     names = [f"backbone.{n}.base_layer.weight" for n in lora_layers(model.backbone)]
+    named = dict(model.named_parameters())
+    for n in names:  # the loop reference reads .grad of the (frozen) base weights
+        named[n].requires_grad_(True)
     x, y = next(iter(scenario.tasks[0].train.batches(a.fisher_n, shuffle=False)))
     batches = [(x[i:i + 32].to(device), y[i:i + 32].to(device)) for i in range(0, len(x), 32)]
     _sync(device)
@@ -186,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=HERE / "speed.md")
     ap.add_argument("--smoke", action="store_true", help="tiny setting for tests")
     a = ap.parse_args(argv)
-    if a.smoke:
+    if a.smoke:  # random-init 2-block backbone: no shipped weights needed
+        a.depth = a.depth or 2
         a.batch, a.old_tasks, a.repeats, a.warmup, a.fisher_n, a.tasks, a.steps, a.per_class = 8, 1, 2, 1, 8, 3, 1, 4
     write_report(a)
     print(f"wrote {a.out}", flush=True)

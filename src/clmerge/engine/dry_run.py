@@ -45,8 +45,9 @@ def dry_run_config(cfg: ExperimentConfig, *, steps: int = 2, batch_size: int = 4
                    train_per_class: int = 2, test_per_class: int = 1) -> ExperimentConfig:
     """The config a dry run trains with: random init, 1 epoch of ``steps`` steps, a small batch, no report.
 
-    The method, its options, the head and the scenario's class split are not changed; bundled sources are
-    subsampled per class (``scenario.train_per_class`` / ``test_per_class``, only if smaller).
+    The method, its options, the head and the scenario's class split are not changed; every source is
+    subsampled per class (``scenario.train_per_class`` / ``test_per_class``, only if smaller), which matters
+    for bundled sources (the look-alike folders hold that many images anyway).
     """
     c = cfg.model_copy(deep=True)
     c.model.pretrained = False

@@ -52,7 +52,7 @@ def test_cofima_transcription() -> None:
     fs = {k: v.abs() for k, v in _weights(7).items()}
     a = 0.4
     out = cofima_step(prev, star, fp, fs, a, min_fisher=0.0)
-    for k in prev:  # CoFiMA Eq. 5 (official interpolate_weights with fisher=True)
+    for k in prev:  # CoFiMA (official code: interpolate_weights with fisher=True)
         want = ((1 - a) * fp[k] * prev[k] + a * fs[k] * star[k]) / ((1 - a) * fp[k] + a * fs[k])
         torch.testing.assert_close(out[k].float(), want)
     same = cofima_step(prev, star, fp, fp, a, min_fisher=0.0)  # equal Fishers: plain CoMA

@@ -15,11 +15,12 @@ weight matrices; the per-task heads are not merged. The merges are computed by :
   probability p, rescale the rest by 1/(1-p), and merge it with the model-averaging weight:
   ``theta^_t = theta^_{t-1} + c_t DARE_p(tau_t)``, ``c_t = 1/t`` unless ``scaling`` is set
   (``merging.dare`` with ``combine="task_arithmetic"``). P&M gives no drop rate: p = 0.5 [choice].
-- ``coma`` (Marouf et al., ECCV 2024, "Weighted ensemble models are strong continual learners", Eq. 3):
+- ``coma`` (Marouf et al., ECCV 2024, "Weighted ensemble models are strong continual learners"):
   ``theta^_t = (1 - a) theta^_{t-1} + a theta*_t`` for t >= 2 with a fixed ``a`` (official code
   ``IemProg/CoFiMA``, ``interpolate_weights``, ``wt_alpha = 0.4`` in its CIFAR-100 and ImageNet-R configs);
   task 1 is not merged (the code merges from the second task on).
-- ``cofima`` (same paper, Eq. 5): the per-parameter Fisher-weighted version,
+- ``cofima`` (same paper): the per-parameter Fisher-weighted version (official code, ``interpolate_weights``
+  with ``fisher=True``),
   ``theta^_t = ((1-a) F_{t-1} theta^_{t-1} + a F_t theta*_t) / ((1-a) F_{t-1} + a F_t)``, with ``F_t`` the
   diagonal empirical Fisher at ``theta*_t`` on task t's training set and ``F_{t-1}`` the previous task's
   (the code's ``fisher_mat[-2:]``); ``merging.fisher_merging`` with weights (1-a, a). The Fisher is the mean of
@@ -66,7 +67,7 @@ def coma_step(prev: Weights, star: Weights, alpha: float) -> Weights:
 
 def cofima_step(prev: Weights, star: Weights, f_prev: Weights, f_star: Weights, alpha: float,
                 min_fisher: float) -> Weights:
-    """CoFiMA: ``((1-a) F_p prev + a F_s star) / ((1-a) F_p + a F_s)`` per entry (Fisher floored at min_fisher)."""
+    """CoFiMA: ``((1-a) F_p prev + a F_s star) / ((1-a) F_p + a F_s)`` per entry (``min_fisher`` added to F)."""
     return merging.fisher_merging(experts=[prev, star], fishers=[f_prev, f_star], weights=[1.0 - alpha, alpha],
                                   min_fisher=min_fisher)
 

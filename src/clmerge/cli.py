@@ -55,6 +55,8 @@ def run(
     resume: bool = typer.Option(False, "--resume", help="continue a stopped run in --out from its last finished task"),
     orders: int | None = typer.Option(None, "--orders", help="run over N task orders into --out/order_<r>/ and "
                                       "report OPD/MOPD/AOPD (see clmerge.engine.orders)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="check the config here: random-init backbone, tiny "
+                                 "look-alike data, 2 steps on the first 2 tasks, 1 evaluation (clmerge.engine.dry_run)"),
 ) -> None:
     """Run a continual-learning experiment and write a run directory."""
     from .config import ConfigError, load_config
@@ -64,6 +66,8 @@ def run(
         cfg = load_config(config, set_)
     except (ConfigError, ValueError) as exc:
         _fail(str(exc))
+    if dry_run:
+        return _dry_run(cfg)
     if out is None:
         if resume:
             _fail("--resume needs --out DIR (the run directory to continue)")
@@ -80,6 +84,15 @@ def run(
         _fail(str(exc))
     print_results(metrics)
     console.print(f"run directory: [bold]{out}[/] (report: {out / 'report.html'})")
+
+
+def _dry_run(cfg) -> None:
+    from .engine.dry_run import dry_run
+
+    try:
+        dry_run(cfg, echo=lambda line: console.print(line, markup=False, highlight=False))
+    except Exception as exc:  # noqa: BLE001  (a dry run reports any failure as a failed check)
+        _fail(f"dry run failed: {type(exc).__name__}: {exc}", code=1)
 
 
 def _run_orders(cfg, out: Path, n: int, resume: bool) -> None:

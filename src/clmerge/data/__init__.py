@@ -16,6 +16,7 @@ from .scenarios import PixelPermutation, Rotation, Scenario, Task, TaskData, bui
 from . import cifar, cub, domainnet, folders, imagenet  # noqa: F401,E402  (on-disk layouts)
 from . import mixed  # noqa: F401,E402  (multi-source task sequences, Five-dataset style)
 from . import omniglot, tinyimagenet  # noqa: F401,E402  (Omniglot-Rotation, Tiny ImageNet release layouts)
+from . import combined  # noqa: F401,E402  (mnist5k_fmnist20: 20 classes over MNIST-5k and Fashion-MNIST)
 
 __all__ = [
     "DATASETS",

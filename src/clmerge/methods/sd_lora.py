@@ -25,6 +25,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from ..adapters import add_lora_component, inject_lora, lora_layers
+from ..adapters.folded import FoldedCache
 from ..adapters.lora import LoRALinear
 from .base import ContinualMethod, register_method
 from .seq_lora import LoRAMethodOptions
@@ -57,6 +58,8 @@ class SDLoRAOptions(LoRAMethodOptions):
     no_rescale_magnitude: Literal["one", "learned"] = Field(
         "one", description="no_rescale: old components keep magnitude 1 (Table 4 formula, spec 2.5) or their "
         "learned value frozen")
+    fold_inference: bool = Field(True, description="evaluate a cached copy with every component folded into the "
+                                 "base weights (plain-backbone inference cost; outputs equal to 1e-5)")
 
 
 def _mag_key(t: int) -> str:
@@ -73,6 +76,11 @@ class SDLoRA(ContinualMethod):
         super().setup(model)
         model.backbone.requires_grad_(False)
         inject_lora(model.backbone, self.options.targets, magnitudes=model.lora_magnitudes)
+        self._folded = FoldedCache()
+
+    def inference_model(self) -> nn.Module:
+        """The model with W = W_0 + sum_k alpha_k A_k B_k / ||A_k B_k||_F folded in (Eq. 4), cached."""
+        return self._folded.get(self.model) if self.options.fold_inference else self.model
 
     # -- structure --------------------------------------------------------------------------------------
     def rank_for_task(self, t: int) -> int:

@@ -1,0 +1,181 @@
+"""Evidence grid of issue 4: LoRA continual learning methods on real data, 3 seeds, Acc / AAA (CIL and TIL).
+
+Benchmarks (shipped tiny ViT, ``vit-tiny-fmnist``, pretrained on Fashion-MNIST):
+- ``split_mnist5k``: the default benchmark, Split-MNIST-5k, 5 class-incremental tasks of 2 digits;
+- ``mnist_fmnist10``: 10 class-incremental tasks of 2 classes over ``mnist5k_fmnist20`` (MNIST-5k digits as
+  classes 0-9, an equal-size Fashion-MNIST subset as classes 10-19), a longer sequence on which sequential
+  LoRA forgets more.
+
+Methods: finetune, seq_lora, ewc, sd_lora, sd_lora_rr, sd_lora_kd, pm and its Table 4 ablations (pm_m: merge
+only; pm_gauss: Gaussian noise; pm_exact: the three-pass Eq. 14 loss), inflora, and the merge baselines of
+P&M Table 3 (lora_avg, lora_dare, coma, cofima).
+
+Hyperparameter selection uses VALIDATION data only, never test: every run holds out
+``scenario.val_fraction = 0.1`` of each task's training set. Phase 1 trains each method with every learning
+rate of its grid (seed 0) and scores the final model on the held-out validation parts of all tasks
+(class-incremental accuracy, ``split="val"``); phase 2 runs the selected learning rate with seeds 0, 1, 2
+(the same held-out split, so the reported test numbers never informed a choice). The selection is written to
+``<out>/selected.json`` and into the results table.
+
+Resumable: a run with ``metrics.json`` is skipped, an interrupted one is continued with ``--resume``.
+Commands (the lead runs them; ``--jobs`` runs that many runs at once, one thread each):
+
+    python benchmarks/lora_cl/run_evidence.py --jobs 2
+    python benchmarks/lora_cl/run_evidence.py --methods pm,seq_lora --seeds 0 --benchmarks split_mnist5k
+    python benchmarks/lora_cl/run_evidence.py --report-only      # rebuild results.md and the figures
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from evidence_report import write_figures, write_results  # noqa: E402
+
+BENCHMARKS: dict[str, dict] = {
+    "split_mnist5k": {"dataset": "mnist5k", "n_tasks": 5},
+    "mnist_fmnist10": {"dataset": "mnist5k_fmnist20", "n_tasks": 10},
+}
+LORA_LRS, FULL_LRS = [2e-3, 5e-3, 1e-2], [1e-4, 3e-4, 1e-3]
+METHODS: dict[str, tuple[dict, list[float]]] = {
+    "finetune": ({"name": "finetune"}, FULL_LRS),
+    "ewc": ({"name": "ewc"}, FULL_LRS),
+    "seq_lora": ({"name": "seq_lora"}, LORA_LRS),
+    "sd_lora": ({"name": "sd_lora"}, LORA_LRS),
+    "sd_lora_rr": ({"name": "sd_lora_rr"}, LORA_LRS),
+    "sd_lora_kd": ({"name": "sd_lora_kd"}, LORA_LRS),
+    "pm": ({"name": "pm"}, LORA_LRS),
+    "pm_m": ({"name": "pm", "perturbation": "none"}, LORA_LRS),
+    "pm_gauss": ({"name": "pm", "perturbation": "gaussian"}, LORA_LRS),
+    "pm_exact": ({"name": "pm", "perturbation": "exact"}, LORA_LRS),
+    "inflora": ({"name": "inflora"}, LORA_LRS),
+    "lora_avg": ({"name": "lora_avg"}, LORA_LRS),
+    "lora_dare": ({"name": "lora_dare"}, LORA_LRS),
+    "coma": ({"name": "coma"}, LORA_LRS),
+    "cofima": ({"name": "cofima"}, LORA_LRS),
+}
+SEEDS = [0, 1, 2]
+VAL_FRACTION = 0.1
+
+
+def make_config(bench: str, label: str, seed: int, lr: float, *, smoke: bool) -> dict:
+    """The run config: benchmark scenario (with the validation hold-out), method, lr, seed."""
+    method, _ = METHODS[label]
+    scen = {**BENCHMARKS[bench], "seed": seed, "val_fraction": VAL_FRACTION}
+    train, model = {"epochs": 5, "batch_size": 64}, {"name": "vit-tiny-fmnist"}
+    if smoke:  # random-init 2-block tiny ViT: the smoke setting must not need the shipped weights
+        scen.update(train_per_class=8, test_per_class=4)
+        train = {"epochs": 1, "batch_size": 8, "max_steps_per_epoch": 2}
+        model = {"name": "vit-tiny-fmnist", "pretrained": False, "config": {"num_hidden_layers": 2}}
+    return {"seed": seed, "scenario": scen, "model": model, "method": dict(method),
+            "optim": {"name": "adam", "lr": lr}, "train": train,
+            "run": {"progress": False, "report": False, "threads": 1, "keep_checkpoints": 1}}
+
+
+def run_one(cfg: dict, out: Path) -> str:
+    """Run (or resume, or skip) one config into ``out`` in a subprocess; returns done / skipped / failed."""
+    if (out / "metrics.json").exists():
+        return "skipped"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cfg_file = out.parent / f"{out.name}.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    cmd = [sys.executable, "-m", "clmerge.cli", "run", str(cfg_file), "--out", str(out)]
+    if out.exists():
+        cmd.append("--resume")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    with open(out.parent / f"{out.name}.log", "w") as log:
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return "done" if rc == 0 else "failed"
+
+
+def val_accuracy(out: Path) -> float:
+    """Final class-incremental accuracy of the run's last checkpoint on the held-out validation data."""
+    cached = out / "val.json"
+    if cached.exists():
+        return json.loads(cached.read_text())["val_acc"]
+    from clmerge.config import load_config
+    from clmerge.engine.evaluate import evaluate_tasks
+    from clmerge.engine.run import _restore, prepare, resolve_device
+
+    cfg = load_config(out / "config.yaml")
+    scenario, model, method, _ = prepare(cfg)
+    device = resolve_device(cfg.run.device)
+    _restore(out, model, method, device)
+    tasks = scenario.tasks
+    n_out = tasks[-1].offset + tasks[-1].n_classes
+    res = evaluate_tasks(method.inference_model(), tasks, n_outputs=n_out, device=device, split="val")
+    acc = float(np.mean([r["acc"] for r in res]))
+    cached.write_text(json.dumps({"val_acc": acc, "per_task": [r["acc"] for r in res]}))
+    return acc
+
+
+def _parallel(jobs: list[tuple[dict, Path]], n: int) -> list[str]:
+    with ThreadPoolExecutor(max_workers=max(1, n)) as pool:
+        status = list(pool.map(lambda j: run_one(*j), jobs))
+    for (_, out), s in zip(jobs, status):
+        if s == "failed":
+            print(f"FAILED: {out} (see {out}.log)", flush=True)
+    return status
+
+
+def select(benches, labels, out_root: Path, *, jobs: int, smoke: bool) -> dict:
+    """Phase 1: every lr of each method's grid on seed 0; pick the best validation accuracy."""
+    grid = [(b, m, lr) for b in benches for m in labels for lr in (METHODS[m][1][:1] if smoke else METHODS[m][1])]
+    todo = [(make_config(b, m, 0, lr, smoke=smoke), out_root / "select" / b / m / f"lr{lr:g}") for b, m, lr in grid]
+    _parallel(todo, jobs)
+    sel_file = out_root / "selected.json"
+    selected = json.loads(sel_file.read_text()) if sel_file.exists() else {}
+    for b in benches:
+        for m in labels:
+            scores = {}
+            for lr in (METHODS[m][1][:1] if smoke else METHODS[m][1]):
+                out = out_root / "select" / b / m / f"lr{lr:g}"
+                if (out / "metrics.json").exists():
+                    scores[lr] = val_accuracy(out)
+            if scores:
+                best = max(scores, key=lambda k: (scores[k], -k))
+                selected.setdefault(b, {})[m] = {"lr": best, "val_acc": scores}
+    sel_file.write_text(json.dumps(selected, indent=1, default=str))
+    return selected
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated labels (default: all)")
+    ap.add_argument("--seeds", default=",".join(map(str, SEEDS)))
+    ap.add_argument("--benchmarks", default=",".join(BENCHMARKS))
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (each one thread)")
+    ap.add_argument("--out", type=Path, default=HERE / "runs", help="run directories (git-ignored)")
+    ap.add_argument("--results", type=Path, default=HERE / "results.md")
+    ap.add_argument("--figures", type=Path, default=HERE / "figures")
+    ap.add_argument("--smoke", action="store_true", help="tiny setting (1 epoch of 2 steps, 8 images per class)")
+    ap.add_argument("--report-only", action="store_true", help="only rebuild results.md and the figures")
+    a = ap.parse_args(argv)
+    labels = [m for m in a.methods.split(",") if m]
+    unknown = [m for m in labels if m not in METHODS]
+    benches = [b for b in a.benchmarks.split(",") if b]
+    if unknown or any(b not in BENCHMARKS for b in benches):
+        ap.error(f"unknown methods {unknown} or benchmarks {benches}; known: {list(METHODS)}, {list(BENCHMARKS)}")
+    seeds = [int(s) for s in a.seeds.split(",") if s]
+    if not a.report_only:
+        selected = select(benches, labels, a.out, jobs=a.jobs, smoke=a.smoke)
+        todo = [(make_config(b, m, s, selected[b][m]["lr"], smoke=a.smoke), a.out / "main" / b / m / f"seed{s}")
+                for b in benches for m in labels for s in seeds if m in selected.get(b, {})]
+        _parallel(todo, a.jobs)
+    write_results(a.out, a.results, list(BENCHMARKS), list(METHODS), smoke=a.smoke)
+    write_figures(a.out, a.figures)
+    print(f"wrote {a.results} and {a.figures}/", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""``clmerge run CONFIG --dry-run``: check a config end to end on this machine, without its data or weights.
+
+What a dry run does (so that a user with a GPU and the data can trust the config):
+
+1. builds the config's real backbone from its architecture config with random init (``model.pretrained:
+   false`` semantics, whatever the config says; ``model.config`` overrides still apply);
+2. writes a tiny look-alike dataset into a temporary directory, in the on-disk layout the config's data source
+   reads (ImageNet-R / -A pre-split wnid folders, DomainNet domain folders + split files, CUB-200-2011 tables,
+   the CIFAR-100 python pickles, generic class folders), with the config's number of classes, so the
+   scenario cuts the same class split into the same tasks. Bundled sources (mnist5k, digits, mnist1d, ...)
+   need nothing and are only subsampled per class;
+3. runs the real engine hooks (``engine.run``: ``begin_task``, ``fit``, ``end_task``) for the first
+   ``tasks`` tasks with one epoch of ``steps`` optimizer steps and a small batch (a method's own inner
+   training loops through ``ctx.fit``, e.g. HALRP's warm-up, are capped the same way; the method, its options
+   and the scenario are otherwise untouched), then one evaluation, saves a checkpoint and restores it into a
+   freshly built model (the resume path);
+4. prints a short summary and returns it as a dict.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from ..adapters.structure import model_structure
+from ..config import ExperimentConfig
+from ..data.folders import DOMAINNET_DOMAINS
+from .checkpoint import save_checkpoint
+from .run import RunState, _evaluate_row, _restore, _train_task, prepare, resolve_device
+
+__all__ = ["dry_run", "dry_run_config", "write_lookalike", "lookalike_classes", "FOLDER_CLASSES"]
+
+# Class counts of the on-disk sources (the config's class_order / classes_per_task win when given).
+FOLDER_CLASSES = {"imagenet_r": 200, "imagenet_a": 200, "domainnet": 345, "cub200": 200, "cifar100": 100}
+
+
+def dry_run_config(cfg: ExperimentConfig, *, steps: int = 2, batch_size: int = 4,
+                   train_per_class: int = 2, test_per_class: int = 1) -> ExperimentConfig:
+    """The config a dry run trains with: random init, 1 epoch of ``steps`` steps, a small batch, no report.
+
+    The method, its options, the head and the scenario's class split are not changed; every source is
+    subsampled per class (``scenario.train_per_class`` / ``test_per_class``, only if smaller), which matters
+    for bundled sources (the look-alike folders hold that many images anyway).
+    """
+    c = cfg.model_copy(deep=True)
+    c.model.pretrained = False
+    c.train.epochs = 1
+    c.train.max_steps_per_epoch = steps
+    c.train.batch_size = min(c.train.batch_size, batch_size)
+    c.train.eval_batch_size = min(c.train.eval_batch_size, 64)
+    c.optim.warmup_epochs = 0
+    c.run.report, c.run.progress = False, False
+    s = c.scenario
+    s.train_per_class = min(s.train_per_class or train_per_class, train_per_class)
+    s.test_per_class = min(s.test_per_class or test_per_class, test_per_class)
+    if s.train_per_task is not None:
+        s.train_per_task = min(s.train_per_task, 10 * train_per_class)
+    return c
+
+
+def lookalike_classes(cfg: ExperimentConfig) -> int:
+    """How many classes the look-alike dataset gets: from class_order, classes_per_task, the source, the root.
+
+    For ``image_folder`` the count comes from a trailing number of ``data_root`` (``tiny-imagenet-200``)
+    or, failing that, 10 per task.
+    """
+    s = cfg.scenario
+    if s.class_order is not None:
+        return max(s.class_order) + 1
+    if s.classes_per_task is not None:
+        return sum(s.classes_per_task)
+    if s.dataset == "cifar100" and s.options.get("label_kind") == "coarse":
+        return 20
+    if s.dataset in FOLDER_CLASSES:
+        return FOLDER_CLASSES[s.dataset]
+    m = re.search(r"(\d+)/*$", s.data_root or "")
+    return int(m.group(1)) if m else 10 * s.n_tasks
+
+
+def per_class_for_batches(cfg: ExperimentConfig, train_per_class: int, batch: int) -> int:
+    """The smallest per-class count >= ``train_per_class`` whose per-task training set (after the validation
+    hold-out) has at least one full batch, and neither it nor the validation part ends in a batch of a single
+    image (BatchNorm cannot train on one)."""
+    s, k = cfg.scenario, lookalike_classes(cfg)
+    split = s.kind == "class_incremental" or s.transform == "none"
+    cpt = (min(s.classes_per_task) if s.classes_per_task else k // s.n_tasks) if split else k
+    for n in range(train_per_class, train_per_class + 4 * batch + 2):
+        total = n * max(cpt, 1)
+        val = max(1, round(s.val_fraction * total)) if s.val_fraction > 0 else 0
+        if total - val >= batch and (total - val) % batch != 1 and val % batch != 1:
+            return n
+    return train_per_class
+
+
+def _png_pool(n: int = 8, size: int = 8) -> list[bytes]:
+    """A few distinct tiny PNG images (bytes), reused for every file (fast to write)."""
+    from PIL import Image
+
+    out = []
+    for i in range(n):
+        arr = np.full((size, size, 3), (37 * i) % 256, dtype=np.uint8)
+        arr[: size // 2, :, i % 3] = 255 - arr[0, 0, 0]
+        buf = io.BytesIO()
+        Image.fromarray(arr).save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return out
+
+
+def _class_dirs(folder: Path, names: list[str], n: int, pool: list[bytes], prefix: str = "img") -> list[str]:
+    """Write ``folder/<name>/<prefix><i>.png`` for every class; return the relative paths."""
+    rel = []
+    for c, name in enumerate(names):
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            (folder / name / f"{prefix}{i}.png").write_bytes(pool[(c + i) % len(pool)])
+            rel.append(f"{name}/{prefix}{i}.png")
+    return rel
+
+
+def _write_presplit(folder: Path, names: list[str], n_train: int, n_test: int, pool: list[bytes]) -> None:
+    _class_dirs(folder / "train", names, n_train, pool)
+    _class_dirs(folder / "test", names, n_test, pool)
+
+
+def _write_domainnet(root: Path, k: int, n_train: int, n_test: int, pool: list[bytes], domains) -> None:
+    folder = root / "domainnet"
+    names = [f"class{c:03d}" for c in range(k)]
+    for d in ([domains] if isinstance(domains, str) else (domains or DOMAINNET_DOMAINS)):
+        d = str(d).strip()
+        for split, n in (("train", n_train), ("test", n_test)):
+            rel = _class_dirs(folder / d, names, n, pool, prefix=f"{split}_")
+            lines = [f"{d}/{r} {i // n}" for i, r in enumerate(rel)]
+            (folder / f"{d}_{split}.txt").write_text("\n".join(lines) + "\n")
+
+
+def _write_cub(root: Path, k: int, n_train: int, n_test: int, pool: list[bytes]) -> None:
+    folder = root / "CUB_200_2011"
+    names = [f"{c + 1:03d}.Bird_{c}" for c in range(k)]
+    rel = _class_dirs(folder / "images", names, n_train + n_test, pool)
+    per = n_train + n_test
+    (folder / "images.txt").write_text("".join(f"{i + 1} {r}\n" for i, r in enumerate(rel)))
+    (folder / "image_class_labels.txt").write_text("".join(f"{i + 1} {i // per + 1}\n" for i in range(len(rel))))
+    (folder / "train_test_split.txt").write_text("".join(f"{i + 1} {int(i % per < n_train)}\n" for i in range(len(rel))))
+    (folder / "classes.txt").write_text("".join(f"{c + 1} {n}\n" for c, n in enumerate(names)))
+
+
+def _write_cifar100(root: Path, k: int, n_train: int, n_test: int) -> None:
+    folder = root / "cifar-100-python"
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for name, n in (("train", n_train), ("test", n_test)):
+        fine = [c for c in range(100) for _ in range(n)]
+        d = {"fine_labels": fine, "coarse_labels": [c % 20 for c in fine],
+             "data": rng.integers(0, 256, size=(len(fine), 3072), dtype=np.uint8)}
+        (folder / name).write_bytes(pickle.dumps(d, protocol=2))
+    meta = {"fine_label_names": [f"fine{i}" for i in range(100)], "coarse_label_names": [f"c{i}" for i in range(20)]}
+    (folder / "meta").write_bytes(pickle.dumps(meta, protocol=2))
+
+
+def write_lookalike(cfg: ExperimentConfig, root: Path, *, n_train: int = 2, n_test: int = 1) -> str | None:
+    """Write the look-alike dataset of ``cfg.scenario.dataset`` under ``root``; return a one-line description.
+
+    Returns ``None`` for sources that need no files (bundled ones). Images are tiny PNGs; the source resizes
+    them to the backbone's input size as it would real images.
+    """
+    name, k, pool = cfg.scenario.dataset, lookalike_classes(cfg), _png_pool()
+    wnids = [f"n{c:08d}" for c in range(k)]
+    if name in ("imagenet_r", "imagenet_a"):
+        _write_presplit(root / name.replace("_", "-"), wnids, n_train, n_test, pool)
+    elif name == "image_folder":
+        sub = cfg.scenario.options.get("subdir")
+        _write_presplit(root / sub if sub else root, [f"class{c:03d}" for c in range(k)], n_train, n_test, pool)
+    elif name == "domainnet":
+        _write_domainnet(root, k, n_train, n_test, pool, cfg.scenario.options.get("domains"))
+    elif name == "cub200":
+        _write_cub(root, k, n_train, n_test, pool)
+    elif name == "cifar100":
+        _write_cifar100(root, k, n_train, n_test)
+    else:
+        return None
+    return f"{name}: {k} classes, {n_train} train + {n_test} test images per class, written to {root}"
+
+
+def _task_losses(out: Path) -> dict[int, float]:
+    events = out / "events.jsonl"
+    if not events.exists():
+        return {}
+    import json
+
+    rows = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    return {r["task"]: r["loss"] for r in rows if r.get("event") == "epoch" and r.get("task") is not None}
+
+
+def _check_resume(cfg: ExperimentConfig, out: Path, device) -> None:
+    """Restore the last checkpoint into a freshly built model and method (the ``--resume`` path)."""
+    _, model2, method2, _ = prepare(cfg)
+    start, _ = _restore(out, model2, method2, device)
+    if start < 1:
+        raise RuntimeError("dry run: the checkpoint could not be restored")
+
+
+def _cap_inner_loops(method, steps: int) -> None:
+    """Methods' own training loops (``ctx.fit``: warm-ups, extra epochs) also run 1 epoch of ``steps`` steps."""
+    begin = method.begin_task
+
+    def capped_begin(task, ctx):
+        inner = ctx.fit
+        if inner is not None:
+            ctx.fit = lambda **kw: inner(**{**kw, "epochs": 1, "max_steps_per_epoch": steps})
+        return begin(task, ctx)
+
+    method.begin_task = capped_begin
+
+
+def _run_tasks(cfg: ExperimentConfig, out: Path, tasks: int, echo: Callable[[str], None]) -> dict:
+    device = resolve_device(cfg.run.device)
+    scenario, model, method, manifest = prepare(cfg)
+    _cap_inner_loops(method, cfg.train.max_steps_per_epoch)
+    model.to(device)
+    state, n = RunState(), min(tasks, len(scenario))
+    params = sum(p.numel() for p in model.backbone.parameters())
+    echo(f"backbone {cfg.model.name} (random init): {params / 1e6:.2f}M parameters; "
+         f"{len(scenario)} tasks of {[t.n_classes for t in scenario.tasks[:3]]}... classes ({scenario.kind})")
+    for t in range(n):
+        _train_task(cfg, t, scenario, model, method, state, out, device)
+        meta = {"task": t, "structure": model_structure(model), "method": method.state_meta(),
+                "state": state.to_meta()}
+        save_checkpoint(out, t, model.state_dict(), method.state_tensors(), meta, keep=1)
+        echo(f"task {t}: {cfg.train.max_steps_per_epoch} steps, loss {_task_losses(out).get(t, float('nan')):.4f}, "
+             f"{state.task_seconds[-1]:.1f}s")
+    _evaluate_row(cfg, n - 1, scenario, method, state, device)
+    row = [round(v, 2) for v in state.rows[-1][:n] if v is not None]
+    echo(f"evaluation after task {n - 1}: accuracy per task {row}")
+    _check_resume(cfg, out, device)
+    echo("checkpoint saved and restored into a fresh model: ok")
+    return {"tasks_run": n, "n_tasks": len(scenario), "accuracy_row": row, "backbone_params": params,
+            "losses": _task_losses(out), "task_seconds": state.task_seconds,
+            "method_metrics": method.metrics(), "trainable_params": manifest["trainable_params_after_setup"]}
+
+
+def dry_run(cfg: ExperimentConfig, *, tasks: int = 2, steps: int = 2, batch_size: int = 4, train_per_class: int = 2,
+            workdir: str | Path | None = None, echo: Callable[[str], None] = print) -> dict:
+    """Dry-run ``cfg`` (see the module docstring); returns a summary dict, raises on any failure.
+
+    Args:
+        cfg: the experiment config as loaded (its data need not exist).
+        tasks: how many of the first tasks to train (at least 1).
+        steps: optimizer steps per task.
+        batch_size: upper bound on the training batch size (the config's, if smaller, is kept).
+        train_per_class: training images per class (look-alike data and subsampling of bundled sources).
+        workdir: where to write the look-alike data and the run (default: a temporary directory, removed).
+        echo: where the summary lines go.
+    """
+    t0 = time.time()
+    batch = min(cfg.train.batch_size, batch_size)
+    train_per_class = per_class_for_batches(cfg, train_per_class, batch)
+    dcfg = dry_run_config(cfg, steps=steps, batch_size=batch_size, train_per_class=train_per_class)
+    with tempfile.TemporaryDirectory(prefix="clmerge-dry-") as tmp:
+        base = Path(workdir) if workdir is not None else Path(tmp)
+        data_root = base / "data"
+        described = write_lookalike(dcfg, data_root, n_train=train_per_class)
+        if described is not None:
+            dcfg.scenario.data_root = str(data_root)
+            echo(f"look-alike data: {described}")
+        out = base / "run"
+        out.mkdir(parents=True, exist_ok=True)
+        summary = _run_tasks(dcfg, out, max(1, tasks), echo)
+    summary["seconds"] = round(time.time() - t0, 2)
+    summary["method"], summary["dataset"] = cfg.method.name, cfg.scenario.dataset
+    echo(f"dry run ok: {cfg.method.name} on {cfg.scenario.dataset}, {summary['tasks_run']}/{summary['n_tasks']} "
+         f"tasks, {summary['seconds']}s")
+    return summary

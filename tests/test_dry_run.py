@@ -1,0 +1,75 @@
+"""``clmerge run CONFIG --dry-run``: every paper config passes on a random-init backbone and look-alike data.
+
+The tests shorten ViT-B/16 to one block (``model.config.num_hidden_layers=1``); nothing else of the config
+changes. One full-depth ViT-B/16 dry run is marked slow (``CLMERGE_SLOW=1``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from clmerge.cli import app
+from clmerge.config import load_config
+from clmerge.engine.dry_run import dry_run, lookalike_classes
+
+PAPER = sorted((Path(__file__).resolve().parents[1] / "configs" / "paper").glob("*.yaml"))
+# HALRP with AlexNet on Tiny-ImageNet: the method's own rank selection at the second task (SVDs of the large
+# layers) takes ~100 s on this CPU, so these two dry runs only run with CLMERGE_SLOW=1 (both pass).
+SLOW = {"halrp_tiny20_alexnet", "halrp_tiny40_alexnet"}
+_SLOW_MARK = [pytest.mark.slow, pytest.mark.skipif(os.environ.get("CLMERGE_SLOW") != "1",
+                                                   reason="slow on CPU; set CLMERGE_SLOW=1")]
+PARAMS = [pytest.param(p, id=p.stem, marks=_SLOW_MARK if p.stem in SLOW else ()) for p in PAPER]
+
+
+def _overrides(path: Path) -> list[str]:
+    return ["model.config.num_hidden_layers=1"] if "vit" in load_config(path).model.name else []
+
+
+def test_there_are_paper_configs() -> None:
+    assert len(PAPER) >= 21
+
+
+@pytest.mark.parametrize("path", PARAMS)
+def test_paper_config_dry_run(path: Path, tmp_path) -> None:
+    cfg = load_config(path, _overrides(path))
+    lines: list[str] = []
+    out = dry_run(cfg, echo=lines.append, workdir=tmp_path, train_per_class=1)
+    assert out["tasks_run"] == 2 and out["n_tasks"] == cfg.scenario.n_tasks
+    assert len(out["accuracy_row"]) == 2 and set(out["losses"]) == {0, 1}
+    assert lines[-1].startswith("dry run ok")
+
+
+def test_lookalike_class_counts() -> None:
+    by_name = {p.stem: load_config(p) for p in PAPER}
+    assert lookalike_classes(by_name["pm_domainnet_5"]) == 345
+    assert lookalike_classes(by_name["sd_lora_imagenet_r_10"]) == 200
+    assert lookalike_classes(by_name["halrp_tiny20_alexnet"]) == 200
+    assert lookalike_classes(by_name["halrp_cifar100_superclass_lenet"]) == 100
+
+
+def test_cli_dry_run_flag(tmp_path) -> None:
+    path = next(p for p in PAPER if p.stem == "sd_lora_cifar100_10")
+    res = CliRunner().invoke(app, ["run", str(path), "--dry-run", "--set", "model.config.num_hidden_layers=1"])
+    assert res.exit_code == 0, res.output
+    assert "dry run ok" in res.output and "look-alike data" in res.output
+    assert not Path("runs").exists() or not any(Path("runs").glob("sd_lora-cifar100-*"))
+
+
+def test_cli_dry_run_reports_failure(tmp_path) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("scenario: {dataset: imagenet_r, n_tasks: 7}\nmodel: {name: vit-b16, config: {num_hidden_layers: 1}}\n"
+                   "method: {name: seq_lora}\n")
+    res = CliRunner().invoke(app, ["run", str(cfg), "--dry-run"])
+    assert res.exit_code == 1 and "dry run failed" in res.output
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("CLMERGE_SLOW") != "1", reason="full-depth ViT-B/16 on CPU; set CLMERGE_SLOW=1")
+def test_full_depth_vit_b16_dry_run(tmp_path) -> None:
+    path = next(p for p in PAPER if p.stem == "sd_lora_imagenet_r_10")
+    out = dry_run(load_config(path), echo=lambda s: None, workdir=tmp_path)
+    assert out["backbone_params"] > 85e6 and out["tasks_run"] == 2

@@ -1,0 +1,87 @@
+"""The evidence and speed scripts of benchmarks/lora_cl run on a tiny setting; the combined data source."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clmerge.data import build_dataset
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "lora_cl"
+
+
+def _load(name: str):
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"lora_cl_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _has_fmnist() -> bool:
+    try:
+        build_dataset("fashion_mnist")
+        return True
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not _has_fmnist(), reason="Fashion-MNIST IDX files not installed")
+def test_mnist5k_fmnist20_source() -> None:
+    s = build_dataset("mnist5k_fmnist20")
+    m = build_dataset("mnist5k")
+    assert s.num_classes == 20 and len(s.class_names) == 20
+    ytr, yte = s.train.targets, s.test.targets
+    assert len(ytr) == len(m.train) + 4000 and len(yte) == len(m.test) + 1000
+    assert np.bincount(ytr[ytr >= 10] - 10).tolist() == [400] * 10
+    x, _ = s.train.get_batch(np.asarray([0, len(ytr) - 1]))
+    assert x.shape == (2, 1, 28, 28) and 0 <= float(x.min()) and float(x.max()) <= 1
+    again = build_dataset("mnist5k_fmnist20")
+    assert np.array_equal(again.train.targets, ytr)
+
+
+def test_evidence_config_holds_out_validation() -> None:
+    ev = _load("run_evidence")
+    cfg = ev.make_config("split_mnist5k", "pm_gauss", 1, 5e-3, smoke=False)
+    assert cfg["scenario"]["val_fraction"] > 0 and cfg["method"] == {"name": "pm", "perturbation": "gaussian"}
+    from clmerge.config import parse_config
+
+    for label in ev.METHODS:
+        parse_config(ev.make_config("mnist_fmnist10", label, 0, 1e-3, smoke=True))
+
+
+def test_evidence_smoke_runs_selects_on_val_and_resumes(tmp_path) -> None:
+    ev = _load("run_evidence")
+    args = ["--smoke", "--methods", "sd_lora_kd,pm", "--seeds", "0",
+            "--benchmarks", "split_mnist5k", "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "r.md"),
+            "--figures", str(tmp_path / "fig")]
+    ev.main(args)
+    text = (tmp_path / "r.md").read_text()
+    for label in ("sd_lora_kd", "pm"):
+        assert f"| {label} |" in text
+    sel = json.loads((tmp_path / "runs" / "selected.json").read_text())
+    assert set(sel["split_mnist5k"]) == {"sd_lora_kd", "pm"}
+    assert (tmp_path / "runs" / "select" / "split_mnist5k" / "pm" / "lr0.002" / "val.json").exists()
+    assert (tmp_path / "fig" / "split_mnist5k_pm_alpha.png").exists()
+    assert (tmp_path / "fig" / "split_mnist5k_sd_lora_kd_kd.png").exists()
+    done = tmp_path / "runs" / "main" / "split_mnist5k" / "pm" / "seed0" / "metrics.json"
+    stamp = done.stat().st_mtime_ns
+    assert ev.run_one({}, done.parent) == "skipped"
+    ev.main(args)  # everything finished: nothing reruns
+    assert done.stat().st_mtime_ns == stamp
+
+
+def test_speed_smoke(tmp_path) -> None:
+    sp = _load("speed")
+    out = tmp_path / "speed.md"
+    sp.main(["--smoke", "--out", str(out), "--tmp", str(tmp_path / "tmp")])
+    text = out.read_text()
+    assert "ratio to seq_lora" in text and "| pm (running sums) |" in text and "speed-up" in text
+    row = next(line for line in text.splitlines() if line.startswith("| pm (running sums) |"))
+    vals = [float(v) for v in row.strip("|").split("|")[1:]]
+    assert len(vals) == 3 and vals[1] == vals[2]  # running sums: constant memory after the first task

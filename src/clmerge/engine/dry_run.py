@@ -38,7 +38,8 @@ from .run import RunState, _evaluate_row, _restore, _train_task, prepare, resolv
 __all__ = ["dry_run", "dry_run_config", "write_lookalike", "lookalike_classes", "FOLDER_CLASSES"]
 
 # Class counts of the on-disk sources (the config's class_order / classes_per_task win when given).
-FOLDER_CLASSES = {"imagenet_r": 200, "imagenet_a": 200, "domainnet": 345, "cub200": 200, "cifar100": 100}
+FOLDER_CLASSES = {"imagenet_r": 200, "imagenet_a": 200, "domainnet": 345, "cub200": 200, "cifar100": 100,
+                  "tinyimagenet": 200}
 
 
 def dry_run_config(cfg: ExperimentConfig, *, steps: int = 2, batch_size: int = 4,
@@ -80,6 +81,8 @@ def lookalike_classes(cfg: ExperimentConfig) -> int:
         return 20
     if s.dataset in FOLDER_CLASSES:
         return FOLDER_CLASSES[s.dataset]
+    if s.dataset == "omniglot":
+        return int(s.options.get("n_classes", 1200))
     m = re.search(r"(\d+)/*$", s.data_root or "")
     return int(m.group(1)) if m else 10 * s.n_tasks
 
@@ -164,6 +167,60 @@ def _write_cifar100(root: Path, k: int, n_train: int, n_test: int) -> None:
     (folder / "meta").write_bytes(pickle.dumps(meta, protocol=2))
 
 
+def _write_omniglot(root: Path, k: int, n: int, pool: list[bytes]) -> None:
+    """``omniglot/images_background/<Alphabet>/<characterNN>/*.png``: k characters, n drawings each."""
+    folder = root / "omniglot" / "images_background"
+    for c in range(k):
+        char = folder / f"Alphabet{c // 20:03d}" / f"character{c % 20 + 1:02d}"
+        char.mkdir(parents=True, exist_ok=True)
+        for d in range(n):
+            (char / f"{c:04d}_{d:02d}.png").write_bytes(pool[(c + d) % len(pool)])
+
+
+def _write_tinyimagenet(root: Path, wnids: list[str], n_train: int, n_test: int, pool: list[bytes]) -> None:
+    """The tiny-imagenet-200 release layout: ``train/<wnid>/images``, ``val/images`` + val_annotations.txt."""
+    folder = root / "tiny-imagenet-200"
+    for k, w in enumerate(wnids):
+        (folder / "train" / w / "images").mkdir(parents=True, exist_ok=True)
+        for i in range(n_train):
+            (folder / "train" / w / "images" / f"{w}_{i}.JPEG").write_bytes(pool[(k + i) % len(pool)])
+    (folder / "val" / "images").mkdir(parents=True, exist_ok=True)
+    lines = []
+    for k, w in enumerate(wnids):
+        for i in range(n_test):
+            name = f"val_{k * n_test + i}.JPEG"
+            (folder / "val" / "images" / name).write_bytes(pool[k % len(pool)])
+            lines.append(f"{name}\t{w}\t0\t0\t7\t7")
+    (folder / "val" / "val_annotations.txt").write_text("\n".join(lines) + "\n")
+    (folder / "wnids.txt").write_text("\n".join(wnids) + "\n")
+
+
+def _write_idx_fashion(root: Path, n_train: int, n_test: int) -> None:
+    """Fashion-MNIST IDX look-alikes under ``root/fashion-mnist`` (10 classes)."""
+    import struct
+
+    rng = np.random.default_rng(0)
+    folder = root / "fashion-mnist"
+    folder.mkdir(parents=True, exist_ok=True)
+    for prefix, m in (("train", 10 * n_train), ("t10k", 10 * n_test)):
+        for stem, arr in ((f"{prefix}-images-idx3-ubyte", rng.integers(0, 255, (m, 28, 28))),
+                          (f"{prefix}-labels-idx1-ubyte", np.arange(m) % 10)):
+            head = bytes([0, 0, 8, arr.ndim]) + struct.pack(f">{arr.ndim}I", *arr.shape)
+            (folder / stem).write_bytes(head + arr.astype(np.uint8).tobytes())
+
+
+def _write_mixed(cfg: ExperimentConfig, root: Path, n_train: int, n_test: int, pool: list[bytes]) -> None:
+    """Per-task look-alikes of a ``mixed`` sequence: class folders for ``image_folder`` entries (10 classes),
+    IDX files for ``fashion_mnist``; bundled sources need nothing."""
+    for entry in cfg.scenario.options.get("tasks", []):
+        ds, opts = entry.get("dataset"), entry.get("options", {}) or {}
+        if ds == "image_folder":
+            sub = opts.get("subdir")
+            _write_presplit(root / sub if sub else root, [f"class_{c}" for c in range(10)], n_train, n_test, pool)
+        elif ds == "fashion_mnist":
+            _write_idx_fashion(root, n_train, n_test)
+
+
 def write_lookalike(cfg: ExperimentConfig, root: Path, *, n_train: int = 2, n_test: int = 1) -> str | None:
     """Write the look-alike dataset of ``cfg.scenario.dataset`` under ``root``; return a one-line description.
 
@@ -183,6 +240,12 @@ def write_lookalike(cfg: ExperimentConfig, root: Path, *, n_train: int = 2, n_te
         _write_cub(root, k, n_train, n_test, pool)
     elif name == "cifar100":
         _write_cifar100(root, k, n_train, n_test)
+    elif name == "omniglot":
+        _write_omniglot(root, k, n_train + n_test + 2, pool)
+    elif name == "tinyimagenet":
+        _write_tinyimagenet(root, wnids, n_train, n_test, pool)
+    elif name == "mixed":
+        _write_mixed(cfg, root, n_train, n_test, pool)
     else:
         return None
     return f"{name}: {k} classes, {n_train} train + {n_test} test images per class, written to {root}"

@@ -133,7 +133,8 @@ def _train_task(cfg, t, scenario, model, method, state, out, device) -> None:
                       head_loss=cfg.head.loss, batch_size=cfg.train.batch_size,
                       eval_batch_size=cfg.train.eval_batch_size, log=log, n_tasks=len(scenario))
     ctx.fit = lambda **kw: fit(**{"optim": cfg.optim, "generator": gen, "device": device, "log": log,
-                                  "task_index": t, "batch_size": cfg.train.batch_size, **kw})
+                                  "task_index": t, "batch_size": cfg.train.batch_size,
+                                  "max_steps_per_epoch": cfg.train.max_steps_per_epoch, **kw})
     t0 = time.time()
     method.begin_task(task, ctx)
     model.to(device)

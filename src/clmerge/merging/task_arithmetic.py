@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from .driver import map_keys, task_vectors64
+from .driver import CHUNK, map_keys
 from .registry import register_merge
 from .sources import open_models
 
@@ -29,6 +30,10 @@ def task_arithmetic(*, base: Any, experts: Sequence[Any], scaling: float = 0.3) 
     models = open_models(base, experts)
 
     def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
-        return b.double() + scaling * task_vectors64(b, xs).sum(0)
+        # theta_0 + lambda * (sum_t theta_t - T theta_0), accumulated in place in float64
+        acc = xs[0].to(torch.float64, copy=True)
+        for x in xs[1:]:
+            acc.add_(x)
+        return acc.sub_(b, alpha=len(xs)).mul_(scaling).add_(b)
 
-    return map_keys(models, kernel, needs_base=True)
+    return map_keys(models, kernel, needs_base=True, chunk=CHUNK)

@@ -56,8 +56,13 @@ def load_fusion_bench(root: str | Path) -> types.SimpleNamespace:
 
 
 def fb_average(fb: Any, base: SD, experts: list[SD], **_: Any) -> SD:
-    """``simple_average(list_of_state_dicts)`` -> ``state_dict_avg``."""
-    return fb.state_dict_arithmetic.state_dict_avg(experts)
+    """``SimpleAverageAlgorithm.run``: running ``state_dict_add`` over the models, then ``state_dict_div``."""
+    sda = fb.state_dict_arithmetic
+    sd, n = None, 0
+    for model in experts:
+        sd = model if sd is None else sda.state_dict_add(sd, model)
+        n += 1
+    return sda.state_dict_div(sd, n)
 
 
 def fb_task_arithmetic(fb: Any, base: SD, experts: list[SD], scaling: float = 0.3, **_: Any) -> SD:

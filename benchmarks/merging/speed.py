@@ -255,8 +255,11 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
                "--threads", str(args.threads), "--cart-blocks", str(args.cart_blocks)]
         if args.fusion_bench:
             cmd += ["--fusion-bench", str(args.fusion_bench)]
-        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        out[row] = json.loads(res.stdout.strip().splitlines()[-1])
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            out[row] = {"error": res.stderr.strip().splitlines()[-1] if res.stderr.strip() else str(res.returncode)}
+        else:
+            out[row] = json.loads(res.stdout.strip().splitlines()[-1])
         print(row, out[row], flush=True)
     return out
 
@@ -300,6 +303,8 @@ def _f(x: float) -> str:
 def _mem(row: dict | None, model_bytes: int) -> str:
     if not row:
         return "-"
+    if "error" in row:
+        return f"failed: {row['error'][:60]}"
     anon = (row["peak"]["RssAnon"] - row["baseline"]["RssAnon"]) / model_bytes
     rss = (row["ru_maxrss"] - row["baseline"]["VmRSS"]) / model_bytes
     return f"{anon:.2f} ({rss:.2f} RSS)"

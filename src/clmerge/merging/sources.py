@@ -38,6 +38,7 @@ class ParamSource:
     def __init__(self, obj: Mapping[str, Tensor] | str | Path, name: str | None = None) -> None:
         self._dict: Mapping[str, Tensor] | None = None
         self._handle = None
+        self._reader: _SafetensorsReader | None = None
         if isinstance(obj, Mapping):
             self._dict = obj
             self.name = name or "<dict>"
@@ -50,7 +51,8 @@ class ParamSource:
                 from safetensors import safe_open
 
                 try:
-                    self._handle = safe_open(str(path), framework="pt")
+                    self._handle = safe_open(str(path), framework="pt")  # validates the header
+                    self._reader = _SafetensorsReader(path)
                 except Exception as exc:  # safetensors raises several types for corrupt headers
                     raise MergeInputError(f"{path}: not a readable safetensors file ({exc})") from exc
             else:
@@ -76,7 +78,43 @@ class ParamSource:
 
     def get(self, key: str) -> Tensor:
         """The tensor ``key`` (read from disk now for a lazy file). Never modify it in place."""
-        return self._dict[key] if self._dict is not None else self._handle.get_tensor(key)
+        return self._dict[key] if self._dict is not None else self._reader.read(key)
+
+
+class _SafetensorsReader:
+    """Reads one tensor of a safetensors file with ``readinto`` into fresh memory (no memory map).
+
+    A mapped file's pages count in the process's resident memory while mapped, so reading every key of
+    ``T`` mapped experts would look like ``T`` models resident; plain reads keep the resident set at what
+    the merge holds. Format: 8-byte little-endian header length, a JSON header with ``dtype``, ``shape``,
+    ``data_offsets`` per tensor, then the data.
+    """
+
+    def __init__(self, path: Path) -> None:
+        import json
+
+        self.path = path
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            self.header = {k: v for k, v in json.loads(f.read(n)).items() if k != "__metadata__"}
+        self.data_start = 8 + n
+
+    def read(self, key: str) -> Tensor:
+        info = self.header[key]
+        dtype = _ST_DTYPES[info["dtype"]]
+        begin, end = info["data_offsets"]
+        out = torch.empty(end - begin, dtype=torch.uint8)
+        if end > begin:
+            with open(self.path, "rb", buffering=0) as f:
+                f.seek(self.data_start + begin)
+                view = memoryview(out.numpy())
+                got = 0
+                while got < end - begin:  # readinto may return short counts
+                    n = f.readinto(view[got:])
+                    if not n:
+                        raise MergeInputError(f"{self.path}: truncated data for key {key!r}")
+                    got += n
+        return out.view(dtype).reshape(info["shape"])
 
 
 def _torch_load(path: Path) -> dict[str, Tensor]:

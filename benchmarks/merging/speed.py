@@ -137,7 +137,7 @@ def run_time(args: argparse.Namespace) -> dict[str, Any]:
         rows |= {f"fusionbench:{m}": (lambda b, e, m=m: FB_METHODS[m](fb, b, e, **HP[m])) for m in FB_METHODS}
     names = [n for n in rows if not args.rows or any(r in n for r in args.rows)]
     times: dict[str, list[float]] = {n: [] for n in names}
-    refs: list[float] = []
+    refs: dict[str, list[float]] = {n: [] for n in names}  # the reference run just before each timing
     kept: dict[str, SD] = {}
     equiv: dict[str, float] = {}
     for rep in range(args.repeats):
@@ -146,7 +146,7 @@ def run_time(args: argparse.Namespace) -> dict[str, Any]:
             gc.collect()
             t0 = time.perf_counter()
             bandwidth_reference([base] + experts)
-            refs.append(time.perf_counter() - t0)
+            refs[name].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             out = rows[name](base, experts)
             times[name].append(time.perf_counter() - t0)
@@ -159,8 +159,9 @@ def run_time(args: argparse.Namespace) -> dict[str, Any]:
                 elif other in names:
                     kept[name] = out
             del out
-            print(f"rep {rep} {name}: {times[name][-1]:.3f}s (ref {refs[-1]:.3f}s)", flush=True)
+            print(f"rep {rep} {name}: {times[name][-1]:.3f}s (ref {refs[name][-1]:.3f}s)", flush=True)
     return {"times": times, "refs": refs, "equiv_max_abs_diff": equiv, "threads": args.threads,
+            "repeats": args.repeats,
             "cart_fraction": sum(base[k].numel() for k in cart_keys) / sum(v.numel() for v in base.values()),
             "fusion_bench": str(args.fusion_bench) if fb is not None else None}
 
@@ -271,11 +272,12 @@ def _med(xs: list[float]) -> float:
 def report(res: dict[str, Any], model_bytes: int) -> str:
     """``speed.md``: times over the bandwidth reference, FusionBench speed-ups, peak memory, targets."""
     t, mem = res.get("time", {}), res.get("memory", {})
-    ref = _med(t.get("refs", []))
+    all_refs = [x for v in t.get("refs", {}).values() for x in v]
+    ref = _med(all_refs)
     frac = t.get("cart_fraction", 1.0)
     methods = [*HP, "cart_exact", "cart_randomized"]
     lines = [f"Machine: {res.get('machine', '?')}; torch threads {t.get('threads')}; repeats "
-             f"{len(t.get('refs', [])) // max(1, len(t.get('times', {})))}; one model = "
+             f"{t.get('repeats')}; one model = "
              f"{model_bytes / 2**20:.0f} MiB (fp32), {res.get('experts')} experts + base, "
              f"{res.get('blocks')} ViT blocks.", "",
              "| method | clmerge time / ref | FusionBench time / ref | FusionBench / clmerge time | "
@@ -283,12 +285,15 @@ def report(res: dict[str, Any], model_bytes: int) -> str:
              "|---|---|---|---|---|---|---|"]
     for m in methods:
         cl, fb = _med(t.get("times", {}).get(f"clmerge:{m}", [])), _med(t.get("times", {}).get(f"fusionbench:{m}", []))
-        r = ref * (frac if m.startswith("cart") else 1.0)
+        scale = frac if m.startswith("cart") else 1.0
+        r = _med(t.get("refs", {}).get(f"clmerge:{m}", [])) * scale
+        rf = _med(t.get("refs", {}).get(f"fusionbench:{m}", [])) * scale
         mc, mf = _mem(mem.get(f"clmerge:{m}"), model_bytes), _mem(mem.get(f"fusionbench:{m}"), model_bytes)
         diff = t.get("equiv_max_abs_diff", {}).get(m)
-        lines.append(f"| {m} | {_f(cl / r)} | {_f(fb / r)} | {_f(fb / cl)} | {mc} | {mf} | "
+        lines.append(f"| {m} | {_f(cl / r)} | {_f(fb / rf)} | {_f(fb / cl)} | {mc} | {mf} | "
                      f"{'' if diff is None else f'{diff:.1e}'} |")
-    lines += ["", f"Reference (`torch.add` over every input byte, 9 models): median {ref:.3f} s on this run; "
+    lines += ["", f"Reference (`torch.add` over every input byte, 9 models): median {ref:.3f} s over all rows "
+              "(each row is divided by the median of the references run just before it); "
               f"CART rows are timed on the first {res.get('cart_blocks')} encoder block(s) only "
               f"({100 * frac:.1f}% of the parameters) and divided by the reference scaled to those bytes."]
     if not t.get("fusion_bench"):
@@ -322,7 +327,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cart-blocks", type=int, default=1)
     p.add_argument("--rows", nargs="*", default=None, help="only rows whose name contains one of these")
     p.add_argument("--row", default=None)
-    p.add_argument("--json", type=Path, default=HERE / "speed.json")
+    p.add_argument("--json", type=Path, nargs="+", default=[HERE / "speed.json"],
+                   help="results file (time/memory write the first; report reads all, in order)")
     p.add_argument("--out", type=Path, default=HERE / "speed.md")
     args = p.parse_args(argv)
     if args.fusion_bench is not None and not (args.fusion_bench / "fusion_bench").is_dir():
@@ -334,16 +340,75 @@ def main(argv: list[str] | None = None) -> None:
     if args.phase == "memory-worker":
         print(json.dumps(memory_worker(args)))
         return
-    res = json.loads(args.json.read_text()) if args.json.exists() else {}
-    spec = json.loads((args.workdir / "spec.json").read_text())
-    res |= {"blocks": spec["blocks"], "experts": spec["experts"], "cart_blocks": args.cart_blocks,
-            "machine": f"{os.cpu_count()} CPUs visible, shared"}
     if args.phase in ("time", "memory"):
-        res[args.phase] = (run_time if args.phase == "time" else run_memory)(args)
-        args.json.write_text(json.dumps(res, indent=1))
-    model_bytes = 4 * sum(torch.Size(s).numel() for s in vit_shapes(spec["blocks"]).values())
-    args.out.write_text(HEADER + report(res, model_bytes) + TARGETS)
+        res = json.loads(args.json[0].read_text()) if args.json[0].exists() else {}
+        spec = json.loads((args.workdir / "spec.json").read_text())
+        res |= {"blocks": spec["blocks"], "experts": spec["experts"], "cart_blocks": args.cart_blocks,
+                "machine": f"{os.cpu_count()} CPUs visible, shared"}
+        new = (run_time if args.phase == "time" else run_memory)(args)
+        old = res.get(args.phase, {})
+        if args.phase == "time" and old:  # rows measured in another invocation are kept (each with its refs)
+            for key in ("times", "refs", "equiv_max_abs_diff"):
+                new[key] = old.get(key, {}) | new[key]
+            new["fusion_bench"] = new["fusion_bench"] or old.get("fusion_bench")
+        res[args.phase] = old | new if args.phase == "memory" else new
+        args.json[0].write_text(json.dumps(res, indent=1))
+    results = [json.loads(p.read_text()) for p in args.json if p.exists()]
+    shapes = [vit_shapes(r["blocks"]) for r in results]
+    model_bytes = [4 * sum(torch.Size(s).numel() for s in sh.values()) for sh in shapes]
+    tensor_bytes = [4 * max(torch.Size(s).numel() for s in sh.values()) for sh in shapes]
+    text = HEADER + "".join(f"## {r['blocks']} ViT-B/16 blocks ({p.name})\n\n" + report(r, mb)
+                            for r, mb, p in zip(results, model_bytes, args.json) if True) + "\n"
+    args.out.write_text(text + targets(results, model_bytes, tensor_bytes) + NOTES)
     print(args.out.read_text())
+
+
+def _anon(row: dict | None, model_bytes: int) -> float:
+    if not row or "error" in row:
+        return float("nan")
+    return (row["peak"]["RssAnon"] - row["baseline"]["RssAnon"]) / model_bytes
+
+
+def targets(results: list[dict[str, Any]], model_bytes: list[int], tensor_bytes: list[int]) -> str:
+    """The issue's targets, each checked on the first result set that has the rows it needs."""
+    lines = ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
+
+    def first(fn: Callable[[dict, int, int], Any]) -> Any:
+        for res, mb, tb in zip(results, model_bytes, tensor_bytes):
+            try:
+                v = fn(res, mb, tb)
+            except (KeyError, ZeroDivisionError, statistics.StatisticsError):
+                continue
+            if v is not None and all(x == x for x in (v if isinstance(v, tuple) else (v,))):
+                return v, f"{res['blocks']} blocks"
+        return None, None
+
+    def row(name: str, value: Any, where: str | None, ok: bool | None, fmt: str) -> None:
+        shown = "not measured" if value is None else fmt.format(*(value if isinstance(value, tuple) else (value,)))
+        lines.append(f"| {name} | {shown}{f' ({where})' if where else ''} | "
+                     f"{'-' if ok is None else ('yes' if ok else '**no**')} |")
+
+    tm = lambda r: r["time"]["times"]  # noqa: E731
+    for m in EQUIV:
+        v, w = first(lambda r, mb, tb: r["time"]["equiv_max_abs_diff"][m])
+        row(f"{m}: identical to FusionBench (max abs diff <= 1e-5)", v, w, None if v is None else v <= 1e-5, "{:.1e}")
+    v, w = first(lambda r, mb, tb: _med(tm(r)["fusionbench:ties"]) / _med(tm(r)["clmerge:ties"]))
+    row("TIES >= 5x faster than FusionBench's TIES", v, w, None if v is None else v >= 5, "{:.1f}x")
+    v, w = first(lambda r, mb, tb: (_anon(r["memory"]["clmerge:ties"], mb), _anon(r["memory"]["fusionbench:ties"], mb)))
+    row("TIES peak private memory < half of FusionBench's", v, w, None if v is None else v[0] < 0.5 * v[1],
+        "{:.2f} vs {:.2f} models")
+    for m in ("weight_average", "task_arithmetic", "ties", "dare"):
+        v, w = first(lambda r, mb, tb: _med(tm(r)[f"clmerge:{m}"]) / _med(r["time"]["refs"][f"clmerge:{m}"]))
+        row(f"{m} within 3x of the bandwidth reference" + ("" if m in ("weight_average", "task_arithmetic")
+                                                           else " (not elementwise; shown for reference)"),
+            v, w, None if v is None or m not in ("weight_average", "task_arithmetic") else v <= 3, "{:.2f}x")
+    for m in ("weight_average", "task_arithmetic", "ties"):
+        v, w = first(lambda r, mb, tb: (_anon(r["memory"][f"clmerge:{m}"], mb), 1 + r["experts"] * tb / mb))
+        row(f"{m} streamed from safetensors: peak near one model + one tensor per expert", v, w,
+            None if v is None else v[0] <= v[1] + 0.5, "{:.2f} models (bound {:.2f})")
+    v, w = first(lambda r, mb, tb: _med(tm(r)["clmerge:cart_exact"]) / _med(tm(r)["clmerge:cart_randomized"]))
+    row("CART randomized SVD >= 3x faster than exact", v, w, None if v is None else v >= 3, "{:.1f}x")
+    return "\n".join(lines) + "\n"
 
 
 HEADER = """# Merge speed and memory (synthetic ViT-B/16 experts)
@@ -354,7 +419,7 @@ memory is the sampled peak of `RssAnon` above the after-import baseline (in brac
 baseline `VmRSS`, which also counts mapped file pages), in units of one model.
 
 """
-TARGETS = ""
+NOTES = ""
 
 if __name__ == "__main__":
     main()

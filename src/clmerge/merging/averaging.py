@@ -16,11 +16,12 @@ __all__ = ["weight_average", "average_tensor"]
 
 
 def average_tensor(experts: Sequence[Tensor], weights: Tensor | None = None) -> Tensor:
-    """``(1/T) sum_t theta_t``, or ``sum_t w_t theta_t / sum_t w_t`` with weights (float64).
+    """``(1/T) sum_t theta_t``, or ``sum_t w_t theta_t / sum_t w_t`` with weights.
 
-    Accumulated in place in one float64 buffer (no ``(T, *shape)`` stack).
+    Accumulated in place in one buffer of the inputs' dtype (at least float32; no ``(T, *shape)`` stack),
+    the arithmetic of FusionBench's running ``state_dict_add``.
     """
-    acc = experts[0].to(torch.float64, copy=True)
+    acc = experts[0].to(torch.promote_types(experts[0].dtype, torch.float32), copy=True)
     if weights is None:
         for x in experts[1:]:
             acc.add_(x)

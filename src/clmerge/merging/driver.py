@@ -24,8 +24,8 @@ __all__ = ["Kernel", "map_keys", "apply_chunked", "CHUNK", "stack64", "task_vect
 
 Kernel = Callable[[str, Tensor | None, list[Tensor]], Tensor]
 
-# Entries per slice for elementwise kernels: T slices of 32 K float32 (+ float64 copies) fit in L2/L3.
-CHUNK = 1 << 15
+# Entries per slice for elementwise kernels: a few float32 buffers of 64 K entries stay in L2.
+CHUNK = 1 << 16
 
 
 def map_keys(models: ModelSet, kernel: Kernel, *, needs_base: bool = False,

@@ -30,10 +30,13 @@ def task_arithmetic(*, base: Any, experts: Sequence[Any], scaling: float = 0.3) 
     models = open_models(base, experts)
 
     def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
-        # theta_0 + lambda * (sum_t theta_t - T theta_0), accumulated in place in float64
-        acc = xs[0].to(torch.float64, copy=True)
+        # theta_0 + lambda * sum_t (theta_t - theta_0): each difference formed first (exact for nearby
+        # values), summed in place in the inputs' dtype (at least float32), as FusionBench's state-dict sums
+        dtype = torch.promote_types(b.dtype, torch.float32)
+        b = b.to(dtype)
+        acc, tmp = torch.sub(xs[0].to(dtype), b), torch.empty_like(b)
         for x in xs[1:]:
-            acc.add_(x)
-        return acc.sub_(b, alpha=len(xs)).mul_(scaling).add_(b)
+            acc.add_(torch.sub(x.to(dtype), b, out=tmp))
+        return acc.mul_(scaling).add_(b)
 
     return map_keys(models, kernel, needs_base=True, chunk=CHUNK)

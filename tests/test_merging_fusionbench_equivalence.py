@@ -160,3 +160,14 @@ def test_kth_smallest_matches_kthvalue_with_duplicates_and_skew():
     for x in xs:
         for k in (1, 1000, 350_000, 699_999, 700_000):
             assert float(kth_smallest(x, k)) == float(x.kthvalue(k).values)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("method, hp", [("weight_average", {}), ("weight_average", {"weights": [0.0, 1.0]}),
+                                        ("task_arithmetic", {"scaling": 0.0}), ("task_arithmetic", {})])
+def test_output_side_finite_check_still_names_the_key(method, hp, bad):
+    """Averaging and TA check their output for NaN/Inf (one read saved); a bad input is still an error."""
+    base, ex = make_models(2, seed=1)
+    ex[0]["blk.fc2.weight"][1, 2] = bad
+    with pytest.raises(merging.MergeInputError, match="blk.fc2.weight.*expert 0"):
+        merging.merge(method, base=base, experts=ex, **hp)

@@ -44,4 +44,4 @@ def weight_average(*, base: Any = None, experts: Sequence[Any],
     """
     models = open_models(base, experts)
     w = check_experts_weights(weights, models.num_experts)
-    return map_keys(models, lambda key, b, xs: average_tensor(xs, w), chunk=CHUNK)
+    return map_keys(models, lambda key, b, xs: average_tensor(xs, w), chunk=CHUNK, propagates_nonfinite=True)

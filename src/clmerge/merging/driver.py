@@ -29,7 +29,7 @@ CHUNK = 1 << 16
 
 
 def map_keys(models: ModelSet, kernel: Kernel, *, needs_base: bool = False,
-             chunk: int | None = None) -> dict[str, Tensor]:
+             chunk: int | None = None, propagates_nonfinite: bool = False) -> dict[str, Tensor]:
     """Run ``kernel`` over every key of ``models`` and collect a new parameter dict.
 
     Args:
@@ -37,6 +37,9 @@ def map_keys(models: ModelSet, kernel: Kernel, *, needs_base: bool = False,
         kernel: the per-tensor merge.
         needs_base: raise if ``models`` has no base.
         chunk: if given, ``kernel`` is elementwise and is run on flat slices of this many entries.
+        propagates_nonfinite: the kernel's output is non-finite wherever an input is (linear combinations
+            such as averaging): the NaN/Inf check then reads the output, and the inputs only to name the
+            offending file (one read of the inputs saved).
 
     Returns:
         A new dict with the same keys, shapes and dtypes as the experts.
@@ -44,7 +47,8 @@ def map_keys(models: ModelSet, kernel: Kernel, *, needs_base: bool = False,
     if needs_base and models.base is None:
         raise ValueError("this method needs base= (the pretrained parameters)")
     out: dict[str, Tensor] = {}
-    for key, base, experts in models.items():
+    check_inputs = None if not propagates_nonfinite else False
+    for key, base, experts in models.items(check_inputs):
         if not experts[0].is_floating_point():
             out[key] = (base if base is not None else experts[0]).clone()
             continue
@@ -52,6 +56,8 @@ def map_keys(models: ModelSet, kernel: Kernel, *, needs_base: bool = False,
             out[key] = kernel(key, base, experts).to(experts[0].dtype).contiguous()
         else:
             out[key] = apply_chunked(kernel, key, base, experts, chunk)
+        if propagates_nonfinite and models.check_finite and not torch.isfinite(out[key].sum()):
+            models.load(key, check=True)  # raises MergeInputError naming the key and the file
     return out
 
 

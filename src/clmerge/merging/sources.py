@@ -185,11 +185,15 @@ class ModelSet:
     def is_float(self, key: str) -> bool:
         return self.meta(key)[1].is_floating_point
 
-    def load(self, key: str) -> tuple[Tensor | None, list[Tensor]]:
-        """``(base tensor or None, [expert tensors])`` for one key, checked for NaN/Inf."""
+    def load(self, key: str, check: bool | None = None) -> tuple[Tensor | None, list[Tensor]]:
+        """``(base tensor or None, [expert tensors])`` for one key, checked for NaN/Inf.
+
+        Args:
+            check: override ``check_finite`` for this read (a caller that checks its output instead).
+        """
         base = self.base.get(key) if self.base is not None else None
         experts = [e.get(key) for e in self.experts]
-        if self.check_finite and self.is_float(key):
+        if (self.check_finite if check is None else check) and self.is_float(key):
             for src, t in zip(([self.base] if base is not None else []) + self.experts,
                               ([base] if base is not None else []) + experts):
                 # a sum is finite only if every entry is (one read, no mask); confirm a non-finite sum exactly
@@ -197,10 +201,10 @@ class ModelSet:
                     raise MergeInputError(f"key {key!r} in {src.name} contains NaN or Inf")
         return base, experts
 
-    def items(self) -> Iterator[tuple[str, Tensor | None, list[Tensor]]]:
-        """Yield ``(key, base, experts)`` key by key."""
+    def items(self, check: bool | None = None) -> Iterator[tuple[str, Tensor | None, list[Tensor]]]:
+        """Yield ``(key, base, experts)`` key by key (``check`` as in :meth:`load`)."""
         for k in self.keys():
-            yield (k, *self.load(k))
+            yield (k, *self.load(k, check))
 
 
 def open_models(base: Any, experts: Sequence[Any] | ModelSet) -> ModelSet:

@@ -39,4 +39,4 @@ def task_arithmetic(*, base: Any, experts: Sequence[Any], scaling: float = 0.3) 
             acc.add_(torch.sub(x.to(dtype), b, out=tmp))
         return acc.mul_(scaling).add_(b)
 
-    return map_keys(models, kernel, needs_base=True, chunk=CHUNK)
+    return map_keys(models, kernel, needs_base=True, chunk=CHUNK, propagates_nonfinite=True)

@@ -61,4 +61,4 @@ def test_analysis_plots_and_claims(tiny_run):
     assert a["spectra"]["centered"]["energy"][-1] == pytest.approx(1.0)
     md = bench.results_markdown(res)
     verdicts = [ln for ln in md.splitlines() if ln.startswith("- ") and ("holds" in ln or "does not hold" in ln)]
-    assert "CART's claims" in md and len(verdicts) == 4
+    assert "CART's claims" in md and len(verdicts) == 5

@@ -103,18 +103,34 @@ class _SafetensorsReader:
         info = self.header[key]
         dtype = _ST_DTYPES[info["dtype"]]
         begin, end = info["data_offsets"]
-        out = torch.empty(end - begin, dtype=torch.uint8)
-        if end > begin:
-            with open(self.path, "rb", buffering=0) as f:
-                f.seek(self.data_start + begin)
-                view = memoryview(out.numpy())
-                got = 0
-                while got < end - begin:  # readinto may return short counts
-                    n = f.readinto(view[got:])
-                    if not n:
-                        raise MergeInputError(f"{self.path}: truncated data for key {key!r}")
-                    got += n
+        size = end - begin
+        if size == 0:
+            return torch.empty(info["shape"], dtype=dtype)
+        buf = _anonymous_buffer(size)
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.data_start + begin)
+            view, got = memoryview(buf.numpy() if isinstance(buf, Tensor) else buf), 0
+            while got < size:  # readinto may return short counts
+                n = f.readinto(view[got:])
+                if not n:
+                    raise MergeInputError(f"{self.path}: truncated data for key {key!r}")
+                got += n
+            view.release()
+        out = torch.frombuffer(buf, dtype=torch.uint8) if not isinstance(buf, Tensor) else buf
         return out.view(dtype).reshape(info["shape"])
+
+
+def _anonymous_buffer(size: int) -> Any:
+    """A private anonymous memory map of ``size`` bytes (a tensor where mmap flags are unavailable).
+
+    Its own mapping is unmapped as soon as the tensor over it is freed, so reading key after key does not
+    leave holes in the malloc heap between the (kept) outputs: the resident set stays at what is alive.
+    """
+    import mmap
+
+    if hasattr(mmap, "MAP_ANONYMOUS") and hasattr(mmap, "MAP_PRIVATE"):
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.empty(size, dtype=torch.uint8)
 
 
 def _torch_load(path: Path) -> dict[str, Tensor]:

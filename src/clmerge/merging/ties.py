@@ -121,17 +121,25 @@ def _streamed_thresholds(models: ModelSet, keys: list[str], total: int, k: int,
     below = torch.zeros(num, dtype=torch.int64)
     inside: list[list[Tensor]] = [[] for _ in range(num)]
     lo_c, hi_c = lo[:, None], hi[:, None]
+    # work buffers allocated once: per-slice temporaries would churn (and grow) the malloc heap
+    mag_buf, lt_buf, keep_buf = torch.empty(num, chunk), torch.empty(num, chunk, dtype=torch.bool), \
+        torch.empty(num, chunk, dtype=torch.bool)
     for key in keys:
         b = models.base.get(key).reshape(-1).float()
         xs = [src.get(key).reshape(-1) for src in models.experts]
         for i in range(0, b.numel(), chunk):
-            mag = (torch.stack([x[i:i + chunk] for x in xs]).float() - b[i:i + chunk]).abs_()
-            lt = mag < lo_c
-            below += lt.view(torch.uint8).sum(1, dtype=torch.int64)
-            keep = (mag <= hi_c).logical_xor_(lt)  # lo <= mag <= hi, as lo <= hi
-            counts = keep.view(torch.uint8).sum(1, dtype=torch.int64).tolist()
-            for t, v in enumerate(mag.view(-1)[keep.view(-1)].split(counts)):
-                inside[t].append(v)
+            n = min(chunk, b.numel() - i)
+            mag, lt, keep = mag_buf[:, :n], lt_buf[:, :n], keep_buf[:, :n]
+            for t, x in enumerate(xs):
+                torch.sub(x[i:i + n], b[i:i + n], out=mag[t])
+            mag.abs_()
+            torch.lt(mag, lo_c, out=lt)
+            below += lt.sum(1)
+            torch.le(mag, hi_c, out=keep).logical_xor_(lt)  # lo <= mag <= hi, as lo <= hi
+            counts = keep.sum(1).tolist()
+            if sum(counts):
+                for t, v in enumerate(mag[keep].split(counts)):
+                    inside[t].append(v)
     out = torch.full((num,), math.nan)
     for t in range(num):
         vals = torch.cat(inside[t])

@@ -425,7 +425,41 @@ memory is the sampled peak of `RssAnon` above the after-import baseline (in brac
 baseline `VmRSS`, which also counts mapped file pages), in units of one model.
 
 """
-NOTES = ""
+NOTES = """
+## Notes
+
+- **Sizes.** The first table is the full ViT-B/16 parameter list (86.4 M parameters, 330 MiB per model, 9
+  models = 3 GiB). FusionBench's TIES is absent there: it stacks every task vector into an `N x d` matrix
+  and makes several copies of it (clone, `abs`, masks, products), about 65 models of memory, 21 GiB here,
+  more than this 23 GiB machine can spare. The second table uses the same tensors with 2 of the 12 blocks
+  (15.5 M parameters), where it fits; ratios of time and memory do not depend on the depth.
+- **How TIES stays lean.** The global top-k threshold of each expert is exact (identical to `kthvalue` over
+  the whole task vector, which the equivalence test and the zero max-abs-diff above check) without stacking
+  experts: a strided sample brackets each threshold, one streamed pass counts the magnitudes below the
+  bracket and keeps the few inside it, and `kthvalue` runs on those. Then the merge runs key by key on
+  cache-sized slices. Zero elected signs take the model-wide majority sign, as FusionBench does.
+- **TIES memory (target missed).** clmerge's TIES peak private memory is far under half of FusionBench's,
+  but it is not "one model + one tensor per input": 9.8 models at full size, 11.2 at 2 blocks, and it moves
+  between runs of the same code (4.1-4.2 in earlier runs of this session). Most of it is freed memory the
+  glibc heap keeps: after the threshold pass, `malloc_trim(0)` returns all but 0.04 models, and with
+  `MALLOC_MMAP_THRESHOLD_=65536` the 2-block peak drops from 11.2 to 3.9 models. The per-slice temporaries of
+  the sign election (allocated and freed ~10 times per 64 K-entry slice, between kept outputs) are the
+  likely cause; preallocated work buffers in the merge pass, as done for the threshold pass, are the fix
+  not made in this session. Averaging, task arithmetic and DARE stream at one model (the output) + one
+  tensor per input.
+- **Bandwidth.** Averaging and task arithmetic are within 3x of one `torch.add` over the same bytes; their
+  extra cost is the validation read (NaN/Inf check) and the float32 accumulation in slices. FusionBench's
+  averaging does no validation and is about as fast. TIES and DARE are not single-pass elementwise methods:
+  TIES reads the inputs twice (threshold pass, merge pass) and runs ~15 arithmetic passes per slice; DARE
+  draws one random number per parameter and expert, which costs more than the memory traffic.
+- **CART.** The SVD rows are timed on one encoder block's six weight matrices (the shapes of every block);
+  the randomized range finder (rank `ceil(0.08 r) = 62`, 10 oversampling columns, 2 power iterations) is the
+  speed-up in the targets table over `torch.linalg.svd`. Its accuracy against the exact path is checked on
+  the merging benchmark (`results.md`), not here. CART's memory is not measured: streamed from files the
+  worker would run the exact SVDs of all 72 matrices x 8 experts, over this session's 5-minute budget.
+- **Noise.** Two cores shared with other jobs: the reference itself varies by 2-3x between rows, which is
+  why each row is divided by the reference measured just before it (medians over the repeats).
+"""
 
 if __name__ == "__main__":
     main()

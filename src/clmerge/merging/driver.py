@@ -58,6 +58,7 @@ def map_keys(models: ModelSet, kernel: Kernel, *, needs_base: bool = False,
             out[key] = apply_chunked(kernel, key, base, experts, chunk)
         if propagates_nonfinite and models.check_finite and not torch.isfinite(out[key].sum()):
             models.load(key, check=True)  # raises MergeInputError naming the key and the file
+        del base, experts  # else this key's inputs stay alive while the next key is read
     return out
 
 

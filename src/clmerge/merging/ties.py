@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .driver import CHUNK, apply_chunked, bshape, map_keys
+from .driver import CHUNK, bshape, map_keys
 from .registry import register_merge
 from .sources import ModelSet, open_models
 
@@ -207,6 +207,53 @@ def _ties_core(tvs: Tensor, thresholds: Tensor, merge_fn: str,
     return (out / count.clamp(min=1) if merge_fn == "mean" else out), sign_sum, ambiguous
 
 
+class _Work:
+    """Work buffers of the streamed TIES merge, allocated once per merge: per-slice temporaries would be
+    allocated and freed ~10 times per slice, between kept outputs, and the malloc heap keeps growing."""
+
+    def __init__(self, num: int, chunk: int) -> None:
+        self.tv, self.tmp = torch.empty(num, chunk), torch.empty(num, chunk)
+        self.mask = torch.empty(num, chunk, dtype=torch.bool)
+        self.total, self.sign, self.pick, self.count, self.res = (torch.empty(chunk) for _ in range(5))
+        self.zero, self.flag = torch.empty(chunk, dtype=torch.bool), torch.empty(chunk, dtype=torch.bool)
+
+
+def _ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, scaling: float, merge_fn: str,
+                       zero_sign: float, w: _Work) -> tuple[Tensor, float, bool]:
+    """:func:`_ties_core` on one key of plain task vectors, slice by slice in the buffers ``w`` (same
+    arithmetic in float32); returns ``(theta_0 + scaling * tau_m, sign sum, ambiguous)``."""
+    out = torch.empty(b.shape, dtype=xs[0].dtype)
+    fb, fo, fx = b.reshape(-1), out.view(-1), [x.reshape(-1) for x in xs]
+    thr_c = thr.to(torch.float32)[:, None]
+    pick_zero = zero_sign if zero_sign != 0 else -1.0  # a zero majority selects the negative entries
+    sign_sum, ambiguous, chunk = 0.0, False, w.tv.shape[1]
+    for i in range(0, fb.numel(), chunk):
+        n = min(chunk, fb.numel() - i)
+        tv, tmp, mask = w.tv[:, :n], w.tmp[:, :n], w.mask[:, :n]
+        total, sign, pick, count, res = w.total[:n], w.sign[:n], w.pick[:n], w.count[:n], w.res[:n]
+        zero, flag = w.zero[:n], w.flag[:n]
+        for t, x in enumerate(fx):
+            torch.sub(x[i:i + n], fb[i:i + n], out=tv[t])
+        torch.ge(torch.abs(tv, out=tmp), thr_c, out=mask)
+        tv.mul_(mask)  # trimmed
+        torch.sign(torch.sum(tv, 0, out=total), out=sign)
+        sign_sum += float(sign.sum())
+        torch.eq(total, 0, out=zero)
+        pick.copy_(sign).masked_fill_(zero, pick_zero)
+        sign.masked_fill_(zero, zero_sign)
+        tv.mul_(pick).clamp_(min=0)  # |tau_hat_t| where it agrees with the elected sign
+        torch.sum(torch.sign(tv, out=tmp), 0, out=count)
+        ambiguous = ambiguous or bool(torch.gt(count, 0, out=flag).logical_and_(zero).any())
+        if merge_fn == "max":
+            torch.amax(tv, 0, out=res).mul_(sign)
+        else:
+            torch.sum(tv, 0, out=res).mul_(pick)
+            if merge_fn == "mean":
+                res.div_(count.clamp_(min=1))
+        fo[i:i + n] = res.mul_(scaling).add_(fb[i:i + n])
+    return out, sign_sum, ambiguous
+
+
 def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: float, scaling: float,
                            trim_scope: str, merge_fn: str) -> dict[str, Tensor]:
     """The TIES pipeline over any task-vector transform (plain for TIES, dropped-and-rescaled for DARE).
@@ -237,16 +284,24 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
         dtype = torch.promote_types(b.dtype, torch.float32)
         return b.to(dtype) + scaling * tau.to(dtype)
 
-    # elementwise once the thresholds are global and the task vectors plain: run on cache-sized slices
-    chunk = CHUNK if glob is not None and tv_fn is plain_task_vectors else None
-    out = map_keys(models, lambda key, b, xs: merged(key, b, xs, 1.0), needs_base=True, chunk=chunk)
+    if glob is not None and tv_fn is plain_task_vectors and merge_fn in ("mean", "sum", "max"):
+        # elementwise once the thresholds are global: cache-sized slices in preallocated buffers
+        work = _Work(models.num_experts, CHUNK)
+
+        def merged(key: str, b: Tensor, xs: list[Tensor], zero_sign: float) -> Tensor:  # noqa: F811
+            res, sign_sum, amb = _ties_key_streamed(b, xs, glob, scaling, merge_fn, zero_sign, work)
+            if zero_sign > 0:
+                total[0] += sign_sum
+                if amb:
+                    ambiguous.append(key)
+            return res
+
+    out = map_keys(models, lambda key, b, xs: merged(key, b, xs, 1.0), needs_base=True)
     majority = math.copysign(1.0, total[0]) if total[0] != 0 else 0.0
     if majority != 1.0:
-        for key in dict.fromkeys(ambiguous):
+        for key in ambiguous:
             b, xs = models.load(key)
-            redo = lambda k, bb, ee: merged(k, bb, ee, majority)  # noqa: E731
-            out[key] = redo(key, b, xs).to(xs[0].dtype).contiguous() if chunk is None else \
-                apply_chunked(redo, key, b, xs, chunk)
+            out[key] = merged(key, b, xs, majority).to(xs[0].dtype).contiguous()
     return out
 
 

@@ -411,15 +411,18 @@ NOTES = """
   experts: a strided sample brackets each threshold, one streamed pass counts the magnitudes below the
   bracket and keeps the few inside it, and `kthvalue` runs on those. Then the merge runs key by key on
   cache-sized slices. Zero elected signs take the model-wide majority sign, as FusionBench does.
-- **TIES memory (target missed).** clmerge's TIES peak private memory is far under half of FusionBench's,
-  but it is not "one model + one tensor per input": 9.8 models at full size, 11.2 at 2 blocks, and it moves
-  between runs of the same code (4.1-4.2 in earlier runs of this session). Most of it is freed memory the
-  glibc heap keeps: after the threshold pass, `malloc_trim(0)` returns all but 0.04 models, and with
-  `MALLOC_MMAP_THRESHOLD_=65536` the 2-block peak drops from 11.2 to 3.9 models. The per-slice temporaries of
-  the sign election (allocated and freed ~10 times per 64 K-entry slice, between kept outputs) are the
-  likely cause; preallocated work buffers in the merge pass, as done for the threshold pass, are the fix
-  not made in this session. Averaging, task arithmetic and DARE stream at one model (the output) + one
-  tensor per input.
+- **TIES speed.** The 2-block TIES rows were re-timed last, with the machine quiet (6 repeats; raw medians
+  1.07 s vs 6.9 s). Earlier runs in this session, under heavy contention, gave 8.6-15x: FusionBench's ~4 GiB
+  of fresh allocations suffer more from a busy machine than clmerge's reused buffers.
+- **TIES memory (target missed).** clmerge's TIES peak is far under half of FusionBench's, but it is not
+  "one model + one tensor per input": 9.0 models at full size, 11.1 at 2 blocks in the runs above. The same
+  code has peaked at 1.9-4.3 models in other runs of this session (in-process probes: the threshold pass
+  peaks at 1.9 models, the merge pass adds the output), so the excess varies from run to run. It is memory
+  the glibc heap keeps after it is freed: `malloc_trim(0)` after the threshold pass returns all but 0.04
+  models, and `MALLOC_MMAP_THRESHOLD_=65536` lowered one 2-block peak from 11.2 to 3.9 models. Both passes
+  now work in buffers allocated once, and a key's inputs are dropped before the next key is read. What
+  still grows the heap is not found; that is open. Averaging, task arithmetic and DARE stream at about one
+  model (the output) plus one tensor per input.
 - **Bandwidth.** Averaging and task arithmetic are within 3x of one `torch.add` over the same bytes; their
   extra cost is the validation read (NaN/Inf check) and the float32 accumulation in slices. FusionBench's
   averaging does no validation and is about as fast. TIES and DARE are not single-pass elementwise methods:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from clmerge.merging import bench
 
@@ -62,3 +63,12 @@ def test_analysis_plots_and_claims(tiny_run):
     md = bench.results_markdown(res)
     verdicts = [ln for ln in md.splitlines() if ln.startswith("- ") and ("holds" in ln or "does not hold" in ln)]
     assert "CART's claims" in md and len(verdicts) == 5
+
+
+def test_capped_test_split_is_a_shuffled_sample():
+    """With ``max_eval`` the test split is a seeded random subset, not the first (label-sorted) rows."""
+    cfg = bench.BenchConfig(suite="tiny", max_train=32, max_eval=40)
+    data = bench.load_task(bench.BenchTask("mnist5k", "identity"), cfg)  # its test rows are label-sorted
+    assert len(data["test"][1]) == 40 and len(set(data["test"][1].tolist())) >= 5
+    again = bench.load_task(bench.BenchTask("mnist5k", "identity"), cfg)
+    assert torch.equal(data["test"][1], again["test"][1])

@@ -110,7 +110,8 @@ def load_task(task: BenchTask, cfg: BenchConfig) -> dict[str, tuple[Tensor, Tens
     rng = np.random.default_rng(cfg.seed)
     tr = rng.permutation(len(splits.train))
     n_val = max(1, int(cfg.val_fraction * len(tr)))
-    parts = {"val": tr[:n_val], "train": tr[n_val:], "test": np.arange(len(splits.test))}
+    # test order shuffled too (fixed seed): a capped test set must not be the first, maybe one-class, rows
+    parts = {"val": tr[:n_val], "train": tr[n_val:], "test": rng.permutation(len(splits.test))}
     for name, idx in parts.items():
         src = splits.test if name == "test" else splits.train
         cap = cfg.max_train if name == "train" else cfg.max_eval

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from clmerge.merging import bench
 
@@ -43,3 +44,31 @@ def test_experts_are_cached_with_their_config(tiny_run, monkeypatch):
     monkeypatch.setattr(bench.torch.optim, "AdamW", lambda *a, **k: (_ for _ in ()).throw(AssertionError("retrained")))
     again = bench.run_benchmark(cfg, out, grids={"weight_average": {}}, log=lambda *_: None)
     assert again["rows"]["weight_average"]["test"] == res["rows"]["weight_average"]["test"]
+
+
+def test_analysis_plots_and_claims(tiny_run):
+    """Rank-ratio curve, spectra and interference: PNG files, embedded in results.md, with the identities."""
+    out, cfg, grids, res = tiny_run
+    for name in ("rank_ratio.png", "spectra.png", "interference.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({name})" in bench.results_markdown(res)  # (results.md itself is rewritten by another test)
+    a = res["analysis"]
+    curve = a["rank_ratio"]
+    avg, pre = res["rows"]["weight_average"]["avg"], res["rows"]["pretrained"]["avg"]
+    # CART at rank 0 and full rank is weight averaging; uncentered low-rank TA at rank 0 is the pretrained model
+    assert curve["cart"][0] == pytest.approx(avg) and curve["cart"][-1] == pytest.approx(avg)
+    assert curve["low_rank_ta"][0] == pytest.approx(pre)
+    assert len(a["interference"]["I_centered"]) == len(a["interference"]["ks"])
+    assert a["spectra"]["centered"]["energy"][-1] == pytest.approx(1.0)
+    md = bench.results_markdown(res)
+    verdicts = [ln for ln in md.splitlines() if ln.startswith("- ") and ("holds" in ln or "does not hold" in ln)]
+    assert "CART's claims" in md and len(verdicts) == 5
+
+
+def test_capped_test_split_is_a_shuffled_sample():
+    """With ``max_eval`` the test split is a seeded random subset, not the first (label-sorted) rows."""
+    cfg = bench.BenchConfig(suite="tiny", max_train=32, max_eval=40)
+    data = bench.load_task(bench.BenchTask("mnist5k", "identity"), cfg)  # its test rows are label-sorted
+    assert len(data["test"][1]) == 40 and len(set(data["test"][1].tolist())) >= 5
+    again = bench.load_task(bench.BenchTask("mnist5k", "identity"), cfg)
+    assert torch.equal(data["test"][1], again["test"][1])

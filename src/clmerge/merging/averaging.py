@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from .driver import bshape, check_experts_weights, map_keys, stack64
+from .driver import CHUNK, check_experts_weights, map_keys
 from .registry import register_merge
 from .sources import open_models
 
@@ -15,11 +16,20 @@ __all__ = ["weight_average", "average_tensor"]
 
 
 def average_tensor(experts: Sequence[Tensor], weights: Tensor | None = None) -> Tensor:
-    """``(1/T) sum_t theta_t``, or ``sum_t w_t theta_t / sum_t w_t`` with weights (float64)."""
-    x = stack64(experts)  # (T, *shape)
+    """``(1/T) sum_t theta_t``, or ``sum_t w_t theta_t / sum_t w_t`` with weights.
+
+    Accumulated in place in one buffer of the inputs' dtype (at least float32; no ``(T, *shape)`` stack),
+    the arithmetic of FusionBench's running ``state_dict_add``.
+    """
+    acc = experts[0].to(torch.promote_types(experts[0].dtype, torch.float32), copy=True)
     if weights is None:
-        return x.mean(0)
-    return (bshape(weights, x) * x).sum(0) / weights.sum()
+        for x in experts[1:]:
+            acc.add_(x)
+        return acc.div_(len(experts))
+    acc.mul_(float(weights[0]))
+    for x, w in zip(experts[1:], weights[1:]):
+        acc.add_(x, alpha=float(w))
+    return acc.div_(float(weights.sum()))
 
 
 @register_merge("weight_average", "plain (or weighted) mean of the experts' parameters", needs_base=False)
@@ -34,4 +44,4 @@ def weight_average(*, base: Any = None, experts: Sequence[Any],
     """
     models = open_models(base, experts)
     w = check_experts_weights(weights, models.num_experts)
-    return map_keys(models, lambda key, b, xs: average_tensor(xs, w))
+    return map_keys(models, lambda key, b, xs: average_tensor(xs, w), chunk=CHUNK, propagates_nonfinite=True)

@@ -132,7 +132,8 @@ def load_task(task: BenchTask, cfg: BenchConfig) -> dict[str, tuple[Tensor, Tens
     rng = np.random.default_rng(cfg.seed)
     tr = rng.permutation(len(splits.train))
     n_val = max(1, int(cfg.val_fraction * len(tr)))
-    parts = {"val": tr[:n_val], "train": tr[n_val:], "test": np.arange(len(splits.test))}
+    # test order shuffled too (fixed seed): a capped test set must not be the first, maybe one-class, rows
+    parts = {"val": tr[:n_val], "train": tr[n_val:], "test": rng.permutation(len(splits.test))}
     for name, idx in parts.items():
         src = splits.test if name == "test" else splits.train
         cap = cfg.max_train if name == "train" else cfg.max_eval
@@ -267,10 +268,12 @@ def _evaluate(backbone: nn.Module, params: dict[str, Tensor], heads: list[nn.Mod
 
 
 def run_benchmark(cfg: BenchConfig, out: Path, *, grids: dict[str, dict[str, list[Any]]] | None = None,
-                  cache: Path | None = None, log=print) -> dict:
+                  cache: Path | None = None, log=print, analysis: bool = True) -> dict:
     """Fine-tune (or load) the experts, search each method's grid on validation, report test accuracy.
 
-    Writes ``out/results.json`` and ``out/results.md``; returns the results dict.
+    Writes ``out/results.json`` and ``out/results.md``; with ``analysis`` (and CART in the grids) also
+    CART's rank-ratio curve, spectra and interference (``bench_analysis``) as PNG files embedded in the
+    Markdown. Returns the results dict.
     """
     tasks = SUITES[cfg.suite]
     grids = DEFAULT_GRIDS if grids is None else grids
@@ -306,6 +309,13 @@ def run_benchmark(cfg: BenchConfig, out: Path, *, grids: dict[str, dict[str, lis
         r["avg"] = float(np.mean(r["test"]))
         r["normalized"] = float(np.mean([a / max(i, 1e-9) for a, i in zip(r["test"], individual)])) * 100
     results = {"config": asdict(cfg), "tasks": [t.name for t in tasks], "rows": rows, "search": curves}
+    if analysis and "cart" in grids:
+        from .bench_analysis import analyse, write_plots
+
+        log("analysis: rank-ratio curve, spectra, interference")
+        mean_test = lambda p: float(np.mean(_evaluate(base_model, p, heads, data, "test")))  # noqa: E731
+        results["analysis"] = analyse(base, experts, mean_test, rows)
+        results["plots"] = write_plots(results["analysis"], rows, out)
     write_json(out / "results.json", results)
     atomic_write_text(out / "results.md", results_markdown(results))
     return results
@@ -319,7 +329,12 @@ def results_markdown(results: dict) -> str:
     for name, r in results["rows"].items():
         cells = " | ".join(f"{a:.1f}" for a in r["test"])
         lines.append(f"| {name} | {cells} | {r['avg']:.1f} | {r['normalized']:.1f} | {r['hp'] or ''} |")
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n"
+    if "analysis" in results:
+        from .bench_analysis import analysis_markdown
+
+        text += analysis_markdown(results["rows"], results["analysis"], results.get("plots", []))
+    return text
 
 
 def bench_command(out: Path, suite: str = "8", epochs: int = 3, max_train: int | None = None,

@@ -54,7 +54,13 @@ def dare(*, base: Any, experts: Sequence[Any], drop_rate: float = 0.5, rescale: 
 
     if combine == "task_arithmetic":
         def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
-            return b.double() + scaling * dropped(key, b, xs, list(range(len(xs)))).double().sum(0)
+            # sum_t m_t * tau_t accumulated in place in float64; the 1/(1-p) rescale applied once at the end
+            acc = torch.zeros(b.shape, dtype=torch.promote_types(b.dtype, torch.float32))
+            for t, x in enumerate(xs):
+                keep = torch.rand(x.shape, generator=_generator(seed, key, t)) >= drop_rate
+                acc.add_((x.float() - b.float()).mul_(keep))
+            factor = scaling / (1.0 - drop_rate) if rescale else scaling
+            return acc.mul_(factor).add_(b)
 
         return map_keys(models, kernel, needs_base=True)
     if combine == "ties":

@@ -4,6 +4,11 @@ A kernel sees one key at a time: ``kernel(key, base, experts) -> Tensor`` with `
 (or ``None``) and ``experts`` the ``T`` fine-tuned tensors of that key. Only floating tensors reach a kernel;
 integer / bool buffers are copied from the base (or the first expert). Results are cast back to the inputs'
 dtype. Kernels never modify their inputs.
+
+An elementwise kernel (one whose output entry depends only on the same entry of its inputs) can be run with
+``chunk=N``: the driver then hands it flat slices of ``N`` entries and writes the results into one output
+tensor, so the kernel's temporaries (stacks, masks, float64 copies) stay in the CPU cache instead of costing a
+trip through main memory each.
 """
 
 from __future__ import annotations
@@ -15,18 +20,26 @@ from torch import Tensor
 
 from .sources import ModelSet
 
-__all__ = ["Kernel", "map_keys", "stack64", "task_vectors64", "check_experts_weights"]
+__all__ = ["Kernel", "map_keys", "apply_chunked", "CHUNK", "stack64", "task_vectors64", "check_experts_weights"]
 
 Kernel = Callable[[str, Tensor | None, list[Tensor]], Tensor]
 
+# Entries per slice for elementwise kernels: a few float32 buffers of 64 K entries stay in L2.
+CHUNK = 1 << 16
 
-def map_keys(models: ModelSet, kernel: Kernel, *, needs_base: bool = False) -> dict[str, Tensor]:
+
+def map_keys(models: ModelSet, kernel: Kernel, *, needs_base: bool = False,
+             chunk: int | None = None, propagates_nonfinite: bool = False) -> dict[str, Tensor]:
     """Run ``kernel`` over every key of ``models`` and collect a new parameter dict.
 
     Args:
         models: the base and experts.
         kernel: the per-tensor merge.
         needs_base: raise if ``models`` has no base.
+        chunk: if given, ``kernel`` is elementwise and is run on flat slices of this many entries.
+        propagates_nonfinite: the kernel's output is non-finite wherever an input is (linear combinations
+            such as averaging): the NaN/Inf check then reads the output, and the inputs only to name the
+            offending file (one read of the inputs saved).
 
     Returns:
         A new dict with the same keys, shapes and dtypes as the experts.
@@ -34,12 +47,31 @@ def map_keys(models: ModelSet, kernel: Kernel, *, needs_base: bool = False) -> d
     if needs_base and models.base is None:
         raise ValueError("this method needs base= (the pretrained parameters)")
     out: dict[str, Tensor] = {}
-    for key, base, experts in models.items():
+    check_inputs = None if not propagates_nonfinite else False
+    for key, base, experts in models.items(check_inputs):
         if not experts[0].is_floating_point():
             out[key] = (base if base is not None else experts[0]).clone()
             continue
-        out[key] = kernel(key, base, experts).to(experts[0].dtype).contiguous()
+        if chunk is None:
+            out[key] = kernel(key, base, experts).to(experts[0].dtype).contiguous()
+        else:
+            out[key] = apply_chunked(kernel, key, base, experts, chunk)
+        if propagates_nonfinite and models.check_finite and not torch.isfinite(out[key].sum()):
+            models.load(key, check=True)  # raises MergeInputError naming the key and the file
+        del base, experts  # else this key's inputs stay alive while the next key is read
     return out
+
+
+def apply_chunked(kernel: Kernel, key: str, base: Tensor | None, experts: list[Tensor], chunk: int) -> Tensor:
+    """An elementwise ``kernel`` over flat slices of ``chunk`` entries, written into one output tensor."""
+    flat = [x.reshape(-1) for x in experts]
+    fbase = None if base is None else base.reshape(-1)
+    res = torch.empty(experts[0].shape, dtype=experts[0].dtype)
+    rflat = res.view(-1)
+    for i in range(0, rflat.numel(), chunk):
+        j = i + chunk
+        rflat[i:j] = kernel(key, None if fbase is None else fbase[i:j], [x[i:j] for x in flat])
+    return res
 
 
 def stack64(tensors: Sequence[Tensor]) -> Tensor:

@@ -38,6 +38,7 @@ class ParamSource:
     def __init__(self, obj: Mapping[str, Tensor] | str | Path, name: str | None = None) -> None:
         self._dict: Mapping[str, Tensor] | None = None
         self._handle = None
+        self._reader: _SafetensorsReader | None = None
         if isinstance(obj, Mapping):
             self._dict = obj
             self.name = name or "<dict>"
@@ -50,7 +51,8 @@ class ParamSource:
                 from safetensors import safe_open
 
                 try:
-                    self._handle = safe_open(str(path), framework="pt")
+                    self._handle = safe_open(str(path), framework="pt")  # validates the header
+                    self._reader = _SafetensorsReader(path)
                 except Exception as exc:  # safetensors raises several types for corrupt headers
                     raise MergeInputError(f"{path}: not a readable safetensors file ({exc})") from exc
             else:
@@ -76,7 +78,59 @@ class ParamSource:
 
     def get(self, key: str) -> Tensor:
         """The tensor ``key`` (read from disk now for a lazy file). Never modify it in place."""
-        return self._dict[key] if self._dict is not None else self._handle.get_tensor(key)
+        return self._dict[key] if self._dict is not None else self._reader.read(key)
+
+
+class _SafetensorsReader:
+    """Reads one tensor of a safetensors file with ``readinto`` into fresh memory (no memory map).
+
+    A mapped file's pages count in the process's resident memory while mapped, so reading every key of
+    ``T`` mapped experts would look like ``T`` models resident; plain reads keep the resident set at what
+    the merge holds. Format: 8-byte little-endian header length, a JSON header with ``dtype``, ``shape``,
+    ``data_offsets`` per tensor, then the data.
+    """
+
+    def __init__(self, path: Path) -> None:
+        import json
+
+        self.path = path
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            self.header = {k: v for k, v in json.loads(f.read(n)).items() if k != "__metadata__"}
+        self.data_start = 8 + n
+
+    def read(self, key: str) -> Tensor:
+        info = self.header[key]
+        dtype = _ST_DTYPES[info["dtype"]]
+        begin, end = info["data_offsets"]
+        size = end - begin
+        if size == 0:
+            return torch.empty(info["shape"], dtype=dtype)
+        buf = _anonymous_buffer(size)
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.data_start + begin)
+            view, got = memoryview(buf.numpy() if isinstance(buf, Tensor) else buf), 0
+            while got < size:  # readinto may return short counts
+                n = f.readinto(view[got:])
+                if not n:
+                    raise MergeInputError(f"{self.path}: truncated data for key {key!r}")
+                got += n
+            view.release()
+        out = torch.frombuffer(buf, dtype=torch.uint8) if not isinstance(buf, Tensor) else buf
+        return out.view(dtype).reshape(info["shape"])
+
+
+def _anonymous_buffer(size: int) -> Any:
+    """A private anonymous memory map of ``size`` bytes (a tensor where mmap flags are unavailable).
+
+    Its own mapping is unmapped as soon as the tensor over it is freed, so reading key after key does not
+    leave holes in the malloc heap between the (kept) outputs: the resident set stays at what is alive.
+    """
+    import mmap
+
+    if hasattr(mmap, "MAP_ANONYMOUS") and hasattr(mmap, "MAP_PRIVATE"):
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.empty(size, dtype=torch.uint8)
 
 
 def _torch_load(path: Path) -> dict[str, Tensor]:
@@ -147,21 +201,26 @@ class ModelSet:
     def is_float(self, key: str) -> bool:
         return self.meta(key)[1].is_floating_point
 
-    def load(self, key: str) -> tuple[Tensor | None, list[Tensor]]:
-        """``(base tensor or None, [expert tensors])`` for one key, checked for NaN/Inf."""
+    def load(self, key: str, check: bool | None = None) -> tuple[Tensor | None, list[Tensor]]:
+        """``(base tensor or None, [expert tensors])`` for one key, checked for NaN/Inf.
+
+        Args:
+            check: override ``check_finite`` for this read (a caller that checks its output instead).
+        """
         base = self.base.get(key) if self.base is not None else None
         experts = [e.get(key) for e in self.experts]
-        if self.check_finite and self.is_float(key):
+        if (self.check_finite if check is None else check) and self.is_float(key):
             for src, t in zip(([self.base] if base is not None else []) + self.experts,
                               ([base] if base is not None else []) + experts):
-                if not torch.isfinite(t).all():
+                # a sum is finite only if every entry is (one read, no mask); confirm a non-finite sum exactly
+                if not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
                     raise MergeInputError(f"key {key!r} in {src.name} contains NaN or Inf")
         return base, experts
 
-    def items(self) -> Iterator[tuple[str, Tensor | None, list[Tensor]]]:
-        """Yield ``(key, base, experts)`` key by key."""
+    def items(self, check: bool | None = None) -> Iterator[tuple[str, Tensor | None, list[Tensor]]]:
+        """Yield ``(key, base, experts)`` key by key (``check`` as in :meth:`load`)."""
         for k in self.keys():
-            yield (k, *self.load(k))
+            yield (k, *self.load(k, check))
 
 
 def open_models(base: Any, experts: Sequence[Any] | ModelSet) -> ModelSet:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from .driver import map_keys, task_vectors64
+from .driver import CHUNK, map_keys
 from .registry import register_merge
 from .sources import open_models
 
@@ -29,6 +30,13 @@ def task_arithmetic(*, base: Any, experts: Sequence[Any], scaling: float = 0.3) 
     models = open_models(base, experts)
 
     def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
-        return b.double() + scaling * task_vectors64(b, xs).sum(0)
+        # theta_0 + lambda * sum_t (theta_t - theta_0): each difference formed first (exact for nearby
+        # values), summed in place in the inputs' dtype (at least float32), as FusionBench's state-dict sums
+        dtype = torch.promote_types(b.dtype, torch.float32)
+        b = b.to(dtype)
+        acc, tmp = torch.sub(xs[0].to(dtype), b), torch.empty_like(b)
+        for x in xs[1:]:
+            acc.add_(torch.sub(x.to(dtype), b, out=tmp))
+        return acc.mul_(scaling).add_(b)
 
-    return map_keys(models, kernel, needs_base=True)
+    return map_keys(models, kernel, needs_base=True, chunk=CHUNK, propagates_nonfinite=True)

@@ -8,17 +8,19 @@ itself then runs key by key. ``trim_scope="per_tensor"`` trims each tensor separ
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .driver import bshape, map_keys
+from .driver import CHUNK, bshape, map_keys
 from .registry import register_merge
 from .sources import ModelSet, open_models
 
-__all__ = ["ties", "ties_tensor", "global_magnitude_thresholds", "magnitude_threshold", "TaskVectorFn"]
+__all__ = ["ties", "ties_tensor", "global_magnitude_thresholds", "magnitude_threshold", "kth_smallest",
+           "TaskVectorFn"]
 
 # (key, base, experts, expert indices) -> task vectors of those experts for that key, shape (len, *shape)
 TaskVectorFn = Callable[[str, Tensor, list[Tensor], list[int]], Tensor]
@@ -27,6 +29,29 @@ TaskVectorFn = Callable[[str, Tensor, list[Tensor], list[int]], Tensor]
 def plain_task_vectors(key: str, base: Tensor, experts: list[Tensor], idx: list[int]) -> Tensor:
     """``theta_t - theta_0`` in float32, shape ``(T, *shape)`` (float32, as the TIES reference code)."""
     return torch.stack([e.float() for e in experts]) - base.float()
+
+
+def kth_smallest(x: Tensor, k: int, *, sample: int = 1 << 16) -> Tensor:
+    """The ``k``-th smallest (1-indexed) entry of the flat tensor ``x``: exactly ``x.kthvalue(k).values``.
+
+    For large ``x`` a strided sample brackets the answer, two counting passes check that the bracket holds
+    it, and ``kthvalue`` runs only on the few entries inside (an unlucky bracket falls back to ``kthvalue`` on
+    everything). A few comparison passes instead of a full selection: several times faster on a model.
+    """
+    d = x.numel()
+    if d <= 8 * sample:
+        return x.kthvalue(k).values
+    s = x[:: d // sample]
+    n, q = s.numel(), k / d
+    margin = 6.0 * math.sqrt(q * (1.0 - q) / n) + 4.0 / n
+    lo_i, hi_i = math.floor((q - margin) * n), math.ceil((q + margin) * n)
+    lo = s.kthvalue(lo_i).values if lo_i >= 1 else x.new_tensor(-math.inf)
+    hi = s.kthvalue(hi_i).values if hi_i <= n else x.new_tensor(math.inf)
+    below = int((x < lo).sum())
+    inside = x[(x >= lo) & (x <= hi)]
+    if below < k <= below + inside.numel():
+        return inside.kthvalue(k - below).values
+    return x.kthvalue(k).values
 
 
 def magnitude_threshold(magnitudes: Tensor, density: float) -> Tensor:
@@ -39,61 +64,204 @@ def magnitude_threshold(magnitudes: Tensor, density: float) -> Tensor:
     k = d - int(d * density)
     if density >= 1.0 or k <= 0:
         return torch.tensor(0.0, dtype=magnitudes.dtype)
-    return magnitudes.kthvalue(k).values
+    return kth_smallest(magnitudes.reshape(-1), k)
 
 
 def global_magnitude_thresholds(models: ModelSet, density: float, tv_fn: TaskVectorFn) -> Tensor:
-    """Per-expert global trim thresholds, shape ``(T,)`` (the global-top-k pass of TIES).
+    """Per-expert global trim thresholds, shape ``(T,)`` (the global-top-k pass of TIES), never from an
+    ``N x d`` stack of all experts.
 
-    Expert by expert, the magnitudes of its whole task vector (all floating keys) are gathered in one flat
-    float32 buffer and the threshold is read off with ``kthvalue``: peak extra memory is one model.
+    Plain task vectors (TIES): :func:`_streamed_thresholds`, one read of the models. Other transforms (DARE):
+    expert by expert, the magnitudes of its whole task vector go into one flat float32 buffer (peak extra
+    memory: one model) and the threshold is read off with :func:`kth_smallest`.
     """
     keys = [k for k in models.keys() if models.is_float(k)]
     total = sum(int(torch.Size(models.meta(k)[0]).numel()) for k in keys)
-    out = torch.empty(models.num_experts, dtype=torch.float32)
-    buf = torch.empty(total, dtype=torch.float32)
+    k = total - int(total * density)
+    if density >= 1.0 or k <= 0:
+        return torch.zeros(models.num_experts, dtype=torch.float32)
+    out = _streamed_thresholds(models, keys, total, k) if tv_fn is plain_task_vectors else \
+        torch.full((models.num_experts,), math.nan)
+    buf = None
     for t in range(models.num_experts):
+        if not math.isnan(float(out[t])):
+            continue
+        buf = torch.empty(total, dtype=torch.float32) if buf is None else buf
         pos = 0
         for key in keys:
             base = models.base.get(key)
-            tv = tv_fn(key, base, [models.experts[t].get(key)], [t])[0].abs().reshape(-1)
-            buf[pos:pos + tv.numel()] = tv
-            pos += tv.numel()
-        out[t] = magnitude_threshold(buf, density)
+            buf[pos:pos + base.numel()] = tv_fn(key, base, [models.experts[t].get(key)], [t])[0].reshape(-1)
+            pos += base.numel()
+        out[t] = kth_smallest(buf.abs_(), k)
     return out
 
 
-def ties_tensor(tvs: Tensor, thresholds: Tensor, *, merge_fn: str = "mean") -> Tensor:
+def _streamed_thresholds(models: ModelSet, keys: list[str], total: int, k: int,
+                         sample: int = 1 << 18, chunk: int = 1 << 15) -> Tensor:
+    """Exact k-th smallest ``|theta_t - theta_0|`` of every expert from one streamed read of the models.
+
+    A strided sample brackets each expert's answer; one pass over all keys (in cache-sized slices) counts the
+    magnitudes below the bracket and keeps the few inside it; ``kthvalue`` on those gives the exact value.
+    Experts whose bracket misses the answer get NaN (the caller falls back to the exact full selection).
+    """
+    num, step = models.num_experts, max(1, total // sample)
+    parts: list[list[Tensor]] = [[] for _ in range(num)]
+    for key in keys:
+        b = models.base.get(key).reshape(-1)[::step].float()
+        for t, src in enumerate(models.experts):
+            parts[t].append((src.get(key).reshape(-1)[::step].float() - b).abs())
+    lo, hi = torch.empty(num), torch.empty(num)
+    for t in range(num):
+        s = torch.cat(parts[t])
+        n, q = s.numel(), k / total
+        margin = 6.0 * math.sqrt(q * (1.0 - q) / n) + 4.0 / n
+        lo_i, hi_i = math.floor((q - margin) * n), math.ceil((q + margin) * n)
+        lo[t] = s.kthvalue(lo_i).values if lo_i >= 1 else -math.inf
+        hi[t] = s.kthvalue(hi_i).values if hi_i <= n else math.inf
+    below = torch.zeros(num, dtype=torch.int64)
+    inside: list[list[Tensor]] = [[] for _ in range(num)]
+    lo_c, hi_c = lo[:, None], hi[:, None]
+    # work buffers allocated once: per-slice temporaries would churn (and grow) the malloc heap
+    mag_buf, lt_buf, keep_buf = torch.empty(num, chunk), torch.empty(num, chunk, dtype=torch.bool), \
+        torch.empty(num, chunk, dtype=torch.bool)
+    for key in keys:
+        b = models.base.get(key).reshape(-1).float()
+        xs = [src.get(key).reshape(-1) for src in models.experts]
+        for i in range(0, b.numel(), chunk):
+            n = min(chunk, b.numel() - i)
+            mag, lt, keep = mag_buf[:, :n], lt_buf[:, :n], keep_buf[:, :n]
+            for t, x in enumerate(xs):
+                torch.sub(x[i:i + n], b[i:i + n], out=mag[t])
+            mag.abs_()
+            torch.lt(mag, lo_c, out=lt)
+            below += lt.sum(1)
+            torch.le(mag, hi_c, out=keep).logical_xor_(lt)  # lo <= mag <= hi, as lo <= hi
+            counts = keep.sum(1).tolist()
+            if sum(counts):
+                for t, v in enumerate(mag[keep].split(counts)):
+                    inside[t].append(v)
+    out = torch.full((num,), math.nan)
+    for t in range(num):
+        vals = torch.cat(inside[t])
+        if int(below[t]) < k <= int(below[t]) + vals.numel():
+            out[t] = vals.kthvalue(k - int(below[t])).values
+    return out
+
+
+def trim(tvs: Tensor, thresholds: Tensor) -> Tensor:
+    """``tau_hat_t``: entries of ``tvs[t]`` with ``|tau| >= thresholds[t]``, the rest set to 0.
+
+    ``hardshrink`` (keeps ``|x| > lambda``) at the largest float below the threshold: the same set as
+    ``|x| >= threshold``, without a boolean mask.
+    """
+    below = torch.nextafter(thresholds.to(tvs.dtype), tvs.new_tensor(-math.inf))
+    return torch.stack([torch.nn.functional.hardshrink(v, float(lam)) for v, lam in zip(tvs, below)])
+
+
+def ties_tensor(tvs: Tensor, thresholds: Tensor, *, merge_fn: str = "mean",
+                zero_sign: Tensor | float | None = None) -> Tensor:
     """TIES on one key: trim at ``thresholds``, elect the sign, merge the agreeing entries.
 
     Args:
-        tvs: task vectors ``(T, *shape)``.
+        tvs: task vectors ``(T, *shape)`` (computed in their dtype: float32 like the TIES / FusionBench code).
         thresholds: ``(T,)``; entries with ``|tau| >= threshold`` survive the trim.
         merge_fn: ``"mean"`` (disjoint mean, the paper), ``"sum"`` or ``"max"`` (FusionBench options).
+        zero_sign: the sign given to entries whose trimmed sum is exactly 0; ``None``: the majority sign of
+            this tensor. The reference code uses the majority over the whole flattened model, which
+            :func:`ties` passes in.
 
     Returns:
-        The merged task vector ``tau_m`` (float64): ``gamma = sgn(sum_t tau_hat_t)`` (ties at 0 broken by the
-        majority sign of this tensor), then the mean over ``{t : sgn(tau_hat_t) = gamma}``.
+        The merged task vector ``tau_m``: ``gamma = sgn(sum_t tau_hat_t)``, then the mean over
+        ``{t : sgn(tau_hat_t) = gamma}``.
     """
-    trimmed = torch.where(tvs.abs() >= bshape(thresholds.to(tvs.dtype), tvs), tvs, torch.zeros_like(tvs))
-    trimmed = trimmed.double()
-    sign = torch.sign(trimmed.sum(0))
-    majority = torch.sign(sign.sum())
-    sign = torch.where(sign == 0, majority, sign)
-    agree = torch.where(sign > 0, trimmed > 0, trimmed < 0)
-    selected = trimmed * agree
-    if merge_fn == "mean":
-        return selected.sum(0) / agree.sum(0).clamp(min=1)
-    if merge_fn == "sum":
-        return selected.sum(0)
+    return _ties_core(tvs, thresholds, merge_fn, zero_sign)[0]
+
+
+def _ties_core(tvs: Tensor, thresholds: Tensor, merge_fn: str,
+               zero_sign: Tensor | float | None) -> tuple[Tensor, float, bool]:
+    """:func:`ties_tensor` plus the statistics of the election: ``(tau_m, sum of the elected signs before
+    zeros are resolved, whether an entry has a zero trimmed sum but nonzero trimmed values)``.
+
+    Written with few full-size operations: with ``p = tau_hat * gamma``, the agreeing entries are ``p > 0``,
+    their sum is ``gamma * sum(max(p, 0))`` and their count ``count_nonzero(max(p, 0))``.
+    """
+    if merge_fn not in ("mean", "sum", "max"):
+        raise ValueError(f"merge_fn must be 'mean', 'sum' or 'max', got {merge_fn!r}")
+    trimmed = trim(tvs, thresholds)
+    total = trimmed.sum(0)
+    sign = torch.sign(total)
+    sign_sum = float(sign.sum())
+    if zero_sign is None:
+        zero_sign = math.copysign(1.0, sign_sum) if sign_sum != 0 else 0.0
+    zero = total == 0
+    # a zero majority leaves gamma = 0, and the reference code then selects the negative entries
+    pick = sign.masked_fill(zero, float(zero_sign) if float(zero_sign) != 0 else -1.0)
+    sign.masked_fill_(zero, float(zero_sign))
+    agreeing = trimmed.mul_(pick).clamp_(min=0)  # |tau_hat_t| where sgn(tau_hat_t) = gamma, else 0
+    count = agreeing.sign().sum(0)  # number of agreeing entries (float; cheaper than count_nonzero)
+    # a zero sum over nonzero entries holds entries of both signs, so one of them agrees with either sign
+    ambiguous = bool((zero & (count > 0)).any())
     if merge_fn == "max":
-        return selected.abs().amax(0) * sign
-    raise ValueError(f"merge_fn must be 'mean', 'sum' or 'max', got {merge_fn!r}")
+        return agreeing.amax(0) * sign, sign_sum, ambiguous
+    out = agreeing.sum(0).mul_(pick)
+    return (out / count.clamp(min=1) if merge_fn == "mean" else out), sign_sum, ambiguous
+
+
+class _Work:
+    """Work buffers of the streamed TIES merge, allocated once per merge: per-slice temporaries would be
+    allocated and freed ~10 times per slice, between kept outputs, and the malloc heap keeps growing."""
+
+    def __init__(self, num: int, chunk: int) -> None:
+        self.tv, self.tmp = torch.empty(num, chunk), torch.empty(num, chunk)
+        self.mask = torch.empty(num, chunk, dtype=torch.bool)
+        self.total, self.sign, self.pick, self.count, self.res = (torch.empty(chunk) for _ in range(5))
+        self.zero, self.flag = torch.empty(chunk, dtype=torch.bool), torch.empty(chunk, dtype=torch.bool)
+
+
+def _ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, scaling: float, merge_fn: str,
+                       zero_sign: float, w: _Work) -> tuple[Tensor, float, bool]:
+    """:func:`_ties_core` on one key of plain task vectors, slice by slice in the buffers ``w`` (same
+    arithmetic in float32); returns ``(theta_0 + scaling * tau_m, sign sum, ambiguous)``."""
+    out = torch.empty(b.shape, dtype=xs[0].dtype)
+    fb, fo, fx = b.reshape(-1), out.view(-1), [x.reshape(-1) for x in xs]
+    thr_c = thr.to(torch.float32)[:, None]
+    pick_zero = zero_sign if zero_sign != 0 else -1.0  # a zero majority selects the negative entries
+    sign_sum, ambiguous, chunk = 0.0, False, w.tv.shape[1]
+    for i in range(0, fb.numel(), chunk):
+        n = min(chunk, fb.numel() - i)
+        tv, tmp, mask = w.tv[:, :n], w.tmp[:, :n], w.mask[:, :n]
+        total, sign, pick, count, res = w.total[:n], w.sign[:n], w.pick[:n], w.count[:n], w.res[:n]
+        zero, flag = w.zero[:n], w.flag[:n]
+        for t, x in enumerate(fx):
+            torch.sub(x[i:i + n], fb[i:i + n], out=tv[t])
+        torch.ge(torch.abs(tv, out=tmp), thr_c, out=mask)
+        tv.mul_(mask)  # trimmed
+        torch.sign(torch.sum(tv, 0, out=total), out=sign)
+        sign_sum += float(sign.sum())
+        torch.eq(total, 0, out=zero)
+        pick.copy_(sign).masked_fill_(zero, pick_zero)
+        sign.masked_fill_(zero, zero_sign)
+        tv.mul_(pick).clamp_(min=0)  # |tau_hat_t| where it agrees with the elected sign
+        torch.sum(torch.sign(tv, out=tmp), 0, out=count)
+        ambiguous = ambiguous or bool(torch.gt(count, 0, out=flag).logical_and_(zero).any())
+        if merge_fn == "max":
+            torch.amax(tv, 0, out=res).mul_(sign)
+        else:
+            torch.sum(tv, 0, out=res).mul_(pick)
+            if merge_fn == "mean":
+                res.div_(count.clamp_(min=1))
+        fo[i:i + n] = res.mul_(scaling).add_(fb[i:i + n])
+    return out, sign_sum, ambiguous
 
 
 def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: float, scaling: float,
                            trim_scope: str, merge_fn: str) -> dict[str, Tensor]:
-    """The TIES pipeline over any task-vector transform (plain for TIES, dropped-and-rescaled for DARE)."""
+    """The TIES pipeline over any task-vector transform (plain for TIES, dropped-and-rescaled for DARE).
+
+    Zero elected signs are resolved as the reference code does (the majority sign over the whole model): keys
+    are merged with sign +1 first, and the few keys where the choice matters are merged again once the
+    majority is known (a second read of those keys only).
+    """
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density}")
     if trim_scope not in ("global", "per_tensor"):
@@ -101,14 +269,40 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
     if models.base is None:
         raise ValueError("TIES needs base= (the pretrained parameters)")
     glob = global_magnitude_thresholds(models, density, tv_fn) if trim_scope == "global" else None
+    total, ambiguous = [0.0], []
 
-    def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
+    def thresholds(tvs: Tensor) -> Tensor:
+        return glob if glob is not None else torch.stack([magnitude_threshold(v.abs(), density) for v in tvs])
+
+    def merged(key: str, b: Tensor, xs: list[Tensor], zero_sign: float) -> Tensor:
         tvs = tv_fn(key, b, xs, list(range(len(xs))))
-        thr = glob if glob is not None else torch.stack([magnitude_threshold(v.abs().reshape(-1), density)
-                                                         for v in tvs])
-        return b.double() + scaling * ties_tensor(tvs, thr, merge_fn=merge_fn)
+        tau, sign_sum, amb = _ties_core(tvs, thresholds(tvs), merge_fn, zero_sign)
+        if zero_sign > 0:  # first pass: collect the statistics of the sign election
+            total[0] += sign_sum
+            if amb:
+                ambiguous.append(key)
+        dtype = torch.promote_types(b.dtype, torch.float32)
+        return b.to(dtype) + scaling * tau.to(dtype)
 
-    return map_keys(models, kernel, needs_base=True)
+    if glob is not None and tv_fn is plain_task_vectors and merge_fn in ("mean", "sum", "max"):
+        # elementwise once the thresholds are global: cache-sized slices in preallocated buffers
+        work = _Work(models.num_experts, CHUNK)
+
+        def merged(key: str, b: Tensor, xs: list[Tensor], zero_sign: float) -> Tensor:  # noqa: F811
+            res, sign_sum, amb = _ties_key_streamed(b, xs, glob, scaling, merge_fn, zero_sign, work)
+            if zero_sign > 0:
+                total[0] += sign_sum
+                if amb:
+                    ambiguous.append(key)
+            return res
+
+    out = map_keys(models, lambda key, b, xs: merged(key, b, xs, 1.0), needs_base=True)
+    majority = math.copysign(1.0, total[0]) if total[0] != 0 else 0.0
+    if majority != 1.0:
+        for key in ambiguous:
+            b, xs = models.load(key)
+            out[key] = merged(key, b, xs, majority).to(xs[0].dtype).contiguous()
+    return out
 
 
 @register_merge("ties", "trim small task-vector entries, elect a sign per entry, average the agreeing ones")

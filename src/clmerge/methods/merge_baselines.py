@@ -30,16 +30,17 @@ weight matrices; the per-task heads are not merged. The merges are computed by :
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Literal
 
 import torch
 from pydantic import Field
 
 from .. import merging
-from ..adapters import add_lora_component, inject_lora, lora_layers
+from ..adapters import lora_layers
 from ..params import diagonal_fisher
-from .base import ContinualMethod, register_method
-from .seq_lora import LoRAMethodOptions
+from .base import register_method
+from .seq_lora import LoRAMethodOptions, SeqLoRA
 
 __all__ = ["MergeBaselineOptions", "LoRAAverage", "LoRADare", "CoMA", "CoFiMA", "average_step", "dare_step",
            "coma_step", "cofima_step"]
@@ -104,23 +105,13 @@ class CoFiMAOptions(CoMAOptions):
 
 
 # -- the shared pipeline ----------------------------------------------------------------------------------------
-class _LoRAMergeBaseline(ContinualMethod):
-    """Sequential LoRA on key/value whose task model is merged into the running model at the task end."""
+class _LoRAMergeBaseline(SeqLoRA, ABC):
+    """Sequential LoRA (setup and per-task components as ``seq_lora``) whose task model is merged into the
+    running model at the task end instead of being folded in plainly."""
 
-    def setup(self, model) -> None:
-        super().setup(model)
-        model.backbone.requires_grad_(False)
-        inject_lora(model.backbone, self.options.targets, magnitudes=model.lora_magnitudes)
-
-    def begin_task(self, task, ctx) -> None:
-        super().begin_task(task, ctx)
-        self.current = f"task{task.index}"
-        add_lora_component(self.model.backbone, self.current, self.options.rank, generator=ctx.generator,
-                           scale=self.options.scale())
-
+    @abstractmethod
     def merge(self, prev: Weights, star: Weights, task, ctx) -> tuple[Weights, dict]:
         """Return the merged adapted weights and what to log. ``prev`` = theta^_{t-1}, ``star`` = theta*_t."""
-        raise NotImplementedError
 
     @torch.no_grad()
     def end_task(self, task, ctx) -> None:
@@ -132,7 +123,7 @@ class _LoRAMergeBaseline(ContinualMethod):
         for n, layer in layers.items():
             w = layer.base_layer.weight
             w.copy_(merged[n].to(device=w.device, dtype=w.dtype))
-            del layer.components[self.current]
+            del layer.components[f"task{task.index}"]
         info = {"task": task.index, **info}
         self.record("merge", info)
         ctx.log({"event": f"{self.name}_merge", **info})

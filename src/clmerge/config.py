@@ -33,6 +33,8 @@ __all__ = [
     "apply_overrides",
     "dump_config",
     "default_config",
+    "validate_strict",
+    "read_yaml_mapping",
 ]
 
 
@@ -208,14 +210,33 @@ def _format_validation(exc: ValidationError, prefix: str = "") -> str:
     return "; ".join(lines)
 
 
-def parse_config(data: dict | None) -> ExperimentConfig:
-    """Validate a plain dict into an :class:`ExperimentConfig` (unknown keys and bad values -> ConfigError)."""
+def validate_strict(model: type[BaseModel], data: dict | None) -> BaseModel:
+    """Validate ``data`` into ``model``: unknown keys name the nearest valid key, bad values name their key."""
     data = dict(data or {})
-    _check_keys(data, ExperimentConfig, "")
+    _check_keys(data, model, "")
     try:
-        cfg = ExperimentConfig.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_validation(exc)) from None
+
+
+def read_yaml_mapping(path: str | Path, what: str = "config file") -> dict:
+    """Read a YAML file whose top level is a mapping; missing file, bad YAML or a non-mapping -> ConfigError."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{what} not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: invalid YAML ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level of a {what} must be a mapping")
+    return data
+
+
+def parse_config(data: dict | None) -> ExperimentConfig:
+    """Validate a plain dict into an :class:`ExperimentConfig` (unknown keys and bad values -> ConfigError)."""
+    cfg = validate_strict(ExperimentConfig, data)
     try:
         cfg.method_options()
     except ValidationError as exc:
@@ -258,17 +279,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
     """Read a YAML config (or the embedded default when ``path`` is None) and apply ``--set`` overrides."""
-    data: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.exists():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{p}: invalid YAML ({exc})") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    data = read_yaml_mapping(path) if path is not None else {}
     data = apply_overrides(data, overrides or [])
     return parse_config(data)
 

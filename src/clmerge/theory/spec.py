@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..config import ConfigError, _check_keys, _format_validation, _nearest, apply_overrides
+from ..config import ConfigError, _nearest, apply_overrides, read_yaml_mapping, validate_strict
 from ..merging.bench import SUITES, BenchConfig, BenchTask, parse_task
 
 __all__ = ["StudySpec", "Point", "HYPERPARAMETERS", "load_study", "parse_study", "expand_points", "point_id",
@@ -212,22 +211,11 @@ def expand_points(spec: StudySpec) -> list[Point]:
 
 def parse_study(data: dict | None) -> StudySpec:
     """Validate a dict into a :class:`StudySpec` (unknown keys and bad values -> :class:`ConfigError`)."""
-    data = dict(data or {})
-    _check_keys(data, StudySpec, "")
-    try:
-        spec = StudySpec.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(_format_validation(exc)) from None
+    spec = validate_strict(StudySpec, data)
     spec.tasks()
     return spec
 
 
 def load_study(path: str | Path, overrides: list[str] | None = None) -> StudySpec:
     """Read a study YAML and apply ``dotted.key=value`` overrides (as ``clmerge run --set``)."""
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"study spec not found: {p}")
-    data = yaml.safe_load(p.read_text()) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: a study spec must be a YAML mapping")
-    return parse_study(apply_overrides(data, overrides or []))
+    return parse_study(apply_overrides(read_yaml_mapping(path, "study spec"), overrides or []))

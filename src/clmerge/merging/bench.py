@@ -337,11 +337,11 @@ def results_markdown(results: dict) -> str:
     return text
 
 
-def bench_command(out: Path, suite: str = "8", epochs: int = 3, max_train: int | None = None,
+def bench_command(out: Path, suite: str = "8", epochs: int = 5, lr: float = 1e-4, max_train: int | None = None,
                   max_eval: int | None = None, random_init: bool = False, methods: Sequence[str] | None = None) -> dict:
     """What ``clmerge merge-bench`` runs (kept free of typer so tests can call it)."""
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}; known: {', '.join(SUITES)}")
-    cfg = BenchConfig(suite=suite, epochs=epochs, max_train=max_train, max_eval=max_eval, pretrained=not random_init)
+    cfg = BenchConfig(suite=suite, epochs=epochs, lr=lr, max_train=max_train, max_eval=max_eval, pretrained=not random_init)
     grids = DEFAULT_GRIDS if not methods else {m: DEFAULT_GRIDS.get(m, {}) for m in methods}
     return run_benchmark(cfg, out, grids=grids)

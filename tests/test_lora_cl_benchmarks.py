@@ -65,7 +65,11 @@ def test_evidence_smoke_runs_selects_on_val_and_resumes(tmp_path) -> None:
     for label in ("sd_lora_kd", "pm"):
         assert f"| {label} |" in text
     sel = json.loads((tmp_path / "runs" / "selected.json").read_text())
-    assert set(sel["split_mnist5k"]) == {"sd_lora_kd", "pm"}
+    # sd_lora_kd is a variant: its parent sd_lora is selected and sd_lora_kd takes the parent's rate
+    assert set(sel["split_mnist5k"]) == {"sd_lora_kd", "pm", "sd_lora"}
+    assert sel["split_mnist5k"]["sd_lora_kd"]["lr"] == sel["split_mnist5k"]["sd_lora"]["lr"]
+    assert "sd_lora" in sel["split_mnist5k"]["sd_lora_kd"]["selected_on"]
+    assert not (tmp_path / "runs" / "select" / "split_mnist5k" / "sd_lora_kd").exists()
     assert (tmp_path / "runs" / "select" / "split_mnist5k" / "pm" / "lr0.002" / "val.json").exists()
     assert (tmp_path / "fig" / "split_mnist5k_pm_alpha.png").exists()
     assert (tmp_path / "fig" / "split_mnist5k_sd_lora_kd_kd.png").exists()

@@ -54,15 +54,20 @@ def write_results(out_root: Path, path: Path, bench_order: list[str], method_ord
              "Acc = final accuracy over all tasks, AAA = average anytime accuracy, in %, mean ± std over seeds;",
              "CIL = class-incremental (no task id, all seen heads), TIL = task id known.",
              "Learning rates were selected on held-out validation data (10% of each task's training set), never",
-             "on test.", ""]
+             "on test. Variants and ablations (SD-LoRA-RR/KD, the P&M ablations, the merge baselines) use their",
+             "parent method's selected rate; a benchmark without its own selection uses the first benchmark's.", ""]
     if smoke:
         lines += ["**SMOKE RUN: tiny setting (1 epoch of 2 steps, 8 images per class); numbers are meaningless.**", ""]
     for bench in [b for b in bench_order if b in data]:
         lines += [f"## {bench}", "", "| method | CIL Acc | CIL AAA | TIL Acc | TIL AAA | seeds | lr (val-selected) |",
                   "|---|---|---|---|---|---|---|"]
         for label in [m for m in method_order if m in data[bench]]:
-            lr = selected.get(bench, {}).get(label, {}).get("lr", "?")
-            lines.append(_row(label, data[bench][label], f"{lr:g}" if isinstance(lr, float) else str(lr)))
+            sel = selected.get(bench, {}).get(label, {})
+            lr = sel.get("lr", "?")
+            lr_txt = f"{lr:g}" if isinstance(lr, float) else str(lr)
+            if sel.get("selected_on"):
+                lr_txt += f" ({sel['selected_on']})"
+            lines.append(_row(label, data[bench][label], lr_txt))
         lines.append("")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))

@@ -64,6 +64,10 @@ METHODS: dict[str, tuple[dict, list[float]]] = {
     "coma": ({"name": "coma"}, LORA_LRS),
     "cofima": ({"name": "cofima"}, LORA_LRS),
 }
+# Variants and ablations change one thing of a parent method; they train with the parent's selected learning
+# rate (so the comparison isolates that one thing, and phase 1 stays affordable on a CPU).
+LR_FROM = {"sd_lora_rr": "sd_lora", "sd_lora_kd": "sd_lora", "pm_m": "pm", "pm_gauss": "pm", "pm_exact": "pm",
+           "lora_avg": "seq_lora", "lora_dare": "seq_lora", "coma": "seq_lora", "cofima": "seq_lora"}
 SEEDS = [0, 1, 2]
 VAL_FRACTION = 0.1
 
@@ -98,6 +102,14 @@ def run_one(cfg: dict, out: Path) -> str:
     return "done" if rc == 0 else "failed"
 
 
+def reuse_run(select_dir: Path, out: Path, *, seed: int) -> None:
+    """Seed 0 of phase 2 is the phase-1 run of the selected lr (same config): copy it instead of re-running."""
+    if seed == 0 and not out.exists() and (select_dir / "metrics.json").exists():
+        import shutil
+
+        shutil.copytree(select_dir, out)
+
+
 def val_accuracy(out: Path) -> float:
     """Final class-incremental accuracy of the run's last checkpoint on the held-out validation data."""
     cached = out / "val.json"
@@ -129,7 +141,10 @@ def _parallel(jobs: list[tuple[dict, Path]], n: int) -> list[str]:
 
 
 def select(benches, labels, out_root: Path, *, jobs: int, smoke: bool) -> dict:
-    """Phase 1: every lr of each method's grid on seed 0; pick the best validation accuracy."""
+    """Phase 1: every lr of each method's grid on seed 0 of each benchmark in ``benches``; pick the best
+    validation accuracy. Labels in ``LR_FROM`` take their parent's choice (the parent is selected too)."""
+    children = [m for m in labels if m in LR_FROM]
+    labels = list(dict.fromkeys([m for m in labels if m not in LR_FROM] + [LR_FROM[m] for m in children]))
     grid = [(b, m, lr) for b in benches for m in labels for lr in (METHODS[m][1][:1] if smoke else METHODS[m][1])]
     todo = [(make_config(b, m, 0, lr, smoke=smoke), out_root / "select" / b / m / f"lr{lr:g}") for b, m, lr in grid]
     _parallel(todo, jobs)
@@ -145,6 +160,9 @@ def select(benches, labels, out_root: Path, *, jobs: int, smoke: bool) -> dict:
             if scores:
                 best = max(scores, key=lambda k: (scores[k], -k))
                 selected.setdefault(b, {})[m] = {"lr": best, "val_acc": scores}
+        for m in children:
+            if LR_FROM[m] in selected.get(b, {}):
+                selected[b][m] = {"lr": selected[b][LR_FROM[m]]["lr"], "selected_on": f"{LR_FROM[m]}'s selection"}
     sel_file.write_text(json.dumps(selected, indent=1, default=str))
     return selected
 
@@ -154,6 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated labels (default: all)")
     ap.add_argument("--seeds", default=",".join(map(str, SEEDS)))
     ap.add_argument("--benchmarks", default=",".join(BENCHMARKS))
+    ap.add_argument("--select-on", default=None,
+                    help="select the learning rate on these benchmarks only and use the choice of the first for the "
+                         "others (default: select on every benchmark)")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (each one thread)")
     ap.add_argument("--out", type=Path, default=HERE / "runs", help="run directories (git-ignored)")
     ap.add_argument("--results", type=Path, default=HERE / "results.md")
@@ -167,10 +188,26 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or any(b not in BENCHMARKS for b in benches):
         ap.error(f"unknown methods {unknown} or benchmarks {benches}; known: {list(METHODS)}, {list(BENCHMARKS)}")
     seeds = [int(s) for s in a.seeds.split(",") if s]
+    sel_benches = [b for b in (a.select_on or a.benchmarks).split(",") if b]
+    if any(b not in BENCHMARKS for b in sel_benches):
+        ap.error(f"unknown --select-on benchmarks {sel_benches}; known: {list(BENCHMARKS)}")
     if not a.report_only:
-        selected = select(benches, labels, a.out, jobs=a.jobs, smoke=a.smoke)
-        todo = [(make_config(b, m, s, selected[b][m]["lr"], smoke=a.smoke), a.out / "main" / b / m / f"seed{s}")
-                for b in benches for m in labels for s in seeds if m in selected.get(b, {})]
+        selected = select(sel_benches, labels, a.out, jobs=a.jobs, smoke=a.smoke)
+        for b in benches:  # a benchmark without its own selection takes the first selected benchmark's choice
+            for m in labels:
+                if m not in selected.get(b, {}) and m in selected.get(sel_benches[0], {}):
+                    choice = selected[sel_benches[0]][m]
+                    selected.setdefault(b, {})[m] = {"lr": choice["lr"], "selected_on": sel_benches[0]}
+        (a.out / "selected.json").write_text(json.dumps(selected, indent=1, default=str))
+        todo = []
+        for b in benches:
+            for m in labels:
+                for s in seeds:
+                    if m not in selected.get(b, {}):
+                        continue
+                    lr, out = selected[b][m]["lr"], a.out / "main" / b / m / f"seed{s}"
+                    reuse_run(a.out / "select" / b / m / f"lr{lr:g}", out, seed=s)
+                    todo.append((make_config(b, m, s, lr, smoke=a.smoke), out))
         _parallel(todo, a.jobs)
     write_results(a.out, a.results, list(BENCHMARKS), list(METHODS), smoke=a.smoke)
     write_figures(a.out, a.figures)

@@ -72,3 +72,30 @@ def test_capped_test_split_is_a_shuffled_sample():
     assert len(data["test"][1]) == 40 and len(set(data["test"][1].tolist())) >= 5
     again = bench.load_task(bench.BenchTask("mnist5k", "identity"), cfg)
     assert torch.equal(data["test"][1], again["test"][1])
+
+
+def test_class_subset_tasks_keep_only_their_classes_and_renumber():
+    task = bench.parse_task("digits:rot90:3,5,7")
+    assert task.spec == "digits:rot90:3,5,7" and task.name == "digits-rot90-c3,5,7"
+    assert bench.parse_task(task.spec) == task
+    cfg = bench.BenchConfig(max_eval=60)
+    data = bench.load_task(task, cfg)
+    full = bench.load_task(bench.parse_task("digits:rot90"), bench.BenchConfig())
+    for split in ("train", "val", "test"):
+        y = data[split][1]
+        assert set(y.tolist()) == {0, 1, 2}, split
+    # the subset is exactly the full split's rows of those classes, in order, labels renumbered 3->0, 5->1, 7->2
+    yf = full["train"][1]
+    keep = (yf == 3) | (yf == 5) | (yf == 7)
+    assert torch.equal(data["train"][0], full["train"][0][keep])
+    assert torch.equal(data["train"][1], torch.tensor([{3: 0, 5: 1, 7: 2}[int(v)] for v in yf[keep]]))
+    assert len(data["test"][0]) == 60
+    # a perturbed twin replaces one training row by a held-out row of the same classes
+    twin = bench.load_task(task, bench.BenchConfig(perturb=0))
+    assert set(twin["train"][1].tolist()) == {0, 1, 2}
+    assert not torch.equal(twin["train"][0][0], data["train"][0][0])
+    # the expert key of a task without classes is unchanged (cached experts keep their names)
+    assert "classes" not in bench.BenchConfig().expert_key(bench.parse_task("digits:rot90"))["task"]
+    for bad in ("digits:identity:5", "digits:identity:a-b", "digits:identity:1,1"):
+        with pytest.raises(ValueError, match="classes"):
+            bench.parse_task(bad)

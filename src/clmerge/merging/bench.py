@@ -32,20 +32,44 @@ __all__ = ["BenchTask", "BenchConfig", "SUITES", "DEFAULT_GRIDS", "run_benchmark
 
 @dataclass(frozen=True)
 class BenchTask:
-    """One task: a data source and a fixed transformation (``identity``, ``rot<deg>``, ``perm<seed>``, ``invert``)."""
+    """One task: a data source, a fixed transformation (``identity``, ``rot<deg>``, ``perm<seed>``, ``invert``)
+    and optionally a subset of its classes (``"0-4"`` or ``"0,2,4"``; labels renumbered from 0 in that order)."""
 
     dataset: str
     transform: str = "identity"
+    classes: str | None = None
 
     @property
     def name(self) -> str:
-        return f"{self.dataset}-{self.transform}"
+        return f"{self.dataset}-{self.transform}" + (f"-c{self.classes}" if self.classes else "")
+
+    @property
+    def spec(self) -> str:
+        """The ``dataset:transform[:classes]`` string that :func:`parse_task` reads back."""
+        return f"{self.dataset}:{self.transform}" + (f":{self.classes}" if self.classes else "")
+
+    def class_list(self) -> list[int] | None:
+        if not self.classes:
+            return None
+        out: list[int] = []
+        try:
+            for part in self.classes.split(","):
+                lo, _, hi = part.partition("-")
+                out += list(range(int(lo), int(hi) + 1)) if hi else [int(lo)]
+        except ValueError:
+            raise ValueError(f"task {self.spec!r}: classes must look like '0-4' or '0,2,4'") from None
+        if len(set(out)) != len(out) or len(out) < 2:
+            raise ValueError(f"task {self.spec!r}: need at least 2 distinct classes, got {out}")
+        return out
 
 
 def parse_task(spec: str) -> BenchTask:
-    """``"dataset:transform"`` -> :class:`BenchTask` (``"digits"`` alone means the identity transform)."""
-    d, _, tr = spec.partition(":")
-    return BenchTask(d, tr or "identity")
+    """``"dataset:transform[:classes]"`` -> :class:`BenchTask` (``"digits"`` alone means the identity transform)."""
+    d, _, rest = spec.partition(":")
+    tr, _, classes = rest.partition(":")
+    task = BenchTask(d, tr or "identity", classes or None)
+    task.class_list()  # validate early
+    return task
 
 
 _t = parse_task
@@ -57,6 +81,11 @@ SUITES: dict[str, list[BenchTask]] = {
 }
 SUITES["14"] = SUITES["8"] + [_t(s) for s in ("mnist5k:rot270", "mnist5k:perm2", "digits:rot180", "digits:perm1",
                                               "fashion_mnist:rot90", "fashion_mnist:invert")]
+# Eight tasks that share their input statistics: 5-way class splits of the three datasets (and of rotated
+# MNIST-5k). Task vectors of such experts interfere less than those of unrelated input transformations.
+SUITES["split8"] = [_t(s) for s in ("mnist5k:identity:0-4", "mnist5k:identity:5-9", "digits:identity:0-4",
+                                    "digits:identity:5-9", "fashion_mnist:identity:0-4",
+                                    "fashion_mnist:identity:5-9", "mnist5k:rot90:0-4", "mnist5k:rot90:5-9")]
 SUITES["tiny"] = [_t(s) for s in ("digits:identity", "digits:rot90", "digits:invert")]
 
 DEFAULT_GRIDS: dict[str, dict[str, list[Any]]] = {
@@ -98,7 +127,8 @@ class BenchConfig:
     def expert_key(self, task: BenchTask) -> dict:
         keep = {k: v for k, v in asdict(self).items() if k not in ("suite", "max_eval")}
         keep = {k: v for k, v in keep.items() if k not in self._NEW_DEFAULTS or v != self._NEW_DEFAULTS[k]}
-        return {"task": asdict(task), **keep}
+        task_d = {k: v for k, v in asdict(task).items() if k != "classes" or v is not None}
+        return {"task": task_d, **keep}
 
 
 def _transform(spec: str, x: Tensor) -> Tensor:
@@ -137,6 +167,9 @@ def load_task(task: BenchTask, cfg: BenchConfig) -> dict[str, tuple[Tensor, Tens
     for name, idx in parts.items():
         src = splits.test if name == "test" else splits.train
         cap = cfg.max_train if name == "train" else cfg.max_eval
+        wanted = task.class_list()
+        if wanted is not None:
+            idx = idx[np.isin(src.targets[idx], wanted)]
         idx = idx[:cap] if cap else idx
         if name == "train" and cfg.data_ratio < 1.0:
             idx = idx[:max(1, int(round(cfg.data_ratio * len(idx))))]
@@ -144,9 +177,15 @@ def load_task(task: BenchTask, cfg: BenchConfig) -> dict[str, tuple[Tensor, Tens
             # Definition 1 of the theory spec: the j-th sample replaced by an independent draw z~_j (the
             # first validation sample, never a training sample).
             idx = idx.copy()
-            idx[cfg.perturb % len(idx)] = parts["val"][0]
+            val = parts["val"] if wanted is None else parts["val"][np.isin(splits.train.targets[parts["val"]], wanted)]
+            idx[cfg.perturb % len(idx)] = val[0]
         x, y = src.get_batch(idx)
-        out[name] = (_transform(task.transform, x.float()), torch.as_tensor(y, dtype=torch.long))
+        y = torch.as_tensor(y, dtype=torch.long)
+        if wanted is not None:
+            lut = torch.full((int(src.targets.max()) + 1,), -1, dtype=torch.long)
+            lut[torch.as_tensor(wanted)] = torch.arange(len(wanted))
+            y = lut[y]
+        out[name] = (_transform(task.transform, x.float()), y)
     return out
 
 

@@ -99,7 +99,7 @@ def list_methods() -> None:
 
 def merge_bench_command(
     out: Path = typer.Option(Path("benchmarks/merging/results"), "--out", help="results directory"),
-    suite: str = typer.Option("8", "--suite", help="task suite: 8, 14 (needs Fashion-MNIST) or tiny"),
+    suite: str = typer.Option("8", "--suite", help="task suite: 8, 14 or split8 (these two need Fashion-MNIST), or tiny"),
     epochs: int = typer.Option(5, "--epochs", help="fine-tuning epochs per expert (chosen on validation: "
                                "benchmarks/merging/lr_probe.md)"),
     lr: float = typer.Option(1e-4, "--lr", help="AdamW learning rate of the experts' full fine-tuning (chosen on "

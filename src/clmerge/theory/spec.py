@@ -170,7 +170,7 @@ def task_group(pool: list[BenchTask], n: int, g: int, group_seed: int) -> list[s
     if n > len(pool):
         raise ConfigError(f"n_experts={n} exceeds the suite's {len(pool)} tasks")
     rng = np.random.default_rng([group_seed, n, g])
-    return [f"{pool[i].dataset}:{pool[i].transform}" for i in sorted(rng.choice(len(pool), size=n, replace=False))]
+    return [pool[i].spec for i in sorted(rng.choice(len(pool), size=n, replace=False))]
 
 
 def _settings(spec: StudySpec) -> list[tuple[dict[str, Any], str | None]]:

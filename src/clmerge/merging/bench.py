@@ -95,7 +95,7 @@ DEFAULT_GRIDS: dict[str, dict[str, list[Any]]] = {
     "dare": {"drop_rate": [0.5, 0.9], "scaling": [0.2, 0.3, 0.5]},
     "consensus": {"k": [2], "scaling": [0.2, 0.3, 0.5, 0.7]},
     "low_rank_task_arithmetic": {"rank_ratio": [0.04, 0.08, 0.16, 0.32], "scaling": [0.3, 0.5, 1.0]},
-    "cart": {"rank_ratio": [0.04, 0.08, 0.16, 0.32], "scaling": [0.5, 1.0, 1.5, 2.0]},
+    "cart": {"rank_ratio": [0.04, 0.08, 0.16, 0.32], "scaling": [0.5, 1.0, 1.5, 2.0, 3.0]},
 }
 
 

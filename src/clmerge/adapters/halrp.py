@@ -81,7 +81,8 @@ class HALRPLayer(nn.Module):
         f = self.factors(task)
         extra = [1] * (w.dim() - 2)
         scaled = f.r.view(-1, 1, *extra) * w * f.s.view(1, -1, *extra)
-        return scaled + f.low_rank().view(*f.low_rank().shape, *extra)
+        low = f.low_rank()  # (J, I), formed once per call
+        return scaled + low.view(*low.shape, *extra)
 
     def task_bias(self, task: int) -> torch.Tensor | None:
         return self.base_layer.bias if task == 0 else self.factors(task).bias

@@ -96,6 +96,23 @@ class TaskRoutedModel(nn.Module):
         set_active_task(self.model, len(blocks) - 1)
         return torch.cat(outs, dim=-1)
 
+    def task_range(self, task: int) -> tuple[int, int] | None:
+        """The outputs ``[lo, hi)`` of head block ``task`` in :meth:`forward`'s concatenation (None: no block)."""
+        blocks = self.model.head.blocks
+        if not 0 <= task < len(blocks):
+            return None
+        lo = sum(int(b.out_features) for b in blocks[:task])
+        return lo, lo + int(blocks[task].out_features)
+
+    def task_logits(self, x: torch.Tensor, task: int) -> torch.Tensor:
+        """Head block ``task`` fed by the network with ``task`` active: the ``task`` slice of :meth:`forward`,
+        computed with one backbone pass instead of one per task (task-id-known evaluation)."""
+        blocks = self.model.head.blocks
+        set_active_task(self.model, task)
+        out = blocks[task](self.model.backbone(x))  # (B, n_task)
+        set_active_task(self.model, len(blocks) - 1)
+        return out
+
 
 class PerTaskCopies(nn.Module):
     """One independent copy of a network per task (STL); copy 0 is the original module.

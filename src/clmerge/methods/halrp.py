@@ -139,9 +139,13 @@ class HALRP(ContinualMethod):
             w_free = free_layers[name].base_layer.weight.detach()
             r, s = lrp.least_squares_scalings(w_free, w_base)
             b = lrp.residual_matrix(w_free, w_base, r, s)
-            w_mat = w_free.double().mean((2, 3)) if w_free.dim() == 4 else w_free.double()
-            sig_src = b if o.sigma_source == "residual" else w_mat  # A1: Eq. 9 as printed uses W^free
-            info[name] = {"r": r, "s": s, "b": b, "sigma": torch.linalg.svdvals(sig_src.double()),
+            svd = lrp.residual_svd(b)  # one SVD per layer: its sigma ranks, its vectors initialise (2g)
+            if o.sigma_source == "residual":
+                sigma = svd[1]
+            else:  # A1: Eq. 9 as printed uses W^free
+                w_mat = w_free.double().mean((2, 3)) if w_free.dim() == 4 else w_free.double()
+                sigma = torch.linalg.svdvals(w_mat)
+            info[name] = {"r": r, "s": s, "b": b, "svd": svd, "sigma": sigma,
                           "c": layer.kernel_positions if o.conv_scale else 1, "bias": free_layers[name].base_layer.bias}
         names = list(info)
         if o.rank_method == "flat":
@@ -163,7 +167,7 @@ class HALRP(ContinualMethod):
             for name, layer in halrp_layers(self.model.backbone).items():
                 d = info[name]
                 f = layer.add_task(t, d["rank"])
-                u, v, _ = lrp.svd_factors(d["b"], d["rank"])
+                u, v = lrp.factors_from_svd(*d["svd"], d["rank"])
                 if self.options.factor_init == "random":
                     u, v = self._random_like(u, ctx.generator), self._random_like(v, ctx.generator)
                 f.r.copy_(d["r"]), f.s.copy_(d["s"]), f.u.copy_(u), f.v.copy_(v)

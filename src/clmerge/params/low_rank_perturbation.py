@@ -14,6 +14,8 @@ __all__ = [
     "least_squares_scalings",
     "scaled_base",
     "residual_matrix",
+    "residual_svd",
+    "factors_from_svd",
     "svd_factors",
     "truncation_error",
     "component_scores",
@@ -63,15 +65,30 @@ def residual_matrix(w_free: torch.Tensor, w_base: torch.Tensor, r: torch.Tensor,
     return b.mean(dim=(2, 3)) if b.dim() == 4 else b
 
 
+def residual_svd(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thin SVD of B^free (Eq. 5) in float64: ``(U, sigma, V^T)``, sigma descending.
+
+    Computed once per layer and task: its sigma ranks the components and its vectors give the factors
+    (:func:`factors_from_svd`), so the expensive decomposition of the large layers is not repeated.
+    """
+    return torch.linalg.svd(b.double(), full_matrices=False)
+
+
+def factors_from_svd(u: torch.Tensor, sig: torch.Tensor, vh: torch.Tensor,
+                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-k factors U' = U_k diag(sqrt s), V' = diag(sqrt s) V_k^T (Eq. 6) of a thin SVD (spec A5)."""
+    root = sig[:k].sqrt()
+    return u[:, :k] * root, root[:, None] * vh[:k]
+
+
 def svd_factors(b: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rank-k factors with sqrt(Sigma) absorbed (spec A5): U' = U_k diag(sqrt s), V' = diag(sqrt s) V_k^T (Eq. 6).
 
     Returns:
         ``(U', V', sigma)``: (J, k), (k, I) and all singular values (descending), float64.
     """
-    u, sig, vh = torch.linalg.svd(b.double(), full_matrices=False)
-    root = sig[:k].sqrt()
-    return u[:, :k] * root, root[:, None] * vh[:k], sig
+    u, sig, vh = residual_svd(b)
+    return (*factors_from_svd(u, sig, vh, k), sig)
 
 
 def truncation_error(sigma: torch.Tensor, k: int) -> torch.Tensor:

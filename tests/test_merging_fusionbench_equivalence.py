@@ -14,6 +14,8 @@ code is imported or copied. Their behaviour, in words:
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -150,6 +152,26 @@ def test_streamed_thresholds_are_exact(spike):
             mags = torch.cat([(e[k] - base[k]).reshape(-1).abs() for k in base])
             d = mags.numel()
             assert float(thr[t]) == float(mags.kthvalue(d - int(d * density)).values)
+    assert_same(merging.ties(base=base, experts=ex, density=0.2), fb_ties(base, ex, 0.2))
+
+
+def test_streamed_thresholds_exact_when_bracket_buffers_overflow(monkeypatch):
+    """Magnitudes with many ties put far more entries inside the sampled bracket than the preallocated
+    buffers hold: they are grown, and the thresholds stay exact."""
+    ties_mod = sys.modules["clmerge.merging.ties"]  # the package's ``ties`` attribute is the function
+    calls = []
+    grown = ties_mod._grown
+    monkeypatch.setattr(ties_mod, "_grown", lambda *a: calls.append(a[1:]) or grown(*a))
+    g = torch.Generator().manual_seed(3)
+    base = {"m.weight": torch.zeros(600, 500), "m.bias": torch.zeros(500)}
+    ex = [{k: 0.1 * torch.randint(-4, 5, v.shape, generator=g).float() for k, v in base.items()} for _ in range(3)]
+    for density in (0.2, 0.5):
+        thr = global_magnitude_thresholds(ModelSet(base, ex), density, plain_task_vectors)
+        for t, e in enumerate(ex):
+            mags = torch.cat([(e[k] - base[k]).reshape(-1).abs() for k in base])
+            d = mags.numel()
+            assert float(thr[t]) == float(mags.kthvalue(d - int(d * density)).values)
+    assert calls
     assert_same(merging.ties(base=base, experts=ex, density=0.2), fb_ties(base, ex, 0.2))
 
 

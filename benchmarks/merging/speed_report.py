@@ -128,20 +128,28 @@ NOTES = """
 - **How TIES stays lean.** The global top-k threshold of each expert is exact (identical to `kthvalue` over
   the whole task vector, which the equivalence test and the zero max-abs-diff above check) without stacking
   experts: a strided sample brackets each threshold, one streamed pass counts the magnitudes below the
-  bracket and keeps the few inside it, and `kthvalue` runs on those. Then the merge runs key by key on
-  cache-sized slices. Zero elected signs take the model-wide majority sign, as FusionBench does.
+  bracket and copies the few inside it into buffers allocated once, and `kthvalue` runs on those. Then the
+  merge runs key by key on cache-sized slices. Zero elected signs take the model-wide majority sign, as
+  FusionBench does.
 - **TIES speed.** The 2-block TIES rows were re-timed last, with the machine quiet (6 repeats; raw medians
   1.07 s vs 6.9 s). Earlier runs in this session, under heavy contention, gave 8.6-15x: FusionBench's ~4 GiB
   of fresh allocations suffer more from a busy machine than clmerge's reused buffers.
-- **TIES memory (target missed).** clmerge's TIES peak is far under half of FusionBench's, but it is not
-  "one model + one tensor per input": 9.0 models at full size, 11.1 at 2 blocks in the runs above. The same
-  code has peaked at 1.9-4.3 models in other runs of this session (in-process probes: the threshold pass
-  peaks at 1.9 models, the merge pass adds the output), so the excess varies from run to run. It is memory
-  the glibc heap keeps after it is freed: `malloc_trim(0)` after the threshold pass returns all but 0.04
-  models, and `MALLOC_MMAP_THRESHOLD_=65536` lowered one 2-block peak from 11.2 to 3.9 models. Both passes
-  now work in buffers allocated once, and a key's inputs are dropped before the next key is read. What
-  still grows the heap is not found; that is open. Averaging, task arithmetic and DARE stream at about one
-  model (the output) plus one tensor per input.
+- **TIES memory.** Earlier runs missed the streamed target: 9.0-9.9 models at full size, 11.1-11.7 at 2
+  blocks. Cause, found with glibc's `mallinfo2` after each key: the threshold pass kept the magnitudes inside
+  each expert's bracket as one small tensor per slice and expert (`mag[keep].split(...)`, ~22,000 of them at
+  full size). Each sat just past the slice's freed temporaries, so the heap could neither reuse nor return
+  that space: it grew by about one read of every input (9.3 models freed but held at the end of the pass;
+  `malloc_trim(0)` gave them back, which is why it looked like fragmentation of unknown origin). They now go
+  into one buffer per expert allocated before the pass (sized from the sample, grown if ever exceeded): the
+  heap stays flat and the pass took half the time in a probe (20 s -> 11 s, full size; the time rows
+  above predate this change and were not re-run). The re-merge of the keys whose zero signs take the
+  model-wide majority also kept the previous key's inputs alive while reading the next one and allocated a
+  second output tensor for the key; it now drops the inputs and rewrites the output in place. Same command
+  before / after: 9.93 -> 1.32 models at full size, 11.73 -> 2.70 at 2 blocks (averaging 1.26-1.34 and
+  2.50-2.54, task arithmetic 1.27-1.34 and 2.46-2.55 in the same runs; their code is unchanged). At 2 blocks
+  a model is 59 MiB, and the 9 largest inputs alone are 1.37 models; the remaining ~0.3 model (~20 MiB) over
+  that line is not broken down further (the merge pass's work buffers are 4 MiB of it). Averaging, task
+  arithmetic and DARE stream at about one model (the output) plus one tensor per input.
 - **Bandwidth.** Averaging and task arithmetic are within 3x of one `torch.add` over the same bytes; their
   extra cost is the validation read (NaN/Inf check) and the float32 accumulation in slices. FusionBench's
   averaging does no validation and is about as fast. TIES and DARE are not single-pass elementwise methods:

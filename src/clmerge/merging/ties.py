@@ -111,6 +111,7 @@ def _streamed_thresholds(models: ModelSet, keys: list[str], total: int, k: int,
         for t, src in enumerate(models.experts):
             parts[t].append((src.get(key).reshape(-1)[::step].float() - b).abs())
     lo, hi = torch.empty(num), torch.empty(num)
+    inside: list[Tensor] = []  # the magnitudes inside each bracket, written into one buffer per expert
     for t in range(num):
         s = torch.cat(parts[t])
         n, q = s.numel(), k / total
@@ -118,8 +119,11 @@ def _streamed_thresholds(models: ModelSet, keys: list[str], total: int, k: int,
         lo_i, hi_i = math.floor((q - margin) * n), math.ceil((q + margin) * n)
         lo[t] = s.kthvalue(lo_i).values if lo_i >= 1 else -math.inf
         hi[t] = s.kthvalue(hi_i).values if hi_i <= n else math.inf
+        # capacity: the sample's share of the bracket, with slack (grown in the rare case it is exceeded)
+        inside.append(torch.empty(int(1.25 * total * (min(hi_i, n) - max(lo_i, 1) + 1) / n) + chunk))
+    del parts, s
     below = torch.zeros(num, dtype=torch.int64)
-    inside: list[list[Tensor]] = [[] for _ in range(num)]
+    fill = [0] * num
     lo_c, hi_c = lo[:, None], hi[:, None]
     # work buffers allocated once: per-slice temporaries would churn (and grow) the malloc heap
     mag_buf, lt_buf, keep_buf = torch.empty(num, chunk), torch.empty(num, chunk, dtype=torch.bool), \
@@ -136,16 +140,27 @@ def _streamed_thresholds(models: ModelSet, keys: list[str], total: int, k: int,
             torch.lt(mag, lo_c, out=lt)
             below += lt.sum(1)
             torch.le(mag, hi_c, out=keep).logical_xor_(lt)  # lo <= mag <= hi, as lo <= hi
-            counts = keep.sum(1).tolist()
-            if sum(counts):
-                for t, v in enumerate(mag[keep].split(counts)):
-                    inside[t].append(v)
+            # into the preallocated buffers: small kept pieces (``mag[keep]``) between the per-slice
+            # temporaries fragment the malloc heap, which then grows by about one read of every input
+            for t, c in enumerate(keep.sum(1).tolist()):
+                if c:
+                    if fill[t] + c > inside[t].numel():
+                        inside[t] = _grown(inside[t], fill[t], fill[t] + c)
+                    torch.masked_select(mag[t], keep[t], out=inside[t][fill[t]:fill[t] + c])
+                    fill[t] += c
     out = torch.full((num,), math.nan)
     for t in range(num):
-        vals = torch.cat(inside[t])
+        vals = inside[t][:fill[t]]
         if int(below[t]) < k <= int(below[t]) + vals.numel():
             out[t] = vals.kthvalue(k - int(below[t])).values
     return out
+
+
+def _grown(buf: Tensor, used: int, need: int) -> Tensor:
+    """A larger copy of ``buf`` (its first ``used`` entries), with room for at least ``need`` entries."""
+    new = torch.empty(max(need, 2 * buf.numel()), dtype=buf.dtype)
+    new[:used] = buf[:used]
+    return new
 
 
 def trim(tvs: Tensor, thresholds: Tensor) -> Tensor:
@@ -219,10 +234,11 @@ class _Work:
 
 
 def _ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, scaling: float, merge_fn: str,
-                       zero_sign: float, w: _Work) -> tuple[Tensor, float, bool]:
+                       zero_sign: float, w: _Work, out: Tensor | None = None) -> tuple[Tensor, float, bool]:
     """:func:`_ties_core` on one key of plain task vectors, slice by slice in the buffers ``w`` (same
-    arithmetic in float32); returns ``(theta_0 + scaling * tau_m, sign sum, ambiguous)``."""
-    out = torch.empty(b.shape, dtype=xs[0].dtype)
+    arithmetic in float32); returns ``(theta_0 + scaling * tau_m, sign sum, ambiguous)``, written into
+    ``out`` (contiguous, the inputs' shape and dtype) when given."""
+    out = torch.empty(b.shape, dtype=xs[0].dtype) if out is None else out
     fb, fo, fx = b.reshape(-1), out.view(-1), [x.reshape(-1) for x in xs]
     thr_c = thr.to(torch.float32)[:, None]
     pick_zero = zero_sign if zero_sign != 0 else -1.0  # a zero majority selects the negative entries
@@ -274,7 +290,7 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
     def thresholds(tvs: Tensor) -> Tensor:
         return glob if glob is not None else torch.stack([magnitude_threshold(v.abs(), density) for v in tvs])
 
-    def merged(key: str, b: Tensor, xs: list[Tensor], zero_sign: float) -> Tensor:
+    def merged(key: str, b: Tensor, xs: list[Tensor], zero_sign: float, into: Tensor | None = None) -> Tensor:
         tvs = tv_fn(key, b, xs, list(range(len(xs))))
         tau, sign_sum, amb = _ties_core(tvs, thresholds(tvs), merge_fn, zero_sign)
         if zero_sign > 0:  # first pass: collect the statistics of the sign election
@@ -288,8 +304,9 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
         # elementwise once the thresholds are global: cache-sized slices in preallocated buffers
         work = _Work(models.num_experts, CHUNK)
 
-        def merged(key: str, b: Tensor, xs: list[Tensor], zero_sign: float) -> Tensor:  # noqa: F811
-            res, sign_sum, amb = _ties_key_streamed(b, xs, glob, scaling, merge_fn, zero_sign, work)
+        def merged(key: str, b: Tensor, xs: list[Tensor], zero_sign: float,  # noqa: F811
+                   into: Tensor | None = None) -> Tensor:
+            res, sign_sum, amb = _ties_key_streamed(b, xs, glob, scaling, merge_fn, zero_sign, work, into)
             if zero_sign > 0:
                 total[0] += sign_sum
                 if amb:
@@ -301,7 +318,9 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
     if majority != 1.0:
         for key in ambiguous:
             b, xs = models.load(key)
-            out[key] = merged(key, b, xs, majority).to(xs[0].dtype).contiguous()
+            # the streamed path rewrites the first pass's output in place (no second tensor of this key)
+            out[key] = merged(key, b, xs, majority, out[key]).to(xs[0].dtype).contiguous()
+            del b, xs  # else this key's inputs stay alive while the next key is read
     return out
 
 

@@ -4,7 +4,8 @@
    backbone and batch, measured after ``--old-tasks`` earlier tasks (SD-LoRA then carries that many frozen
    components); target ratio <= 1.15.
 2. Inference: SD-LoRA's folded inference model (``inference_model()``) vs the plain backbone.
-3. P&M's diagonal Fisher: vectorised per-sample gradients (``torch.func``) vs a per-sample loop.
+3. P&M's diagonal Fisher: vectorised per-sample gradients (from Linear inputs and output gradients, P&M's
+   default; ``torch.func`` vmap also timed) vs a per-sample loop.
 4. Memory per task over ``--tasks`` tasks: bytes of the model state plus the method's checkpointed state after
    each task, for pm (running sums, constant; per-task store for contrast) and sd_lora with and without RR
    and KD. Each task trains ``--steps`` real steps (domain-incremental permuted MNIST-5k, so 20 tasks exist).
@@ -55,6 +56,7 @@ def _sync(device) -> None:
 
 def step_time(method: dict, a) -> float:
     """Median seconds per training step at task ``a.old_tasks`` (earlier tasks set up without training)."""
+    from clmerge.adapters import fold_component
     cfg = _cfg(method, a, tasks=a.old_tasks + 1)
     device = resolve_device(cfg.run.device)
     scenario, model, meth, _ = prepare(cfg)
@@ -62,7 +64,12 @@ def step_time(method: dict, a) -> float:
     for t in range(a.old_tasks):
         meth.begin_task(scenario.tasks[t], _ctx(scenario, t, device))
         model.to(device)
-        if method["name"] != "pm":  # P&M's end_task needs a Fisher pass; its structure is the same without it
+        if method["name"] == "pm":
+            # P&M's end_task needs a Fisher pass; skip it but leave the structure it leaves: the task's LoRA
+            # folded into the base weights (it used to stay as a live component, so P&M was timed with 5
+            # trainable LoRA paths per layer against seq_lora's 1)
+            fold_component(model.backbone, f"task{t}")
+        else:
             meth.end_task(scenario.tasks[t], _ctx(scenario, t, device))
     t = a.old_tasks
     ctx = _ctx(scenario, t, device)
@@ -106,29 +113,30 @@ def inference_time(a) -> tuple[float, float, float]:
     m = cfg.model
     torch.manual_seed(0)
     plain = torch.nn.Sequential(build_backbone(m.name, pretrained=m.pretrained, config=m.config), model.head).to(device)
-    x, _ = next(iter(scenario.tasks[0].test.batches(a.batch, shuffle=False)))
+    # a training batch: the test split has only test_per_class samples per class (4 images per task here)
+    x, _ = next(iter(scenario.tasks[0].train.batches(a.batch, shuffle=False)))
     x = x.to(device)
-    out = []
-    for net in (folded, plain):
-        net.eval()
-        with torch.no_grad():
-            times = []
-            for i in range(a.warmup + a.repeats):
+    nets = (folded.eval(), plain.eval())
+    times: list[list[float]] = [[], []]
+    with torch.no_grad():  # interleaved, so that load changes on a shared machine hit both alike
+        for i in range(a.warmup + a.repeats):
+            for j, net in enumerate(nets):
                 _sync(device)
                 t0 = time.perf_counter()
                 net(x)
                 _sync(device)
                 if i >= a.warmup:
-                    times.append(time.perf_counter() - t0)
-        out.append(sorted(times)[len(times) // 2])
+                    times[j].append(time.perf_counter() - t0)
+    out = [sorted(ts)[len(ts) // 2] for ts in times]
     model.to(device).eval()
     with torch.no_grad():
         diff = float((folded(x) - model(x)).abs().max())
     return out[0], out[1], diff
 
 
-def fisher_time(a) -> tuple[float, float, float]:
-    """(vectorised seconds, loop seconds, max relative difference) for the K/V Fisher of ``a.fisher_n`` samples."""
+def fisher_time(a) -> tuple[float, float, float, float]:
+    """(hooks seconds, torch.func seconds, loop seconds, max relative difference of either to the loop) for the
+    K/V Fisher of ``a.fisher_n`` samples (``diagonal_fisher`` methods ``hooks`` (P&M's default) and ``func``)."""
     from clmerge.adapters import lora_layers
     from clmerge.params.fisher import diagonal_fisher, per_sample_loop_fisher
 
@@ -143,16 +151,18 @@ def fisher_time(a) -> tuple[float, float, float]:
         named[n].requires_grad_(True)
     x, y = next(iter(scenario.tasks[0].train.batches(a.fisher_n, shuffle=False)))
     batches = [(x[i:i + 32].to(device), y[i:i + 32].to(device)) for i in range(0, len(x), 32)]
-    _sync(device)
-    t0 = time.perf_counter()
-    fv = diagonal_fisher(model, names, batches)
-    _sync(device)
-    t1 = time.perf_counter()
-    fl = per_sample_loop_fisher(model, names, batches)
-    _sync(device)
-    t2 = time.perf_counter()
-    rel = max(float((fv[n] - fl[n]).abs().max() / fl[n].abs().max().clamp_min(1e-30)) for n in names)
-    return t1 - t0, t2 - t1, rel
+    out = []
+    for fn in (lambda: diagonal_fisher(model, names, batches, method="hooks"),
+               lambda: diagonal_fisher(model, names, batches, method="func"),
+               lambda: per_sample_loop_fisher(model, names, batches)):
+        _sync(device)
+        t0 = time.perf_counter()
+        f = fn()
+        _sync(device)
+        out.append((time.perf_counter() - t0, f))
+    fl = out[-1][1]
+    rel = max(float((f[n] - fl[n]).abs().max() / fl[n].abs().max().clamp_min(1e-30)) for _, f in out[:2] for n in names)
+    return out[0][0], out[1][0], out[2][0], rel
 
 
 def _state_bytes(model, meth) -> int:
@@ -208,7 +218,7 @@ def write_report(a) -> None:
     base = step_time({"name": "seq_lora"}, a)
     rows = [("seq_lora", base)] + [(m, step_time({"name": m}, a)) for m in ("sd_lora", "pm")]
     t_fold, t_plain, diff = inference_time(a)
-    t_vec, t_loop, rel = fisher_time(a)
+    t_vec, t_func, t_loop, rel = fisher_time(a)
     mem = {k: memory_per_task(v, a) for k, v in MEMORY.items()}
     lines = ["# Speed and memory of the LoRA CL methods (issue 4)", "",
              f"Backbone `{a.backbone}`{f' ({a.depth} blocks, random init)' if a.depth else ''}, device `{a.device}`, "
@@ -221,8 +231,9 @@ def write_report(a) -> None:
               f"folded {t_fold:.4f} s, plain {t_plain:.4f} s, ratio {t_fold / t_plain:.3f}; "
               f"max |logit difference| folded vs unfolded {diff:.2e}", "",
               f"## P&M Fisher over {a.fisher_n} samples (K/V weights)", "",
-              f"vectorised {t_vec:.3f} s, per-sample loop {t_loop:.3f} s, speed-up {t_loop / t_vec:.1f}x "
-              f"(target >= 5x); max relative difference {rel:.1e}", "",
+              f"vectorised (Linear inputs x output gradients, P&M's default) {t_vec:.3f} s, per-sample loop "
+              f"{t_loop:.3f} s, speed-up {t_loop / t_vec:.1f}x (target >= 5x); torch.func vmap {t_func:.3f} s "
+              f"({t_loop / t_func:.1f}x); max relative difference to the loop {rel:.1e}", "",
               f"## Model + method state (MB) after each of {a.tasks} tasks", "",
               "| method | " + " | ".join(f"t{t + 1}" for t in range(a.tasks)) + " |",
               "|---|" + "---|" * a.tasks]

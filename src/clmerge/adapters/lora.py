@@ -15,6 +15,20 @@ adds ``c_k * U_k D_k`` to the weight, where ``D_k`` (r x in) is the down-project
 
 :meth:`LoRAComponent.coefficient` is the only place the formula lives; ``forward``, ``delta_weight`` and
 folding all use it.
+
+Two equivalent ways to apply the components in :meth:`LoRALinear.forward` (``LoRALinear.compute``):
+
+- ``"lowrank"``: ``y = W_0 x + sum_k c_k U_k (D_k x)``, one low-rank path per component (the original path);
+- ``"dense"``: ``y = (W_0 + sum_k c_k U_k D_k) x``, the delta formed each call from the stacked factors
+  ``[c_1 U_1 | c_2 U_2 | ...] @ [D_1; D_2; ...]`` (O(out in sum r_k), no per-token work) and added to the
+  weight, so the layer costs one matmul; gradients flow to every ``c_k`` (hence to shared magnitudes) and to
+  trainable factors through that product. When any of them needs a gradient, backward forms the dense weight
+  gradient ``g^T x`` (O(tokens in out)) once, instead of per-component low-rank backward paths;
+- ``"auto"``: ``dense`` when a FLOP estimate (:func:`dense_is_cheaper`) says so, else ``lowrank``.
+
+Both give the same outputs and gradients up to float rounding (tests/test_lora_compute.py). The default is
+``"lowrank"``; methods with many components per layer (SD-LoRA) switch to ``"auto"`` with
+:func:`set_lora_compute`.
 """
 
 from __future__ import annotations
@@ -28,17 +42,25 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "TARGET_ALIASES",
     "LoRAComponent",
     "LoRALinear",
+    "add_lora_component",
+    "dense_is_cheaper",
+    "fold_component",
     "inject_lora",
     "lora_layers",
-    "add_lora_component",
-    "fold_component",
-    "TARGET_ALIASES",
     "resolve_targets",
+    "set_lora_compute",
 ]
 
 Normalize = Literal["none", "fro", "factor"]
+Compute = Literal["lowrank", "dense", "auto"]
+COMPUTE_MODES: tuple[str, ...] = ("lowrank", "dense", "auto")
+
+# Weight of one element of a per-token elementwise op (memory-bound: scaling a component's output by c_k,
+# adding it to y, and their backward) relative to one multiply-add of a matmul, in dense_is_cheaper.
+_ELEMENTWISE_COST = 4.0
 
 
 def gram_frobenius_norm(up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -93,6 +115,21 @@ class LoRAComponent(nn.Module):
     def norm(self) -> torch.Tensor | float:
         if self.normalize == "none":
             return 1.0
+        if not (self.lora_up.requires_grad or self.lora_down.requires_grad):
+            # frozen direction (SD-LoRA's old tasks): the norm is a constant; recompute only when the factors
+            # change (in-place version, storage, normaliser). Same expression, so the same value.
+            up, down = self.lora_up, self.lora_down
+            key = (up.data_ptr(), up._version, down.data_ptr(), down._version, up.device, self.normalize, self.eps)
+            cached = self.__dict__.get("_norm_cache")
+            if cached is None or cached[0] != key:
+                with torch.no_grad():
+                    value = self._norm_value()
+                object.__setattr__(self, "_norm_cache", (key, value))
+                return value
+            return cached[1]
+        return self._norm_value()
+
+    def _norm_value(self) -> torch.Tensor:
         up, down = self.lora_up.float(), self.lora_down.float()
         if self.normalize == "fro":
             return gram_frobenius_norm(up, down) + self.eps
@@ -128,6 +165,7 @@ class LoRALinear(nn.Module):
         self.base_layer = base_layer
         self.components = nn.ModuleDict()
         object.__setattr__(self, "_magnitudes", None)  # shared ParameterDict, owned (and saved) by the model
+        self.compute: Compute = "lowrank"  # how forward applies the components (module docstring); not saved
 
     @property
     def in_features(self) -> int:
@@ -152,11 +190,45 @@ class LoRALinear(nn.Module):
         return self.components[name].delta_weight(self._magnitudes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.components:
+            return self.base_layer(x)
+        mode = self.compute
+        if mode == "auto":
+            mode = "dense" if dense_is_cheaper(self, x) else "lowrank"
+        if mode == "dense":
+            return self.forward_dense(x)
+        if mode != "lowrank":
+            raise ValueError(f"unknown LoRA compute mode {mode!r} (expected one of {COMPUTE_MODES})")
+        return self.forward_lowrank(x)
+
+    def forward_lowrank(self, x: torch.Tensor) -> torch.Tensor:
+        """``W_0 x + sum_k c_k U_k (D_k x)``: one low-rank path per component."""
         y = self.base_layer(x)
         for comp in self.components.values():
             c = comp.coefficient(self._magnitudes)
             y = y + c * F.linear(F.linear(x, comp.lora_down.to(x.dtype)), comp.lora_up.to(x.dtype))
         return y
+
+    def _dense_dtype(self) -> torch.dtype:
+        return torch.promote_types(self.base_layer.weight.dtype, torch.float32)
+
+    def dense_delta(self) -> torch.Tensor:
+        """``sum_k c_k U_k D_k`` (out, in) in fp32 (fp64 for fp64 weights) as one product of the stacked factors
+        (differentiable)."""
+        comps = list(self.components.values())
+        dt = self._dense_dtype()
+        ups = [comp.coefficient(self._magnitudes) * comp.lora_up.to(dt) for comp in comps]
+        downs = [comp.lora_down.to(dt) for comp in comps]
+        if len(comps) == 1:
+            return ups[0] @ downs[0]
+        return torch.cat(ups, dim=1) @ torch.cat(downs, dim=0)
+
+    def forward_dense(self, x: torch.Tensor) -> torch.Tensor:
+        """``(W_0 + sum_k c_k U_k D_k) x``: the components added to the weight, one matmul."""
+        w = self.base_layer.weight
+        weight = (w.to(self._dense_dtype()) + self.dense_delta()).to(x.dtype)
+        bias = self.base_layer.bias
+        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
     @torch.no_grad()
     def fold(self, name: str) -> None:
@@ -239,6 +311,47 @@ def inject_lora(model: nn.Module, targets: list[str], *, magnitudes: nn.Paramete
         linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         raise ValueError(f"LoRA targets {targets} matched no Linear layer; Linear layers include: {linear[:12]}")
     return replaced
+
+
+def dense_is_cheaper(layer: LoRALinear, x: torch.Tensor) -> bool:
+    """FLOP estimate (multiply-adds, elementwise ops weighted by ``_ELEMENTWISE_COST``) of one forward and,
+    when grad mode is on, one backward of ``layer`` on ``x``: the dense form vs the low-rank paths.
+
+    With T tokens, R = sum_k r_k over K components:
+    lowrank: forward T R (in + out) + 2 T out K elementwise; backward T R (in + out) for the input gradient,
+    T r_k (in + out) more per component with trainable factors, T out elementwise per component (plus T out
+    per component whose coefficient needs a gradient);
+    dense: out in R to form the delta (3x with backward); backward T in out for the weight gradient if any
+    factor or coefficient needs one (the input gradient goes through the base matmul, which both forms share).
+    """
+    comps = list(layer.components.values())
+    n_in, n_out = layer.in_features, layer.out_features
+    tokens = x.numel() // max(1, n_in)
+    ranks = [c.rank for c in comps]
+    grad_on = torch.is_grad_enabled()
+    mags = layer._magnitudes
+    factor_grad = [grad_on and (c.lora_up.requires_grad or c.lora_down.requires_grad) for c in comps]
+    coef_grad = [grad_on and c.magnitude is not None and mags is not None and c.magnitude in mags
+                 and mags[c.magnitude].requires_grad for c in comps]
+    e = _ELEMENTWISE_COST
+    low = tokens * sum(ranks) * (n_in + n_out) + 2 * e * tokens * n_out * len(comps)
+    dense = n_out * n_in * sum(ranks)
+    if grad_on:
+        low += tokens * sum(ranks) * (n_in + n_out) + e * tokens * n_out * len(comps)
+        low += sum(tokens * r * (n_in + n_out) for r, g in zip(ranks, factor_grad) if g)
+        low += sum(e * tokens * n_out for g in coef_grad if g)
+        dense += 2 * n_out * n_in * sum(ranks)
+        if any(factor_grad) or any(coef_grad):
+            dense += tokens * n_in * n_out
+    return dense < low
+
+
+def set_lora_compute(model: nn.Module, mode: Compute) -> None:
+    """Set :attr:`LoRALinear.compute` (``lowrank``, ``dense`` or ``auto``) on every LoRA layer of ``model``."""
+    if mode not in COMPUTE_MODES:
+        raise ValueError(f"unknown LoRA compute mode {mode!r} (expected one of {COMPUTE_MODES})")
+    for layer in lora_layers(model).values():
+        layer.compute = mode
 
 
 def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:

@@ -7,7 +7,8 @@ Per task t (Algorithm 1):
    is differentiated through the scale. Its expectation is the regularised loss of Eq. 14 with
    lambda = eps^2 (1 - p0) / 2 (Eq. 16);
 3. after training, the diagonal empirical Fisher (Eq. 9-10) of the adapted weight matrices W_k, W_v at the
-   trained weights, from per-sample gradients (``torch.func``) over the task's training set;
+   trained weights, from per-sample gradients over the task's training set (formed from each layer's inputs
+   and output gradients, or with ``torch.func``: option ``fisher_method``);
 4. the closed-form coefficient of Eq. 8,
        alpha_t = - sum_i (theta^_{t-1} - theta*_i)^T F_i Delta_t / sum_i Delta_t^T F_i Delta_t,
    kept with running sums S_F = sum_i F_i and S_Fu = sum_i F_i * u_i (u_i = theta*_i - theta_0), so memory
@@ -32,6 +33,7 @@ from pydantic import Field
 from ..adapters import add_lora_component, inject_lora, lora_layers
 from ..engine.losses import classification_loss
 from ..params import diagonal_fisher
+from ..params.fisher import resolve_fisher_method
 from .base import ContinualMethod, register_method
 from .seq_lora import LoRAMethodOptions
 
@@ -55,8 +57,12 @@ class PMOptions(LoRAMethodOptions):
     fisher_samples: int | None = Field(None, ge=1, description="training samples for the Fisher (None: the whole "
                                        "training set, as Eq. 10)")
     fisher_batch: int = Field(32, ge=1, description="batch size of the vectorised per-sample gradients")
-    fisher_eager_attention: bool = Field(True, description="switch HF attention to 'eager' during the Fisher pass "
-                                         "(sdpa falls back to a slow path under vmap)")
+    fisher_method: Literal["auto", "hooks", "func"] = Field(
+        "auto", description="per-sample gradients for the Fisher (equal to float rounding): hooks = from each "
+        "Linear's inputs and output gradients, one forward/backward per batch; func = torch.func vmap over grad; "
+        "auto = hooks (the K/V weights are Linear weights)")
+    fisher_eager_attention: bool = Field(True, description="switch HF attention to 'eager' during a 'func' Fisher "
+                                         "pass (sdpa falls back to a slow path under vmap)")
 
 
 def sample_perturbation(eps: float, p0: float, generator: torch.Generator | None = None) -> float:
@@ -197,9 +203,12 @@ class PerturbAndMerge(ContinualMethod):
         batches = task.train.batches(o.fisher_batch, shuffle=False)
         batches = ((x.to(ctx.device), (y - lo if local else y).to(ctx.device)) for x, y in batches)
         logits_fn = (lambda m, x: m(x)[:, lo:hi]) if local else (lambda m, x: m(x)[:, :hi])
-        guard = eager_attention(self.model) if o.fisher_eager_attention else contextlib.nullcontext()
+        method = resolve_fisher_method(self.model, names, o.fisher_method)
+        eager = o.fisher_eager_attention and method == "func"
+        guard = eager_attention(self.model) if eager else contextlib.nullcontext()
         with guard:
-            fisher = diagonal_fisher(self.model, names, batches, max_samples=o.fisher_samples, logits_fn=logits_fn)
+            fisher = diagonal_fisher(self.model, names, batches, max_samples=o.fisher_samples, logits_fn=logits_fn,
+                                     method=method)
         return {n[len("backbone."):-len(".base_layer.weight")]: f for n, f in fisher.items()}
 
     def end_task(self, task, ctx) -> None:

@@ -24,7 +24,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from ..adapters import add_lora_component, inject_lora, lora_layers
+from ..adapters import add_lora_component, inject_lora, lora_layers, set_lora_compute
 from ..adapters.folded import FoldedCache
 from ..adapters.lora import LoRALinear
 from .base import ContinualMethod, register_method
@@ -58,6 +58,11 @@ class SDLoRAOptions(LoRAMethodOptions):
     no_rescale_magnitude: Literal["one", "learned"] = Field(
         "one", description="no_rescale: old components keep magnitude 1 (Table 4 formula, spec 2.5) or their "
         "learned value frozen")
+    lora_compute: Literal["auto", "dense", "lowrank"] = Field(
+        "auto", description="how each layer applies Eq. 4 while training (same outputs and gradients up to float "
+        "rounding): lowrank = one U_k (D_k x) path per component (the original path); dense = W_0 + sum_k c_k "
+        "U_k D_k formed from the stacked factors each step, one matmul per layer, magnitudes still trained; auto = "
+        "dense when its FLOP estimate is lower (adapters.lora.dense_is_cheaper), e.g. with several components")
     fold_inference: bool = Field(True, description="evaluate a cached copy with every component folded into the "
                                  "base weights (plain-backbone inference cost; outputs equal to 1e-5)")
 
@@ -76,6 +81,7 @@ class SDLoRA(ContinualMethod):
         super().setup(model)
         model.backbone.requires_grad_(False)
         inject_lora(model.backbone, self.options.targets, magnitudes=model.lora_magnitudes)
+        set_lora_compute(model.backbone, self.options.lora_compute)
         self._folded = FoldedCache()
 
     def inference_model(self) -> nn.Module:
@@ -115,6 +121,7 @@ class SDLoRA(ContinualMethod):
     def begin_task(self, task, ctx) -> None:
         super().begin_task(task, ctx)
         o, t, mags = self.options, task.index, self.model.lora_magnitudes
+        set_lora_compute(self.model.backbone, o.lora_compute)  # also after a checkpoint rebuild
         old = self._component_names()
         if o.magnitude_reinit:
             with torch.no_grad():

@@ -1,9 +1,23 @@
-"""Diagonal Fisher information from per-sample gradients (``torch.func``: ``vmap`` over ``grad``).
+"""Diagonal Fisher information from per-sample gradients.
 
 F_theta = (1/N) sum_i (d/d theta log p(y_i | x_i; theta))^2, with y_i the true label (empirical Fisher, the
 form LoRA-P&M Eq. 9 and EWC use) or a label drawn from the model's own prediction (``true`` Fisher).
-Sums accumulate in float64. ``per_sample_loop_fisher`` is the naive reference (one backward per sample), kept
-for tests and the speed benchmark.
+Each per-sample gradient is the gradient of that sample's own loss. Sums accumulate in float64.
+
+Two ways to form the per-sample gradients (``diagonal_fisher(method=...)``):
+
+- ``"hooks"``: for weights and biases of ``nn.Linear`` modules only. One forward and one backward of the
+  summed loss per batch; forward hooks keep each layer's input a (B, T, in) and the backward gives the
+  gradient g (B, T, out) of the summed loss w.r.t. its output, which for sample b is the gradient of b's own
+  loss (samples do not interact in eval mode). Sample b's weight gradient is then ``sum_t g[b,t] a[b,t]^T``
+  (``einsum('bto,bti->boi')``, its bias gradient ``sum_t g[b,t]``), summed over calls if the layer runs
+  several times. :class:`~clmerge.adapters.lora.LoRALinear` layers run in ``lowrank`` mode during the pass, so
+  their ``base_layer`` is called as a module.
+- ``"func"``: ``torch.func`` (``vmap`` over ``grad``), any parameter.
+- ``"auto"`` (default): ``hooks`` when every name is such a Linear weight or bias, else ``func``.
+
+``per_sample_loop_fisher`` is the naive reference (one backward per sample), kept for tests and the speed
+benchmark.
 """
 
 from __future__ import annotations
@@ -16,7 +30,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-__all__ = ["per_sample_grads", "diagonal_fisher", "per_sample_loop_fisher", "eager_attention", "squared_sum"]
+__all__ = [
+    "diagonal_fisher",
+    "eager_attention",
+    "linear_param_modules",
+    "per_sample_grads",
+    "per_sample_grads_linear",
+    "per_sample_loop_fisher",
+    "resolve_fisher_method",
+    "squared_sum",
+]
+
+FISHER_METHODS = ("auto", "hooks", "func")
 
 
 @contextmanager
@@ -72,6 +97,98 @@ def per_sample_grads(model: nn.Module, names: list[str], x: torch.Tensor, y: tor
         return vmap(grad(loss_one), in_dims=(None, 0, 0), randomness="different")(params, x, y)
 
 
+def linear_param_modules(model: nn.Module, names: list[str]) -> dict[str, tuple[nn.Linear, str]] | None:
+    """``{name: (Linear module, "weight" | "bias")}`` if every name is a weight or bias of an ``nn.Linear``
+    of ``model``, else None."""
+    modules = dict(model.named_modules())
+    out = {}
+    for n in names:
+        mod_name, _, attr = n.rpartition(".")
+        mod = modules.get(mod_name)
+        if not isinstance(mod, nn.Linear) or attr not in ("weight", "bias") or getattr(mod, attr) is None:
+            return None
+        out[n] = (mod, attr)
+    return out
+
+
+def resolve_fisher_method(model: nn.Module, names: list[str], method: str = "auto") -> str:
+    """``hooks`` or ``func`` for ``method`` (``auto``: hooks when every name is a Linear weight or bias)."""
+    if method not in FISHER_METHODS:
+        raise ValueError(f"unknown Fisher method {method!r} (expected one of {FISHER_METHODS})")
+    if method == "auto":
+        return "hooks" if linear_param_modules(model, names) is not None else "func"
+    if method == "hooks" and linear_param_modules(model, names) is None:
+        raise ValueError("Fisher method 'hooks' needs every parameter to be the weight or bias of an nn.Linear")
+    return method
+
+
+@contextmanager
+def _lowrank_lora(model: nn.Module) -> Iterator[None]:
+    """Run every LoRALinear of ``model`` in ``lowrank`` mode (its base_layer called as a module)."""
+    from ..adapters.lora import LoRALinear
+
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    saved = [m.compute for m in layers]
+    try:
+        for m in layers:
+            m.compute = "lowrank"
+        yield
+    finally:
+        for m, c in zip(layers, saved):
+            m.compute = c
+
+
+def per_sample_grads_linear(model: nn.Module, names: list[str], x: torch.Tensor, y: torch.Tensor, *,
+                            logits_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+                            ) -> dict[str, torch.Tensor]:
+    """Per-sample NLL gradients w.r.t. Linear weights/biases from layer inputs and output gradients.
+
+    Same result as :func:`per_sample_grads` (shape (B, *param.shape) each) for the parameters it supports,
+    from one forward and one backward of the summed loss. Parameter ``requires_grad`` flags and ``.grad``
+    are left untouched.
+    """
+    params = linear_param_modules(model, names)
+    if params is None:
+        raise ValueError("per_sample_grads_linear: every name must be the weight or bias of an nn.Linear")
+    mods = {id(m): m for m, _ in params.values()}
+    records: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {k: [] for k in mods}
+    handles = []
+
+    def hook(mod, inp, out):
+        if not out.requires_grad:  # frozen layer with a frozen input: make its output a leaf to get its gradient
+            out = out.detach().requires_grad_(True)
+        records[id(mod)].append((inp[0].detach(), out))
+        return out
+
+    for m in mods.values():
+        handles.append(m.register_forward_hook(hook))
+    try:
+        with torch.enable_grad(), _lowrank_lora(model):
+            out = logits_fn(model, x) if logits_fn else model(x)
+            loss = _nll(out, y)
+    finally:
+        for h in handles:
+            h.remove()
+    order = [(k, i) for k, recs in records.items() for i in range(len(recs))]
+    if any(not records[k] for k in records):
+        raise RuntimeError("per_sample_grads_linear: a Linear layer was not called in the forward pass")
+    grads = torch.autograd.grad(loss, [records[k][i][1] for k, i in order], allow_unused=True)
+    batch = x.shape[0]
+    per_mod: dict[int, dict[str, torch.Tensor]] = {}
+    for (k, i), g in zip(order, grads):
+        a = records[k][i][0]
+        if g is None:
+            g = torch.zeros_like(records[k][i][1])
+        a3 = a.reshape(batch, -1, a.shape[-1])
+        g3 = g.reshape(batch, -1, g.shape[-1])
+        acc = per_mod.setdefault(k, {})
+        gw = torch.bmm(g3.transpose(1, 2), a3)  # (B, out, in) = einsum('bto,bti->boi')
+        gb = g3.sum(1)
+        acc["weight"] = gw if "weight" not in acc else acc["weight"] + gw
+        acc["bias"] = gb if "bias" not in acc else acc["bias"] + gb
+    return {n: per_mod[id(m)][attr] for n, (m, attr) in params.items()}
+
+
 _SQ_CHUNK = 1 << 18  # float64 elements per chunk of squared_sum (2 MiB: stays in cache)
 _SQ_ALIGN = 64  # chunk widths are multiples of this many columns (see squared_sum)
 
@@ -114,7 +231,7 @@ def _labels(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str, gener
 
 def diagonal_fisher(model: nn.Module, names: list[str], batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
                     mode: str = "empirical", logits_fn=None, generator: torch.Generator | None = None,
-                    max_samples: int | None = None) -> dict[str, torch.Tensor]:
+                    max_samples: int | None = None, method: str = "auto") -> dict[str, torch.Tensor]:
     """Mean of squared per-sample gradients over ``batches`` (float64 sums, returned as float32).
 
     Args:
@@ -122,7 +239,10 @@ def diagonal_fisher(model: nn.Module, names: list[str], batches: Iterable[tuple[
         batches: iterable of (x, y) with y already mapped to the logits that ``logits_fn`` returns.
         logits_fn: ``(model, x) -> logits`` (default ``model(x)``), e.g. to restrict to one task's outputs.
         max_samples: stop after this many samples.
+        method: ``hooks``, ``func`` or ``auto`` (module docstring); the results agree to float rounding.
     """
+    method = resolve_fisher_method(model, names, method)
+    psg = per_sample_grads_linear if method == "hooks" else per_sample_grads
     sums = {n: None for n in names}
     count = 0
     was_training = model.training
@@ -133,7 +253,7 @@ def diagonal_fisher(model: nn.Module, names: list[str], batches: Iterable[tuple[
         if len(x) == 0:
             break
         labels = _labels(model, x, y, mode, generator, logits_fn)
-        g = per_sample_grads(model, names, x, labels, logits_fn=logits_fn)
+        g = psg(model, names, x, labels, logits_fn=logits_fn)
         for n in names:
             sq = squared_sum(g[n])  # == g[n].double().pow(2).sum(0), bit for bit
             sums[n] = sq if sums[n] is None else sums[n] + sq

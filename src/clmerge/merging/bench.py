@@ -164,12 +164,16 @@ def load_task(task: BenchTask, cfg: BenchConfig) -> dict[str, tuple[Tensor, Tens
     n_val = max(1, int(cfg.val_fraction * len(tr)))
     # test order shuffled too (fixed seed): a capped test set must not be the first, maybe one-class, rows
     parts = {"val": tr[:n_val], "train": tr[n_val:], "test": rng.permutation(len(splits.test))}
+    source = {"val": splits.train, "train": splits.train, "test": splits.test}
+    wanted = task.class_list()
+    lut = None
+    if wanted is not None:  # keep only the task's classes (in each part's order) and renumber them 0..k-1
+        parts = {name: idx[np.isin(source[name].targets[idx], wanted)] for name, idx in parts.items()}
+        lut = torch.full((int(max(splits.train.targets.max(), splits.test.targets.max())) + 1,), -1, dtype=torch.long)
+        lut[torch.as_tensor(wanted)] = torch.arange(len(wanted))
     for name, idx in parts.items():
-        src = splits.test if name == "test" else splits.train
+        src = source[name]
         cap = cfg.max_train if name == "train" else cfg.max_eval
-        wanted = task.class_list()
-        if wanted is not None:
-            idx = idx[np.isin(src.targets[idx], wanted)]
         idx = idx[:cap] if cap else idx
         if name == "train" and cfg.data_ratio < 1.0:
             idx = idx[:max(1, int(round(cfg.data_ratio * len(idx))))]
@@ -177,15 +181,10 @@ def load_task(task: BenchTask, cfg: BenchConfig) -> dict[str, tuple[Tensor, Tens
             # Definition 1 of the theory spec: the j-th sample replaced by an independent draw z~_j (the
             # first validation sample, never a training sample).
             idx = idx.copy()
-            val = parts["val"] if wanted is None else parts["val"][np.isin(splits.train.targets[parts["val"]], wanted)]
-            idx[cfg.perturb % len(idx)] = val[0]
+            idx[cfg.perturb % len(idx)] = parts["val"][0]
         x, y = src.get_batch(idx)
         y = torch.as_tensor(y, dtype=torch.long)
-        if wanted is not None:
-            lut = torch.full((int(src.targets.max()) + 1,), -1, dtype=torch.long)
-            lut[torch.as_tensor(wanted)] = torch.arange(len(wanted))
-            y = lut[y]
-        out[name] = (_transform(task.transform, x.float()), y)
+        out[name] = (_transform(task.transform, x.float()), y if lut is None else lut[y])
     return out
 
 

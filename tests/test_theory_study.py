@@ -27,6 +27,18 @@ def _strip(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "timings"} for r in rows]
 
 
+def _approx(v):
+    """``v`` with every float compared to 1e-9 relative: a least-squares solve (the implicit weights) may
+    differ in the last bits between two runs of the same code, as multithreaded BLAS sums in another order."""
+    if isinstance(v, float):
+        return pytest.approx(v, rel=1e-9, abs=1e-12)
+    if isinstance(v, list):
+        return [_approx(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _approx(x) for k, x in v.items()}
+    return v
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("smoke")
@@ -73,12 +85,12 @@ def test_resume_skips_finished_points(smoke, monkeypatch):
     real = study_mod.merge_job
     monkeypatch.setattr(study_mod, "merge_job", lambda *a: calls.append(a[0]["method"]["name"]) or real(*a))
     monkeypatch.setattr(study_mod, "expert_job", lambda *a: pytest.fail("retrained a cached expert"))
-    assert _strip(run_study(spec, out, resume=True, log=lambda *_: None)) == _strip(rows)
+    assert _strip(run_study(spec, out, resume=True, log=lambda *_: None)) == _approx(_strip(rows))
     assert calls == []
     lines = (out / "results.jsonl").read_text().splitlines()
     (out / "results.jsonl").write_text("\n".join(lines[:-3]) + "\n" + lines[-3][:20])  # a torn line too
     again = run_study(spec, out, resume=True, log=lambda *_: None)
-    assert len(calls) == 3 and _strip(again) == _strip(rows)
+    assert len(calls) == 3 and _strip(again) == _approx(_strip(rows))
 
 
 def test_a_two_point_study_is_identical_on_local_and_ray(tmp_path):
@@ -93,6 +105,6 @@ def test_a_two_point_study_is_identical_on_local_and_ray(tmp_path):
     local = run_study(spec, tmp_path / "local", log=lambda *_: None)
     ray_rows = run_study(spec, tmp_path / "ray", backend="ray", num_cpus=2, log=lambda *_: None)
     assert len(local) == 2
-    assert _strip(local) == _strip(ray_rows)
-    assert _strip(read_results(tmp_path / "ray")) == _strip(local)
+    assert _strip(local) == _approx(_strip(ray_rows))
+    assert _strip(read_results(tmp_path / "ray")) == _approx(_strip(local))
 

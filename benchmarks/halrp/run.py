@@ -18,7 +18,8 @@ Examples::
 
 HALRP trains ``warmup_epochs + train.epochs`` epochs per task (warm-up + factor fine-tuning; task 0 gets the
 same total), so HALRP's ``train.epochs`` is the baselines' minus ``warmup_epochs``: every method sees the same
-number of epochs per task.
+number of epochs per task. The warm-up ablations (``halrp_warmup2``, ``halrp_warmup3``; spec P4) keep those
+fine-tuning epochs and lengthen only the warm-up.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "halrp_random": ("halrp", {"factor_init": "random"}),  # P3: Random LRP
     "halrp_alpha0.6": ("halrp", {"alpha": 0.6}),  # P5
     "halrp_total_budget": ("halrp", {"prune_budget": "total"}),  # P9: budget on the total growth
+    # P4 (Table 6, n_r = 1..4): longer warm-ups on top of the same fine-tuning epochs as the default
+    "halrp_warmup2": ("halrp", {"warmup_epochs": 2}),
+    "halrp_warmup3": ("halrp", {"warmup_epochs": 3}),
 }
 
 METHOD_OPTIONS: dict[str, dict] = {
@@ -102,8 +106,8 @@ def config_for(setting: str, net: str, method: str, prof: dict) -> dict:
     method, extra = VARIANTS.get(method, (method, {}))
     opts = {**copy.deepcopy(METHOD_OPTIONS[method]), **extra}
     epochs = prof["epochs"]
-    if method == "halrp":
-        epochs = max(1, epochs - opts["warmup_epochs"])
+    if method == "halrp":  # fine-tuning epochs: the baselines' minus the default warm-up (variants add warm-up)
+        epochs = max(1, epochs - METHOD_OPTIONS["halrp"]["warmup_epochs"])
     return {"seed": 0, "scenario": scenario_for(setting, prof), "model": _model(net),
             "method": {"name": method, **opts}, "optim": {"name": "adam", "lr": 1e-3},
             "train": {"epochs": epochs, "batch_size": prof["batch_size"], "eval_batch_size": 500},

@@ -64,6 +64,8 @@ def test_evidence_smoke_runs_selects_on_val_and_resumes(tmp_path) -> None:
     text = (tmp_path / "r.md").read_text()
     for label in ("sd_lora_kd", "pm"):
         assert f"| {label} |" in text
+    ranking = text[text.index("## Validation ranking (split_mnist5k)"):]
+    assert "| sd_lora_kd |" in ranking and "| pm |" in ranking and "| 2 |" in ranking
     sel = json.loads((tmp_path / "runs" / "selected.json").read_text())
     # sd_lora_kd is a variant: its parent sd_lora is selected and sd_lora_kd takes the parent's rate
     assert set(sel["split_mnist5k"]) == {"sd_lora_kd", "pm", "sd_lora"}
@@ -78,6 +80,21 @@ def test_evidence_smoke_runs_selects_on_val_and_resumes(tmp_path) -> None:
     assert ev.run_one({}, done.parent) == "skipped"
     ev.main(args)  # everything finished: nothing reruns
     assert done.stat().st_mtime_ns == stamp
+
+
+def test_validation_ranking_is_best_first_over_finished_seeds(tmp_path) -> None:
+    rep = _load("evidence_report")
+    val = {"a": [30.0, 40.0], "b": [50.0], "c": [10.0, 20.0, 90.0]}
+    for m, vs in val.items():
+        for i, v in enumerate(vs):
+            run = tmp_path / "main" / "bench" / m / f"seed{i}"
+            run.mkdir(parents=True)
+            (run / "metrics.json").write_text("{}")
+            (run / "v").write_text(str(v))
+    (tmp_path / "main" / "bench" / "a" / "seed9").mkdir()  # unfinished: no metrics.json, not counted
+    rows = rep.validation_ranking(tmp_path, "bench", lambda r: float((r / "v").read_text()))
+    assert [(m, n) for m, _, _, n in rows] == [("b", 1), ("c", 3), ("a", 2)]
+    assert rows[1][1] == pytest.approx(40.0) and rows[2][2] == pytest.approx(5.0)
 
 
 def test_speed_smoke(tmp_path) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["collect", "write_results", "write_figures", "mean_std"]
+__all__ = ["collect", "mean_std", "validation_ranking", "write_figures", "write_results"]
 
 
 def _metrics(run: Path) -> dict | None:
@@ -43,9 +43,22 @@ def _row(label: str, runs: list[dict], lr: str) -> str:
     return f"| {label} | {acc} | {aaa} | {t_acc} | {t_aaa} | {len(runs)} | {lr} |"
 
 
+def validation_ranking(out_root: Path, bench: str, val_fn) -> list[tuple[str, float, float, int]]:
+    """``(label, mean, std, seeds)`` of the final validation CIL accuracy of every finished run of ``bench``,
+    best first: the ranking that picks ``clmerge run``'s default method (test data never enters it)."""
+    rows = []
+    for method_dir in sorted((out_root / "main" / bench).glob("*")):
+        runs = [r for r in sorted(method_dir.glob("seed*")) if r.is_dir() and (r / "metrics.json").exists()]
+        if runs:
+            v = [val_fn(r) for r in runs]
+            rows.append((method_dir.name, float(np.mean(v)), float(np.std(v)), len(v)))
+    return sorted(rows, key=lambda r: -r[1])
+
+
 def write_results(out_root: Path, path: Path, bench_order: list[str], method_order: list[str], *,
-                  smoke: bool = False) -> None:
-    """Write the Acc / AAA tables (mean ± std over seeds; CIL and TIL) with the selected learning rates."""
+                  smoke: bool = False, val_fn=None, rank_on: str | None = None) -> None:
+    """Write the Acc / AAA tables (mean ± std over seeds; CIL and TIL) with the selected learning rates, and,
+    given ``val_fn`` (run dir -> validation accuracy), the validation ranking on benchmark ``rank_on``."""
     data = collect(out_root)
     sel_file = out_root / "selected.json"
     selected = json.loads(sel_file.read_text()) if sel_file.exists() else {}
@@ -68,6 +81,14 @@ def write_results(out_root: Path, path: Path, bench_order: list[str], method_ord
             if sel.get("selected_on"):
                 lr_txt += f" ({sel['selected_on']})"
             lines.append(_row(label, data[bench][label], lr_txt))
+        lines.append("")
+    if val_fn is not None and rank_on in data:
+        lines += [f"## Validation ranking ({rank_on})", "",
+                  "Final class-incremental accuracy on the held-out validation parts (10% of each task's training",
+                  "set), mean ± std over the finished seeds. The top method is `clmerge run`'s default.", "",
+                  "| rank | method | validation CIL | seeds |", "|---|---|---|---|"]
+        for i, (label, mean, std, n) in enumerate(validation_ranking(out_root, rank_on, val_fn), 1):
+            lines.append(f"| {i} | {label} | {mean:.2f} ± {std:.2f} | {n} |")
         lines.append("")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))

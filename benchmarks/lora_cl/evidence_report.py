@@ -10,9 +10,13 @@ import numpy as np
 __all__ = ["collect", "mean_std", "validation_ranking", "write_figures", "write_results"]
 
 
-def _metrics(run: Path) -> dict | None:
-    f = run / "metrics.json"
-    return json.loads(f.read_text()) if f.exists() else None
+def _metrics(run: Path) -> dict:
+    return json.loads((run / "metrics.json").read_text())
+
+
+def _finished(method_dir: Path) -> list[Path]:
+    """The seed run directories of one method that have finished (``metrics.json`` written)."""
+    return [r for r in sorted(method_dir.glob("seed*")) if r.is_dir() and (r / "metrics.json").exists()]
 
 
 def collect(out_root: Path) -> dict[str, dict[str, list[dict]]]:
@@ -20,7 +24,7 @@ def collect(out_root: Path) -> dict[str, dict[str, list[dict]]]:
     found: dict[str, dict[str, list[dict]]] = {}
     for bench_dir in sorted((out_root / "main").glob("*")):
         for method_dir in sorted(bench_dir.glob("*")):
-            runs = [m for r in sorted(method_dir.glob("seed*")) if r.is_dir() and (m := _metrics(r))]
+            runs = [_metrics(r) for r in _finished(method_dir)]
             if runs:
                 found.setdefault(bench_dir.name, {})[method_dir.name] = runs
     return found
@@ -48,8 +52,7 @@ def validation_ranking(out_root: Path, bench: str, val_fn) -> list[tuple[str, fl
     best first: the ranking that picks ``clmerge run``'s default method (test data never enters it)."""
     rows = []
     for method_dir in sorted((out_root / "main" / bench).glob("*")):
-        runs = [r for r in sorted(method_dir.glob("seed*")) if r.is_dir() and (r / "metrics.json").exists()]
-        if runs:
+        if runs := _finished(method_dir):
             v = [val_fn(r) for r in runs]
             rows.append((method_dir.name, float(np.mean(v)), float(np.std(v)), len(v)))
     return sorted(rows, key=lambda r: -r[1])

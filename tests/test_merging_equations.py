@@ -41,13 +41,28 @@ def test_task_arithmetic_eq2_and_identity_with_average():
     close(merging.task_arithmetic(base=base, experts=ex, scaling=0.25), merging.weight_average(experts=ex))
 
 
-def ties_reference(base, ex, density, scaling):
-    """TIES on the flattened whole model (the original code's formulation)."""
+def exact_top_mask(row, density):
+    """The ``floor(density*d + 0.5)`` largest ``|row|``, ties to the lower index (plain Python sort)."""
+    d = row.numel()
+    k = math.floor(density * d + 0.5)
+    keep = sorted(range(d), key=lambda i: (-abs(float(row[i])), i))[:k]
+    mask = torch.zeros(d, dtype=torch.bool)
+    mask[keep] = True
+    return mask
+
+
+def ties_reference(base, ex, density, scaling, rule="threshold"):
+    """TIES on the flattened whole model (the original code's formulation; ``rule="exact"``: exactly
+    ``round(density*d)`` entries kept, ties broken by flat index)."""
     keys = float_keys(base)
     tv = torch.stack([flat(e, keys) - flat(base, keys) for e in ex]).float()  # (T, d)
     d = tv.shape[1]
-    kth = tv.abs().kthvalue(d - int(d * density), dim=1, keepdim=True).values if density < 1 else torch.zeros(1, 1)
-    trimmed = (tv * (tv.abs() >= kth)).double()
+    if rule == "exact":
+        trimmed = (tv * torch.stack([exact_top_mask(row, density) for row in tv])).double()
+    else:
+        kth = tv.abs().kthvalue(d - int(d * density), dim=1, keepdim=True).values if density < 1 \
+            else torch.zeros(1, 1)
+        trimmed = (tv * (tv.abs() >= kth)).double()
     sign = torch.sign(trimmed.sum(0))
     sign[sign == 0] = torch.sign(sign.sum())
     agree = torch.where(sign > 0, trimmed > 0, trimmed < 0)
@@ -61,18 +76,21 @@ def ties_reference(base, ex, density, scaling):
     return out
 
 
+@pytest.mark.parametrize("rule", ["exact", "threshold"])
 @pytest.mark.parametrize("density", [0.1, 0.2, 0.5, 1.0])
-def test_ties_matches_flattened_reference(density):
+def test_ties_matches_flattened_reference(density, rule):
     base, ex = make_models(4, seed=1)
-    close(merging.ties(base=base, experts=ex, density=density, scaling=0.8), ties_reference(base, ex, density, 0.8))
+    close(merging.ties(base=base, experts=ex, density=density, scaling=0.8, trim_rule=rule),
+          ties_reference(base, ex, density, 0.8, rule))
 
 
-def test_ties_per_tensor_scope_trims_each_tensor():
+@pytest.mark.parametrize("rule", ["exact", "threshold"])
+def test_ties_per_tensor_scope_trims_each_tensor(rule):
     base, ex = make_models(3, seed=2)
-    out = merging.ties(base=base, experts=ex, density=0.3, scaling=1.0, trim_scope="per_tensor")
+    out = merging.ties(base=base, experts=ex, density=0.3, scaling=1.0, trim_scope="per_tensor", trim_rule=rule)
     for k in float_keys(base):
-        ref = ties_reference({k: base[k]}, [{k: e[k]} for e in ex], 0.3, 1.0)
-        close(out, ref)
+        ref = ties_reference({k: base[k]}, [{k: e[k]} for e in ex], 0.3, 1.0, rule)
+        close({k: out[k]}, ref)
 
 
 def test_dare_drop_zero_is_task_arithmetic_and_masks_follow_equation():

@@ -86,7 +86,8 @@ def assert_same(ours, ref, atol=1e-5):
 @pytest.mark.parametrize("merge_fn", ["mean", "sum", "max"])
 def test_ties_matches_fusionbench_on_random_models(density, merge_fn):
     base, ex = make_models(5, seed=3)
-    ours = merging.ties(base=base, experts=ex, density=density, scaling=0.7, merge_fn=merge_fn)
+    ours = merging.ties(base=base, experts=ex, density=density, scaling=0.7, merge_fn=merge_fn,
+                        trim_rule="threshold")
     assert_same(ours, fb_ties(base, ex, density, 0.7, merge_fn))
 
 
@@ -108,7 +109,7 @@ def _tie_models(majority: float):
 def test_ties_zero_sign_uses_the_global_majority(majority):
     base, ex = _tie_models(majority)
     ref = fb_ties(base, ex, density=0.95)  # k = 1: every entry kept (zeros included)
-    ours = merging.ties(base=base, experts=ex, density=0.95)
+    ours = merging.ties(base=base, experts=ex, density=0.95, trim_rule="threshold")
     assert_same(ours, ref, atol=0)
     # the cancelling entries take the mean of the side the global majority picks (negatives when it is 0)
     expect = 0.5 if majority > 0 else -0.5
@@ -122,7 +123,7 @@ def test_tensor_level_majority_differs_from_the_global_one():
     tvs = torch.stack([e["a.w"] - base["a.w"] for e in ex])
     own = ties_tensor(tvs, torch.zeros(2))
     assert float(own[0, 0]) == 0.5
-    assert float(merging.ties(base=base, experts=ex, density=0.95)["a.w"][0, 0]) == -0.5
+    assert float(merging.ties(base=base, experts=ex, density=0.95, trim_rule="threshold")["a.w"][0, 0]) == -0.5
 
 
 def test_task_arithmetic_and_average_match_fusionbench():
@@ -152,7 +153,7 @@ def test_streamed_thresholds_are_exact(spike):
             mags = torch.cat([(e[k] - base[k]).reshape(-1).abs() for k in base])
             d = mags.numel()
             assert float(thr[t]) == float(mags.kthvalue(d - int(d * density)).values)
-    assert_same(merging.ties(base=base, experts=ex, density=0.2), fb_ties(base, ex, 0.2))
+    assert_same(merging.ties(base=base, experts=ex, density=0.2, trim_rule="threshold"), fb_ties(base, ex, 0.2))
 
 
 def test_streamed_thresholds_exact_when_bracket_buffers_overflow(monkeypatch):
@@ -172,7 +173,7 @@ def test_streamed_thresholds_exact_when_bracket_buffers_overflow(monkeypatch):
             d = mags.numel()
             assert float(thr[t]) == float(mags.kthvalue(d - int(d * density)).values)
     assert calls
-    assert_same(merging.ties(base=base, experts=ex, density=0.2), fb_ties(base, ex, 0.2))
+    assert_same(merging.ties(base=base, experts=ex, density=0.2, trim_rule="threshold"), fb_ties(base, ex, 0.2))
 
 
 def test_kth_smallest_matches_kthvalue_with_duplicates_and_skew():

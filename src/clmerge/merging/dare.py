@@ -33,8 +33,11 @@ def _generator(seed: int, key: str, t: int) -> torch.Generator:
 @register_merge("dare", "randomly drop task-vector entries and rescale the rest, then task arithmetic or TIES")
 def dare(*, base: Any, experts: Sequence[Any], drop_rate: float = 0.5, rescale: bool = True, seed: int = 0,
          combine: str = "task_arithmetic", scaling: float = 0.3, density: float = 1.0,
-         trim_scope: str = "global") -> dict[str, Tensor]:
+         trim_scope: str = "global", trim_rule: str = "exact") -> dict[str, Tensor]:
     """DARE: ``tau~_t = m_t * tau_t / (1 - p)``, ``m_t ~ Bernoulli(1 - p)`` elementwise, then ``combine``.
+
+    The drop is a random Bernoulli mask as in the paper (and mergekit): the number of dropped entries is
+    ``p * n`` only on average, not exactly. ``density`` / ``trim_rule`` govern only TIES's magnitude trim.
 
     Args:
         drop_rate: ``p``, the fraction of entries dropped.
@@ -42,7 +45,8 @@ def dare(*, base: Any, experts: Sequence[Any], drop_rate: float = 0.5, rescale: 
         seed: the random masks depend only on (seed, key, expert index).
         combine: ``"task_arithmetic"`` (``theta_0 + lambda sum_t tau~_t``) or ``"ties"``.
         scaling: ``lambda``.
-        density, trim_scope: TIES's trim when ``combine="ties"`` (``density=1``: sign election only).
+        density, trim_scope, trim_rule: TIES's trim when ``combine="ties"`` (``density=1``: sign election
+            only); see ``ties``.
     """
     if not 0.0 <= drop_rate < 1.0:
         raise ValueError(f"drop_rate must be in [0, 1), got {drop_rate}")
@@ -65,5 +69,5 @@ def dare(*, base: Any, experts: Sequence[Any], drop_rate: float = 0.5, rescale: 
         return map_keys(models, kernel, needs_base=True)
     if combine == "ties":
         return ties_from_task_vectors(models, dropped, density=density, scaling=scaling,
-                                      trim_scope=trim_scope, merge_fn="mean")
+                                      trim_scope=trim_scope, merge_fn="mean", trim_rule=trim_rule)
     raise ValueError(f"combine must be 'task_arithmetic' or 'ties', got {combine!r}")

@@ -3,7 +3,9 @@
 ``density`` is the fraction of each task vector kept by magnitude over the **whole** task vector, as in the
 original TIES code (``trim_scope="global"``). The global threshold of expert ``t`` is found from that expert's
 magnitudes alone (one model's worth of numbers at a time), never from an N x d stack of all experts; the merge
-itself then runs key by key. ``trim_scope="per_tensor"`` trims each tensor separately (no global pass).
+itself then runs key by key. ``trim_scope="per_tensor"`` trims each tensor separately (no global pass), as
+mergekit does. ``trim_rule`` picks how many entries survive: exactly ``round(density * n)`` (``"exact"``, the
+default) or every ``|tau| >= thr`` (``"threshold"``, the TIES / FusionBench code); see :mod:`.trim`.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from torch import Tensor
 from .driver import CHUNK, bshape, map_keys
 from .registry import register_merge
 from .sources import ModelSet, open_models
+from .trim import TIE_ALL, add_ties, allocate_tie_quotas, check_trim_rule, keep_count, tensor_trim_spec
 
-__all__ = ["ties", "ties_tensor", "global_magnitude_thresholds", "magnitude_threshold", "kth_smallest",
-           "TaskVectorFn"]
+__all__ = ["ties", "ties_tensor", "global_magnitude_thresholds", "global_trim", "magnitude_threshold",
+           "kth_smallest", "TaskVectorFn"]
 
 # (key, base, experts, expert indices) -> task vectors of those experts for that key, shape (len, *shape)
 TaskVectorFn = Callable[[str, Tensor, list[Tensor], list[int]], Tensor]
@@ -68,41 +71,65 @@ def magnitude_threshold(magnitudes: Tensor, density: float) -> Tensor:
 
 
 def global_magnitude_thresholds(models: ModelSet, density: float, tv_fn: TaskVectorFn) -> Tensor:
-    """Per-expert global trim thresholds, shape ``(T,)`` (the global-top-k pass of TIES), never from an
-    ``N x d`` stack of all experts.
+    """Per-expert global trim thresholds of the threshold rule (keep ``|tau| >= thr``), shape ``(T,)``: the
+    ``(d - floor(density*d))``-th smallest magnitude of each whole task vector. See :func:`global_trim`."""
+    return global_trim(models, density, tv_fn, "threshold")[0]
+
+
+def global_trim(models: ModelSet, density: float, tv_fn: TaskVectorFn,
+                trim_rule: str = "exact") -> tuple[Tensor, dict[str, list[int]] | None]:
+    """The global-top-k pass of TIES: per-expert thresholds ``(T,)`` and, for ``trim_rule="exact"``, the
+    per-key tie quotas (see :mod:`.trim`: keep ``|tau| > v_t`` plus ``quotas[key][t]`` entries equal to
+    ``v_t``, in flat order; ``None``: keep ``|tau| >= v_t``). Never from an ``N x d`` stack of all experts.
 
     Plain task vectors (TIES): :func:`_streamed_thresholds`, one read of the models. Other transforms (DARE):
     expert by expert, the magnitudes of its whole task vector go into one flat float32 buffer (peak extra
     memory: one model) and the threshold is read off with :func:`kth_smallest`.
     """
+    check_trim_rule(trim_rule)
     keys = [k for k in models.keys() if models.is_float(k)]
+    num = models.num_experts
     total = sum(int(torch.Size(models.meta(k)[0]).numel()) for k in keys)
-    k = total - int(total * density)
-    if density >= 1.0 or k <= 0:
-        return torch.zeros(models.num_experts, dtype=torch.float32)
-    out = _streamed_thresholds(models, keys, total, k) if tv_fn is plain_task_vectors else \
-        torch.full((models.num_experts,), math.nan)
+    kept = keep_count(density, total) if trim_rule == "exact" else int(total * density)
+    if density >= 1.0 or kept >= total:
+        return torch.zeros(num, dtype=torch.float32), None
+    if trim_rule == "exact" and kept == 0:
+        return torch.full((num,), math.inf), {key: [0] * num for key in keys}
+    # the k-th smallest: exact rule, the kept-th largest; threshold rule, as the TIES code
+    k = total - kept + (1 if trim_rule == "exact" else 0)
+    want_ties = trim_rule == "exact"
+    out, above, ties = _streamed_thresholds(models, keys, total, k, want_ties) if tv_fn is plain_task_vectors \
+        else (torch.full((num,), math.nan), [0] * num, [[] for _ in range(num)])
     buf = None
-    for t in range(models.num_experts):
+    for t in range(num):
         if not math.isnan(float(out[t])):
             continue
         buf = torch.empty(total, dtype=torch.float32) if buf is None else buf
-        pos = 0
+        pos, bounds = 0, [0]
         for key in keys:
             base = models.base.get(key)
             buf[pos:pos + base.numel()] = tv_fn(key, base, [models.experts[t].get(key)], [t])[0].reshape(-1)
             pos += base.numel()
+            bounds.append(pos)
         out[t] = kth_smallest(buf.abs_(), k)
-    return out
+        if want_ties:
+            above[t] = int((buf > out[t]).sum())
+            ties[t] = [int((buf[i:j] == out[t]).sum()) for i, j in zip(bounds[:-1], bounds[1:])]
+    if not want_ties:
+        return out, None
+    return out, allocate_tie_quotas(keys, ties, [kept - a for a in above])
 
 
-def _streamed_thresholds(models: ModelSet, keys: list[str], total: int, k: int,
-                         sample: int = 1 << 18, chunk: int = 1 << 15) -> Tensor:
+def _streamed_thresholds(models: ModelSet, keys: list[str], total: int, k: int, want_ties: bool = False,
+                         sample: int = 1 << 18, chunk: int = 1 << 15) -> tuple[Tensor, list[int], list[list[int]]]:
     """Exact k-th smallest ``|theta_t - theta_0|`` of every expert from one streamed read of the models.
 
     A strided sample brackets each expert's answer; one pass over all keys (in cache-sized slices) counts the
     magnitudes below the bracket and keeps the few inside it; ``kthvalue`` on those gives the exact value.
     Experts whose bracket misses the answer get NaN (the caller falls back to the exact full selection).
+
+    Returns ``(thresholds, above, ties)``; with ``want_ties``, ``above[t]`` counts the magnitudes ``> thr_t``
+    and ``ties[t][i]`` those ``== thr_t`` in key ``i`` (the bracket holds them all, in key order).
     """
     num, step = models.num_experts, max(1, total // sample)
     parts: list[list[Tensor]] = [[] for _ in range(num)]
@@ -128,9 +155,12 @@ def _streamed_thresholds(models: ModelSet, keys: list[str], total: int, k: int,
     # work buffers allocated once: per-slice temporaries would churn (and grow) the malloc heap
     mag_buf, lt_buf, keep_buf = torch.empty(num, chunk), torch.empty(num, chunk, dtype=torch.bool), \
         torch.empty(num, chunk, dtype=torch.bool)
+    starts: list[list[int]] = [[] for _ in range(num)]  # where each key's bracket entries begin
     for key in keys:
         b = models.base.get(key).reshape(-1).float()
         xs = [src.get(key).reshape(-1) for src in models.experts]
+        for t in range(num):
+            starts[t].append(fill[t])
         for i in range(0, b.numel(), chunk):
             n = min(chunk, b.numel() - i)
             mag, lt, keep = mag_buf[:, :n], lt_buf[:, :n], keep_buf[:, :n]
@@ -148,12 +178,16 @@ def _streamed_thresholds(models: ModelSet, keys: list[str], total: int, k: int,
                         inside[t] = _grown(inside[t], fill[t], fill[t] + c)
                     torch.masked_select(mag[t], keep[t], out=inside[t][fill[t]:fill[t] + c])
                     fill[t] += c
-    out = torch.full((num,), math.nan)
+    out, above, ties = torch.full((num,), math.nan), [0] * num, [[] for _ in range(num)]
     for t in range(num):
         vals = inside[t][:fill[t]]
         if int(below[t]) < k <= int(below[t]) + vals.numel():
             out[t] = vals.kthvalue(k - int(below[t])).values
-    return out
+            if want_ties:
+                above[t] = total - int(below[t]) - int((vals <= out[t]).sum())
+                ends = starts[t][1:] + [fill[t]]
+                ties[t] = [int((vals[i:j] == out[t]).sum()) for i, j in zip(starts[t], ends)]
+    return out, above, ties
 
 
 def _grown(buf: Tensor, used: int, need: int) -> Tensor:
@@ -163,18 +197,23 @@ def _grown(buf: Tensor, used: int, need: int) -> Tensor:
     return new
 
 
-def trim(tvs: Tensor, thresholds: Tensor) -> Tensor:
-    """``tau_hat_t``: entries of ``tvs[t]`` with ``|tau| >= thresholds[t]``, the rest set to 0.
+def trim(tvs: Tensor, thresholds: Tensor, quotas: list[int] | None = None) -> Tensor:
+    """``tau_hat_t``: entries of ``tvs[t]`` with ``|tau| >= thresholds[t]``, the rest set to 0; with
+    ``quotas``, ``|tau| > thresholds[t]`` plus the first ``quotas[t]`` equal ones (``TIE_ALL``: all).
 
     ``hardshrink`` (keeps ``|x| > lambda``) at the largest float below the threshold: the same set as
     ``|x| >= threshold``, without a boolean mask.
     """
+    if quotas is not None and any(q != TIE_ALL for q in quotas):
+        mags = tvs.abs()
+        thr = thresholds.to(tvs.dtype)
+        return torch.stack([v * add_ties(m > th, m, th, q) for v, m, th, q in zip(tvs, mags, thr, quotas)])
     below = torch.nextafter(thresholds.to(tvs.dtype), tvs.new_tensor(-math.inf))
     return torch.stack([torch.nn.functional.hardshrink(v, float(lam)) for v, lam in zip(tvs, below)])
 
 
 def ties_tensor(tvs: Tensor, thresholds: Tensor, *, merge_fn: str = "mean",
-                zero_sign: Tensor | float | None = None) -> Tensor:
+                zero_sign: Tensor | float | None = None, quotas: list[int] | None = None) -> Tensor:
     """TIES on one key: trim at ``thresholds``, elect the sign, merge the agreeing entries.
 
     Args:
@@ -184,16 +223,17 @@ def ties_tensor(tvs: Tensor, thresholds: Tensor, *, merge_fn: str = "mean",
         zero_sign: the sign given to entries whose trimmed sum is exactly 0; ``None``: the majority sign of
             this tensor. The reference code uses the majority over the whole flattened model, which
             :func:`ties` passes in.
+        quotas: exact trim (see :func:`trim`); ``None``: keep ``|tau| >= threshold``.
 
     Returns:
         The merged task vector ``tau_m``: ``gamma = sgn(sum_t tau_hat_t)``, then the mean over
         ``{t : sgn(tau_hat_t) = gamma}``.
     """
-    return _ties_core(tvs, thresholds, merge_fn, zero_sign)[0]
+    return _ties_core(tvs, thresholds, merge_fn, zero_sign, quotas)[0]
 
 
-def _ties_core(tvs: Tensor, thresholds: Tensor, merge_fn: str,
-               zero_sign: Tensor | float | None) -> tuple[Tensor, float, bool]:
+def _ties_core(tvs: Tensor, thresholds: Tensor, merge_fn: str, zero_sign: Tensor | float | None,
+               quotas: list[int] | None = None) -> tuple[Tensor, float, bool]:
     """:func:`ties_tensor` plus the statistics of the election: ``(tau_m, sum of the elected signs before
     zeros are resolved, whether an entry has a zero trimmed sum but nonzero trimmed values)``.
 
@@ -202,7 +242,7 @@ def _ties_core(tvs: Tensor, thresholds: Tensor, merge_fn: str,
     """
     if merge_fn not in ("mean", "sum", "max"):
         raise ValueError(f"merge_fn must be 'mean', 'sum' or 'max', got {merge_fn!r}")
-    trimmed = trim(tvs, thresholds)
+    trimmed = trim(tvs, thresholds, quotas)
     total = trimmed.sum(0)
     sign = torch.sign(total)
     sign_sum = float(sign.sum())
@@ -233,14 +273,20 @@ class _Work:
         self.zero, self.flag = torch.empty(chunk, dtype=torch.bool), torch.empty(chunk, dtype=torch.bool)
 
 
-def _ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, scaling: float, merge_fn: str,
-                       zero_sign: float, w: _Work, out: Tensor | None = None) -> tuple[Tensor, float, bool]:
+def _ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int], scaling: float,
+                       merge_fn: str, zero_sign: float, w: _Work,
+                       out: Tensor | None = None) -> tuple[Tensor, float, bool]:
     """:func:`_ties_core` on one key of plain task vectors, slice by slice in the buffers ``w`` (same
     arithmetic in float32); returns ``(theta_0 + scaling * tau_m, sign sum, ambiguous)``, written into
-    ``out`` (contiguous, the inputs' shape and dtype) when given."""
+    ``out`` (contiguous, the inputs' shape and dtype) when given. ``quotas`` as in :func:`trim`."""
     out = torch.empty(b.shape, dtype=xs[0].dtype) if out is None else out
-    fb, fo, fx = b.reshape(-1), out.view(-1), [x.reshape(-1) for x in xs]
-    thr_c = thr.to(torch.float32)[:, None]
+    # float32 base: bf16 - bf16 into a float32 buffer would round the difference to bf16 first
+    fb, fo, fx = b.reshape(-1).float(), out.view(-1), [x.reshape(-1) for x in xs]
+    thr32 = thr.to(torch.float32)
+    # ">= v" keeps all ties; ">= next float above v" is "> v" (ties added below, up to the quota)
+    up = torch.nextafter(thr32, thr32.new_tensor(math.inf))
+    thr_c = torch.where(torch.tensor([q == TIE_ALL for q in quotas]), thr32, up)[:, None]
+    remaining = [q if q != TIE_ALL else 0 for q in quotas]
     pick_zero = zero_sign if zero_sign != 0 else -1.0  # a zero majority selects the negative entries
     sign_sum, ambiguous, chunk = 0.0, False, w.tv.shape[1]
     for i in range(0, fb.numel(), chunk):
@@ -251,6 +297,10 @@ def _ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, scaling: float,
         for t, x in enumerate(fx):
             torch.sub(x[i:i + n], fb[i:i + n], out=tv[t])
         torch.ge(torch.abs(tv, out=tmp), thr_c, out=mask)
+        for t, rem in enumerate(remaining):
+            if rem > 0:  # the one key (per expert) where the quota of threshold-equal entries runs out
+                mask[t] = add_ties(mask[t], tmp[t], thr32[t], rem)
+                remaining[t] = max(0, rem - int((tmp[t] == thr32[t]).sum()))
         tv.mul_(mask)  # trimmed
         torch.sign(torch.sum(tv, 0, out=total), out=sign)
         sign_sum += float(sign.sum())
@@ -270,29 +320,40 @@ def _ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, scaling: float,
     return out, sign_sum, ambiguous
 
 
+def _trim_fns(models: ModelSet, tv_fn: TaskVectorFn, density: float, trim_scope: str, trim_rule: str):
+    """``(global thresholds or None, global quotas or None, per-key spec fn)`` for the TIES pipeline."""
+    if trim_scope == "global":
+        glob, gq = global_trim(models, density, tv_fn, trim_rule)
+        num = models.num_experts
+        return glob, gq, lambda key, tvs: (glob, None if gq is None else gq.get(key, [TIE_ALL] * num))
+    if trim_rule == "exact":
+        return None, None, lambda key, tvs: tensor_trim_spec(tvs.abs(), density)
+    return None, None, lambda key, tvs: (torch.stack([magnitude_threshold(v.abs(), density) for v in tvs]), None)
+
+
 def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: float, scaling: float,
-                           trim_scope: str, merge_fn: str) -> dict[str, Tensor]:
+                           trim_scope: str, merge_fn: str, trim_rule: str = "exact") -> dict[str, Tensor]:
     """The TIES pipeline over any task-vector transform (plain for TIES, dropped-and-rescaled for DARE).
 
     Zero elected signs are resolved as the reference code does (the majority sign over the whole model): keys
     are merged with sign +1 first, and the few keys where the choice matters are merged again once the
-    majority is known (a second read of those keys only).
+    majority is known (a second read of those keys only). The exact trim's tie quotas are fixed per key
+    before the merge, so the second read keeps the same entries.
     """
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density}")
     if trim_scope not in ("global", "per_tensor"):
         raise ValueError(f"trim_scope must be 'global' or 'per_tensor', got {trim_scope!r}")
+    check_trim_rule(trim_rule)
     if models.base is None:
         raise ValueError("TIES needs base= (the pretrained parameters)")
-    glob = global_magnitude_thresholds(models, density, tv_fn) if trim_scope == "global" else None
+    glob, gq, spec = _trim_fns(models, tv_fn, density, trim_scope, trim_rule)
     total, ambiguous = [0.0], []
-
-    def thresholds(tvs: Tensor) -> Tensor:
-        return glob if glob is not None else torch.stack([magnitude_threshold(v.abs(), density) for v in tvs])
 
     def merged(key: str, b: Tensor, xs: list[Tensor], zero_sign: float, into: Tensor | None = None) -> Tensor:
         tvs = tv_fn(key, b, xs, list(range(len(xs))))
-        tau, sign_sum, amb = _ties_core(tvs, thresholds(tvs), merge_fn, zero_sign)
+        thr, quotas = spec(key, tvs)
+        tau, sign_sum, amb = _ties_core(tvs, thr, merge_fn, zero_sign, quotas)
         if zero_sign > 0:  # first pass: collect the statistics of the sign election
             total[0] += sign_sum
             if amb:
@@ -303,10 +364,12 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
     if glob is not None and tv_fn is plain_task_vectors and merge_fn in ("mean", "sum", "max"):
         # elementwise once the thresholds are global: cache-sized slices in preallocated buffers
         work = _Work(models.num_experts, CHUNK)
+        all_ties = [TIE_ALL] * models.num_experts
 
         def merged(key: str, b: Tensor, xs: list[Tensor], zero_sign: float,  # noqa: F811
                    into: Tensor | None = None) -> Tensor:
-            res, sign_sum, amb = _ties_key_streamed(b, xs, glob, scaling, merge_fn, zero_sign, work, into)
+            quotas = all_ties if gq is None else gq[key]
+            res, sign_sum, amb = _ties_key_streamed(b, xs, glob, quotas, scaling, merge_fn, zero_sign, work, into)
             if zero_sign > 0:
                 total[0] += sign_sum
                 if amb:
@@ -326,7 +389,7 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
 
 @register_merge("ties", "trim small task-vector entries, elect a sign per entry, average the agreeing ones")
 def ties(*, base: Any, experts: Sequence[Any], density: float = 0.2, scaling: float = 1.0,
-         trim_scope: str = "global", merge_fn: str = "mean") -> dict[str, Tensor]:
+         trim_scope: str = "global", merge_fn: str = "mean", trim_rule: str = "exact") -> dict[str, Tensor]:
     """TIES-merging, Yadav et al. 2023, Eq. / Alg. 1: ``theta_0 + lambda * tau_m``.
 
     1. trim: ``tau_hat_t`` keeps the top-``density`` magnitudes of ``tau_t`` (others set to 0);
@@ -336,9 +399,12 @@ def ties(*, base: Any, experts: Sequence[Any], density: float = 0.2, scaling: fl
     Args:
         density: fraction of each task vector kept (paper's ``k``: 20%).
         scaling: ``lambda`` (paper: 1.0 works well; select on validation).
-        trim_scope: ``"global"`` (whole task vector, the paper and its code) or ``"per_tensor"``.
+        trim_scope: ``"global"`` (top-k over the whole task vector: the TIES paper and FusionBench) or
+            ``"per_tensor"`` (top-k within each tensor: mergekit).
         merge_fn: ``"mean"`` (paper), ``"sum"`` or ``"max"``.
+        trim_rule: ``"exact"`` (keep exactly ``round(density*n)`` entries, ties broken by key order then flat
+            index) or ``"threshold"`` (keep ``|tau| >= thr``, the TIES / FusionBench code); see ``merging.trim``.
     """
     models = open_models(base, experts)
     return ties_from_task_vectors(models, plain_task_vectors, density=density, scaling=scaling,
-                                  trim_scope=trim_scope, merge_fn=merge_fn)
+                                  trim_scope=trim_scope, merge_fn=merge_fn, trim_rule=trim_rule)

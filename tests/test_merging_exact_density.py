@@ -1,0 +1,143 @@
+"""Exact density: a magnitude trim keeps exactly ``round(density * n)`` entries, ties broken by key order then
+flat index, for TIES (global and per-tensor), DARE+TIES and Breadcrumbs; the old threshold rule stays selectable."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from clmerge import merging
+from clmerge.merging.sources import ModelSet
+from clmerge.merging.ties import global_trim, plain_task_vectors
+from clmerge.merging.trim import TIE_ALL, add_ties, keep_count, top_magnitude_mask
+
+SHAPES = {"a.weight": (40, 30), "a.bias": (30,), "b.weight": (17, 13), "c.scale": (5,)}
+
+
+def tie_heavy(n_experts: int, seed: int, dtype=torch.bfloat16, shapes=SHAPES):
+    """A zero base and experts whose entries are ``j/64``, ``j`` in ``{-4..4} \\ {0}``: thousands of exact ties,
+    no zero delta (so a kept entry is always visible in the output), every value exact in bf16."""
+    g = torch.Generator().manual_seed(seed)
+    base = {k: torch.zeros(s, dtype=dtype) for k, s in shapes.items()}
+    ex = []
+    for _ in range(n_experts):
+        e = {}
+        for k, s in shapes.items():
+            j = torch.randint(1, 5, s, generator=g) * (2 * torch.randint(0, 2, s, generator=g) - 1)
+            e[k] = (j.float() / 64).to(dtype)
+        ex.append(e)
+    return base, ex
+
+
+def reference_mask(values: torch.Tensor, density: float) -> torch.Tensor:
+    """Transcription of the rule: sort by (-|x|, position), keep the first ``floor(density*n + 0.5)``."""
+    n = values.numel()
+    k = math.floor(density * n + 0.5)
+    order = sorted(range(n), key=lambda i: (-abs(float(values[i])), i))[:k]
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[order] = True
+    return mask
+
+
+def cat(sd):
+    return torch.cat([sd[k].reshape(-1).float() for k in SHAPES])
+
+
+@pytest.mark.parametrize("density", [0.1, 0.2, 0.35, 0.5])
+def test_global_exact_density_keeps_round_density_n_on_bf16_ties(density):
+    base, ex = tie_heavy(1, seed=0)
+    out = merging.ties(base=base, experts=ex, density=density, scaling=1.0)  # one expert: tau_m = trimmed tau
+    kept = cat(out) != 0
+    total = kept.numel()
+    assert int(kept.sum()) == math.floor(density * total + 0.5)
+    assert torch.equal(kept, reference_mask(cat(ex[0]), density))  # key order, then flat index
+    old = cat(merging.ties(base=base, experts=ex, density=density, scaling=1.0, trim_rule="threshold")) != 0
+    mags = cat(ex[0]).abs()
+    thr = mags.kthvalue(total - int(density * total)).values
+    assert int(old.sum()) == int((mags >= thr).sum())  # the threshold rule keeps every tie at the threshold
+    if density < 0.5:
+        assert int(old.sum()) > int(kept.sum()) + 50
+
+
+@pytest.mark.parametrize("density", [0.1, 0.2, 0.35])
+def test_per_tensor_exact_density_keeps_round_density_n_per_key(density):
+    base, ex = tie_heavy(1, seed=1)
+    out = merging.ties(base=base, experts=ex, density=density, scaling=1.0, trim_scope="per_tensor")
+    for k in SHAPES:
+        kept = out[k].reshape(-1) != 0
+        assert int(kept.sum()) == math.floor(density * kept.numel() + 0.5), k
+        assert torch.equal(kept, reference_mask(ex[0][k].reshape(-1).float(), density)), k
+
+
+@pytest.mark.parametrize("scope", ["global", "per_tensor"])
+def test_exact_trim_is_deterministic_and_independent_of_the_other_experts(scope):
+    base, ex = tie_heavy(3, seed=2)
+    first = merging.ties(base=base, experts=ex, density=0.2, trim_scope=scope, merge_fn="sum")
+    again = merging.ties(base=base, experts=ex, density=0.2, trim_scope=scope, merge_fn="sum")
+    for k in SHAPES:
+        assert torch.equal(first[k], again[k])
+    # expert 0's trim alone equals its trim inside the 3-expert merge: masks of a 3-expert merge via global_trim
+    if scope == "global":
+        thr, quotas = global_trim(ModelSet(base, ex), 0.2, plain_task_vectors)
+        for t, e in enumerate(ex):
+            masks = [add_ties(e[k].float().abs() > thr[t], e[k].float().abs(), thr[t], quotas[k][t]) for k in SHAPES]
+            kept = torch.cat([m.reshape(-1) for m in masks])
+            assert torch.equal(kept, reference_mask(cat(e), 0.2)), t
+
+
+@pytest.mark.parametrize("density", [0.05, 0.2, 0.5])
+def test_global_exact_quotas_on_a_model_larger_than_the_sample(density):
+    """Above the sampling size the threshold comes from the streamed bracket pass; the tie quotas it hands to
+    the keys still give exactly ``round(density * n)`` entries, the first ties in key order."""
+    shapes = {"m.weight": (600, 500), "m.bias": (500,), "n.weight": (300, 7)}
+    base, ex = tie_heavy(2, seed=3, dtype=torch.float32, shapes=shapes)
+    thr, quotas = global_trim(ModelSet(base, ex), density, plain_task_vectors)
+    for t, e in enumerate(ex):
+        mags = torch.cat([e[k].reshape(-1).abs() for k in shapes])
+        k_keep = math.floor(density * mags.numel() + 0.5)
+        want = torch.zeros(mags.numel(), dtype=torch.bool)
+        want[torch.sort(-mags, stable=True).indices[:k_keep]] = True  # stable: ties keep their position order
+        got = torch.cat([add_ties(e[k].abs() > thr[t], e[k].abs(), thr[t], quotas[k][t]).reshape(-1)
+                         for k in shapes])
+        assert int(got.sum()) == k_keep
+        assert torch.equal(got, want)
+        assert sum(q > 0 for q in (quotas[k][t] for k in shapes)) <= 1  # one partly kept key at most
+
+
+def test_streamed_and_buffered_global_passes_agree():
+    """DARE with no drop goes through the buffered (one-model) threshold pass; TIES through the streamed
+    one: the same exact trim, hence the same merge."""
+    base, ex = tie_heavy(3, seed=4, dtype=torch.float32)
+    for density in (0.1, 0.3):
+        a = merging.ties(base=base, experts=ex, density=density, scaling=1.0)
+        b = merging.dare(base=base, experts=ex, drop_rate=0.0, combine="ties", density=density, scaling=1.0)
+        for k in SHAPES:
+            torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
+
+
+def test_tall_mask_ties_uses_the_exact_trim():
+    base, ex = tie_heavy(2, seed=5, dtype=torch.float32)
+    for scope in ("global", "per_tensor"):
+        t = merging.ties(base=base, experts=ex, density=0.3, scaling=1.0, trim_scope=scope)
+        m = merging.tall_mask_ties(base=base, experts=ex, task=0, density=0.3, scaling=1.0, tall_lambda=0.0,
+                                   trim_scope=scope)  # lambda 0: the mask keeps every nonzero tau_0 entry
+        for k in SHAPES:
+            keep = ex[0][k] != 0
+            torch.testing.assert_close(m[k].float(), torch.where(keep, t[k], base[k]).float(), msg=k)
+
+
+def test_keep_count_and_top_mask_edges():
+    assert [keep_count(d, 10) for d in (0.0, 0.04, 0.05, 0.25, 0.35, 1.0)] == [0, 0, 1, 3, 4, 10]
+    assert keep_count(0.2, 8) == 2  # mergekit's int(0.2 * 8) would keep 1
+    x = torch.tensor([1.0, 3.0, 1.0, 3.0, 2.0, 1.0])
+    assert top_magnitude_mask(x, 3).tolist() == [False, True, False, True, True, False]
+    assert top_magnitude_mask(x, 4).tolist() == [True, True, False, True, True, False]
+    assert not top_magnitude_mask(x, 0).any() and top_magnitude_mask(x, 6).all()
+
+
+def test_bad_trim_rule_is_one_line_error():
+    base, ex = tie_heavy(2, seed=6)
+    with pytest.raises(ValueError, match="trim_rule must be 'exact' or 'threshold', got 'topk'"):
+        merging.ties(base=base, experts=ex, trim_rule="topk")

@@ -1,0 +1,78 @@
+"""DELLA-Merging (Deep et al. 2024, "DELLA-Merging: Reducing Interference in Model Merging through
+Magnitude-Based Sampling"): MAGPRUNE drop-and-rescale, then TIES's sign election and disjoint mean."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .dare import _generator
+from .registry import register_merge
+from .sources import open_models
+from .ties import ties_from_task_vectors
+
+__all__ = ["della", "magprune_tensor", "magprune_drop_probabilities"]
+
+
+def magprune_drop_probabilities(tv: Tensor, density: float, epsilon: float) -> Tensor:
+    """MAGPRUNE's drop probabilities (DELLA Sec. 3.1), row by row, shape of ``tv``.
+
+    A row is ``tv[i]`` flattened for a tensor of 2+ dims (one output unit), the whole tensor for a 1-D one.
+    In a row of ``n`` entries, ``r_i`` is the rank of ``|tau_i|`` in descending order (0 = largest; ties to the
+    lower index) and ``p_i = p_min + epsilon * r_i / n`` with ``p_min = (1 - density) - epsilon (n - 1) / (2n)``,
+    so the mean drop probability is ``1 - density`` and larger magnitudes are dropped less often.
+    """
+    rows = tv.reshape(1, -1) if tv.dim() < 2 else tv.reshape(tv.shape[0], -1)
+    n = rows.shape[1]
+    order = torch.sort(rows.abs(), dim=1, descending=True, stable=True).indices
+    ranks = torch.empty_like(order)
+    ranks.scatter_(1, order, torch.arange(n).expand_as(order))
+    p_min = (1.0 - density) - epsilon * (n - 1) / (2 * n)
+    return (p_min + epsilon * ranks.double() / n).reshape(tv.shape)
+
+
+def magprune_tensor(tv: Tensor, density: float, epsilon: float, *, generator: torch.Generator) -> Tensor:
+    """MAGPRUNE on one tensor: keep ``tau_i`` with probability ``1 - p_i``, rescale kept entries by
+    ``1 / (1 - p_i)`` (DELLA Eq. for the rescale; ``E[result] = tau``). Uniform draws as in ``dare_tensor``, so
+    ``epsilon = 0`` reproduces DARE with ``drop_rate = 1 - density`` exactly."""
+    # compared in float32, as DARE compares its draws with a float32 drop rate
+    p = magprune_drop_probabilities(tv, density, epsilon).to(torch.float32)
+    keep = torch.rand(tv.shape, generator=generator) >= p
+    return (tv * keep / (1.0 - p)).to(tv.dtype)
+
+
+@register_merge("della", "MAGPRUNE (drop small task-vector entries more often, rescale), then TIES's sign "
+                "election and disjoint mean")
+def della(*, base: Any, experts: Sequence[Any], density: float = 0.5, epsilon: float = 0.2, scaling: float = 1.0,
+          seed: int = 0) -> dict[str, Tensor]:
+    """DELLA-Merging, Deep et al. 2024: Drop (MAGPRUNE, :func:`magprune_drop_probabilities`), Elect
+    (``gamma = sgn(sum_t tau~_t)``), Fuse (mean of the entries that agree with ``gamma``), then
+    ``theta_0 + lambda * tau_m``.
+
+    mergekit's ``della`` gives keep probabilities in ``[density - epsilon, density + epsilon]`` (a window of
+    ``2 epsilon``, ranks scaled by ``n - 1``); the paper's ``epsilon``, used here, is the whole window width, so
+    mergekit's ``epsilon = e`` is about ``epsilon = 2e`` here.
+
+    Args:
+        density: mean fraction kept, ``1 - p`` (p: the mean drop probability).
+        epsilon: width of the window of drop probabilities around ``1 - density`` (0: DARE's uniform drop);
+            needs ``epsilon / 2 <= density`` and ``epsilon / 2 <= 1 - density``.
+        scaling: ``lambda`` applied to the merged task vector.
+        seed: the random masks depend only on (seed, key, expert index), as DARE's.
+    """
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density}")
+    if epsilon < 0.0 or epsilon / 2 > min(density, 1.0 - density):
+        raise ValueError(f"epsilon must be in [0, 2 * min(density, 1 - density)] = "
+                         f"[0, {2 * min(density, 1.0 - density)}], got {epsilon}")
+    models = open_models(base, experts)
+
+    def pruned(key: str, b: Tensor, xs: list[Tensor], idx: list[int]) -> Tensor:
+        return torch.stack([magprune_tensor(x.float() - b.float(), density, epsilon,
+                                            generator=_generator(seed, key, t)) for x, t in zip(xs, idx)])
+
+    return ties_from_task_vectors(models, pruned, density=1.0, scaling=scaling, trim_scope="per_tensor",
+                                  merge_fn="mean")

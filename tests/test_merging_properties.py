@@ -29,12 +29,21 @@ IDENTITY_HP = {
     "task_arithmetic": {"scaling": 1.0}, "ties": {"density": 1.0, "scaling": 1.0}, "dare": {"drop_rate": 0.0, "scaling": 1.0},
     "consensus": {"k": 0, "scaling": 1.0}, "low_rank_task_arithmetic": {"rank_ratio": 1.0, "scaling": 1.0},
     "tall_mask_ties": {"density": 1.0, "scaling": 1.0, "tall_lambda": 0.0},
+    "breadcrumbs": {"density": 1.0, "beta": 0.0, "scaling": 1.0}, "della": {"density": 1.0, "epsilon": 0.0},
+    "slerp": {"t": 1.0},
 }
+# Methods defined only for a fixed number of models: slerp interpolates base and one expert.
+TWO_MODELS = {"slerp"}
+
+
+def experts_for(name: str, experts: list) -> list:
+    return experts[:1] if name in TWO_MODELS else experts
 
 
 def test_registry_is_complete_and_rejects_duplicates():
     expected = {"weight_average", "task_arithmetic", "low_rank_task_arithmetic", "ties", "dare", "consensus",
-                "tall_mask_ties", "emr_merging", "fisher_merging", "regmean", "cart", "cart_indexing"}
+                "tall_mask_ties", "emr_merging", "fisher_merging", "regmean", "cart", "cart_indexing", "slerp",
+                "model_stock", "breadcrumbs", "della"}
     assert expected <= set(ALL)
     assert all(isinstance(d, str) and d and "\n" not in d for d in merging.available().values())
     with pytest.raises(ValueError, match="already registered"):
@@ -55,7 +64,7 @@ def test_unknown_method_and_hyperparameter_errors():
 def test_keys_shapes_dtypes_preserved_and_inputs_not_mutated(name):
     base, ex = make_models(3, seed=1)
     snap_b, snap_e = copy.deepcopy(base), copy.deepcopy(ex)
-    out = merging.merge(name, base=base, experts=ex, **extra_kwargs(name, ex))
+    out = merging.merge(name, base=base, experts=experts_for(name, ex), **extra_kwargs(name, ex))
     assert list(out) == list(base)
     for k in base:
         assert out[k].shape == base[k].shape and out[k].dtype == base[k].dtype, k
@@ -71,6 +80,10 @@ def test_keys_shapes_dtypes_preserved_and_inputs_not_mutated(name):
 def test_one_expert_is_sensible(name):
     base, ex = make_models(1, seed=2)
     hp = {**IDENTITY_HP.get(name, {}), **extra_kwargs(name, ex)}
+    if name == "model_stock":  # its ratio needs the angle between two task vectors
+        with pytest.raises(ValueError, match="at least 2 experts"):
+            merging.merge(name, base=base, experts=ex, **hp)
+        return
     out = merging.merge(name, base=base, experts=ex, **hp)
     for k in float_keys(base):
         torch.testing.assert_close(out[k], ex[0][k], atol=1e-5, rtol=1e-5, msg=f"{name}: {k}")
@@ -81,8 +94,8 @@ def test_identical_experts_float64_agrees_with_float32(name):
     base32, ex32 = make_models(2, seed=3)
     base64 = {k: v.double() if v.is_floating_point() else v for k, v in base32.items()}
     ex64 = [{k: v.double() if v.is_floating_point() else v for k, v in e.items()} for e in ex32]
-    out32 = merging.merge(name, base=base32, experts=ex32, **extra_kwargs(name, ex32))
-    out64 = merging.merge(name, base=base64, experts=ex64, **extra_kwargs(name, ex64))
+    out32 = merging.merge(name, base=base32, experts=experts_for(name, ex32), **extra_kwargs(name, ex32))
+    out64 = merging.merge(name, base=base64, experts=experts_for(name, ex64), **extra_kwargs(name, ex64))
     for k in float_keys(base32):
         assert out64[k].dtype == torch.float64
         torch.testing.assert_close(out64[k].float(), out32[k], atol=1e-4, rtol=1e-4, msg=f"{name}: {k}")
@@ -99,7 +112,8 @@ def test_lazy_safetensors_experts_equal_in_memory(name, tmp_path):
         save_file(e, str(p))
         paths.append(p)
     save_file(base, str(tmp_path / "base.safetensors"))
-    a = merging.merge(name, base=base, experts=ex, **extra_kwargs(name, ex))
-    b = merging.merge(name, base=tmp_path / "base.safetensors", experts=paths, **extra_kwargs(name, ex))
+    a = merging.merge(name, base=base, experts=experts_for(name, ex), **extra_kwargs(name, ex))
+    b = merging.merge(name, base=tmp_path / "base.safetensors", experts=experts_for(name, paths),
+                      **extra_kwargs(name, ex))
     for k in base:
         assert torch.equal(a[k], b[k]), f"{name}: {k}"

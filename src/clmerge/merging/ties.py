@@ -20,7 +20,7 @@ from torch import Tensor
 from .driver import CHUNK, bshape, map_keys
 from .registry import register_merge
 from .sources import ModelSet, open_models
-from .trim import TIE_ALL, add_ties, allocate_tie_quotas, check_trim_rule, keep_count, tensor_trim_spec
+from .trim import TIE_ALL, add_ties, allocate_tie_quotas, check_trim_rule, exact_trim_rows, keep_count
 
 __all__ = ["ties", "ties_tensor", "global_magnitude_thresholds", "global_trim", "magnitude_threshold",
            "kth_smallest", "TaskVectorFn"]
@@ -205,9 +205,12 @@ def trim(tvs: Tensor, thresholds: Tensor, quotas: list[int] | None = None) -> Te
     ``|x| >= threshold``, without a boolean mask.
     """
     if quotas is not None and any(q != TIE_ALL for q in quotas):
-        mags = tvs.abs()
         thr = thresholds.to(tvs.dtype)
-        return torch.stack([v * add_ties(m > th, m, th, q) for v, m, th, q in zip(tvs, mags, thr, quotas)])
+        out = []
+        for v, th, q in zip(tvs, thr, quotas):
+            m = v.abs()
+            out.append(v * add_ties(m > th, m, th, q))
+        return torch.stack(out)
     below = torch.nextafter(thresholds.to(tvs.dtype), tvs.new_tensor(-math.inf))
     return torch.stack([torch.nn.functional.hardshrink(v, float(lam)) for v, lam in zip(tvs, below)])
 
@@ -229,11 +232,10 @@ def ties_tensor(tvs: Tensor, thresholds: Tensor, *, merge_fn: str = "mean",
         The merged task vector ``tau_m``: ``gamma = sgn(sum_t tau_hat_t)``, then the mean over
         ``{t : sgn(tau_hat_t) = gamma}``.
     """
-    return _ties_core(tvs, thresholds, merge_fn, zero_sign, quotas)[0]
+    return _ties_core(trim(tvs, thresholds, quotas), merge_fn, zero_sign)[0]
 
 
-def _ties_core(tvs: Tensor, thresholds: Tensor, merge_fn: str, zero_sign: Tensor | float | None,
-               quotas: list[int] | None = None) -> tuple[Tensor, float, bool]:
+def _ties_core(trimmed: Tensor, merge_fn: str, zero_sign: Tensor | float | None) -> tuple[Tensor, float, bool]:
     """:func:`ties_tensor` plus the statistics of the election: ``(tau_m, sum of the elected signs before
     zeros are resolved, whether an entry has a zero trimmed sum but nonzero trimmed values)``.
 
@@ -242,7 +244,6 @@ def _ties_core(tvs: Tensor, thresholds: Tensor, merge_fn: str, zero_sign: Tensor
     """
     if merge_fn not in ("mean", "sum", "max"):
         raise ValueError(f"merge_fn must be 'mean', 'sum' or 'max', got {merge_fn!r}")
-    trimmed = trim(tvs, thresholds, quotas)
     total = trimmed.sum(0)
     sign = torch.sign(total)
     sign_sum = float(sign.sum())
@@ -299,8 +300,8 @@ def _ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[in
         torch.ge(torch.abs(tv, out=tmp), thr_c, out=mask)
         for t, rem in enumerate(remaining):
             if rem > 0:  # the one key (per expert) where the quota of threshold-equal entries runs out
-                mask[t] = add_ties(mask[t], tmp[t], thr32[t], rem)
                 remaining[t] = max(0, rem - int((tmp[t] == thr32[t]).sum()))
+                add_ties(mask[t], tmp[t], thr32[t], rem)
         tv.mul_(mask)  # trimmed
         torch.sign(torch.sum(tv, 0, out=total), out=sign)
         sign_sum += float(sign.sum())
@@ -321,14 +322,13 @@ def _ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[in
 
 
 def _trim_fns(models: ModelSet, tv_fn: TaskVectorFn, density: float, trim_scope: str, trim_rule: str):
-    """``(global thresholds or None, global quotas or None, per-key spec fn)`` for the TIES pipeline."""
+    """``(global thresholds or None, global quotas or None, fn(key, tvs) -> trimmed tvs)`` for TIES."""
     if trim_scope == "global":
         glob, gq = global_trim(models, density, tv_fn, trim_rule)
-        num = models.num_experts
-        return glob, gq, lambda key, tvs: (glob, None if gq is None else gq.get(key, [TIE_ALL] * num))
+        return glob, gq, lambda key, tvs: trim(tvs, glob, None if gq is None else gq[key])
     if trim_rule == "exact":
-        return None, None, lambda key, tvs: tensor_trim_spec(tvs.abs(), density)
-    return None, None, lambda key, tvs: (torch.stack([magnitude_threshold(v.abs(), density) for v in tvs]), None)
+        return None, None, lambda key, tvs: exact_trim_rows(tvs, density)
+    return None, None, lambda key, tvs: trim(tvs, torch.stack([magnitude_threshold(v.abs(), density) for v in tvs]))
 
 
 def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: float, scaling: float,
@@ -347,13 +347,12 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
     check_trim_rule(trim_rule)
     if models.base is None:
         raise ValueError("TIES needs base= (the pretrained parameters)")
-    glob, gq, spec = _trim_fns(models, tv_fn, density, trim_scope, trim_rule)
+    glob, gq, trim_key = _trim_fns(models, tv_fn, density, trim_scope, trim_rule)
     total, ambiguous = [0.0], []
 
     def merged(key: str, b: Tensor, xs: list[Tensor], zero_sign: float, into: Tensor | None = None) -> Tensor:
         tvs = tv_fn(key, b, xs, list(range(len(xs))))
-        thr, quotas = spec(key, tvs)
-        tau, sign_sum, amb = _ties_core(tvs, thr, merge_fn, zero_sign, quotas)
+        tau, sign_sum, amb = _ties_core(trim_key(key, tvs), merge_fn, zero_sign)
         if zero_sign > 0:  # first pass: collect the statistics of the sign election
             total[0] += sign_sum
             if amb:

@@ -103,6 +103,8 @@ def test_model_stock_identities():
     w0 = {"w": torch.zeros(3)}
     orth = [{"w": torch.tensor([1.0, 0.0, 0.0])}, {"w": torch.tensor([0.0, 2.0, 0.0])}]
     assert torch.equal(merging.model_stock(base=w0, experts=orth)["w"], torch.zeros(3))  # cos = 0: t = 0
+    opposed = [{"w": torch.tensor([1.0, 2.0, 0.0])}, {"w": torch.tensor([-1.0, -2.0, 0.0])}]
+    assert torch.equal(merging.model_stock(base=w0, experts=opposed)["w"], torch.zeros(3))  # 1 + cos = 0: base
     with pytest.raises(ValueError, match="at least 2 experts"):
         merging.model_stock(base=base, experts=ex)
 

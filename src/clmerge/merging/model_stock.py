@@ -19,6 +19,8 @@ def model_stock_ratio(tvs: Tensor) -> float:
     """The interpolation ratio of one layer, Model Stock Eq. (3) generalised to ``N`` models:
     ``t = N cos(theta) / (1 + (N - 1) cos(theta))``, with ``cos(theta)`` the mean pairwise cosine of the task
     vectors ``tvs`` ``(N, *shape)`` (each flattened). A zero task vector has cosine 0 with every other one.
+    Where ``|1 + (N - 1) cos(theta)| < 1e-6`` (opposing updates, no finite ratio) the ratio is 0: the layer
+    stays at the base, as in mergekit.
     """
     flat = tvs.reshape(tvs.shape[0], -1).double()
     n = flat.shape[0]
@@ -28,9 +30,7 @@ def model_stock_ratio(tvs: Tensor) -> float:
     iu = torch.triu_indices(n, n, offset=1)
     mean_cos = float(cos[iu[0], iu[1]].clamp(-1.0, 1.0).mean())
     denom = 1.0 + (n - 1) * mean_cos
-    if denom == 0.0:
-        raise ValueError(f"model_stock: mean pairwise cosine {mean_cos} makes 1 + (N-1) cos = 0")
-    return n * mean_cos / denom
+    return 0.0 if abs(denom) < 1e-6 else n * mean_cos / denom
 
 
 @register_merge("model_stock", "per layer, move from the base toward the experts' average by a ratio set by "
@@ -51,10 +51,6 @@ def model_stock(*, base: Any, experts: Sequence[Any]) -> dict[str, Tensor]:
 
     def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
         tvs = task_vectors64(b, xs)
-        try:
-            ratio = model_stock_ratio(tvs)
-        except ValueError as exc:
-            raise ValueError(f"{exc} (key {key!r})") from None
-        return b.double() + ratio * tvs.mean(0)  # t w_avg + (1 - t) w_0
+        return b.double() + model_stock_ratio(tvs) * tvs.mean(0)  # t w_avg + (1 - t) w_0
 
     return map_keys(models, kernel, needs_base=True)

@@ -3,7 +3,6 @@ mergekit's ``slerp``)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,22 +22,24 @@ NORM_EPS = 1e-8
 
 
 def slerp_tensor(t: float, v0: Tensor, v1: Tensor, *, dot_threshold: float = DOT_THRESHOLD) -> Tensor:
-    """Shoemake's slerp of two tensors, flattened, in float64.
+    """Shoemake's slerp of two tensors, flattened, in float64 (mergekit: float32, same rule).
 
-    ``cos(Omega) = <v0, v1> / (|v0| |v1|)`` (the angle of the normalised copies);
+    ``cos(Omega) = <v0, v1> / (|v0| |v1|)`` (the angle of the normalised copies), and
     ``slerp = sin((1 - t) Omega) / sin(Omega) * v0 + sin(t Omega) / sin(Omega) * v1`` on the unnormalised
-    tensors, so norms are interpolated too. Falls back to ``lerp = (1 - t) v0 + t v1`` when
+    vectors, so norms are interpolated too. Falls back to ``lerp = (1 - t) v0 + t v1`` when
     ``|cos(Omega)| > dot_threshold`` (nearly parallel or antiparallel: ``sin(Omega)`` near 0) or when either
     norm is at most ``1e-8``.
     """
-    a, b = v0.double(), v1.double()
-    na, nb = float(a.norm()), float(b.norm())
-    cos = float((a.reshape(-1) @ b.reshape(-1)) / (na * nb)) if na > NORM_EPS and nb > NORM_EPS else math.inf
-    if abs(cos) > dot_threshold:
-        return (1.0 - t) * a + t * b
-    omega = math.acos(cos)
-    s = math.sin(omega)
-    return (math.sin((1.0 - t) * omega) / s) * a + (math.sin(t * omega) / s) * b
+    a, b = v0.double().reshape(1, -1), v1.double().reshape(1, -1)
+    na, nb = a.norm(dim=1), b.norm(dim=1)
+    has_dir = (na > NORM_EPS) & (nb > NORM_EPS)
+    cos = torch.where(has_dir, (a * b).sum(1) / (na * nb).clamp(min=NORM_EPS), 2.0)
+    linear = cos.abs() > dot_threshold
+    omega = torch.acos(torch.where(linear, 0.0, cos.clamp(-1.0, 1.0)))
+    sin = torch.sin(omega)
+    ca = torch.where(linear, 1.0 - t, torch.sin((1.0 - t) * omega) / torch.where(linear, 1.0, sin))
+    cb = torch.where(linear, t, torch.sin(t * omega) / torch.where(linear, 1.0, sin))
+    return (ca[:, None] * a + cb[:, None] * b).reshape(v0.shape)
 
 
 @register_merge("slerp", "spherical interpolation between two models, tensor by tensor (t=0: the first)",

@@ -141,3 +141,25 @@ def test_bad_trim_rule_is_one_line_error():
     base, ex = tie_heavy(2, seed=6)
     with pytest.raises(ValueError, match="trim_rule must be 'exact' or 'threshold', got 'topk'"):
         merging.ties(base=base, experts=ex, trim_rule="topk")
+
+
+@pytest.mark.parametrize("majority", [1.0, -1.0, 0.0])
+@pytest.mark.parametrize("merge_fn", ["mean", "sum", "max"])
+def test_zero_sums_take_the_model_majority_without_a_second_read(majority, merge_fn, monkeypatch):
+    """An entry whose trimmed values cancel (+0.5, -0.5) gets the model-wide majority sign, on the streamed
+    (global) and the per-tensor path alike, from one read of each key."""
+    base = {"a.w": torch.zeros(3), "b.w": torch.zeros(4)}
+    b_vals = {1.0: [1.0, 1.0, 1.0, 0.0], -1.0: [-1.0, -1.0, -1.0, 0.0], 0.0: [1.0, -1.0, 0.0, 0.0]}[majority]
+    ex = [{"a.w": torch.tensor([0.5, -0.5, 0.25]), "b.w": torch.tensor(b_vals)},
+          {"a.w": torch.tensor([-0.5, 0.5, 0.25]), "b.w": torch.tensor(b_vals)}]
+    if majority == 0.0:  # a.w's own net sign is 0 too
+        ex[1]["a.w"][2] = -0.25
+    reads = []
+    load = ModelSet.load
+    monkeypatch.setattr(ModelSet, "load", lambda self, key, check=None: reads.append(key) or load(self, key, check))
+    chosen = {1.0: 0.5, -1.0: -0.5, 0.0: -0.5 if merge_fn != "max" else 0.0}[majority]
+    for scope in ("global", "per_tensor"):
+        reads.clear()
+        out = merging.ties(base=base, experts=ex, density=1.0, trim_scope=scope, merge_fn=merge_fn)
+        assert sorted(reads) == ["a.w", "b.w"], scope
+        assert out["a.w"][:2].tolist() == [chosen, chosen], scope  # both entries cancel

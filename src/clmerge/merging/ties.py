@@ -235,9 +235,12 @@ def ties_tensor(tvs: Tensor, thresholds: Tensor, *, merge_fn: str = "mean",
     return _ties_core(trim(tvs, thresholds, quotas), merge_fn, zero_sign)[0]
 
 
-def _ties_core(trimmed: Tensor, merge_fn: str, zero_sign: Tensor | float | None) -> tuple[Tensor, float, bool]:
+def _ties_core(trimmed: Tensor, merge_fn: str, zero_sign: Tensor | float | None,
+               collect: bool = False) -> tuple[Tensor, float, tuple[Tensor, Tensor] | None]:
     """:func:`ties_tensor` plus the statistics of the election: ``(tau_m, sum of the elected signs before
-    zeros are resolved, whether an entry has a zero trimmed sum but nonzero trimmed values)``.
+    zeros are resolved, fix)``. With ``collect``, ``fix`` holds the flat positions of the ambiguous entries (a
+    zero trimmed sum over nonzero values: both signs present) and their ``tau_m`` had ``gamma`` been -1
+    (:func:`_negative_choice`), so the caller can apply the model-wide majority sign later without a re-read.
 
     Written with few full-size operations: with ``p = tau_hat * gamma``, the agreeing entries are ``p > 0``,
     their sum is ``gamma * sum(max(p, 0))`` and their count ``count_nonzero(max(p, 0))``.
@@ -250,17 +253,30 @@ def _ties_core(trimmed: Tensor, merge_fn: str, zero_sign: Tensor | float | None)
     if zero_sign is None:
         zero_sign = math.copysign(1.0, sign_sum) if sign_sum != 0 else 0.0
     zero = total == 0
+    fix = None
+    if collect:
+        pos = (zero & trimmed.ne(0).any(0)).reshape(-1).nonzero().squeeze(1)
+        if pos.numel():  # gathered before the in-place steps below overwrite the negative entries
+            fix = (pos, _negative_choice(trimmed.reshape(trimmed.shape[0], -1)[:, pos], merge_fn))
     # a zero majority leaves gamma = 0, and the reference code then selects the negative entries
     pick = sign.masked_fill(zero, float(zero_sign) if float(zero_sign) != 0 else -1.0)
     sign.masked_fill_(zero, float(zero_sign))
     agreeing = trimmed.mul_(pick).clamp_(min=0)  # |tau_hat_t| where sgn(tau_hat_t) = gamma, else 0
     count = agreeing.sign().sum(0)  # number of agreeing entries (float; cheaper than count_nonzero)
-    # a zero sum over nonzero entries holds entries of both signs, so one of them agrees with either sign
-    ambiguous = bool((zero & (count > 0)).any())
     if merge_fn == "max":
-        return agreeing.amax(0) * sign, sign_sum, ambiguous
+        return agreeing.amax(0) * sign, sign_sum, fix
     out = agreeing.sum(0).mul_(pick)
-    return (out / count.clamp(min=1) if merge_fn == "mean" else out), sign_sum, ambiguous
+    return (out / count.clamp(min=1) if merge_fn == "mean" else out), sign_sum, fix
+
+
+def _negative_choice(cols: Tensor, merge_fn: str) -> Tensor:
+    """``tau_m`` of trimmed columns ``cols`` ``(T, m)`` with the elected sign -1 (the same arithmetic as
+    :func:`_ties_core`: sum of the agreeing magnitudes times the sign, over their count for the mean)."""
+    agreeing = cols.neg().clamp_(min=0)
+    if merge_fn == "max":
+        return agreeing.amax(0).neg_()
+    out = agreeing.sum(0).neg_()
+    return out / agreeing.sign().sum(0).clamp(min=1) if merge_fn == "mean" else out
 
 
 class _Work:
@@ -275,12 +291,12 @@ class _Work:
 
 
 def _ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int], scaling: float,
-                       merge_fn: str, zero_sign: float, w: _Work,
-                       out: Tensor | None = None) -> tuple[Tensor, float, bool]:
-    """:func:`_ties_core` on one key of plain task vectors, slice by slice in the buffers ``w`` (same
-    arithmetic in float32); returns ``(theta_0 + scaling * tau_m, sign sum, ambiguous)``, written into
-    ``out`` (contiguous, the inputs' shape and dtype) when given. ``quotas`` as in :func:`trim`."""
-    out = torch.empty(b.shape, dtype=xs[0].dtype) if out is None else out
+                       merge_fn: str, w: _Work) -> tuple[Tensor, float, tuple[Tensor, Tensor, Tensor] | None]:
+    """:func:`_ties_core` with zero sums given the sign +1, on one key of plain task vectors, slice by slice in
+    the buffers ``w`` (same arithmetic in float32). Returns ``(theta_0 + scaling * tau_m, sign sum, fix)``;
+    ``fix`` is ``(positions, tau_m with sign -1, theta_0 there)`` of the ambiguous entries, or ``None``.
+    ``quotas`` as in :func:`trim`."""
+    out = torch.empty(b.shape, dtype=xs[0].dtype)
     # float32 base: bf16 - bf16 into a float32 buffer would round the difference to bf16 first
     fb, fo, fx = b.reshape(-1).float(), out.view(-1), [x.reshape(-1) for x in xs]
     thr32 = thr.to(torch.float32)
@@ -288,8 +304,7 @@ def _ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[in
     up = torch.nextafter(thr32, thr32.new_tensor(math.inf))
     thr_c = torch.where(torch.tensor([q == TIE_ALL for q in quotas]), thr32, up)[:, None]
     remaining = [q if q != TIE_ALL else 0 for q in quotas]
-    pick_zero = zero_sign if zero_sign != 0 else -1.0  # a zero majority selects the negative entries
-    sign_sum, ambiguous, chunk = 0.0, False, w.tv.shape[1]
+    sign_sum, fixes, chunk = 0.0, [], w.tv.shape[1]
     for i in range(0, fb.numel(), chunk):
         n = min(chunk, fb.numel() - i)
         tv, tmp, mask = w.tv[:, :n], w.tmp[:, :n], w.mask[:, :n]
@@ -306,11 +321,16 @@ def _ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[in
         torch.sign(torch.sum(tv, 0, out=total), out=sign)
         sign_sum += float(sign.sum())
         torch.eq(total, 0, out=zero)
-        pick.copy_(sign).masked_fill_(zero, pick_zero)
-        sign.masked_fill_(zero, zero_sign)
+        pick.copy_(sign).masked_fill_(zero, 1.0)
+        sign.masked_fill_(zero, 1.0)
         tv.mul_(pick).clamp_(min=0)  # |tau_hat_t| where it agrees with the elected sign
         torch.sum(torch.sign(tv, out=tmp), 0, out=count)
-        ambiguous = ambiguous or bool(torch.gt(count, 0, out=flag).logical_and_(zero).any())
+        if torch.gt(count, 0, out=flag).logical_and_(zero).any():
+            # zero sum over nonzero entries: the value depends on the model-wide majority, known at the end;
+            # the trimmed columns are formed again from the inputs (the buffer now holds only positives)
+            pos = flag.nonzero().squeeze(1)
+            cols = torch.stack([x[i:i + n][pos].float() for x in fx]).sub_(fb[i:i + n][pos]).mul_(mask[:, pos])
+            fixes.append((pos + i, _negative_choice(cols, merge_fn), fb[i:i + n][pos]))
         if merge_fn == "max":
             torch.amax(tv, 0, out=res).mul_(sign)
         else:
@@ -318,7 +338,8 @@ def _ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[in
             if merge_fn == "mean":
                 res.div_(count.clamp_(min=1))
         fo[i:i + n] = res.mul_(scaling).add_(fb[i:i + n])
-    return out, sign_sum, ambiguous
+    fix = tuple(torch.cat(parts) for parts in zip(*fixes)) if fixes else None
+    return out, sign_sum, fix
 
 
 def _trim_fns(models: ModelSet, tv_fn: TaskVectorFn, density: float, trim_scope: str, trim_rule: str):
@@ -336,9 +357,9 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
     """The TIES pipeline over any task-vector transform (plain for TIES, dropped-and-rescaled for DARE).
 
     Zero elected signs are resolved as the reference code does (the majority sign over the whole model): keys
-    are merged with sign +1 first, and the few keys where the choice matters are merged again once the
-    majority is known (a second read of those keys only). The exact trim's tie quotas are fixed per key
-    before the merge, so the second read keeps the same entries.
+    are merged with sign +1 first; for the entries where the choice matters (a zero trimmed sum over nonzero
+    values) the value under sign -1 is kept aside (positions and values only), and written over the output
+    once the majority is known: no second read of the inputs.
     """
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density}")
@@ -348,16 +369,15 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
     if models.base is None:
         raise ValueError("TIES needs base= (the pretrained parameters)")
     glob, gq, trim_key = _trim_fns(models, tv_fn, density, trim_scope, trim_rule)
-    total, ambiguous = [0.0], []
+    total, fixes = [0.0], {}
 
-    def merged(key: str, b: Tensor, xs: list[Tensor], zero_sign: float, into: Tensor | None = None) -> Tensor:
+    def merged(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
         tvs = tv_fn(key, b, xs, list(range(len(xs))))
-        tau, sign_sum, amb = _ties_core(trim_key(key, tvs), merge_fn, zero_sign)
-        if zero_sign > 0:  # first pass: collect the statistics of the sign election
-            total[0] += sign_sum
-            if amb:
-                ambiguous.append(key)
+        tau, sign_sum, fix = _ties_core(trim_key(key, tvs), merge_fn, 1.0, collect=True)
+        total[0] += sign_sum
         dtype = torch.promote_types(b.dtype, torch.float32)
+        if fix is not None:
+            fixes[key] = (fix[0], fix[1].to(dtype), b.reshape(-1)[fix[0]].to(dtype))
         return b.to(dtype) + scaling * tau.to(dtype)
 
     if glob is not None and tv_fn is plain_task_vectors and merge_fn in ("mean", "sum", "max"):
@@ -365,24 +385,20 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
         work = _Work(models.num_experts, CHUNK)
         all_ties = [TIE_ALL] * models.num_experts
 
-        def merged(key: str, b: Tensor, xs: list[Tensor], zero_sign: float,  # noqa: F811
-                   into: Tensor | None = None) -> Tensor:
+        def merged(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:  # noqa: F811
             quotas = all_ties if gq is None else gq[key]
-            res, sign_sum, amb = _ties_key_streamed(b, xs, glob, quotas, scaling, merge_fn, zero_sign, work, into)
-            if zero_sign > 0:
-                total[0] += sign_sum
-                if amb:
-                    ambiguous.append(key)
+            res, sign_sum, fix = _ties_key_streamed(b, xs, glob, quotas, scaling, merge_fn, work)
+            total[0] += sign_sum
+            if fix is not None:
+                fixes[key] = fix
             return res
 
-    out = map_keys(models, lambda key, b, xs: merged(key, b, xs, 1.0), needs_base=True)
+    out = map_keys(models, merged, needs_base=True)
     majority = math.copysign(1.0, total[0]) if total[0] != 0 else 0.0
-    if majority != 1.0:
-        for key in ambiguous:
-            b, xs = models.load(key)
-            # the streamed path rewrites the first pass's output in place (no second tensor of this key)
-            out[key] = merged(key, b, xs, majority, out[key]).to(xs[0].dtype).contiguous()
-            del b, xs  # else this key's inputs stay alive while the next key is read
+    if majority != 1.0:  # the ambiguous entries take the model-wide majority sign (-1, or 0: see _ties_core)
+        for key, (pos, tau_neg, base_vals) in fixes.items():
+            tau = torch.zeros_like(tau_neg) if merge_fn == "max" and majority == 0.0 else tau_neg
+            out[key].view(-1)[pos] = (base_vals + scaling * tau).to(out[key].dtype)
     return out
 
 

@@ -20,6 +20,7 @@ from torch import Tensor
 from .driver import CHUNK, bshape, map_keys
 from .registry import register_merge
 from .sources import ModelSet, open_models
+from .ties_kernels import Work, fix_values, negative_choice, ties_key_streamed
 from .trim import TIE_ALL, add_ties, allocate_tie_quotas, check_trim_rule, exact_trim_rows, keep_count
 
 __all__ = ["ties", "ties_tensor", "global_magnitude_thresholds", "global_trim", "magnitude_threshold",
@@ -240,7 +241,8 @@ def _ties_core(trimmed: Tensor, merge_fn: str, zero_sign: Tensor | float | None,
     """:func:`ties_tensor` plus the statistics of the election: ``(tau_m, sum of the elected signs before
     zeros are resolved, fix)``. With ``collect``, ``fix`` holds the flat positions of the ambiguous entries (a
     zero trimmed sum over nonzero values: both signs present) and their ``tau_m`` had ``gamma`` been -1
-    (:func:`_negative_choice`), so the caller can apply the model-wide majority sign later without a re-read.
+    (:func:`.ties_kernels.negative_choice`), so the caller can apply the model-wide majority sign later
+    without a re-read.
 
     Written with few full-size operations: with ``p = tau_hat * gamma``, the agreeing entries are ``p > 0``,
     their sum is ``gamma * sum(max(p, 0))`` and their count ``count_nonzero(max(p, 0))``.
@@ -257,7 +259,7 @@ def _ties_core(trimmed: Tensor, merge_fn: str, zero_sign: Tensor | float | None,
     if collect:
         pos = (zero & trimmed.ne(0).any(0)).reshape(-1).nonzero().squeeze(1)
         if pos.numel():  # gathered before the in-place steps below overwrite the negative entries
-            fix = (pos, _negative_choice(trimmed.reshape(trimmed.shape[0], -1)[:, pos], merge_fn))
+            fix = (pos, negative_choice(trimmed.reshape(trimmed.shape[0], -1)[:, pos], merge_fn))
     # a zero majority leaves gamma = 0, and the reference code then selects the negative entries
     pick = sign.masked_fill(zero, float(zero_sign) if float(zero_sign) != 0 else -1.0)
     sign.masked_fill_(zero, float(zero_sign))
@@ -267,79 +269,6 @@ def _ties_core(trimmed: Tensor, merge_fn: str, zero_sign: Tensor | float | None,
         return agreeing.amax(0) * sign, sign_sum, fix
     out = agreeing.sum(0).mul_(pick)
     return (out / count.clamp(min=1) if merge_fn == "mean" else out), sign_sum, fix
-
-
-def _negative_choice(cols: Tensor, merge_fn: str) -> Tensor:
-    """``tau_m`` of trimmed columns ``cols`` ``(T, m)`` with the elected sign -1 (the same arithmetic as
-    :func:`_ties_core`: sum of the agreeing magnitudes times the sign, over their count for the mean)."""
-    agreeing = cols.neg().clamp_(min=0)
-    if merge_fn == "max":
-        return agreeing.amax(0).neg_()
-    out = agreeing.sum(0).neg_()
-    return out / agreeing.sign().sum(0).clamp(min=1) if merge_fn == "mean" else out
-
-
-class _Work:
-    """Work buffers of the streamed TIES merge, allocated once per merge: per-slice temporaries would be
-    allocated and freed ~10 times per slice, between kept outputs, and the malloc heap keeps growing."""
-
-    def __init__(self, num: int, chunk: int) -> None:
-        self.tv, self.tmp = torch.empty(num, chunk), torch.empty(num, chunk)
-        self.mask = torch.empty(num, chunk, dtype=torch.bool)
-        self.total, self.sign, self.pick, self.count, self.res = (torch.empty(chunk) for _ in range(5))
-        self.zero, self.flag = torch.empty(chunk, dtype=torch.bool), torch.empty(chunk, dtype=torch.bool)
-
-
-def _ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int], scaling: float,
-                       merge_fn: str, w: _Work) -> tuple[Tensor, float, tuple[Tensor, Tensor, Tensor] | None]:
-    """:func:`_ties_core` with zero sums given the sign +1, on one key of plain task vectors, slice by slice in
-    the buffers ``w`` (same arithmetic in float32). Returns ``(theta_0 + scaling * tau_m, sign sum, fix)``;
-    ``fix`` is ``(positions, tau_m with sign -1, theta_0 there)`` of the ambiguous entries, or ``None``.
-    ``quotas`` as in :func:`trim`."""
-    out = torch.empty(b.shape, dtype=xs[0].dtype)
-    # float32 base: bf16 - bf16 into a float32 buffer would round the difference to bf16 first
-    fb, fo, fx = b.reshape(-1).float(), out.view(-1), [x.reshape(-1) for x in xs]
-    thr32 = thr.to(torch.float32)
-    # ">= v" keeps all ties; ">= next float above v" is "> v" (ties added below, up to the quota)
-    up = torch.nextafter(thr32, thr32.new_tensor(math.inf))
-    thr_c = torch.where(torch.tensor([q == TIE_ALL for q in quotas]), thr32, up)[:, None]
-    remaining = [q if q != TIE_ALL else 0 for q in quotas]
-    sign_sum, fixes, chunk = 0.0, [], w.tv.shape[1]
-    for i in range(0, fb.numel(), chunk):
-        n = min(chunk, fb.numel() - i)
-        tv, tmp, mask = w.tv[:, :n], w.tmp[:, :n], w.mask[:, :n]
-        total, sign, pick, count, res = w.total[:n], w.sign[:n], w.pick[:n], w.count[:n], w.res[:n]
-        zero, flag = w.zero[:n], w.flag[:n]
-        for t, x in enumerate(fx):
-            torch.sub(x[i:i + n], fb[i:i + n], out=tv[t])
-        torch.ge(torch.abs(tv, out=tmp), thr_c, out=mask)
-        for t, rem in enumerate(remaining):
-            if rem > 0:  # the one key (per expert) where the quota of threshold-equal entries runs out
-                remaining[t] = max(0, rem - int((tmp[t] == thr32[t]).sum()))
-                add_ties(mask[t], tmp[t], thr32[t], rem)
-        tv.mul_(mask)  # trimmed
-        torch.sign(torch.sum(tv, 0, out=total), out=sign)
-        sign_sum += float(sign.sum())
-        torch.eq(total, 0, out=zero)
-        pick.copy_(sign).masked_fill_(zero, 1.0)
-        sign.masked_fill_(zero, 1.0)
-        tv.mul_(pick).clamp_(min=0)  # |tau_hat_t| where it agrees with the elected sign
-        torch.sum(torch.sign(tv, out=tmp), 0, out=count)
-        if torch.gt(count, 0, out=flag).logical_and_(zero).any():
-            # zero sum over nonzero entries: the value depends on the model-wide majority, known at the end;
-            # the trimmed columns are formed again from the inputs (the buffer now holds only positives)
-            pos = flag.nonzero().squeeze(1)
-            cols = torch.stack([x[i:i + n][pos].float() for x in fx]).sub_(fb[i:i + n][pos]).mul_(mask[:, pos])
-            fixes.append((pos + i, _negative_choice(cols, merge_fn), fb[i:i + n][pos]))
-        if merge_fn == "max":
-            torch.amax(tv, 0, out=res).mul_(sign)
-        else:
-            torch.sum(tv, 0, out=res).mul_(pick)
-            if merge_fn == "mean":
-                res.div_(count.clamp_(min=1))
-        fo[i:i + n] = res.mul_(scaling).add_(fb[i:i + n])
-    fix = tuple(torch.cat(parts) for parts in zip(*fixes)) if fixes else None
-    return out, sign_sum, fix
 
 
 def _trim_fns(models: ModelSet, tv_fn: TaskVectorFn, density: float, trim_scope: str, trim_rule: str):
@@ -377,17 +306,18 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
         total[0] += sign_sum
         dtype = torch.promote_types(b.dtype, torch.float32)
         if fix is not None:
-            fixes[key] = (fix[0], fix[1].to(dtype), b.reshape(-1)[fix[0]].to(dtype))
+            fixes[key] = fix_values(fix[0], fix[1].to(dtype), b.reshape(-1)[fix[0]].to(dtype), scaling,
+                                     merge_fn, xs[0].dtype)
         return b.to(dtype) + scaling * tau.to(dtype)
 
     if glob is not None and tv_fn is plain_task_vectors and merge_fn in ("mean", "sum", "max"):
         # elementwise once the thresholds are global: cache-sized slices in preallocated buffers
-        work = _Work(models.num_experts, CHUNK)
+        work = Work(models.num_experts, CHUNK)
         all_ties = [TIE_ALL] * models.num_experts
 
         def merged(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:  # noqa: F811
             quotas = all_ties if gq is None else gq[key]
-            res, sign_sum, fix = _ties_key_streamed(b, xs, glob, quotas, scaling, merge_fn, work)
+            res, sign_sum, fix = ties_key_streamed(b, xs, glob, quotas, scaling, merge_fn, work)
             total[0] += sign_sum
             if fix is not None:
                 fixes[key] = fix
@@ -396,9 +326,8 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
     out = map_keys(models, merged, needs_base=True)
     majority = math.copysign(1.0, total[0]) if total[0] != 0 else 0.0
     if majority != 1.0:  # the ambiguous entries take the model-wide majority sign (-1, or 0: see _ties_core)
-        for key, (pos, tau_neg, base_vals) in fixes.items():
-            tau = torch.zeros_like(tau_neg) if merge_fn == "max" and majority == 0.0 else tau_neg
-            out[key].view(-1)[pos] = (base_vals + scaling * tau).to(out[key].dtype)
+        for key, (pos, if_negative, if_zero) in fixes.items():
+            out[key].view(-1)[pos.long()] = if_zero if merge_fn == "max" and majority == 0.0 else if_negative
     return out
 
 

@@ -197,3 +197,14 @@ def test_della_refuses_a_window_outside_0_1():
     base, ex = make_models(2)
     with pytest.raises(ValueError, match="epsilon must be in"):
         merging.della(base=base, experts=ex, density=0.9, epsilon=0.3)
+
+
+@pytest.mark.parametrize("name, hp", [("ties", {"trim_scope": "per_tensor", "density": 0.6}), ("ties", {}),
+                                      ("breadcrumbs", {}), ("della", {}), ("model_stock", {}), ("slerp", {})])
+def test_scalar_empty_and_3d_tensors(name, hp):
+    g = torch.Generator().manual_seed(9)
+    base = {"s": torch.tensor(1.0), "e": torch.zeros(0, 3), "c": torch.randn(2, 3, 4, generator=g)}
+    ex = [{k: v + 0.1 * torch.randn(v.shape, generator=g) for k, v in base.items()} for _ in range(3)]
+    out = merging.merge(name, base=base, experts=ex[:1] if name == "slerp" else ex, **hp)
+    for k, v in base.items():
+        assert out[k].shape == v.shape and torch.isfinite(out[k]).all(), k

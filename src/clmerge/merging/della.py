@@ -25,6 +25,8 @@ def magprune_drop_probabilities(tv: Tensor, density: float, epsilon: float) -> T
     lower index) and ``p_i = p_min + epsilon * r_i / n`` with ``p_min = (1 - density) - epsilon (n - 1) / (2n)``,
     so the mean drop probability is ``1 - density`` and larger magnitudes are dropped less often.
     """
+    if tv.numel() == 0:
+        return torch.zeros(tv.shape, dtype=torch.float64)
     rows = tv.reshape(1, -1) if tv.dim() < 2 else tv.reshape(tv.shape[0], -1)
     n = rows.shape[1]
     order = torch.sort(rows.abs(), dim=1, descending=True, stable=True).indices

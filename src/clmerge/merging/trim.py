@@ -10,9 +10,11 @@ than ``density`` (32.5% instead of 20% on a bf16 1.1B model).
 ``(n - floor(density * n))``-th smallest magnitude and every ``|x| >= v`` is kept (``floor(density*n) + 1``
 entries when the magnitudes are distinct, more under ties).
 
-For comparison, mergekit keeps ``int(density * n)`` entries per tensor by ``argsort``/``topk`` (ties in the
-order the sort leaves them): ``round`` and ``int`` differ whenever the fractional part of ``density * n`` is at
-least one half (``density=0.2, n=8``: 2 here, 1 in mergekit), and mergekit refuses ``int(density*n) = 0``.
+``trim_scope="global"`` (the whole task vector) is the TIES paper's and FusionBench's scope;
+``trim_scope="per_tensor"`` is mergekit's, which keeps ``max(1, int(density * n))`` entries per tensor by
+``argsort`` (0.1.5; ties in the order the sort leaves them): ``round`` and ``int`` differ whenever the
+fractional part of ``density * n`` is at least one half (``density=0.2, n=8``: 2 here, 1 in mergekit), and a
+tensor whose count rounds to 0 is zeroed here where mergekit keeps one entry.
 """
 
 from __future__ import annotations

@@ -69,13 +69,14 @@ def error_summary(per_module: dict[str, tuple[float, float]]) -> dict:
 
 
 def check_out_dir(out: Path, inputs: list[Path] = ()) -> None:
-    """Refuse an ``--out`` that names an input or a folder/file that holds something already."""
+    """Refuse an ``--out`` that names an input, holds one, or holds something already (a new folder
+    inside an input folder is fine: nothing there is read)."""
     out = Path(out)
     resolved = out.resolve()
     for p in inputs:
         p = Path(p).resolve()
-        if resolved == p or p.is_relative_to(resolved) or resolved.is_relative_to(p):
-            raise MergeInputError(f"--out {out}: overlaps the input {p}; choose a new folder")
+        if resolved == p or p.is_relative_to(resolved):
+            raise MergeInputError(f"--out {out}: is or contains the input {p}; choose a new folder")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MergeInputError(f"--out {out}: already exists and is not an empty folder; choose a new one")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -81,13 +82,17 @@ def test_extract_lora_bad_input_is_one_line_exit_2(tmp_path, fine_tune):
     assert res.exit_code == 2 and "is or contains the input" in res.output
 
 
+def _run(tmp_path_factory, method: str):
+    run = tmp_path_factory.mktemp("runs") / method
+    cfg = tiny_config(**{"method": {"name": method, "rank": 2}, "train.epochs": 1})
+    run_experiment(parse_config(cfg), run)
+    return run
+
+
 @pytest.fixture(scope="module")
 def sd_lora_run(tmp_path_factory):
     """A 2-task SD-LoRA run on a 1-layer random-init ViT (unfolded components, shared magnitudes)."""
-    run = tmp_path_factory.mktemp("runs") / "sd"
-    cfg = tiny_config(**{"method": {"name": "sd_lora", "rank": 2}, "train.epochs": 1})
-    run_experiment(parse_config(cfg), run)
-    return run
+    return _run(tmp_path_factory, "sd_lora")
 
 
 def _pixels(folded):
@@ -130,3 +135,19 @@ def test_export_refusals(tmp_path, sd_lora_run):
                                                "scenario.n_tasks": 2})), run)
     res = _cli("export", run, "--format", "peft", "--out", tmp_path / "p")
     assert res.exit_code == 2 and "no LoRA layers" in res.output and not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("method", ["seq_lora", "pm", "inflora"])
+def test_export_peft_of_folding_methods(tmp_path, tmp_path_factory, method):
+    """Methods that fold each task's LoRA into the weights: the adapter is the folded change, rank 2 x 2 tasks."""
+    run = _run(tmp_path_factory, method)
+    folded, pretrained, _, _ = load_run_model(run)
+    res = _cli("export", run, "--format", "peft", "--out", tmp_path / "pa")
+    assert res.exit_code == 0, res.output
+    report = json.loads((tmp_path / "pa" / "export_report.json").read_text())
+    assert report["rank"] == 4 and report["max_rel_error"] < 1e-5
+    x = _pixels(folded)
+    with_adapter = peft.PeftModel.from_pretrained(copy.deepcopy(pretrained.inner), tmp_path / "pa").eval()
+    with torch.no_grad():
+        want = folded.backbone.inner(pixel_values=x).last_hidden_state
+        torch.testing.assert_close(with_adapter(pixel_values=x).last_hidden_state, want, rtol=0, atol=1e-5)

@@ -24,7 +24,7 @@ from torch import Tensor
 from ..merging.sources import MergeInputError
 from ..utils.io import write_json
 
-__all__ = ["low_rank_factors", "atomic_folder", "check_out_dir", "error_summary"]
+__all__ = ["low_rank_factors", "numerical_rank", "atomic_folder", "check_out_dir", "error_summary"]
 
 # Above this many entries the SVD runs in float32 (float64 doubles its time on LLM-sized matrices);
 # the reported error then carries float32 rounding (~1e-7 relative).
@@ -53,6 +53,15 @@ def low_rank_factors(delta: Tensor, rank: int) -> tuple[Tensor, Tensor, float, f
     a[:k] = (root[:, None] * vh[:k]).float()
     s2 = s.double().square()
     return a, b, float(s2[k:].sum()), float(s2.sum())
+
+
+def numerical_rank(delta: Tensor) -> int:
+    """Singular values above ``s_max * max(out, in) * eps(float32)`` (numpy's ``matrix_rank`` rule at float32
+    precision): the rank at which a truncated SVD reproduces ``delta`` to float32 rounding."""
+    s = torch.linalg.svdvals(delta.to(torch.float64))
+    if s.numel() == 0 or s[0] == 0:
+        return 0
+    return int((s > s[0] * max(delta.shape) * torch.finfo(torch.float32).eps).sum())
 
 
 def relative_error(tail: float, total: float) -> float:

@@ -8,7 +8,8 @@ folded into its base weight (``W = W_0 + sum_k c_k U_k D_k``, :func:`clmerge.ada
   classifier head as ``head.safetensors`` (``weight`` ``(C, D)``, ``bias`` ``(C,)``: the per-task blocks
   concatenated) and ``classes.json`` (class order, tasks, preprocessing, how features are taken);
 - ``peft``: ``Delta W = W_folded - W_pretrained`` of every adapted Linear as a PEFT adapter over the backbone's
-  module names (exact at full rank, truncated SVD with ``rank``), so ``PeftModel.from_pretrained(base, out)``
+  module names (exact at the default rank, the largest numerical rank of the updates; truncated SVD at
+  ``rank``), so ``PeftModel.from_pretrained(base, out)``
   reproduces the folded backbone; ``--base-out`` also writes the pretrained backbone as an HF folder.
 """
 
@@ -23,7 +24,7 @@ from torch import nn
 
 from ..merging.sources import MergeInputError
 from ..utils.io import read_json, save_tensors
-from .lora_svd import atomic_folder, check_out_dir, error_summary, low_rank_factors
+from .lora_svd import atomic_folder, check_out_dir, error_summary, low_rank_factors, numerical_rank
 from .peft import adapter_config, write_adapter
 
 __all__ = ["export_run", "load_run_model", "FORMATS"]
@@ -103,8 +104,7 @@ def _adapted_deltas(folded: nn.Module, pretrained: nn.Module, adapted: list[str]
 
 
 def _write_peft(tmp: Path, deltas: dict, rank: int | None, base_ref: str | None) -> dict:
-    full = max(min(d.shape) for d in deltas.values())
-    r = rank or full
+    r = rank or max(1, max(numerical_rank(d) for d in deltas.values()))
     factors, errors = {}, {}
     for mod, d in deltas.items():
         a, b, tail, total = low_rank_factors(d, r)
@@ -121,7 +121,7 @@ def export_run(run_dir: str | Path, *, format: str, out: str | Path, rank: int |
         run_dir: a continual run directory (``config.yaml``, ``checkpoints/``).
         format: ``"hf"`` or ``"peft"``.
         out: the new folder (written atomically; must not exist or be empty).
-        rank: ``peft`` only: the adapter rank (default: full rank, exact).
+        rank: ``peft`` only: the adapter rank (default: the largest numerical rank of the updates, exact).
         base_out: ``peft`` only: also write the pretrained backbone here as an HF folder.
 
     Returns:

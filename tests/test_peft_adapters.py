@@ -226,3 +226,29 @@ def test_refuses_unsafe_out(tmp_path, two_adapters, base_dir):
         merge_adapters(method="task_arithmetic", base=base_dir, adapters=paths, out=tmp_path / "full")
     with pytest.raises(MergeInputError, match="is or contains the input"):
         merge_adapters(method="task_arithmetic", base=base_dir, adapters=paths, out=paths[0])
+
+
+def test_full_form_adapter_sources_as_experts(two_adapters, base_dir):
+    """The 'full' form is the ordinary merge with AdapterSource experts over the whole base key set."""
+    base = open_checkpoint(base_dir)
+    srcs = [AdapterSource(p, base) for p, _ in two_adapters]
+    merged = merge("task_arithmetic", base=base, experts=srcs, scaling=0.5)
+    assert set(merged) == set(base.keys())
+    for k in base.keys():
+        want = base.get(k).double() + 0.5 * sum(d[k].double() for _, d in two_adapters if k in d)
+        torch.testing.assert_close(merged[k].double(), want, rtol=0, atol=1e-6)
+
+
+def test_bf16_sharded_base_and_bin_adapter(tmp_path):
+    torch.manual_seed(0)
+    model = transformers.LlamaModel(transformers.LlamaConfig(**LLAMA)).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "base", max_shard_size="20KB")
+    assert (tmp_path / "base" / "model.safetensors.index.json").exists()
+    peft_model = make_adapter(tmp_path / "a", 5)
+    peft_model.save_pretrained(tmp_path / "bin", safe_serialization=False)
+    assert (tmp_path / "bin" / "adapter_model.bin").exists()
+    base = open_checkpoint(tmp_path / "base")
+    src = AdapterSource(tmp_path / "bin", base)
+    for k, d in peft_deltas(peft_model).items():
+        assert base.meta(k)[1] == torch.bfloat16 and src.meta(k)[1] == torch.float32
+        torch.testing.assert_close(src.get(k), base.get(k).float() + d)

@@ -151,3 +151,11 @@ def test_export_peft_of_folding_methods(tmp_path, tmp_path_factory, method):
     with torch.no_grad():
         want = folded.backbone.inner(pixel_values=x).last_hidden_state
         torch.testing.assert_close(with_adapter(pixel_values=x).last_hidden_state, want, rtol=0, atol=1e-5)
+
+
+def test_export_refuses_task_routed_methods(tmp_path):
+    cfg = tiny_config(**{"method": {"name": "halrp"}, "train.epochs": 1})
+    cfg["model"] = {"name": "lenet", "pretrained": False}
+    run_experiment(parse_config(cfg), tmp_path / "h")
+    res = _cli("export", tmp_path / "h", "--format", "hf", "--out", tmp_path / "o")
+    assert res.exit_code == 2 and "keeps per-task modules" in res.output and not (tmp_path / "o").exists()

@@ -52,7 +52,8 @@ def export_command(
     run_dir: Path = typer.Argument(..., help="a continual run directory (clmerge run --out)"),
     format: str = typer.Option(..., "--format", help="hf (folded HF model + head) or peft (LoRA adapter)"),
     out: Path = typer.Option(..., "--out", help="new output folder"),
-    rank: int | None = typer.Option(None, "--rank", help="peft: adapter rank (default: the largest numerical rank of the updates: exact)"),
+    rank: int | None = typer.Option(None, "--rank", help="peft: adapter rank (default: the largest numerical "
+                                    "rank of the updates: exact)"),
     base_out: Path | None = typer.Option(None, "--base-out", help="peft: also write the pretrained backbone "
                                          "here as an HF folder (the base the adapter applies to)"),
 ) -> None:

@@ -161,5 +161,6 @@ def export_run(run_dir: str | Path, *, format: str, out: str | Path, rank: int |
     deltas = _adapted_deltas(inner, inner0, adapted, run_dir)
     if base_out is not None:
         atomic_folder(Path(base_out), lambda tmp: inner0.save_pretrained(tmp) or {})
-    base_ref = str(base_out) if base_out is not None else pretrained.info.get("source") or pretrained.info.get("weights")
+    info = pretrained.info
+    base_ref = str(base_out) if base_out is not None else info.get("source") or info.get("weights")
     return atomic_folder(Path(out), lambda tmp: report | _write_peft(tmp, deltas, rank, base_ref), REPORT_FILE)

@@ -86,6 +86,24 @@ def test_rslora_and_patterns(tmp_path, base_dir, lora_kwargs):
         torch.testing.assert_close(src.delta(k), d, rtol=1e-6, atol=1e-7)
 
 
+def test_embedding_lora_and_merge(tmp_path, base_dir):
+    """LoRA on embed_tokens (peft's lora_embedding_A/B, Delta W = s (B A)^T): read, merged, written, loaded."""
+    base = open_checkpoint(base_dir)
+    targets = ["embed_tokens", "q_proj"]
+    models = [make_adapter(tmp_path / f"e{i}", 10 + i, target_modules=targets) for i in (1, 2)]
+    refs = [peft_deltas(m) for m in models]
+    assert "embed_tokens.weight" in refs[0]
+    for i, ref in enumerate(refs):
+        src = AdapterSource(tmp_path / f"e{i + 1}", base)
+        for k, d in ref.items():
+            torch.testing.assert_close(src.delta(k), d, rtol=1e-6, atol=1e-7)
+    merge_adapters(method="task_arithmetic", base=base, adapters=[tmp_path / "e1", tmp_path / "e2"],
+                   hyperparameters={"scaling": 0.5}, out=tmp_path / "m", form="peft", rank=8)
+    got = peft_deltas(peft.PeftModel.from_pretrained(_llama(), tmp_path / "m"))
+    for k in refs[0]:
+        torch.testing.assert_close(got[k], 0.5 * (refs[0][k] + refs[1][k]), rtol=1e-5, atol=1e-6)
+
+
 def test_fan_in_fan_out_gpt2(tmp_path):
     cfg = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2)
     torch.manual_seed(0)

@@ -74,6 +74,21 @@ def test_extract_lora_recovers_low_rank_update(tmp_path, fine_tune):
         float(s[2:].norm() / s.norm()), rel=1e-4)
 
 
+def test_extract_lora_embeddings_when_asked(tmp_path, fine_tune):
+    d, deltas = fine_tune
+    res = _cli("extract-lora", "--base", d / "base", "--tuned", d / "tuned", "--rank", 3, "--out", tmp_path / "x",
+               "--include-embeddings", "--include", "word_embeddings|layer.0.attention")
+    assert res.exit_code == 0, res.output
+    report = json.loads((tmp_path / "x" / "extract_report.json").read_text())
+    assert report["embeddings"] == ["embeddings.word_embeddings"] and report["max_rel_error"] < 1e-6
+    assert report["modules"] == ["embeddings.word_embeddings", "encoder.layer.0.attention.self.query",
+                                 "encoder.layer.0.attention.self.value"]
+    loaded = peft.PeftModel.from_pretrained(_bert(), tmp_path / "x").merge_and_unload().state_dict()
+    tuned = transformers.BertModel.from_pretrained(d / "tuned", add_pooling_layer=False).state_dict()
+    key = "embeddings.word_embeddings.weight"
+    torch.testing.assert_close(loaded[key], tuned[key], rtol=0, atol=1e-6)
+
+
 def test_extract_lora_bad_input_is_one_line_exit_2(tmp_path, fine_tune):
     d, _ = fine_tune
     res = _cli("extract-lora", "--base", d / "base", "--tuned", d / "base", "--rank", 2, "--out", tmp_path / "z")

@@ -31,6 +31,8 @@ def extract_lora_command(
     out: Path = typer.Option(..., "--out", help="new PEFT adapter folder"),
     include: str | None = typer.Option(None, "--include", help="regex: only keys that match"),
     exclude: str | None = typer.Option(None, "--exclude", help="regex: skip keys that match"),
+    embeddings: bool = typer.Option(False, "--include-embeddings", help="also extract embedding tables "
+                                    "(written as peft's lora_embedding_A/B)"),
 ) -> None:
     """A PEFT LoRA adapter from a full fine-tune (truncated SVD of tuned - base per Linear weight)."""
     from .checkpoints.extract import extract_lora
@@ -42,7 +44,8 @@ def extract_lora_command(
         except re.error as exc:
             _fail(f"{flag} {pattern!r}: not a regular expression ({exc})")
     try:
-        res = extract_lora(base=base, tuned=tuned, rank=rank, out=out, include=include, exclude=exclude)
+        res = extract_lora(base=base, tuned=tuned, rank=rank, out=out, include=include, exclude=exclude,
+                           embeddings=embeddings)
     except (MergeInputError, FileNotFoundError, ValueError) as exc:
         _fail(str(exc))
     console.print(f"wrote {out}: {_summary(res)}")

@@ -27,7 +27,7 @@ from torch import Tensor
 from ..merging.registry import get_method, merge
 from ..merging.sources import MergeInputError, ParamSource
 from .lora_svd import atomic_folder, check_out_dir, error_summary, low_rank_factors
-from .peft import AdapterSource, adapter_config, write_adapter
+from .peft import AdapterSource, LoraModule, adapter_config, write_adapter
 
 __all__ = ["merge_adapters", "REPORT_FILE", "LINEAR_METHODS"]
 
@@ -80,51 +80,46 @@ def _open(base: Any, adapters: Sequence[Any]) -> tuple[Any, list[AdapterSource]]
     if not adapters:
         raise MergeInputError("merge_adapters: need at least one adapter")
     srcs = [a if isinstance(a, AdapterSource) else AdapterSource(a, base) for a in adapters]
-    flips = {any(m.transpose for m in s.modules.values()) for s in srcs}
+    flips = {any(m.transpose for m in s.modules.values() if not m.embedding) for s in srcs}
     if len(flips) > 1:
         raise MergeInputError("adapters disagree on fan_in_fan_out; they must be trained on the same model")
     return base, srcs
 
 
-def _module_names(srcs: list[AdapterSource]) -> dict[str, str]:
-    """``{base key: PEFT module name}`` over all adapters (the first adapter that targets a key names it)."""
-    names: dict[str, str] = {}
+def _modules(srcs: list[AdapterSource]) -> dict[str, LoraModule]:
+    """``{base key: LoraModule}`` over all adapters (the first adapter that targets a key names it)."""
+    found: dict[str, LoraModule] = {}
     for s in srcs:
         for key, m in s.modules.items():
-            names.setdefault(key, m.name)
-    return dict(sorted(names.items()))
+            found.setdefault(key, m)
+    return dict(sorted(found.items()))
 
 
-def _to_lora_layout(delta: Tensor, transpose: bool) -> Tensor:
-    return delta.t() if transpose else delta
-
-
-def _refactorise(base, srcs, names, method, hp, rank) -> tuple[dict, dict, int]:
-    keys = list(names)
+def _refactorise(base, srcs, modules, method, hp, rank) -> tuple[dict, dict, int]:
+    keys = list(modules)
     merged = merge(method, base=_KeyView(base, keys, None, base.name),
                    experts=[_KeyView(base, keys, s, s.name) for s in srcs], **hp)
     rank = rank or max(m.rank for s in srcs for m in s.modules.values())
-    transpose = any(m.transpose for s in srcs for m in s.modules.values())
     factors, errors = {}, {}
-    for key, mod in names.items():
+    for key, m in modules.items():
         delta = merged.pop(key).to(torch.float64) - base.get(key).to(torch.float64)
-        a, b, tail, total = low_rank_factors(_to_lora_layout(delta, transpose), rank)
-        factors[mod], errors[mod] = (a, b), (tail, total)
+        a, b, tail, total = low_rank_factors(delta.t() if m.transpose else delta, rank)  # LoRA layout (B A)
+        factors[m.name], errors[m.name] = (a, b), (tail, total)
     return factors, errors, rank
 
 
-def _factored(srcs, names, method, hp) -> tuple[dict, dict]:
+def _factored(srcs, modules, method, hp) -> tuple[dict, dict]:
     if method not in LINEAR_METHODS:
         raise MergeInputError(f"form 'factored' is exact only for methods linear in the updates "
                               f"({', '.join(LINEAR_METHODS)}); use --adapter-out peft (SVD) or full for {method!r}")
     coeffs = LINEAR_METHODS[method](len(srcs), hp)
     factors = {}
-    for key, mod in names.items():
+    for key, first in modules.items():
         parts = [(c, s.modules[key]) for c, s in zip(coeffs, srcs) if key in s.modules]
         a = torch.cat([m.lora_a.float() for _, m in parts], dim=0)
         b = torch.cat([(c * m.scale) * m.lora_b.float() for c, m in parts], dim=1)
-        factors[mod] = (a, b)
-    return factors, {mod: (0.0, 1.0) for mod in names.values()}
+        factors[first.name] = (a, b)
+    return factors, {m.name: (0.0, 1.0) for m in modules.values()}
 
 
 def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperparameters: dict | None = None,
@@ -157,27 +152,27 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
     get_method(method)  # unknown names fail before any work
     base, srcs = _open(base, adapters)
     check_out_dir(Path(out), [Path(s.name) for s in srcs] + [p for p in [Path(str(base.name))] if p.exists()])
-    names = _module_names(srcs)
-    transpose = any(m.transpose for s in srcs for m in s.modules.values())
+    modules = _modules(srcs)
     if form == "peft":
-        factors, errors, out_rank = _refactorise(base, srcs, names, method, hp, rank)
+        factors, errors, out_rank = _refactorise(base, srcs, modules, method, hp, rank)
     else:
-        factors, errors = _factored(srcs, names, method, hp)
+        factors, errors = _factored(srcs, modules, method, hp)
         out_rank = max(a.shape[0] for a, _ in factors.values())
     ranks = {mod: a.shape[0] for mod, (a, _) in factors.items()}
     pattern = {mod: r for mod, r in ranks.items() if r != out_rank}
     cfg0 = srcs[0].config
+    transpose = any(m.transpose for m in modules.values() if not m.embedding)
     config = adapter_config(r=out_rank, alpha=out_rank, targets=list(factors), fan_in_fan_out=transpose,
                             rank_pattern=pattern, alpha_pattern=pattern,
                             base_model=cfg0.get("base_model_name_or_path"), task_type=cfg0.get("task_type"))
     report = {"out": str(out), "form": form, "method": method, "hyperparameters": hp,
-              "adapters": [s.name for s in srcs], "keys": list(names), "rank": out_rank,
+              "adapters": [s.name for s in srcs], "keys": list(modules), "rank": out_rank,
               "ranks": ranks, **error_summary(errors)}
     if form == "factored":
         report.update(max_rel_error=0.0, overall_rel_error=0.0, per_module_rel_error={m: 0.0 for m in ranks})
 
     def fill(tmp: Path) -> dict:
-        write_adapter(tmp, factors, config)
+        write_adapter(tmp, factors, config, {m.name for m in modules.values() if m.embedding})
         return report
 
     return atomic_folder(Path(out), fill, REPORT_FILE)

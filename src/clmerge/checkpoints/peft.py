@@ -34,7 +34,7 @@ __all__ = ["ADAPTER_CONFIG", "is_peft_adapter", "AdapterSource", "LoraModule", "
 ADAPTER_CONFIG = "adapter_config.json"
 PREFIX = "base_model.model."
 _WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
-_LORA_KEY = re.compile(r"^(?P<mod>.+)\.lora_(?P<ab>[AB])\.weight$")
+_LORA_KEY = re.compile(r"^(?P<mod>.+)\.lora_(?:(?P<emb>embedding_)(?P<eab>[AB])|(?P<ab>[AB])\.weight)$")
 
 
 def is_peft_adapter(path: str | Path) -> bool:
@@ -51,7 +51,9 @@ class LoraModule:
         lora_a: ``A``, shape ``(r, in)``.
         lora_b: ``B``, shape ``(out, r)``.
         scale: ``s`` (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA).
-        transpose: the base weight is stored ``(in, out)`` (``fan_in_fan_out``).
+        transpose: the base weight is stored ``(in, out)`` (``fan_in_fan_out``, and every embedding).
+        embedding: an ``nn.Embedding`` (keys ``lora_embedding_A/B``; peft: ``Delta W = s (B A)^T`` with
+            ``A`` of shape ``(r, num_embeddings)``).
     """
 
     name: str
@@ -59,6 +61,7 @@ class LoraModule:
     lora_b: Tensor
     scale: float
     transpose: bool = False
+    embedding: bool = False
 
     @property
     def rank(self) -> int:
@@ -120,11 +123,12 @@ def _load_weights(path: Path) -> dict[str, Tensor]:
     return _torch_load(path)  # weights_only=True
 
 
-def read_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, LoraModule], Path]:
+def read_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, LoraModule], Path, dict[str, Tensor]]:
     """Parse a LoRA adapter folder.
 
     Returns:
-        ``(config, {module name: LoraModule}, weights file)``.
+        ``(config, {module name: LoraModule}, weights file, {key: tensor})``, the last being the base weights
+        peft saves beside an adapted embedding (``<mod>.base_layer.weight``, in case the vocabulary was resized).
 
     Raises:
         MergeInputError: not a plain LoRA adapter, unreadable weights, a key that is not ``lora_A/lora_B``
@@ -135,25 +139,34 @@ def read_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, LoraModule], 
     cfg = read_config(adapter_dir)
     wfile = _weights_file(adapter_dir)
     pairs: dict[str, dict[str, Tensor]] = {}
+    saved_base: dict[str, Tensor] = {}
     for key, tensor in _load_weights(wfile).items():
+        if key.startswith(PREFIX) and key.endswith(".base_layer.weight"):
+            saved_base[key[len(PREFIX):].replace(".base_layer.weight", ".weight")] = tensor
+            continue
         m = _LORA_KEY.match(key[len(PREFIX):]) if key.startswith(PREFIX) else None
         if m is None:
             raise MergeInputError(f"{wfile}: key {key!r} is not a LoRA A/B weight (only plain LoRA on Linear "
-                                  "layers is supported: no DoRA, bias, embedding or modules_to_save weights)")
-        pairs.setdefault(m["mod"], {})[m["ab"]] = tensor
+                                  "and Embedding layers is supported: no DoRA, bias or modules_to_save weights)")
+        pairs.setdefault(m["mod"], {})[m["ab"] or "emb" + m["eab"]] = tensor
     modules = {}
     for mod, ab in pairs.items():
+        embedding = set(ab) == {"embA", "embB"}
+        if embedding:
+            ab = {"A": ab["embA"], "B": ab["embB"]}
         if set(ab) != {"A", "B"} or ab["A"].dim() != 2 or ab["B"].dim() != 2:
-            raise MergeInputError(f"{wfile}: module {mod!r} needs 2-D lora_A and lora_B weights")
+            raise MergeInputError(f"{wfile}: module {mod!r} needs 2-D lora_A and lora_B weights (convolutions "
+                                  "are not supported)")
         r = int(_pattern_value(cfg.get("rank_pattern"), mod, cfg.get("r", 8)))
         alpha = float(_pattern_value(cfg.get("alpha_pattern"), mod, cfg.get("lora_alpha", 8)))
         if ab["A"].shape[0] != r or ab["B"].shape[1] != r:
             raise MergeInputError(f"{wfile}: module {mod!r} has rank {ab['A'].shape[0]} but the config says r={r}")
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-        modules[mod] = LoraModule(mod, ab["A"], ab["B"], scale, bool(cfg.get("fan_in_fan_out", False)))
+        transpose = embedding or bool(cfg.get("fan_in_fan_out", False))
+        modules[mod] = LoraModule(mod, ab["A"], ab["B"], scale, transpose, embedding)
     if not modules:
         raise MergeInputError(f"{wfile}: no LoRA weights")
-    return cfg, modules, wfile
+    return cfg, modules, wfile, saved_base
 
 
 def match_base_key(module: str, base_keys: set[str] | dict, where: str) -> str:
@@ -199,7 +212,7 @@ class AdapterSource(ParamSource):
     def __init__(self, adapter_dir: str | Path, base: Any) -> None:  # noqa: D107 (no ParamSource.__init__)
         self.name = str(adapter_dir)
         self.base = base
-        self.config, by_module, wfile = read_adapter(adapter_dir)
+        self.config, by_module, wfile, saved_base = read_adapter(adapter_dir)
         self.files = [wfile]
         base_keys = set(base.keys())
         self.modules: dict[str, LoraModule] = {}
@@ -213,6 +226,15 @@ class AdapterSource(ParamSource):
                                       f"{base.name} has {key!r} of shape {list(shape)}")
             self.modules[key] = lm
         self.delta_keys = set(self.modules)
+        self._check_saved_base(saved_base, base_keys)
+
+    def _check_saved_base(self, saved: dict[str, Tensor], base_keys: set[str]) -> None:
+        """The base weights peft saved beside an adapted embedding must be the base's own (no resized vocab)."""
+        for mod_key, tensor in saved.items():
+            key = match_base_key(mod_key[: -len(".weight")], base_keys, self.name)
+            if not torch.equal(tensor, self.base.get(key).to(tensor.dtype)):
+                raise MergeInputError(f"{self.name}: the adapter saves its own {key!r} (a resized or trained "
+                                      f"embedding) that differs from {self.base.name}; not supported")
 
     def keys(self) -> list[str]:
         return list(self.base.keys())
@@ -231,7 +253,8 @@ class AdapterSource(ParamSource):
         return self.base.get(key).float().add_(self.delta(key))
 
 
-def write_adapter(out_dir: Path, modules: dict[str, tuple[Tensor, Tensor]], config: dict) -> None:
+def write_adapter(out_dir: Path, modules: dict[str, tuple[Tensor, Tensor]], config: dict,
+                  embeddings: set[str] = frozenset()) -> None:
     """Write ``adapter_config.json`` and ``adapter_model.safetensors`` into ``out_dir`` (an existing,
     private temporary folder; the caller renames it into place).
 
@@ -239,13 +262,16 @@ def write_adapter(out_dir: Path, modules: dict[str, tuple[Tensor, Tensor]], conf
         out_dir: the folder.
         modules: ``{module name: (A, B)}``, ``A`` of shape ``(r, in)`` and ``B`` of ``(out, r)``.
         config: the adapter config (written as is).
+        embeddings: modules that are ``nn.Embedding`` (written as ``lora_embedding_A/B``; ``A`` is
+            ``(r, num_embeddings)``, ``B`` ``(embedding_dim, r)``).
     """
     from safetensors.torch import save_file
 
     tensors = {}
     for mod, (a, b) in modules.items():
-        tensors[f"{PREFIX}{mod}.lora_A.weight"] = a.detach().contiguous()
-        tensors[f"{PREFIX}{mod}.lora_B.weight"] = b.detach().contiguous()
+        names = ("lora_embedding_A", "lora_embedding_B") if mod in embeddings else ("lora_A.weight", "lora_B.weight")
+        tensors[f"{PREFIX}{mod}.{names[0]}"] = a.detach().contiguous()
+        tensors[f"{PREFIX}{mod}.{names[1]}"] = b.detach().contiguous()
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 

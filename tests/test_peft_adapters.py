@@ -270,3 +270,20 @@ def test_bf16_sharded_base_and_bin_adapter(tmp_path):
     for k, d in peft_deltas(peft_model).items():
         assert base.meta(k)[1] == torch.bfloat16 and src.meta(k)[1] == torch.float32
         torch.testing.assert_close(src.get(k), base.get(k).float() + d)
+
+
+def test_sources_never_modify_the_base(two_adapters, base_dir):
+    base = open_checkpoint(base_dir)
+    as_dict = {k: base.get(k) for k in base.keys()}
+    keep = {k: v.clone() for k, v in as_dict.items()}
+    from clmerge.merging import ParamSource
+
+    src = AdapterSource(two_adapters[0][0], ParamSource(as_dict))
+    for k in src.delta_keys:
+        src.get(k)
+    merge_adapters(method="weight_average", base=ParamSource(as_dict), adapters=[p for p, _ in two_adapters],
+                   out=base_dir.parent / "avg", form="peft")
+    assert all(torch.equal(as_dict[k], keep[k]) for k in keep)
+    with pytest.raises(TypeError, match="unknown hyperparameter 'density'"):
+        merge_adapters(method="task_arithmetic", base=base, adapters=[p for p, _ in two_adapters],
+                       hyperparameters={"density": 0.2}, out=base_dir.parent / "x", form="factored")

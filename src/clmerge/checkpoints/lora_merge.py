@@ -66,7 +66,7 @@ class _KeyView(ParamSource):
         return tuple(self.base.meta(key)[0]), torch.float64
 
     def get(self, key: str) -> Tensor:
-        w = self.base.get(key).to(torch.float64)
+        w = self.base.get(key).to(torch.float64, copy=True)  # a copy: the sum below must not touch the base
         if self.adapter is not None and key in self.adapter.delta_keys:
             w += self.adapter.delta(key).to(torch.float64)
         return w
@@ -149,7 +149,10 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
     if rank is not None and rank < 1:
         raise MergeInputError(f"--adapter-rank must be >= 1, got {rank}")
     hp = dict(hyperparameters or {})
-    get_method(method)  # unknown names fail before any work
+    valid = get_method(method).hyperparameters()  # unknown names fail before any work, in either form
+    for key in hp:
+        if key not in valid:
+            raise TypeError(f"{method}: unknown hyperparameter {key!r}; valid: {', '.join(valid) or 'none'}")
     base, srcs = _open(base, adapters)
     check_out_dir(Path(out), [Path(s.name) for s in srcs] + [p for p in [Path(str(base.name))] if p.exists()])
     modules = _modules(srcs)

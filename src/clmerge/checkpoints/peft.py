@@ -250,7 +250,7 @@ class AdapterSource(ParamSource):
     def get(self, key: str) -> Tensor:
         if key not in self.modules:
             return self.base.get(key)
-        return self.base.get(key).float().add_(self.delta(key))
+        return self.delta(key).add_(self.base.get(key))  # the fresh delta takes the sum: base is never modified
 
 
 def write_adapter(out_dir: Path, modules: dict[str, tuple[Tensor, Tensor]], config: dict,

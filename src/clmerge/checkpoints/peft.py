@@ -131,9 +131,9 @@ def read_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, LoraModule], 
         peft saves beside an adapted embedding (``<mod>.base_layer.weight``, in case the vocabulary was resized).
 
     Raises:
-        MergeInputError: not a plain LoRA adapter, unreadable weights, a key that is not ``lora_A/lora_B``
-            (DoRA magnitudes, biases, embeddings: named), ``A`` without ``B``, or a rank that disagrees with
-            the config.
+        MergeInputError: not a plain LoRA adapter, unreadable weights, a key that is not a LoRA factor
+            (DoRA magnitudes, biases, modules_to_save: named), ``A`` without ``B``, a convolution, or a rank that
+            disagrees with the config.
     """
     adapter_dir = Path(adapter_dir)
     cfg = read_config(adapter_dir)
@@ -149,24 +149,27 @@ def read_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, LoraModule], 
             raise MergeInputError(f"{wfile}: key {key!r} is not a LoRA A/B weight (only plain LoRA on Linear "
                                   "and Embedding layers is supported: no DoRA, bias or modules_to_save weights)")
         pairs.setdefault(m["mod"], {})[m["ab"] or "emb" + m["eab"]] = tensor
-    modules = {}
-    for mod, ab in pairs.items():
-        embedding = set(ab) == {"embA", "embB"}
-        if embedding:
-            ab = {"A": ab["embA"], "B": ab["embB"]}
-        if set(ab) != {"A", "B"} or ab["A"].dim() != 2 or ab["B"].dim() != 2:
-            raise MergeInputError(f"{wfile}: module {mod!r} needs 2-D lora_A and lora_B weights (convolutions "
-                                  "are not supported)")
-        r = int(_pattern_value(cfg.get("rank_pattern"), mod, cfg.get("r", 8)))
-        alpha = float(_pattern_value(cfg.get("alpha_pattern"), mod, cfg.get("lora_alpha", 8)))
-        if ab["A"].shape[0] != r or ab["B"].shape[1] != r:
-            raise MergeInputError(f"{wfile}: module {mod!r} has rank {ab['A'].shape[0]} but the config says r={r}")
-        scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-        transpose = embedding or bool(cfg.get("fan_in_fan_out", False))
-        modules[mod] = LoraModule(mod, ab["A"], ab["B"], scale, transpose, embedding)
+    modules = {mod: _lora_module(mod, ab, cfg, wfile) for mod, ab in pairs.items()}
     if not modules:
         raise MergeInputError(f"{wfile}: no LoRA weights")
     return cfg, modules, wfile, saved_base
+
+
+def _lora_module(mod: str, ab: dict[str, Tensor], cfg: dict, wfile: Path) -> LoraModule:
+    """One module's factors with its scale (peft's ``rank_pattern`` / ``alpha_pattern`` / rsLoRA rules)."""
+    embedding = set(ab) == {"embA", "embB"}
+    if embedding:
+        ab = {"A": ab["embA"], "B": ab["embB"]}
+    if set(ab) != {"A", "B"} or ab["A"].dim() != 2 or ab["B"].dim() != 2:
+        raise MergeInputError(f"{wfile}: module {mod!r} needs 2-D lora_A and lora_B weights (convolutions "
+                              "are not supported)")
+    r = int(_pattern_value(cfg.get("rank_pattern"), mod, cfg.get("r", 8)))
+    alpha = float(_pattern_value(cfg.get("alpha_pattern"), mod, cfg.get("lora_alpha", 8)))
+    if ab["A"].shape[0] != r or ab["B"].shape[1] != r:
+        raise MergeInputError(f"{wfile}: module {mod!r} has rank {ab['A'].shape[0]} but the config says r={r}")
+    scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    transpose = embedding or bool(cfg.get("fan_in_fan_out", False))
+    return LoraModule(mod, ab["A"], ab["B"], scale, transpose, embedding)
 
 
 def match_base_key(module: str, base_keys: set[str] | dict, where: str) -> str:

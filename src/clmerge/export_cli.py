@@ -33,6 +33,8 @@ def extract_lora_command(
     exclude: str | None = typer.Option(None, "--exclude", help="regex: skip keys that match"),
     embeddings: bool = typer.Option(False, "--include-embeddings", help="also extract embedding tables "
                                     "(written as peft's lora_embedding_A/B)"),
+    svd: str = typer.Option("auto", "--svd", help="auto (randomized for large matrices), full (exact optimum) "
+                            "or randomized"),
 ) -> None:
     """A PEFT LoRA adapter from a full fine-tune (truncated SVD of tuned - base per Linear weight)."""
     from .checkpoints.extract import extract_lora
@@ -45,7 +47,7 @@ def extract_lora_command(
             _fail(f"{flag} {pattern!r}: not a regular expression ({exc})")
     try:
         res = extract_lora(base=base, tuned=tuned, rank=rank, out=out, include=include, exclude=exclude,
-                           embeddings=embeddings)
+                           embeddings=embeddings, svd=svd)
     except (MergeInputError, FileNotFoundError, ValueError) as exc:
         _fail(str(exc))
     console.print(f"wrote {out}: {_summary(res)}")
@@ -59,13 +61,14 @@ def export_command(
                                     "rank of the updates: exact)"),
     base_out: Path | None = typer.Option(None, "--base-out", help="peft: also write the pretrained backbone "
                                          "here as an HF folder (the base the adapter applies to)"),
+    svd: str = typer.Option("auto", "--svd", help="peft: auto, full or randomized truncated SVD"),
 ) -> None:
     """Export a continual run's final model as an HF model folder or a PEFT LoRA adapter."""
     from .checkpoints.run_export import export_run
     from .merging.sources import MergeInputError
 
     try:
-        res = export_run(run_dir, format=format, out=out, rank=rank, base_out=base_out)
+        res = export_run(run_dir, format=format, out=out, rank=rank, base_out=base_out, svd=svd)
     except (MergeInputError, FileNotFoundError, ValueError) as exc:
         _fail(str(exc))
     if format == "peft":

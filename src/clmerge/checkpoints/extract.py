@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..merging.sources import MergeInputError
-from .lora_svd import atomic_folder, check_out_dir, error_summary, low_rank_factors
+from .lora_svd import atomic_folder, check_out_dir, check_svd, error_summary, low_rank_factors
 from .peft import adapter_config, write_adapter
 from .readers import open_checkpoint
 
@@ -50,7 +50,7 @@ def _candidates(base: Any, tuned: Any, include: re.Pattern | None, exclude: re.P
 
 
 def extract_lora(*, base: Any, tuned: Any, rank: int, out: str | Path, include: str | None = None,
-                 exclude: str | None = None, embeddings: bool = False) -> dict:
+                 exclude: str | None = None, embeddings: bool = False, svd: str = "auto") -> dict:
     """Write a PEFT LoRA adapter of rank ``rank`` that approximates ``tuned - base``.
 
     Args:
@@ -62,6 +62,7 @@ def extract_lora(*, base: Any, tuned: Any, rank: int, out: str | Path, include: 
         exclude: optional regex: keys that match are skipped.
         embeddings: also extract embedding tables (names like ``embed_tokens``, ``wte``,
             ``word_embeddings``), written as peft's ``lora_embedding_A/B`` (``Delta W^T = B A``).
+        svd: ``"auto"``, ``"full"`` or ``"randomized"`` (:func:`.lora_svd.low_rank_factors`).
 
     Returns:
         ``{"out", "rank", "modules", "skipped_unchanged", "per_module_rel_error", "overall_rel_error",
@@ -69,6 +70,7 @@ def extract_lora(*, base: Any, tuned: Any, rank: int, out: str | Path, include: 
     """
     if rank < 1:
         raise MergeInputError(f"--rank must be >= 1, got {rank}")
+    check_svd(svd)
     paths = [Path(str(x)) for x in (base, tuned) if isinstance(x, (str, Path))]
     base = open_checkpoint(base) if isinstance(base, (str, Path)) else base
     tuned = open_checkpoint(tuned) if isinstance(tuned, (str, Path)) else tuned
@@ -83,8 +85,8 @@ def extract_lora(*, base: Any, tuned: Any, rank: int, out: str | Path, include: 
         mod = key[: -len(".weight")]
         if is_embedding:
             emb.add(mod)
-        a, b, tail, total = low_rank_factors(delta.t() if is_embedding else delta, rank)
-        factors[mod], errors[mod] = (a, b), (tail, total)
+        low = low_rank_factors(delta.t() if is_embedding else delta, rank, svd)
+        factors[mod], errors[mod] = (low.a, low.b), low
     if not factors:
         raise MergeInputError(f"{tuned.name}: no Linear weight differs from {base.name}; nothing to extract")
     config = adapter_config(r=rank, alpha=rank, targets=list(factors), base_model=str(base.name))

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..merging.registry import get_method, merge
 from ..merging.sources import MergeInputError, ParamSource
-from .lora_svd import atomic_folder, check_out_dir, error_summary, low_rank_factors
+from .lora_svd import atomic_folder, check_out_dir, check_svd, error_summary, low_rank_factors
 from .peft import AdapterSource, LoraModule, adapter_config, write_adapter
 
 __all__ = ["merge_adapters", "REPORT_FILE", "LINEAR_METHODS"]
@@ -95,7 +95,7 @@ def _modules(srcs: list[AdapterSource]) -> dict[str, LoraModule]:
     return dict(sorted(found.items()))
 
 
-def _refactorise(base, srcs, modules, method, hp, rank) -> tuple[dict, dict, int]:
+def _refactorise(base, srcs, modules, method, hp, rank, svd) -> tuple[dict, dict, int]:
     keys = list(modules)
     merged = merge(method, base=_KeyView(base, keys, None, base.name),
                    experts=[_KeyView(base, keys, s, s.name) for s in srcs], **hp)
@@ -103,8 +103,8 @@ def _refactorise(base, srcs, modules, method, hp, rank) -> tuple[dict, dict, int
     factors, errors = {}, {}
     for key, m in modules.items():
         delta = merged.pop(key).to(torch.float64) - base.get(key).to(torch.float64)
-        a, b, tail, total = low_rank_factors(delta.t() if m.transpose else delta, rank)  # LoRA layout (B A)
-        factors[m.name], errors[m.name] = (a, b), (tail, total)
+        low = low_rank_factors(delta.t() if m.transpose else delta, rank, svd)  # in LoRA layout (B A)
+        factors[m.name], errors[m.name] = (low.a, low.b), low
     return factors, errors, rank
 
 
@@ -123,7 +123,7 @@ def _factored(srcs, modules, method, hp) -> tuple[dict, dict]:
 
 
 def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperparameters: dict | None = None,
-                   out: str | Path, form: str = "peft", rank: int | None = None) -> dict:
+                   out: str | Path, form: str = "peft", rank: int | None = None, svd: str = "auto") -> dict:
     """Merge PEFT LoRA adapters with any registered method and write the result as a PEFT adapter folder.
 
     Args:
@@ -134,6 +134,7 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
         out: the new adapter folder (must not exist, or be empty); written atomically.
         form: ``"peft"`` (truncated SVD at ``rank``) or ``"factored"`` (exact, linear methods only).
         rank: the output rank for ``"peft"`` (default: the largest input rank).
+        svd: ``"auto"``, ``"full"`` or ``"randomized"`` (:func:`.lora_svd.low_rank_factors`).
 
     Returns:
         ``{"out", "form", "method", "keys", "rank", "max_rel_error", "overall_rel_error",
@@ -148,6 +149,7 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
                               "ordinary merge with AdapterSource experts)")
     if rank is not None and rank < 1:
         raise MergeInputError(f"--adapter-rank must be >= 1, got {rank}")
+    check_svd(svd)
     hp = dict(hyperparameters or {})
     valid = get_method(method).hyperparameters()  # unknown names fail before any work, in either form
     for key in hp:
@@ -157,7 +159,7 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
     check_out_dir(Path(out), [Path(s.name) for s in srcs] + [p for p in [Path(str(base.name))] if p.exists()])
     modules = _modules(srcs)
     if form == "peft":
-        factors, errors, out_rank = _refactorise(base, srcs, modules, method, hp, rank)
+        factors, errors, out_rank = _refactorise(base, srcs, modules, method, hp, rank, svd)
     else:
         factors, errors = _factored(srcs, modules, method, hp)
         out_rank = max(a.shape[0] for a, _ in factors.values())

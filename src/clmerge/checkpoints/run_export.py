@@ -24,7 +24,7 @@ from torch import nn
 
 from ..merging.sources import MergeInputError
 from ..utils.io import read_json, save_tensors
-from .lora_svd import atomic_folder, check_out_dir, error_summary, low_rank_factors, numerical_rank
+from .lora_svd import atomic_folder, check_out_dir, check_svd, error_summary, low_rank_factors, numerical_rank
 from .peft import adapter_config, write_adapter
 
 __all__ = ["export_run", "load_run_model", "FORMATS"]
@@ -103,18 +103,18 @@ def _adapted_deltas(folded: nn.Module, pretrained: nn.Module, adapted: list[str]
     return deltas
 
 
-def _write_peft(tmp: Path, deltas: dict, rank: int | None, base_ref: str | None) -> dict:
+def _write_peft(tmp: Path, deltas: dict, rank: int | None, base_ref: str | None, svd: str) -> dict:
     r = rank or max(1, max(numerical_rank(d) for d in deltas.values()))
     factors, errors = {}, {}
     for mod, d in deltas.items():
-        a, b, tail, total = low_rank_factors(d, r)
-        factors[mod], errors[mod] = (a, b), (tail, total)
+        low = low_rank_factors(d, r, svd)
+        factors[mod], errors[mod] = (low.a, low.b), low
     write_adapter(tmp, factors, adapter_config(r=r, alpha=r, targets=list(factors), base_model=base_ref))
     return {"rank": r, **error_summary(errors)}
 
 
 def export_run(run_dir: str | Path, *, format: str, out: str | Path, rank: int | None = None,
-               base_out: str | Path | None = None) -> dict:
+               base_out: str | Path | None = None, svd: str = "auto") -> dict:
     """Export the run in ``run_dir`` (see the module docstring).
 
     Args:
@@ -123,6 +123,7 @@ def export_run(run_dir: str | Path, *, format: str, out: str | Path, rank: int |
         out: the new folder (written atomically; must not exist or be empty).
         rank: ``peft`` only: the adapter rank (default: the largest numerical rank of the updates, exact).
         base_out: ``peft`` only: also write the pretrained backbone here as an HF folder.
+        svd: ``"auto"``, ``"full"`` or ``"randomized"`` (:func:`.lora_svd.low_rank_factors`).
 
     Returns:
         A report dict (``export_report.json`` in ``out``): format, method, modules, rank and errors.
@@ -132,6 +133,7 @@ def export_run(run_dir: str | Path, *, format: str, out: str | Path, rank: int |
         raise MergeInputError(f"--format {format!r}: expected one of {', '.join(FORMATS)}")
     if rank is not None and (format != "peft" or rank < 1):
         raise MergeInputError("--rank: only with --format peft, and >= 1")
+    check_svd(svd)
     check_out_dir(Path(out), [run_dir])
     if base_out is not None:
         check_out_dir(Path(base_out), [run_dir, Path(out)])
@@ -163,4 +165,4 @@ def export_run(run_dir: str | Path, *, format: str, out: str | Path, rank: int |
         atomic_folder(Path(base_out), lambda tmp: inner0.save_pretrained(tmp) or {})
     info = pretrained.info
     base_ref = str(base_out) if base_out is not None else info.get("source") or info.get("weights")
-    return atomic_folder(Path(out), lambda tmp: report | _write_peft(tmp, deltas, rank, base_ref), REPORT_FILE)
+    return atomic_folder(Path(out), lambda tmp: report | _write_peft(tmp, deltas, rank, base_ref, svd), REPORT_FILE)

@@ -177,6 +177,12 @@ app.command("merge")(_merge_command)
 app.command("merges", help="List the model-merging methods.")(_list_merges)
 app.command("merge-bench")(_merge_bench_command)
 
+from .export_cli import export_command as _export_command  # noqa: E402
+from .export_cli import extract_lora_command as _extract_lora_command  # noqa: E402
+
+app.command("extract-lora")(_extract_lora_command)
+app.command("export")(_export_command)
+
 from .study_cli import advise_command as _advise_command  # noqa: E402
 from .study_cli import predict_command as _predict_command  # noqa: E402
 from .study_cli import study_command as _study_command  # noqa: E402

@@ -1,0 +1,168 @@
+"""Export a continual run directory as an HF model folder or a PEFT LoRA adapter.
+
+The model is rebuilt from the run's last checkpoint as a resumed run does (``engine.run._restore``: the
+config's classifier, :func:`rebuild_structure`, a strict ``load_state_dict``), and every LoRA component is
+folded into its base weight (``W = W_0 + sum_k c_k U_k D_k``, :func:`clmerge.adapters.folded.folded_copy`).
+
+- ``hf``: the folded backbone (an HF ``ViTModel``/``CLIPVisionModel``) with ``save_pretrained``, the
+  classifier head as ``head.safetensors`` (``weight`` ``(C, D)``, ``bias`` ``(C,)``: the per-task blocks
+  concatenated) and ``classes.json`` (class order, tasks, preprocessing, how features are taken);
+- ``peft``: ``Delta W = W_folded - W_pretrained`` of every adapted Linear as a PEFT adapter over the backbone's
+  module names (exact at the default rank, the largest numerical rank of the updates; truncated SVD at
+  ``rank``), so ``PeftModel.from_pretrained(base, out)``
+  reproduces the folded backbone; ``--base-out`` also writes the pretrained backbone as an HF folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..merging.sources import MergeInputError
+from ..utils.io import read_json, save_tensors
+from .lora_svd import atomic_folder, check_out_dir, check_svd, error_summary, low_rank_factors, numerical_rank
+from .peft import adapter_config, write_adapter
+
+__all__ = ["export_run", "load_run_model", "FORMATS"]
+
+FORMATS = ("hf", "peft")
+REPORT_FILE = "export_report.json"
+
+
+def load_run_model(run_dir: Path) -> tuple[nn.Module, nn.Module, dict, dict]:
+    """``(folded model, pretrained backbone, manifest, checkpoint meta)`` of the run's last checkpoint."""
+    from ..adapters.folded import folded_copy
+    from ..adapters.structure import rebuild_structure
+    from ..config import ConfigError, load_config
+    from ..engine.checkpoint import latest_checkpoint, load_checkpoint
+    from ..engine.run import build_classifier
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise MergeInputError(f"{run_dir}: not a run directory (no config.yaml)")
+    ck = latest_checkpoint(run_dir)
+    if ck is None:
+        raise MergeInputError(f"{run_dir}: no checkpoint (checkpoints/task_NNN.safetensors); finish a task first")
+    try:
+        cfg = load_config(run_dir / "config.yaml")
+        model = build_classifier(cfg)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        raise MergeInputError(f"{run_dir / 'config.yaml'}: cannot rebuild the model ({exc})") from exc
+    pretrained = copy.deepcopy(model.backbone).eval()
+    state, _, meta = load_checkpoint(ck)
+    others = sorted({c for c in meta["structure"].get("wrapped", {}).values() if c != "LoRALinear"})
+    if others:
+        raise MergeInputError(f"{run_dir}: method {cfg.method.name!r} keeps per-task modules ({', '.join(others)}); "
+                              "a single exported model cannot route tasks")
+    rebuild_structure(model, meta["structure"])
+    model.load_state_dict(state, strict=True)
+    manifest = read_json(run_dir / "manifest.json") if (run_dir / "manifest.json").exists() else {}
+    manifest["method"] = cfg.method.name
+    return folded_copy(model), pretrained, manifest, meta
+
+
+def _hf_inner(backbone: nn.Module, run_dir: Path) -> nn.Module:
+    inner = getattr(backbone, "inner", None)
+    if inner is None or not hasattr(inner, "save_pretrained"):
+        raise MergeInputError(f"{run_dir}: the backbone is not an HF model ({type(inner or backbone).__name__}); "
+                              "only HF backbones (vit-*, hf-*, clip) export")
+    return inner
+
+
+def _head_and_classes(model: nn.Module, manifest: dict, backbone: nn.Module) -> tuple[dict, dict]:
+    blocks = list(model.head.blocks)
+    head = {"weight": torch.cat([b.weight.detach() for b in blocks], dim=0)}
+    if blocks and blocks[0].bias is not None:
+        head["bias"] = torch.cat([b.bias.detach() for b in blocks], dim=0)
+    classes = {
+        "method": manifest.get("method"), "kind": manifest.get("kind"), "dataset": manifest.get("dataset"),
+        "class_order": manifest.get("class_order"), "tasks": manifest.get("tasks"),
+        "head_blocks": [b.out_features for b in blocks],
+        "features": "last_hidden_state[:, 0] (ViT CLS token after the final LayerNorm); CLIP: pooler_output",
+        "preprocess": {"image_size": backbone.image_size, "num_channels": backbone.num_channels,
+                       "mean": backbone.mean.flatten().tolist(), "std": backbone.std.flatten().tolist()},
+    }
+    return head, classes
+
+
+def _adapted_deltas(folded: nn.Module, pretrained: nn.Module, adapted: list[str], run_dir: Path) -> dict:
+    """``{module name: Delta W}`` for the adapted Linears; any other change is an error (not a LoRA)."""
+    after, before = folded.state_dict(), pretrained.state_dict()
+    deltas = {}
+    for key, w0 in before.items():
+        mod = key[: -len(".weight")] if key.endswith(".weight") else None
+        if mod in adapted:
+            deltas[mod] = after[key].to(torch.float64) - w0.to(torch.float64)
+        elif not torch.equal(after[key], w0):
+            raise MergeInputError(f"{run_dir}: backbone parameter {key!r} changed and is not a LoRA-adapted "
+                                  "Linear weight; export --format hf instead (or extract-lora from it)")
+    return deltas
+
+
+def _write_peft(tmp: Path, deltas: dict, rank: int | None, base_ref: str | None, svd: str) -> dict:
+    r = rank or max(1, max(numerical_rank(d) for d in deltas.values()))
+    factors, errors = {}, {}
+    for mod, d in deltas.items():
+        low = low_rank_factors(d, r, svd)
+        factors[mod], errors[mod] = (low.a, low.b), low
+    write_adapter(tmp, factors, adapter_config(r=r, alpha=r, targets=list(factors), base_model=base_ref))
+    return {"rank": r, **error_summary(errors)}
+
+
+def export_run(run_dir: str | Path, *, format: str, out: str | Path, rank: int | None = None,
+               base_out: str | Path | None = None, svd: str = "auto") -> dict:
+    """Export the run in ``run_dir`` (see the module docstring).
+
+    Args:
+        run_dir: a continual run directory (``config.yaml``, ``checkpoints/``).
+        format: ``"hf"`` or ``"peft"``.
+        out: the new folder (written atomically; must not exist or be empty).
+        rank: ``peft`` only: the adapter rank (default: the largest numerical rank of the updates, exact).
+        base_out: ``peft`` only: also write the pretrained backbone here as an HF folder.
+        svd: ``"auto"``, ``"full"`` or ``"randomized"`` (:func:`.lora_svd.low_rank_factors`).
+
+    Returns:
+        A report dict (``export_report.json`` in ``out``): format, method, modules, rank and errors.
+    """
+    run_dir = Path(run_dir)
+    if format not in FORMATS:
+        raise MergeInputError(f"--format {format!r}: expected one of {', '.join(FORMATS)}")
+    if rank is not None and (format != "peft" or rank < 1):
+        raise MergeInputError("--rank: only with --format peft, and >= 1")
+    check_svd(svd)
+    check_out_dir(Path(out), [run_dir])
+    if base_out is not None:
+        check_out_dir(Path(base_out), [run_dir, Path(out)])
+    from ..adapters.lora import LoRALinear
+
+    # which Linears carry LoRA: read before folding removes the wrappers
+    folded, pretrained, manifest, meta = load_run_model(run_dir)
+    inner, inner0 = _hf_inner(folded.backbone, run_dir), _hf_inner(pretrained, run_dir)
+    prefix = "backbone.inner."
+    adapted = sorted(n[len(prefix):] for n, c in meta["structure"].get("wrapped", {}).items()
+                     if c == LoRALinear.__name__ and n.startswith(prefix))
+    report = {"out": str(out), "format": format, "run": str(run_dir), "method": manifest.get("method"),
+              "task": meta["task"], "adapted_modules": adapted}
+    if format == "hf":
+        head, classes = _head_and_classes(folded, manifest, folded.backbone)
+
+        def fill(tmp: Path) -> dict:
+            inner.save_pretrained(tmp)
+            save_tensors(tmp / "head.safetensors", head)
+            (tmp / "classes.json").write_text(json.dumps(classes, indent=2) + "\n")
+            return report
+
+        return atomic_folder(Path(out), fill, REPORT_FILE)
+    if not adapted:
+        raise MergeInputError(f"{run_dir}: method {manifest.get('method')!r} has no LoRA layers; export "
+                              "--format hf (then clmerge extract-lora against the pretrained backbone)")
+    deltas = _adapted_deltas(inner, inner0, adapted, run_dir)
+    if base_out is not None:
+        atomic_folder(Path(base_out), lambda tmp: inner0.save_pretrained(tmp) or {})
+    info = pretrained.info
+    base_ref = str(base_out) if base_out is not None else info.get("source") or info.get("weights")
+    return atomic_folder(Path(out), lambda tmp: report | _write_peft(tmp, deltas, rank, base_ref, svd), REPORT_FILE)

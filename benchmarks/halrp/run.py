@@ -64,6 +64,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "halrp_random": ("halrp", {"factor_init": "random"}),  # P3: Random LRP
     "halrp_alpha0.6": ("halrp", {"alpha": 0.6}),  # P5
     "halrp_total_budget": ("halrp", {"prune_budget": "total"}),  # P9: budget on the total growth
+    "halrp_nonzero_count": ("halrp", {"prune_budget": "nonzero_count"}),  # P9: the pre-audit rule (old tables)
     # P4 (Table 6, n_r = 1..4): longer warm-ups on top of the same fine-tuning epochs as the default
     "halrp_warmup2": ("halrp", {"warmup_epochs": 2}),
     "halrp_warmup3": ("halrp", {"warmup_epochs": 3}),

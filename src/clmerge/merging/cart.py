@@ -2,7 +2,8 @@
 
 Eq. (4): ``theta_* = theta_avg + lambda * sum_t SVD_k(theta_t - theta_avg)`` for every weight matrix; other
 tensors are averaged. CART-Indexing (App. C.2) keeps the per-task low-rank parts and rebuilds task ``t``'s
-model as ``theta_avg + lambda * SVD_k(theta_t - theta_avg)``.
+model as ``theta_avg + lambda * SVD_k(theta_t - theta_avg)``; its other tensors follow the official code,
+``theta_avg + lambda * (theta_t - theta_avg)`` (``non_matrix="task"``), or are averaged (``"average"``).
 """
 
 from __future__ import annotations
@@ -39,11 +40,14 @@ def centered_low_rank_sum(experts: Sequence[Tensor], k: int, *, svd: str = "exac
 
 
 def _cart_kernel(rank_ratio: float, scaling: float, rounding: str, svd: str, seed: int, include: str | None,
-                 exclude: str | None, task: int | None):
+                 exclude: str | None, task: int | None, non_matrix: str = "average"):
     def kernel(key: str, b: Tensor | None, xs: list[Tensor]) -> Tensor:
         shape = tuple(xs[0].shape)
         if not is_lowrank_param(key, shape, exclude, include):
-            return stack64(xs).mean(0)  # non-matrix (and excluded) parameters: plain average
+            avg = stack64(xs).mean(0)  # non-matrix (and excluded) parameters
+            if task is None or non_matrix == "average" or rank_ratio == 0.0:
+                return avg  # CART: the centered deltas sum to zero; the code zeroes them at gamma = 0 as well
+            return avg + scaling * (xs[task].double() - avg)  # official CART-Indexing: the full centered delta
         k = target_rank(shape, rank_ratio, rounding)
         avg, low = centered_low_rank_sum(xs, k, svd=svd, seed=seed, only=task)
         return avg + scaling * low
@@ -79,7 +83,8 @@ def cart(*, base: Any = None, experts: Sequence[Any], rank_ratio: float = 0.08, 
                 needs_base=False)
 def cart_indexing(*, base: Any = None, experts: Sequence[Any], task: int = 0, rank_ratio: float = 0.08,
                   scaling: float = 1.0, rounding: str = "ceil", svd: str = "exact", seed: int = 0,
-                  include: str | None = None, exclude: str | None = DEFAULT_EXCLUDE) -> dict[str, Tensor]:
+                  include: str | None = None, exclude: str | None = DEFAULT_EXCLUDE,
+                  non_matrix: str = "task") -> dict[str, Tensor]:
     """CART-Indexing, App. C.2: ``theta_avg + lambda * SVD_k(theta_task - theta_avg)`` per weight matrix.
 
     The paper's formula has no ``lambda`` (``scaling = 1``, the default); the official code applies its
@@ -87,8 +92,16 @@ def cart_indexing(*, base: Any = None, experts: Sequence[Any], task: int = 0, ra
 
     Args:
         task: which expert's model to rebuild (the task identity is known at inference).
+        non_matrix: the tensors that are not truncated (biases, norms, excluded keys). ``"task"`` (official
+            code, ``_get_truncated_task_vectors`` then ``apply_to(scaling_coef=prior)``):
+            ``theta_avg + lambda * (theta_task - theta_avg)``, so at ``lambda = 1`` the task's own values;
+            ``"average"``: ``theta_avg`` (this library's rule before the audit). At ``rank_ratio = 0`` both
+            give ``theta_avg``, as the code does.
     """
+    if non_matrix not in ("task", "average"):
+        raise ValueError(f"non_matrix must be 'task' or 'average', got {non_matrix!r}")
     models = open_models(base, experts)
     if not 0 <= task < models.num_experts:
         raise ValueError(f"task must be in [0, {models.num_experts}), got {task}")
-    return map_keys(models, _cart_kernel(rank_ratio, scaling, rounding, svd, seed, include, exclude, task))
+    return map_keys(models, _cart_kernel(rank_ratio, scaling, rounding, svd, seed, include, exclude, task,
+                                         non_matrix))

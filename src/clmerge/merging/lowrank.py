@@ -2,7 +2,8 @@
 
 - :func:`target_rank`: ``k = ceil(rank_ratio * r)`` with ``r = min(m, n)`` (CART Alg. 1 line 7), or the
   official code's ``max(1, int(rank_ratio * r))`` with ``rounding="floor"``; ``rank_ratio = 0`` gives 0 and
-  ``rank_ratio = 1`` gives ``r`` under both rules.
+  ``rank_ratio = 1`` gives ``r`` under both rules. The merging benchmarks use the default ``ceil``
+  (benchmarks/merging/README.md, "Rank rounding").
 - :func:`low_rank_approx`: ``SVD_k(M)``, exact (thin SVD) or randomized (a seeded range finder with power
   iterations, Halko et al. 2011, Alg. 4.4), so results repeat exactly for a given seed.
 - :func:`is_lowrank_param`: which tensors get low-rank treatment (CART Sec. 5.1: the attention and MLP weight

@@ -26,27 +26,53 @@ from ..params import low_rank_perturbation as lrp
 from .base import ContinualMethod, register_method
 from .halrp_options import HALRPOptions
 
-__all__ = ["HALRP", "HALRPOptions", "task_parameter_count"]
+__all__ = ["HALRP", "HALRPOptions", "official_growth", "task_parameter_count"]
 
 
 def _task_bns(module: nn.Module) -> dict[str, TaskBatchNorm]:
     return {n: m for n, m in module.named_modules() if isinstance(m, TaskBatchNorm)}
 
 
-def task_parameter_count(model: nn.Module, task: int, *, with_biases: bool = True) -> int:
-    """Stored numbers of one task: r, s, non-zero U'/V' entries, [biases], BN affine and stats, head block."""
+def task_parameter_count(model: nn.Module, task: int, *, with_biases: bool = True, with_bn_buffers: bool = True,
+                         dense: bool = False) -> int:
+    """Stored numbers of one task: r, s, U'/V' entries, [biases], BN affine [and running stats], head block.
+
+    Args:
+        model: the HALRP-wrapped classifier.
+        task: 0 counts the base network (weights, biases, BN, head 0); t >= 1 the task's private numbers.
+        with_biases: count the per-task conv/linear biases (spec 2i excludes them from the growth).
+        with_bn_buffers: count BatchNorm running statistics; the official ``count_parameter`` counts
+            ``parameters()`` only, so it leaves them out (and so does the official base size).
+        dense: count every U'/V' entry, zeros included (official ``count_parameter(sparse=False)``, the count its
+            pruning budget uses); otherwise only the non-zero entries (the stored, sparse count).
+    """
     n = 0
     for layer in halrp_layers(model.backbone).values():
         if task == 0:
             n += sum(p.numel() for p in layer.base_layer.parameters() if with_biases or p.dim() > 1)
             continue
         f = layer.factors(task)
-        n += f.r.numel() + f.s.numel() + int((f.u != 0).sum()) + int((f.v != 0).sum())
+        n += f.r.numel() + f.s.numel()
+        n += f.u.numel() + f.v.numel() if dense else int((f.u != 0).sum()) + int((f.v != 0).sum())
         n += f.bias.numel() if (with_biases and f.bias is not None) else 0
     for bn in _task_bns(model.backbone).values():
         n += sum(p.numel() for p in bn.per_task[task].parameters())
-        n += sum(b.numel() for k, b in bn.per_task[task].named_buffers() if k != "num_batches_tracked")
+        if with_bn_buffers:
+            n += sum(b.numel() for k, b in bn.per_task[task].named_buffers() if k != "num_batches_tracked")
     return n + sum(p.numel() for p in model.head.blocks[task].parameters())
+
+
+def official_growth(model: nn.Module, t: int, *, dense: bool) -> float:
+    """``count_parameter(sparse=not dense) / baseSize - 1`` of the official code after task t (spec 2i).
+
+    The base size is ``sum(p.numel() for p in model.parameters())`` of the task-0 network (weights, biases, BN
+    affine, head 0; no BN running statistics); each task adds r, s, U', V' (all entries if ``dense``, else the
+    non-zero ones), its BN affine parameters and its head; per-task biases are not counted.
+    """
+    base = task_parameter_count(model, 0, with_bn_buffers=False)
+    extra = sum(task_parameter_count(model, k, with_biases=False, with_bn_buffers=False, dense=dense)
+                for k in range(1, t + 1))
+    return extra / base
 
 
 @register_method
@@ -137,7 +163,7 @@ class HALRP(ContinualMethod):
         for name, layer in main_layers.items():
             w_base = layer.base_layer.weight.detach()
             w_free = free_layers[name].base_layer.weight.detach()
-            r, s = lrp.least_squares_scalings(w_free, w_base)
+            r, s = lrp.least_squares_scalings(w_free, w_base, column_scale=o.column_scale)
             b = lrp.residual_matrix(w_free, w_base, r, s)
             svd = lrp.residual_svd(b)  # one SVD per layer: its sigma ranks, its vectors initialise (2g)
             if o.sigma_source == "residual":
@@ -225,6 +251,7 @@ class HALRP(ContinualMethod):
         self.record("growth", parts["total"])
         self.record("growth_lowrank", parts["lowrank"])
         self.record("growth_fixed", parts["fixed"])
+        self.record("growth_official", official_growth(self.model, t, dense=False))
         self._metrics["bytes_per_task"] = [4 * task_parameter_count(self.model, k) for k in range(t + 1)]
 
     def relative_growth(self, t: int) -> float:
@@ -249,12 +276,18 @@ class HALRP(ContinualMethod):
         return vals[vals != 0] if nonzero else vals
 
     def _prune_rate(self, t: int) -> float | None:
-        """The share of U'/V' entries to zero (None: within budget); see the ``prune_budget`` option."""
+        """The share of U'/V' entries to zero (None: within budget); see the ``prune_budget`` option.
+
+        ``code`` transcribes the official ``l1_pruning`` with ``prune_boundAlltask``: inc = dense growth
+        (:func:`official_growth`), no pruning if inc < 1 - q, else rate = 1 - (1 - q) / inc.
+        """
         o = self.options
         budget = 1 - o.prune_q
+        if o.prune_budget in ("code", "nonzero_count"):
+            inc = (official_growth(self.model, t, dense=True) if o.prune_budget == "code"
+                   else self.growth_parts(t)["total"])
+            return None if inc < budget else 1 - budget / inc
         g = self.growth_parts(t)
-        if o.prune_budget == "code":
-            return None if g["total"] < budget else 1 - budget / g["total"]
         if g["total"] <= budget or g["lowrank"] == 0:
             return None
         return min(1.0, 1 - max(0.0, budget - g["fixed"]) / g["lowrank"])

@@ -32,6 +32,9 @@ class HALRPOptions(MethodOptions):
     importance_split: Literal["val", "train"] = Field(
         "val", description="data for the importance: the task's validation split (code; falls back to train if none)")
     importance_batches: int | None = Field(None, ge=1, description="cap on batches for the importance (None: all)")
+    column_scale: Literal["paper", "code"] = Field(
+        "paper", description="column scalings s: paper = Eq. 20; code = the official code's broadcasting quirk, "
+        "s_i = (sum r / sum r^2) * sum_j w^free w^base / sum_j (w^base)^2 (docs/halrp.md)")
     conv_scale: bool = Field(True, description="A3: multiply conv scores by d_h*d_w (code); paper: not stated")
     sigma_source: Literal["residual", "weight"] = Field(
         "residual", description="A1: singular values of B^free (correct) or of W^free (Eq. 9 as printed)")
@@ -46,11 +49,15 @@ class HALRPOptions(MethodOptions):
     prune: bool = Field(True, description="prune U', V' entries when growth exceeds the budget (Sec. 4.4)")
     prune_q: float = Field(0.4, gt=0, lt=1, description="budget 1 - q of growth (code: 0.8 CIFAR100, else 0.4)")
     prune_abs: float = Field(1e-5, ge=0, description="absolute threshold of the mixed rule")
-    prune_budget: Literal["code", "total"] = Field(
-        "code", description="what the budget 1 - q governs. code (spec 2i): rate = 1 - (1-q)/growth of the U'/V' "
-        "entries, which bounds the U'V' part of the growth by 1 - q while the total (with r, s, BN, heads, never "
-        "pruned) may exceed it; total: choose the rate so that the total growth is at most 1 - q (all U'/V' are "
-        "zeroed if r, s, BN and heads alone exceed it)")
+    prune_budget: Literal["code", "nonzero_count", "total"] = Field(
+        "code", description="what the budget 1 - q governs. code (spec 2i, the official l1_pruning): growth counted "
+        "densely (every U'/V' entry, zeros included; r, s, BN affine, heads; no BN running stats, no per-task "
+        "biases), rate = 1 - (1-q)/growth of the U'/V' entries with the percentile over all entries, which bounds "
+        "the U'V' part by 1 - q while the total (r, s, BN, heads are never pruned) may exceed it; nonzero_count: "
+        "the same rate from the non-zero (sparse) count with BN running stats, this library's rule before the "
+        "audit fix, which under-prunes from the second pruning on (kept to reproduce old tables); total: choose "
+        "the rate over the non-zero entries so that the total growth is at most 1 - q (all U'/V' are zeroed if "
+        "r, s, BN and heads alone exceed it)")
     prune_scope: Literal["per_task", "global"] = Field(
         "per_task", description="A10: per_task = the code's percentile per task, re-applied to all past tasks; "
         "global = one percentile over all layers of all tasks (paper)")

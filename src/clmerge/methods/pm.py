@@ -237,10 +237,13 @@ class PerturbAndMerge(ContinualMethod):
             layer.components[self.current].multiplier = alpha
             layer.fold(self.current)
             self.merged[n] = merged[n] + alpha * delta[n]
+        # tr(F_t): Eq. 8 weighs each task by its Fisher scale, so one large trace drives later alphas toward 0
+        trace = float(sum(f.double().sum() for f in fisher.values()))
         info = {"task": task.index, "alpha": alpha, "alpha_raw": raw, "clipped": alpha != raw,
-                "numerator": num, "denominator": den, "fisher_seconds": round(fisher_s, 3)}
+                "numerator": num, "denominator": den, "fisher_trace": trace, "fisher_seconds": round(fisher_s, 3)}
         self.record("alpha", alpha)
         self.record("alpha_raw", raw)
+        self.record("fisher_trace", trace)
         ctx.log({"event": "pm_merge", **info})
 
     # -- checkpointed state --------------------------------------------------------------------------------

@@ -31,12 +31,21 @@ def _expand(v: torch.Tensor, dim: int, ndim: int) -> torch.Tensor:
     return v.view(shape)
 
 
-def least_squares_scalings(w_free: torch.Tensor, w_base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def least_squares_scalings(w_free: torch.Tensor, w_base: torch.Tensor, *,
+                           column_scale: str = "paper") -> tuple[torch.Tensor, torch.Tensor]:
     """Row scalings r (Eq. 19) then column scalings s given r (Eq. 20), one pass.
 
     r_j = sum_i w^free_ji w^base_ji / sum_i (w^base_ji)^2 minimises ||W^free - R W^base||_F row by row;
     s_i = sum_j r_j w^free_ji w^base_ji / sum_j (r_j w^base_ji)^2 minimises ||W^free - R W^base S||_F column by
     column for that r. For convolutions the sums also run over the kernel positions (official code).
+
+    Args:
+        w_free: the warmed-up weight W^free, (J, I) or (J, I, d_h, d_w).
+        w_base: the frozen base weight W_base, same shape.
+        column_scale: ``paper`` (Eq. 20 above) or ``code``: the official code's column loop multiplies r, shaped
+            (J, 1[, 1, 1]), by the column slice w[:, i], shaped (J[, d_h, d_w]); broadcasting forms the outer
+            product r_a w_ji, so r decouples from the row and
+            s_i = (sum_a r_a / sum_a r_a^2) * sum_j w^free_ji w^base_ji / sum_j (w^base_ji)^2 (docs/halrp.md).
 
     Returns:
         ``(r, s)`` of shapes (J,) and (I,), float64.
@@ -44,11 +53,16 @@ def least_squares_scalings(w_free: torch.Tensor, w_base: torch.Tensor) -> tuple[
     if w_free.shape != w_base.shape or w_free.dim() not in (2, 4):
         raise ValueError(f"expected equal (J, I) or (J, I, d, d) shapes, got {tuple(w_free.shape)}, "
                          f"{tuple(w_base.shape)}")
+    if column_scale not in ("paper", "code"):
+        raise ValueError(f"column_scale must be 'paper' or 'code', got {column_scale!r}")
     wf, wb = w_free.double(), w_base.double()
     other_r = [d for d in range(wf.dim()) if d != 0]
     r = (wf * wb).sum(other_r) / (wb * wb).sum(other_r).clamp_min(_EPS)  # (J,)  Eq. 19
-    rwb = _expand(r, 0, wb.dim()) * wb
     other_s = [d for d in range(wf.dim()) if d != 1]
+    if column_scale == "code":  # the outer-product sums factor: (sum_a r_a)(sum_j ...) / ((sum_a r_a^2)(sum_j ...))
+        num = r.sum() * (wf * wb).sum(other_s)
+        return r, num / (r.pow(2).sum() * (wb * wb).sum(other_s)).clamp_min(_EPS)
+    rwb = _expand(r, 0, wb.dim()) * wb
     s = (wf * rwb).sum(other_s) / (rwb * rwb).sum(other_s).clamp_min(_EPS)  # (I,)  Eq. 20
     return r, s
 

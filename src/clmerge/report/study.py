@@ -77,6 +77,15 @@ def _fits_table(laws: dict[str, dict[str, dict]]) -> str:
                   rows, numeric_from=4)
 
 
+def _stability_table(stab: dict[str, Any]) -> str:
+    """Slopes with the count of twin distances that are exactly 0 (the replaced sample was never drawn): they
+    enter each row's mean; a row whose every pair is 0 cannot enter the log-log fit and is counted apart."""
+    rows = [[var, f"{f['slope']:.2f}", f"{f['expected']:g}", str(f.get("pairs", "—")), str(f.get("zero_pairs", "—")),
+             str(f.get("zero_rows", "—"))] for var, f in stab.items() if isinstance(f, dict) and "slope" in f]
+    return _table(["variable", "slope", "theory", "twin pairs", "exact zeros", "all-zero rows (not fitted)"],
+                  rows, numeric_from=1)
+
+
 def build_study_report(out: str | Path, rows: list[dict], fits: dict[str, Any], advice: str) -> Path:
     """Write ``out/report.html`` and return its path."""
     out = Path(out)
@@ -86,7 +95,8 @@ def build_study_report(out: str | Path, rows: list[dict], fits: dict[str, Any], 
     sections.append(_section("Data against fits", "\n".join(plots) or '<p class="note">no law could be fitted</p>'))
     stab = fits.get("stability") or {}
     if any(isinstance(v, dict) and "slope" in v for v in stab.values()):
-        sections.append(_section("L2 stability (Theorem 1)", _img(stability_plot(stab), "stability")))
+        sections.append(_section("L2 stability (Theorem 1)",
+                                 _img(stability_plot(stab), "stability") + _stability_table(stab)))
     n_grid = sum(r["kind"] == "grid" for r in rows)
     header = (f"<h1>Study: {escape(out.name)}</h1><p class=\"meta\"><span>{n_grid} merged grid points</span>"
               f"<span>{len(rows) - n_grid} weighting points</span></p>")

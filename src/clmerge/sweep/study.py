@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from ..merging.bench import BenchConfig, expert_digest, expert_path, parse_task
-from ..theory.jobs import expert_job, merge_job, twin_config
+from ..theory.jobs import expert_job, merge_job, stability_configs
 from ..theory.spec import HYPERPARAMETERS, Point, StudySpec, expand_points
 from ..utils.io import append_jsonl, atomic_write_text, save_tensors, write_json
 from .executors import Executor, make_executor
@@ -92,10 +92,13 @@ class _Experts:
 
 
 def _needs(spec: StudySpec, p: Point, experts: _Experts) -> dict[str, Any]:
-    """Digests of the point's experts, its stability twin and (weighting points) its reference experts."""
+    """Digests of the point's experts, its stability originals and twins, and (weighting points) its
+    reference experts."""
     out: dict[str, Any] = {"experts": [experts.need(t, c) for t, c in zip(p.tasks, [c for _, c in p.expert_configs(spec)])]}
     if spec.measure.stability and p.kind == "grid":
-        out["twin"] = experts.need(p.tasks[0], twin_config(spec, p))
+        draws = stability_configs(spec, p)
+        out["originals"] = [experts.need(p.tasks[0], orig) for orig, _ in draws[1:]]
+        out["twins"] = [experts.need(p.tasks[0], c) for _, twins in draws for c in twins]
     if p.kind == "weighting":
         ref = p.model_copy(update={"steps": spec.defaults.steps})
         out["refs"] = [experts.need(t, c) for t, (_, c) in zip(p.tasks, ref.expert_configs(spec))]
@@ -103,7 +106,7 @@ def _needs(spec: StudySpec, p: Point, experts: _Experts) -> dict[str, Any]:
 
 
 def _all_digests(needs: dict[str, Any]) -> list[str]:
-    return needs["experts"] + ([needs["twin"]] if "twin" in needs else []) + needs.get("refs", [])
+    return needs["experts"] + needs.get("twins", []) + needs.get("originals", []) + needs.get("refs", [])
 
 
 def _record(p: Point, res: dict, needs: dict, experts: _Experts) -> dict[str, Any]:
@@ -174,8 +177,9 @@ def _schedule(ex: Executor, spec: StudySpec, todo: list[Point], out: Path, cache
             if all(d in experts.ready for d in _all_digests(needs)):
                 h = experts.handles
                 args = [p.model_dump(), sdump, [h[d] for d in needs["experts"]],
-                        h[needs["twin"]] if "twin" in needs else None,
-                        [h[d] for d in needs["refs"]] if "refs" in needs else None]
+                        [h[d] for d in needs["twins"]] if "twins" in needs else None,
+                        [h[d] for d in needs["refs"]] if "refs" in needs else None,
+                        [h[d] for d in needs["originals"]] if "originals" in needs else None]
                 merges[ex.submit(merge_job, *args)] = (p, needs)
             else:
                 still.append((p, needs))

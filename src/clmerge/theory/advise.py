@@ -88,7 +88,11 @@ def _other_lines(fits: dict) -> list[str]:
     for var, s in (fits.get("stability") or {}).items():
         if isinstance(s, dict) and "slope" in s:
             ci = s["ci"] and [round(v, 2) for v in s["ci"]]
-            out.append(f"- L2 stability grows as {var}^{s['slope']:.2f} (95% CI {ci}; Theorem 1: {s['expected']:g}).")
+            zeros = (f"; {s['zero_pairs']} of {s['pairs']} twin distances are exactly 0 (sample never drawn)"
+                     if "pairs" in s else "")
+            dropped = f", {s['zero_rows']} all-zero rows left out of the log fit" if s.get("zero_rows") else ""
+            out.append(f"- L2 stability grows as {var}^{s['slope']:.2f} (95% CI {ci}; Theorem 1: "
+                       f"{s['expected']:g}{zeros}{dropped}).")
     return out
 
 

@@ -3,8 +3,8 @@
 * ``laws``: every form of :data:`~.laws.FORMS` fitted per merge method to the merged test loss of the
   one-at-a-time slice that varies its variable (all other hyperparameters at the defaults; seeds and task
   groups are replicates).
-* ``stability``: log-log slopes of the measured ``||x_1 - x~_1||^2`` in ``eta``, ``K`` and ``n``
-  (Theorem 1 predicts 2, 1 and -1).
+* ``stability``: log-log slopes of the measured ``||x_1 - x~_1||^2`` (mean over the replaced indices and
+  seeds) in ``eta``, ``K`` and ``n`` (Theorem 1 predicts 2, 1 and -1), with the count of exact zeros.
 * ``sparsification``: mean ``H(M) / H(id)`` of TIES and DARE (Corollary 1 predicts < 1).
 * ``weighting``: measured vs predicted ``lambda_i = K_i / sum K_j`` (Eq. 14).
 * ``terms``: mean ``sigma_i^2`` and ``zeta_i^2`` at the default setting.
@@ -73,18 +73,34 @@ def _interaction(rows: list[dict], defaults: dict, methods: list[str], n_boot: i
     return out
 
 
+def _pairs(r: dict) -> list[float]:
+    """A row's stability distances (rows written before several indices were measured hold one value)."""
+    return list(r.get("stability_pairs", [r["stability_sq"]]))
+
+
 def _stability(rows: list[dict], defaults: dict, n_boot: int) -> dict[str, Any]:
+    """Log-log slopes of the on-average stability (the mean over a row's pairs, zeros included).
+
+    Exact zeros (the replaced sample was never drawn) are counted, never silently dropped: ``zero_pairs`` /
+    ``pairs`` per variable, and ``zero_rows`` for rows whose every pair is 0, which a log fit cannot use
+    (listed in ``zero_row_x``).
+    """
     first = next((r["method"] for r in rows if r["kind"] == "grid"), None)
     base = [r for r in rows if r["kind"] == "grid" and r["method"] == first and "stability_sq" in r]
     out: dict[str, Any] = {"expected_slopes": {"lr": 2.0, "steps": 1.0, "n_train": -1.0}}
+    all_pairs = [d for r in base for d in _pairs(r)]
+    out["pairs"], out["zero_pairs"] = len(all_pairs), sum(d == 0.0 for d in all_pairs)
     for var, expect in (("lr", 2.0), ("steps", 1.0), ("data_ratio", -1.0)):
         sel = [r for r in base if _at_defaults(r, defaults, var)]
         xs = [r["n_train"][0] if var == "data_ratio" else r[var] for r in sel]
         fit = power_slope(np.array(xs), np.array([r["stability_sq"] for r in sel]), n_boot=n_boot)
         if fit is not None:
             key = "n_train" if var == "data_ratio" else var
-            fit["expected"] = expect
-            fit["consistent"] = bool(fit["ci"] and fit["ci"][0] <= expect <= fit["ci"][1])
+            pairs = [d for r in sel for d in _pairs(r)]
+            zero_x = [x for x, r in zip(xs, sel) if r["stability_sq"] == 0.0]
+            fit |= {"expected": expect, "consistent": bool(fit["ci"] and fit["ci"][0] <= expect <= fit["ci"][1]),
+                    "pairs": len(pairs), "zero_pairs": sum(d == 0.0 for d in pairs),
+                    "zero_rows": len(zero_x), "zero_row_x": zero_x}
             out[key] = fit
     return out
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
@@ -29,7 +30,7 @@ from ..merging.bench import BenchConfig, init_expert, load_task, loss_and_accura
 from . import quantities as q
 from .spec import METHOD_ALIASES, Point, StudySpec, expert_config
 
-__all__ = ["expert_job", "merge_job", "encode", "decode"]
+__all__ = ["expert_job", "merge_job", "stability_configs", "encode", "decode"]
 
 Params = dict[str, Tensor]
 
@@ -155,15 +156,17 @@ def _heterogeneity_terms(p: Point, tvs: list[Params]) -> dict[str, float]:
     return {"het_before": before, "het_after": after}
 
 
-def merge_job(point: dict[str, Any], spec: dict[str, Any], experts: list[dict], twin: dict | None = None,
-              refs: list[dict] | None = None) -> dict[str, Any]:
+def merge_job(point: dict[str, Any], spec: dict[str, Any], experts: list[dict], twins: list[dict] | None = None,
+              refs: list[dict] | None = None, originals: list[dict] | None = None) -> dict[str, Any]:
     """Merge one point's experts with its method, evaluate, and measure the bound's terms.
 
     Args:
         point, spec: ``Point`` and ``StudySpec`` as dicts.
         experts: the experts (``expert_job``'s results), in the point's task order.
-        twin: expert 0 re-trained with one training sample replaced (L2 stability), if measured.
+        twins: the L2-stability twins of expert 0 (:func:`stability_configs` order: draw-major, then the
+            replaced index), if measured.
         refs: for ``kind="weighting"``: the same tasks' experts after the default number of steps.
+        originals: the originals of the stability draws r >= 1 (draw 0's original is ``experts[0]``).
 
     Returns:
         The record of one results.jsonl line (without the driver's fields: point id, expert results).
@@ -189,8 +192,8 @@ def merge_job(point: dict[str, Any], spec: dict[str, Any], experts: list[dict], 
         tvs = q.task_vectors(base, bbs)
         rec |= _gradient_terms(s, cfgs, p.tasks) | _heterogeneity_terms(p, tvs)
         rec["n_train"] = [len(d["train"][1]) for d in data]
-        if twin is not None:
-            rec["stability_sq"] = q.squared_distance(bbs[0], split_expert(decode(twin["params"]))[0])
+        if twins:
+            rec |= _stability_terms(bbs[0], originals or [], twins)
         if refs is not None:
             avg_tv = q.task_vectors(base, [merged])[0]
             ref_tvs = q.task_vectors(base, [split_expert(decode(e["params"]))[0] for e in refs])
@@ -201,7 +204,25 @@ def merge_job(point: dict[str, Any], spec: dict[str, Any], experts: list[dict], 
         return rec
 
 
-def twin_config(spec: StudySpec, p: Point) -> BenchConfig:
-    """The perturbed twin of the point's first expert: same everything, training sample 0 replaced."""
+def _stability_terms(first: Params, originals: list[dict], twins: list[dict]) -> dict[str, Any]:
+    """On-average L2 stability (Definition 2): the mean of ``||A(D) - A(D^(i))||^2`` over every (draw, index)
+    pair, exact zeros included (a replaced sample that was never drawn leaves the run unchanged: a true zero of
+    the expectation, not a failed measurement); the pairs and the count of zeros are kept for the report."""
+    bases = [first] + [split_expert(decode(o["params"]))[0] for o in originals]
+    per_draw = len(twins) // len(bases)
+    dists = [q.squared_distance(bases[i // per_draw], split_expert(decode(t["params"]))[0])
+             for i, t in enumerate(twins)]
+    return {"stability_sq": float(np.mean(dists)), "stability_pairs": dists,
+            "stability_zero": sum(d == 0.0 for d in dists)}
+
+
+def stability_configs(spec: StudySpec, p: Point) -> list[tuple[BenchConfig, list[BenchConfig]]]:
+    """Per stability draw r: the original's config (seed + 1000 r; r = 0 is the point's first expert) and
+    its twins' configs, one per replaced training-sample index (``measure.stability_indices``)."""
     steps = p.steps[0] if isinstance(p.steps, list) else p.steps
-    return expert_config(spec, p, steps, perturb=0)
+    out = []
+    for r in range(spec.measure.stability_seeds):
+        pr = p.model_copy(update={"seed": p.seed + 1000 * r})
+        out.append((expert_config(spec, pr, steps),
+                    [expert_config(spec, pr, steps, perturb=j) for j in spec.measure.stability_indices]))
+    return out

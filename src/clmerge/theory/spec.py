@@ -77,7 +77,15 @@ class Grid(_Strict):
 
 class MeasureSpec(_Strict):
     noise_samples: int = Field(64, ge=2, description="samples per task for sigma_i^2 and zeta_i^2 at the base")
-    stability: bool = Field(True, description="train a one-sample-perturbed twin of each point's first expert")
+    stability: bool = Field(True, description="train one-sample-perturbed twins of each point's first expert")
+    stability_indices: list[int] = Field(
+        default_factory=lambda: [0, 1, 2], min_length=1,
+        description="training-sample positions replaced, one twin each (Definition 2 averages over i); a twin "
+        "whose sample was never drawn in the steps taken is identical to its original (distance exactly 0, "
+        "counted and reported)")
+    stability_seeds: int = Field(
+        2, ge=1, description="independent (D, D^(i)) draws per point: draw r trains the original and its twins "
+        "with seed + 1000 r (r = 0 is the point's own expert)")
     weighting_steps: list[int] = Field(
         default_factory=list, description="steps K_i of experts averaged to measure lambda_i = K_i / sum K_j "
         "(Eq. 14); empty: skip")

@@ -13,27 +13,32 @@ trip through main memory each.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .sources import ModelSet
 
-__all__ = ["Kernel", "map_keys", "apply_chunked", "CHUNK", "stack64", "task_vectors64", "check_experts_weights"]
+__all__ = ["Kernel", "map_keys", "SinkView", "apply_chunked", "CHUNK", "stack64", "task_vectors64", "check_experts_weights"]
 
 Kernel = Callable[[str, Tensor | None, list[Tensor]], Tensor]
 
 # Entries per slice for elementwise kernels: a few float32 buffers of 64 K entries stay in L2.
 CHUNK = 1 << 16
+# Entries per block when torch runs several intra-op threads (see apply_chunked).
+THREADED_CHUNK = 1 << 22
 
 
 def map_keys(models: ModelSet, kernel: Kernel, *, needs_base: bool = False,
-             chunk: int | None = None, propagates_nonfinite: bool = False) -> dict[str, Tensor]:
+             chunk: int | None = None, propagates_nonfinite: bool = False) -> MutableMapping[str, Tensor]:
     """Run ``kernel`` over every key of ``models`` and collect a new parameter dict.
 
     Args:
-        models: the base and experts.
+        models: the base and experts. With ``models.sink`` set, each merged tensor is handed to the sink as
+            soon as it is computed and dropped (a streaming merge), and the returned mapping reads back from
+            the sink (assigning to it rewrites the key there).
         kernel: the per-tensor merge.
         needs_base: raise if ``models`` has no base.
         chunk: if given, ``kernel`` is elementwise and is run on flat slices of this many entries.
@@ -42,28 +47,62 @@ def map_keys(models: ModelSet, kernel: Kernel, *, needs_base: bool = False,
             offending file (one read of the inputs saved).
 
     Returns:
-        A new dict with the same keys, shapes and dtypes as the experts.
+        A new dict with the same keys, shapes and dtypes as the experts (a :class:`SinkView` when streaming).
     """
     if needs_base and models.base is None:
         raise ValueError("this method needs base= (the pretrained parameters)")
-    out: dict[str, Tensor] = {}
+    sink = getattr(models, "sink", None)
+    out: MutableMapping[str, Tensor] = {} if sink is None else SinkView(sink, models.keys())
     check_inputs = None if not propagates_nonfinite else False
     for key, base, experts in models.items(check_inputs):
         if not experts[0].is_floating_point():
-            out[key] = (base if base is not None else experts[0]).clone()
-            continue
-        if chunk is None:
-            out[key] = kernel(key, base, experts).to(experts[0].dtype).contiguous()
+            res = (base if base is not None else experts[0]).clone()
+        elif chunk is None:
+            res = kernel(key, base, experts).to(experts[0].dtype).contiguous()
         else:
-            out[key] = apply_chunked(kernel, key, base, experts, chunk)
-        if propagates_nonfinite and models.check_finite and not torch.isfinite(out[key].sum()):
+            res = apply_chunked(kernel, key, base, experts, chunk)
+        if propagates_nonfinite and models.check_finite and not torch.isfinite(res.sum()):
             models.load(key, check=True)  # raises MergeInputError naming the key and the file
-        del base, experts  # else this key's inputs stay alive while the next key is read
+        out[key] = res
+        del base, experts, res  # else this key's inputs stay alive while the next key is read
     return out
 
 
+class SinkView(MutableMapping):
+    """The merged parameters of a streaming merge as a mapping over the sink they were written to.
+
+    Reading a key reads it back from the sink; assigning rewrites it there (TIES re-merges a few keys after
+    its model-wide sign election). Nothing is held in memory.
+    """
+
+    def __init__(self, sink: Any, keys: list[str]) -> None:
+        self.sink, self._keys = sink, list(keys)
+
+    def __getitem__(self, key: str) -> Tensor:
+        return self.sink.read(key)
+
+    def __setitem__(self, key: str, value: Tensor) -> None:
+        self.sink.write(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        raise TypeError("a streamed merge result cannot drop keys")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 def apply_chunked(kernel: Kernel, key: str, base: Tensor | None, experts: list[Tensor], chunk: int) -> Tensor:
-    """An elementwise ``kernel`` over flat slices of ``chunk`` entries, written into one output tensor."""
+    """An elementwise ``kernel`` over flat slices of ``chunk`` entries, written into one output tensor.
+
+    With several intra-op threads the slices are widened to :data:`THREADED_CHUNK` entries: a thread pool
+    handing off work for every cache-sized slice spends more time waking and waiting than computing (8x
+    slower than one thread on a busy machine), while a few large blocks per tensor keep every thread busy.
+    """
+    if torch.get_num_threads() > 1:
+        chunk = max(chunk, THREADED_CHUNK)
     flat = [x.reshape(-1) for x in experts]
     fbase = None if base is None else base.reshape(-1)
     res = torch.empty(experts[0].shape, dtype=experts[0].dtype)

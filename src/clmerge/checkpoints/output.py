@@ -151,10 +151,10 @@ def write_model_card(dst: Path, *, recipe_yaml: str, inputs: list[tuple[str, str
     front = ["---", "library_name: transformers", "tags:", "- merge", "- clmerge"]
     front += [f"base_model: {base_model}"] if base_model else []
     lines = front + ["---", "", "# Merged model", "",
-                     f"Made with [clmerge](https://github.com/) {__version__} from the recipe below "
+                     f"Made with clmerge {__version__} (`clmerge merge`) from the recipe below "
                      "(also in `clmerge_recipe.yaml`).", "", "```yaml", recipe_yaml.rstrip(), "```", "",
                      "## Inputs", "", "| role | input | file | sha256 |", "|---|---|---|---|"]
     for role, name, files in inputs:
-        for f in files:
+        for f in sorted(files, key=lambda f: Path(f).name):
             lines.append(f"| {role} | {name} | {Path(f).name} | `{hashes.get(str(f), '?')}` |")
     (dst / "README.md").write_text("\n".join(lines) + "\n")

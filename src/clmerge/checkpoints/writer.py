@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .sources import ST_DTYPES
 
-__all__ = ["ShardedWriter", "parse_size", "DEFAULT_SHARD_SIZE", "TensorPlan"]
+__all__ = ["ShardedWriter", "BackgroundWriter", "parse_size", "DEFAULT_SHARD_SIZE", "TensorPlan"]
 
 DEFAULT_SHARD_SIZE = 5 * 10**9  # the transformers / mergekit default, "5GB"
 _ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
@@ -148,6 +148,67 @@ class ShardedWriter:
         for fd in self._fds.values():
             os.close(fd)
         self._fds = {}
+
+
+class BackgroundWriter:
+    """A :class:`ShardedWriter` fed through a short queue and written by a background thread.
+
+    The cast to the output dtype and the file writes (which release the GIL) overlap the next key's merge.
+    ``read`` waits for pending writes; an error in the thread is raised by the next call.
+    """
+
+    def __init__(self, writer: ShardedWriter, depth: int = 2) -> None:
+        import queue
+        import threading
+
+        self.writer, self.error = writer, None
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._thread = threading.Thread(target=self._run, name="clmerge-write", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self.error is None:
+                    self.writer.write(*item)
+            except BaseException as exc:  # handed to the merging thread
+                self.error = exc
+            finally:
+                self._queue.task_done()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def write(self, key: str, tensor: Tensor) -> None:
+        self._raise()
+        self._queue.put((key, tensor))
+
+    def flush(self) -> None:
+        self._queue.join()
+        self._raise()
+
+    def read(self, key: str) -> Tensor:
+        self.flush()
+        return self.writer.read(key)
+
+    def stop(self) -> None:
+        """Finish pending writes and end the thread (no checks; :meth:`close` or ``abort`` follows)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def close(self) -> list[str]:
+        self.stop()
+        self._raise()
+        return self.writer.close()
+
+    def abort(self) -> None:
+        self.stop()
+        self.writer.abort()
 
 
 def _split(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]], shard_size: int) -> list[list]:

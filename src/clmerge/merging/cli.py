@@ -89,7 +89,7 @@ def run_merge(recipe: Any, out: Path | None, *, task: str | None = None, dry_run
                      overwrite=overwrite)
     if kind == "file" and len(prep.tasks) > 1:
         raise ValueError("--task all writes one folder per task: give --out a folder, not a .safetensors file")
-    return pipeline.execute(prep, out, kind, log=log)
+    return pipeline.execute(prep, out, kind, io_threads=torch_threads_io(), log=log)
 
 
 def _adapter_merge(recipe: Any, out: Path | None, form: str, rank: int | None, overwrite: bool) -> dict:
@@ -133,9 +133,7 @@ def merge_command(
     adapter_rank: int | None = typer.Option(None, "--adapter-rank", help="rank of --adapter-out peft"),
 ) -> None:
     """Merge checkpoints (model folders, weights files, hub ids, PEFT adapters) into a model folder."""
-    import torch
-
-    torch.set_num_threads(threads if threads else default_threads())
+    set_threads(threads if threads else default_threads())
     options = {"out_dtype": out_dtype, "compute_dtype": compute_dtype, "out_shard_size": out_shard_size,
                "tokenizer_from": tokenizer_from}
     try:
@@ -155,6 +153,22 @@ def merge_command(
         typer.echo(info["plan"])
         return
     typer.echo(f"wrote {info['out']} ({info['keys']} tensors, {spec.method} {spec.parameters})")
+
+
+_IO_THREADS = [False]
+
+
+def set_threads(n: int) -> None:
+    """``--threads n``: 1: everything in one thread. ``n >= 2``: one thread reads ahead and one writes
+    behind while ``n - 1`` compute (torch's intra-op threads)."""
+    import torch
+
+    torch.set_num_threads(max(1, n - 1))
+    _IO_THREADS[0] = n >= 2
+
+
+def torch_threads_io() -> bool:
+    return _IO_THREADS[0]
 
 
 def default_threads() -> int:

@@ -27,8 +27,6 @@ Kernel = Callable[[str, Tensor | None, list[Tensor]], Tensor]
 
 # Entries per slice for elementwise kernels: a few float32 buffers of 64 K entries stay in L2.
 CHUNK = 1 << 16
-# Entries per block when torch runs several intra-op threads (see apply_chunked).
-THREADED_CHUNK = 1 << 22
 
 
 def map_keys(models: ModelSet, kernel: Kernel, *, needs_base: bool = False,
@@ -97,19 +95,24 @@ class SinkView(MutableMapping):
 def apply_chunked(kernel: Kernel, key: str, base: Tensor | None, experts: list[Tensor], chunk: int) -> Tensor:
     """An elementwise ``kernel`` over flat slices of ``chunk`` entries, written into one output tensor.
 
-    With several intra-op threads the slices are widened to :data:`THREADED_CHUNK` entries: a thread pool
-    handing off work for every cache-sized slice spends more time waking and waiting than computing (8x
-    slower than one thread on a busy machine), while a few large blocks per tensor keep every thread busy.
+    The slices run on one intra-op thread: a thread pool woken for every cache-sized slice spends more time
+    handing off work than computing (on a busy 2-core machine, 2 threads took 8-30x the wall time of 1), and
+    these kernels are memory-bound anyway. ``clmerge merge --threads`` overlaps reading and writing instead.
     """
-    if torch.get_num_threads() > 1:
-        chunk = max(chunk, THREADED_CHUNK)
-    flat = [x.reshape(-1) for x in experts]
-    fbase = None if base is None else base.reshape(-1)
-    res = torch.empty(experts[0].shape, dtype=experts[0].dtype)
-    rflat = res.view(-1)
-    for i in range(0, rflat.numel(), chunk):
-        j = i + chunk
-        rflat[i:j] = kernel(key, None if fbase is None else fbase[i:j], [x[i:j] for x in flat])
+    threads = torch.get_num_threads()
+    if threads > 1:
+        torch.set_num_threads(1)
+    try:
+        flat = [x.reshape(-1) for x in experts]
+        fbase = None if base is None else base.reshape(-1)
+        res = torch.empty(experts[0].shape, dtype=experts[0].dtype)
+        rflat = res.view(-1)
+        for i in range(0, rflat.numel(), chunk):
+            j = i + chunk
+            rflat[i:j] = kernel(key, None if fbase is None else fbase[i:j], [x[i:j] for x in flat])
+    finally:
+        if threads > 1:
+            torch.set_num_threads(threads)
     return res
 
 

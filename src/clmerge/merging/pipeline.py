@@ -20,7 +20,7 @@ import torch
 
 from ..checkpoints.output import InputHashes, OutputTarget, copy_model_files, write_model_card
 from ..checkpoints.readers import open_checkpoint, resolve_hub_id
-from ..checkpoints.writer import ShardedWriter, parse_size
+from ..checkpoints.writer import BackgroundWriter, ShardedWriter, parse_size
 from .hparams import DATA_HPARAMS, HParam, coerce_value, method_hparams, per_expert_name
 from .registry import MergeMethod, get_method
 from .sources import MergeInputError, ModelSet
@@ -155,7 +155,7 @@ def _folder_of(spec: str | None) -> Path | None:
     return None if p.exists() else resolve_hub_id(spec)
 
 
-def _merge_into(prep: Prepared, writer: ShardedWriter, task: int | None) -> None:
+def _merge_into(prep: Prepared, writer: ShardedWriter | BackgroundWriter, task: int | None) -> None:
     prep.models.sink = writer
     try:
         for hp, keys in prep.groups:
@@ -169,8 +169,15 @@ def _merge_into(prep: Prepared, writer: ShardedWriter, task: int | None) -> None
         prep.models.sink = None
 
 
-def execute(prep: Prepared, out: Path, kind: str, *, log: Callable[[str], None] = lambda s: None) -> dict:
-    """Run the merge and move the result into ``out`` (nothing is left on failure); returns a summary."""
+def execute(prep: Prepared, out: Path, kind: str, *, io_threads: bool = False,
+            log: Callable[[str], None] = lambda s: None) -> dict:
+    """Run the merge and move the result into ``out`` (nothing is left on failure); returns a summary.
+
+    Args:
+        io_threads: read the next key and write the last one in background threads, overlapping both with
+            the merge (``--threads`` >= 2).
+    """
+    prep.models.prefetch = io_threads
     files = [f for s in [prep.models.base, *prep.models.experts] if s is not None for f in getattr(s, "files", [])]
     hashes = InputHashes(files) if kind == "folder" else None
     recipe = prep.recipe
@@ -181,6 +188,7 @@ def execute(prep: Prepared, out: Path, kind: str, *, log: Callable[[str], None] 
             folder.mkdir(exist_ok=True)
             writer = ShardedWriter(folder, prep.plan, shard_size=prep.shard_size, metadata=meta,
                                    single_file=out.name if kind == "file" else None)
+            writer = BackgroundWriter(writer) if io_threads else writer
             try:
                 _merge_into(prep, writer, task)
                 writer.close()

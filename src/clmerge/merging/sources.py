@@ -36,6 +36,10 @@ class ModelSet:
         sink: where :func:`~clmerge.merging.driver.map_keys` streams each merged tensor (``write(key, t)``,
             ``read(key)``) instead of collecting a dict; ``None``: collect in memory.
 
+    Attributes:
+        prefetch: read the next key in a background thread during :meth:`items` (set by the CLI with
+            ``--threads`` >= 2).
+
     Raises:
         MergeInputError: no experts, or a key / shape mismatch (names the key and both inputs).
     """
@@ -51,6 +55,7 @@ class ModelSet:
         self.check_finite = check_finite
         self.compute_dtype = compute_dtype
         self.sink = sink
+        self.prefetch = False
         self.mixed: set[str] = set()
         self._validate()
         self._keys = self._ref.keys() if keys is None else list(keys)
@@ -129,9 +134,25 @@ class ModelSet:
         return base, experts
 
     def items(self, check: bool | None = None) -> Iterator[tuple[str, Tensor | None, list[Tensor]]]:
-        """Yield ``(key, base, experts)`` key by key (``check`` as in :meth:`load`)."""
-        for k in self.keys():
-            yield (k, *self.load(k, check))
+        """Yield ``(key, base, experts)`` key by key (``check`` as in :meth:`load`).
+
+        With ``prefetch`` set, the next key is read in a background thread while the caller merges this one
+        (file reads release the GIL): reading overlaps merging at the cost of one more key in memory.
+        """
+        keys = self.keys()
+        if not self.prefetch or len(keys) < 2:
+            for k in keys:
+                yield (k, *self.load(k, check))
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1, thread_name_prefix="clmerge-read") as pool:
+            nxt = pool.submit(self.load, keys[0], check)
+            for i, k in enumerate(keys):
+                base, experts = nxt.result()
+                nxt = pool.submit(self.load, keys[i + 1], check) if i + 1 < len(keys) else None
+                yield k, base, experts
+                del base, experts
 
 
 def open_models(base: Any, experts: Sequence[Any] | ModelSet) -> ModelSet:

@@ -6,6 +6,7 @@ Usage: python benchmarks/merging/threads_probe.py DIR   (then time `clmerge merg
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -13,7 +14,8 @@ import torch
 
 from clmerge.checkpoints.writer import ShardedWriter
 
-HIDDEN, INTER, LAYERS, VOCAB = 1024, 2816, 12, 32000
+HIDDEN, INTER, VOCAB = 1024, 2816, 32000
+LAYERS = int(os.environ.get("LAYERS", "12"))  # 12: 220M parameters; 36: 530M
 
 
 def shapes() -> list[tuple[str, tuple[int, ...]]]:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from clmerge import merging
 from clmerge.checkpoints import open_checkpoint
@@ -167,3 +167,46 @@ def test_vit_and_bert_merge_to_loadable_folders(tmp_path):
         model, info = tf.AutoModel.from_pretrained(out, output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no temporary folder left
+
+
+class _FakeAdapter:
+    """Stands in for clmerge.checkpoints.peft.AdapterSource (written on another branch): base + 1 on one key."""
+
+    def __init__(self, path, base):
+        self.base, self.name, self.files, self.folder = base, str(path), [], path
+        self.key = "blk.w"
+
+    def keys(self):
+        return self.base.keys()
+
+    def meta(self, key):
+        shape, dtype = self.base.meta(key)
+        return shape, (torch.float32 if key == self.key else dtype)
+
+    def get(self, key):
+        return self.base.get(key).float() + 1.0 if key == self.key else self.base.get(key)
+
+
+def test_adapter_folders_open_over_the_base_and_merge_in_full(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    base = {"blk.w": torch.zeros(3, 2, dtype=torch.bfloat16), "blk.b": torch.ones(2, dtype=torch.bfloat16)}
+    save_file(base, str(tmp_path / "base.safetensors"))
+    for name in ("ad1", "ad2"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "clmerge.checkpoints.peft", None)  # as if the module were missing
+    r = invoke("--method", "task_arithmetic", "--base", tmp_path / "base.safetensors", "--expert", tmp_path / "ad1",
+               "--out", tmp_path / "never")
+    assert r.exit_code == 2 and "adapter" in r.output and r.output.count("\n") == 1, r.output
+    fake = types.ModuleType("clmerge.checkpoints.peft")
+    fake.AdapterSource = _FakeAdapter
+    monkeypatch.setitem(sys.modules, "clmerge.checkpoints.peft", fake)
+    out = tmp_path / "m.safetensors"
+    r = invoke("--method", "task_arithmetic", "--base", tmp_path / "base.safetensors", "--expert", tmp_path / "ad1",
+               "--expert", tmp_path / "ad2", "--set", "scaling=0.5", "--out", out)
+    assert r.exit_code == 0, r.output
+    got = load_file(str(out))
+    assert got["blk.w"].dtype == torch.bfloat16 and torch.equal(got["blk.w"], torch.ones(3, 2, dtype=torch.bfloat16))
+    assert torch.equal(got["blk.b"], base["blk.b"])

@@ -156,12 +156,13 @@ def is_source(obj: Any) -> bool:
     return not isinstance(obj, Mapping) and all(hasattr(obj, a) for a in ("keys", "meta", "get"))
 
 
-def as_source(obj: Any, name: str | None = None) -> Any:
-    """Wrap a dict, a weights file, a model folder or a hub id as a lazy source (a source is returned as is)."""
+def as_source(obj: Any, name: str | None = None, *, base: Any = None) -> Any:
+    """Wrap a dict, a weights file, a model folder, a hub id or a PEFT adapter folder (over the source
+    ``base``) as a lazy source (a source is returned as is)."""
     if is_source(obj):
         return obj
     if isinstance(obj, Mapping):
         return ParamSource(obj, name)
     from .readers import open_checkpoint
 
-    return open_checkpoint(obj, name=name)
+    return open_checkpoint(obj, name=name, base=base)

@@ -50,7 +50,7 @@ class ModelSet:
         if isinstance(experts, (str, Path, Mapping)) or len(experts) == 0:
             raise MergeInputError("experts: need a non-empty list of parameter dicts or weight files")
         self.base = None if base is None else as_source(base, None if not isinstance(base, Mapping) else "base")
-        self.experts = [as_source(e, None if not isinstance(e, Mapping) else f"expert {i}")
+        self.experts = [as_source(e, None if not isinstance(e, Mapping) else f"expert {i}", base=self.base)
                         for i, e in enumerate(experts)]
         self.check_finite = check_finite
         self.compute_dtype = compute_dtype

@@ -8,14 +8,13 @@ import time
 
 import pytest
 import torch
+from checkpoint_helpers import folder_state, invoke, llama_config, save_variants
 from safetensors.torch import load_file, save_file
 
 from clmerge import merging
 from clmerge.checkpoints import open_checkpoint
 from clmerge.checkpoints.writer import ShardedWriter
 from clmerge.merging.sources import ModelSet
-
-from checkpoint_helpers import folder_state, invoke, llama_config, save_variants
 
 
 @pytest.fixture(scope="module")

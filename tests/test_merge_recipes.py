@@ -5,14 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
+from checkpoint_helpers import folder_state, invoke
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from clmerge import merging
 from clmerge.cli import app
 from clmerge.recipes import key_groups, layer_index, load_recipe
-
-from checkpoint_helpers import folder_state, invoke
 
 
 @pytest.fixture()

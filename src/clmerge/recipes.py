@@ -33,7 +33,7 @@ from pydantic import Field, field_validator
 
 from .config import ConfigError, _check_keys, _Strict, read_yaml_mapping, validate_strict
 
-__all__ = ["Recipe", "ModelEntry", "Override", "load_recipe", "key_groups", "layer_index", "DTYPES"]
+__all__ = ["DTYPES", "ModelEntry", "Override", "Recipe", "key_groups", "layer_index", "load_recipe"]
 
 DTYPES = Literal["float32", "bfloat16", "float16", "float64"]
 

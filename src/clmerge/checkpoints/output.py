@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_out", "OutputTarget", "copy_model_files", "write_model_card", "InputHashes", "TOKENIZER_FILES"]
+__all__ = ["TOKENIZER_FILES", "InputHashes", "OutputTarget", "check_out", "copy_model_files", "write_model_card"]
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.txt", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
@@ -78,7 +78,7 @@ class OutputTarget:
     def __enter__(self) -> OutputTarget:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if not self.committed:
             shutil.rmtree(self.tmp, ignore_errors=True)
 

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .sources import MergeInputError, ParamSource, torch_load_state_dict
 
-__all__ = ["open_checkpoint", "ShardedSource", "BinShardedSource", "resolve_hub_id", "HUB_PATTERNS"]
+__all__ = ["HUB_PATTERNS", "BinShardedSource", "ShardedSource", "open_checkpoint", "resolve_hub_id"]
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # What a merge needs from a hub repository: weights, configs, tokenizer files (never optimizer states etc.)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ParamSource", "as_source", "MergeInputError", "ST_DTYPES", "torch_load_state_dict", "is_source"]
+__all__ = ["ST_DTYPES", "MergeInputError", "ParamSource", "as_source", "is_source", "torch_load_state_dict"]
 
 ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

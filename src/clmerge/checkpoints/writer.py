@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .sources import ST_DTYPES
 
-__all__ = ["ShardedWriter", "BackgroundWriter", "parse_size", "DEFAULT_SHARD_SIZE", "TensorPlan"]
+__all__ = ["DEFAULT_SHARD_SIZE", "BackgroundWriter", "ShardedWriter", "TensorPlan", "parse_size"]
 
 DEFAULT_SHARD_SIZE = 5 * 10**9  # the transformers / mergekit default, "5GB"
 _ST_NAMES = {v: k for k, v in ST_DTYPES.items()}

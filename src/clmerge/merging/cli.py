@@ -17,7 +17,7 @@ import typer
 from ..config import read_yaml_mapping
 from .registry import available, get_method
 
-__all__ = ["merge_command", "parse_set", "run_merge", "build_recipe", "list_methods"]
+__all__ = ["build_recipe", "list_methods", "merge_command", "parse_set", "run_merge"]
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .sources import ModelSet
 
-__all__ = ["Kernel", "map_keys", "SinkView", "apply_chunked", "CHUNK", "stack64", "task_vectors64", "check_experts_weights"]
+__all__ = ["CHUNK", "Kernel", "SinkView", "apply_chunked", "check_experts_weights", "map_keys", "stack64", "task_vectors64"]
 
 Kernel = Callable[[str, Tensor | None, list[Tensor]], Tensor]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from .registry import MergeMethod
 
-__all__ = ["HParam", "method_hparams", "coerce_value", "DATA_HPARAMS", "per_expert_name"]
+__all__ = ["DATA_HPARAMS", "HParam", "coerce_value", "method_hparams", "per_expert_name"]
 
 # Hyperparameters that are data-dependent statistics (computed by the Python API from a dataset).
 DATA_HPARAMS = ("fishers", "grams")

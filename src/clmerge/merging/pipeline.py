@@ -23,9 +23,9 @@ from ..checkpoints.readers import open_checkpoint, resolve_hub_id
 from ..checkpoints.writer import BackgroundWriter, ShardedWriter, parse_size
 from .hparams import DATA_HPARAMS, HParam, coerce_value, method_hparams, per_expert_name
 from .registry import MergeMethod, get_method
-from .sources import MergeInputError, ModelSet
+from .sources import ModelSet
 
-__all__ = ["Prepared", "prepare", "execute", "dry_run_text"]
+__all__ = ["Prepared", "dry_run_text", "execute", "prepare"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 

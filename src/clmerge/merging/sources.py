@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..checkpoints.sources import MergeInputError, ParamSource, as_source
 
-__all__ = ["ParamSource", "ModelSet", "as_source", "open_models", "MergeInputError"]
+__all__ = ["MergeInputError", "ModelSet", "ParamSource", "as_source", "open_models"]
 
 log = logging.getLogger("clmerge.merging")
 

@@ -118,16 +118,26 @@ def copy_model_files(dst: Path, model_folder: Path | None, tokenizer_folder: Pat
 
 
 class InputHashes:
-    """sha256 of every input weight file, computed in a background thread while the merge runs."""
+    """sha256 of every input weight file, computed in a background thread while the merge runs.
 
-    def __init__(self, files: Iterable[Path]) -> None:
-        self.files = list(dict.fromkeys(Path(f) for f in files))
+    Args:
+        files: the input weight files.
+        enabled: ``False`` records no hashes (``--no-hash-inputs``: hashing reads every input once more,
+            about 2 s of CPU per GB).
+    """
+
+    def __init__(self, files: Iterable[Path], enabled: bool = True) -> None:
+        self.files = list(dict.fromkeys(Path(f) for f in files)) if enabled else []
         self.result: dict[str, str] = {}
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         for f in self.files:
+            blob = f.resolve().name if f.is_symlink() else ""
+            if len(blob) == 64 and all(c in "0123456789abcdef" for c in blob):
+                self.result[str(f)] = blob  # a hub cache blob is named by its sha256 (LFS files)
+                continue
             h = hashlib.sha256()
             with open(f, "rb") as fh:
                 while block := fh.read(1 << 22):
@@ -156,5 +166,6 @@ def write_model_card(dst: Path, *, recipe_yaml: str, inputs: list[tuple[str, str
                      "## Inputs", "", "| role | input | file | sha256 |", "|---|---|---|---|"]
     for role, name, files in inputs:
         for f in sorted(files, key=lambda f: Path(f).name):
-            lines.append(f"| {role} | {name} | {Path(f).name} | `{hashes.get(str(f), '?')}` |")
+            digest = f"`{hashes[str(f)]}`" if str(f) in hashes else "not computed (--no-hash-inputs)"
+            lines.append(f"| {role} | {name} | {Path(f).name} | {digest} |")
     (dst / "README.md").write_text("\n".join(lines) + "\n")

@@ -64,6 +64,7 @@ def build_recipe(recipe_path: Path | None, method: str | None, base: str | None,
 
 def run_merge(recipe: Any, out: Path | None, *, task: str | None = None, dry_run: bool = False,
               overwrite: bool = False, adapter_out: str = "full", adapter_rank: int | None = None,
+              hash_inputs: bool = True,
               where: str = "parameters.", log: Any = lambda s: None) -> dict:
     """Check everything, then merge into ``out`` (a folder or one ``.safetensors`` file) or print the plan.
 
@@ -89,7 +90,7 @@ def run_merge(recipe: Any, out: Path | None, *, task: str | None = None, dry_run
                      overwrite=overwrite)
     if kind == "file" and len(prep.tasks) > 1:
         raise ValueError("--task all writes one folder per task: give --out a folder, not a .safetensors file")
-    return pipeline.execute(prep, out, kind, io_threads=torch_threads_io(), log=log)
+    return pipeline.execute(prep, out, kind, io_threads=torch_threads_io(), hash_inputs=hash_inputs, log=log)
 
 
 def _adapter_merge(recipe: Any, out: Path | None, form: str, rank: int | None, overwrite: bool) -> dict:
@@ -129,6 +130,8 @@ def merge_command(
     threads: int | None = typer.Option(None, "--threads", help="CPU threads (default: half the cores, at most 4)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the plan and the memory estimate; write nothing"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out"),
+    hash_inputs: bool = typer.Option(True, "--hash-inputs/--no-hash-inputs",
+                                     help="record each input file's sha256 in the model card"),
     adapter_out: str = typer.Option("full", "--adapter-out", help="adapters merged into: full|peft|factored"),
     adapter_rank: int | None = typer.Option(None, "--adapter-rank", help="rank of --adapter-out peft"),
 ) -> None:
@@ -143,7 +146,7 @@ def merge_command(
             raise ValueError(f"--threads: expected a positive integer, got {threads}")
         spec = build_recipe(recipe, method, base, expert, set_, options)
         info = run_merge(spec, out, task=task, dry_run=dry_run, overwrite=overwrite, adapter_out=adapter_out,
-                         adapter_rank=adapter_rank, where="parameters." if recipe else "--set ",
+                         adapter_rank=adapter_rank, hash_inputs=hash_inputs, where="parameters." if recipe else "--set ",
                          log=lambda s: typer.echo(s, err=True))
     except (KeyError, ValueError, FileNotFoundError, TypeError, OSError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)

@@ -169,17 +169,18 @@ def _merge_into(prep: Prepared, writer: ShardedWriter | BackgroundWriter, task: 
         prep.models.sink = None
 
 
-def execute(prep: Prepared, out: Path, kind: str, *, io_threads: bool = False,
+def execute(prep: Prepared, out: Path, kind: str, *, io_threads: bool = False, hash_inputs: bool = True,
             log: Callable[[str], None] = lambda s: None) -> dict:
     """Run the merge and move the result into ``out`` (nothing is left on failure); returns a summary.
 
     Args:
         io_threads: read the next key and write the last one in background threads, overlapping both with
             the merge (``--threads`` >= 2).
+        hash_inputs: record every input file's sha256 in the model card.
     """
     prep.models.prefetch = io_threads
     files = [f for s in [prep.models.base, *prep.models.experts] if s is not None for f in getattr(s, "files", [])]
-    hashes = InputHashes(files) if kind == "folder" else None
+    hashes = InputHashes(files, enabled=hash_inputs) if kind == "folder" else None
     recipe = prep.recipe
     meta = {"clmerge_method": prep.method.name}
     with OutputTarget(out, kind) as target:

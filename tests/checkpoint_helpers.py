@@ -43,7 +43,9 @@ def save_variants(folder: Path, config, names, *, dtype=torch.float32, shard: st
 def folder_state(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a saved model folder (single file or shards)."""
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = ["model.safetensors"]
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     out = {}
     for f in files:
         out.update(load_file(str(folder / f)))

@@ -96,7 +96,8 @@ def _weight_map(index: Path) -> dict[str, Path]:
 def _open_folder(path: Path, base: Any, name: str | None) -> Any:
     if (path / "adapter_config.json").exists():
         return _open_adapter(path, base, name)
-    for index, cls in (("model.safetensors.index.json", ShardedSource), ("pytorch_model.bin.index.json", BinShardedSource)):
+    indexes = (("model.safetensors.index.json", ShardedSource), ("pytorch_model.bin.index.json", BinShardedSource))
+    for index, cls in indexes:
         if (path / index).exists():
             return cls(path / index, name)
     singles = [path / "model.safetensors", path / "pytorch_model.bin"]

@@ -99,7 +99,8 @@ def _adapter_merge(recipe: Any, out: Path | None, form: str, rank: int | None, o
     try:
         from ..checkpoints import peft
     except ImportError:
-        raise ValueError("--adapter-out peft|factored needs clmerge.checkpoints.peft, missing from this build") from None
+        raise ValueError("--adapter-out peft|factored needs clmerge.checkpoints.peft, missing from this build") \
+            from None
     paths = [Path(m.model) for m in recipe.models]
     if not all(peft.is_peft_adapter(p) for p in paths):
         bad = next(p for p in paths if not peft.is_peft_adapter(p))
@@ -124,7 +125,8 @@ def merge_command(
     set_: list[str] = typer.Option([], "--set", help="hyperparameter key=value (repeatable)"),
     out_dtype: str | None = typer.Option(None, "--out-dtype", help="float32|bfloat16|float16 (default: the base's)"),
     compute_dtype: str | None = typer.Option(None, "--compute-dtype", help="float32 (default) or float64"),
-    out_shard_size: str | None = typer.Option(None, "--out-shard-size", help="max bytes per shard, e.g. 2GB (default 5GB)"),
+    out_shard_size: str | None = typer.Option(None, "--out-shard-size",
+                                              help="max bytes per shard, e.g. 2GB (default 5GB)"),
     tokenizer_from: str | None = typer.Option(None, "--tokenizer-from", help="copy the tokenizer from this model"),
     task: str | None = typer.Option(None, "--task", help="per-task methods (emr_merging, …): i or all"),
     threads: int | None = typer.Option(None, "--threads", help="CPU threads (default: half the cores, at most 4)"),
@@ -146,7 +148,8 @@ def merge_command(
             raise ValueError(f"--threads: expected a positive integer, got {threads}")
         spec = build_recipe(recipe, method, base, expert, set_, options)
         info = run_merge(spec, out, task=task, dry_run=dry_run, overwrite=overwrite, adapter_out=adapter_out,
-                         adapter_rank=adapter_rank, hash_inputs=hash_inputs, where="parameters." if recipe else "--set ",
+                         adapter_rank=adapter_rank, hash_inputs=hash_inputs,
+                         where="parameters." if recipe else "--set ",
                          log=lambda s: typer.echo(s, err=True))
     except (KeyError, ValueError, FileNotFoundError, TypeError, OSError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
@@ -181,7 +184,8 @@ def default_threads() -> int:
     return max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
-def list_methods(verbose: bool = typer.Option(False, "--verbose", "-v", help="hyperparameters, defaults, meaning")) -> None:
+def list_methods(verbose: bool = typer.Option(False, "--verbose", "-v",
+                                              help="hyperparameters, defaults, meaning")) -> None:
     """Print the registered merge methods (with ``--verbose``: each one's hyperparameters)."""
     from .hparams import DATA_HPARAMS, method_hparams
 

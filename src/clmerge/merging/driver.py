@@ -21,7 +21,8 @@ from torch import Tensor
 
 from .sources import ModelSet
 
-__all__ = ["CHUNK", "Kernel", "SinkView", "apply_chunked", "check_experts_weights", "map_keys", "stack64", "task_vectors64"]
+__all__ = ["CHUNK", "Kernel", "SinkView", "apply_chunked", "check_experts_weights", "map_keys", "stack64",
+           "task_vectors64"]
 
 Kernel = Callable[[str, Tensor | None, list[Tensor]], Tensor]
 

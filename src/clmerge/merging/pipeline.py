@@ -107,7 +107,8 @@ def prepare(recipe: Any, *, task: str | int | None = None, where: str = "paramet
     method = get_method(recipe.method)
     hps = method_hparams(method)
     if any(n in DATA_HPARAMS for n in hps):
-        raise ValueError(f"{method.name} needs data-dependent statistics ({', '.join(n for n in hps if n in DATA_HPARAMS)}); "
+        stats = ", ".join(n for n in hps if n in DATA_HPARAMS)
+        raise ValueError(f"{method.name} needs data-dependent statistics ({stats}); "
                          f"use the Python API: clmerge.merging.{method.fn.__name__}(...) (docs/merging_checkpoints.md)")
     if method.needs_base and recipe.base is None:
         raise ValueError(f"{method.name} needs --base PATH (the pretrained weights)")
@@ -126,7 +127,8 @@ def prepare(recipe: Any, *, task: str | int | None = None, where: str = "paramet
     groups = key_groups(models.keys(), {**params, **per_model}, recipe.overrides, list_params)
     missing = [n for n, h in hps.items() if h.required and n not in groups[0][0] and n != "task"]
     if missing:
-        raise ValueError(f"{method.name}: missing required hyperparameter {', '.join(missing)} (--set {missing[0]}=...)")
+        raise ValueError(f"{method.name}: missing required hyperparameter {', '.join(missing)} "
+                         f"(--set {missing[0]}=...)")
     out_dtype = None if recipe.out_dtype is None else _DTYPES[recipe.out_dtype]
     prep = Prepared(recipe, method, models, groups, tasks, out_dtype, parse_size(recipe.out_shard_size))
     ref = models.base if models.base is not None else models.experts[0]
@@ -215,6 +217,10 @@ def _write_folder_files(prep: Prepared, folder: Path, recipe: Any, hashes: Input
     write_model_card(folder, recipe_yaml=text, inputs=inputs, hashes=hashes.get(), base_model=recipe.base)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def dry_run_text(prep: Prepared) -> str:
     """The plan: keys and shapes (summarised), per-group hyperparameters, and the memory estimate."""
     ms = prep.models
@@ -228,7 +234,7 @@ def dry_run_text(prep: Prepared) -> str:
     lines = [f"method: {prep.method.name}; inputs: {ms.num_experts} models" + (" + base" if ms.base else ""),
              f"keys: {len(prep.plan)} tensors, {sum(numels):,} parameters; largest {prep.plan[largest][0]} "
              f"{list(prep.plan[largest][1])}" if numels else "keys: none",
-             f"output: {out_bytes / 1e9:.3f} GB ({', '.join(sorted({str(d).removeprefix('torch.') for *_, d in prep.plan}))}), "
+             f"output: {out_bytes / 1e9:.3f} GB ({', '.join(sorted({_dtype_name(d) for *_, d in prep.plan}))}), "
              f"shards of at most {prep.shard_size / 1e9:g} GB",
              f"memory estimate: about {peak / 1e9:.3f} GB beyond the Python process (the largest key's inputs, "
              "output and float32 temporaries; nothing else is held)",

@@ -92,7 +92,7 @@ def load_recipe(path: str, data: dict | None = None) -> Recipe:
     try:
         return validate_strict(Recipe, data)
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        raise ConfigError(f"{path}: {exc}" if path else str(exc)) from None
 
 
 _LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")

@@ -54,12 +54,18 @@ def build_recipe(recipe_path: Path | None, method: str | None, base: str | None,
         if not experts:
             raise ValueError("give at least one --expert PATH")
         data = {"method": method, "models": [{"model": str(e)} for e in experts]}
-        recipe_path = Path("--set")
     if base is not None:
         data["base"] = str(base)
     data["parameters"] = {**(data.get("parameters") or {}), **parse_set(sets)}
     data.update({k: v for k, v in options.items() if v is not None})
-    return load_recipe(str(recipe_path), data)
+    try:
+        return load_recipe(str(recipe_path) if recipe_path else "", data)
+    except ValueError as exc:  # name the flag, not the recipe key, when it came from a flag
+        msg = str(exc)
+        for key, value in options.items():
+            if value is not None and msg.startswith(f"{key}:"):
+                msg = f"--{key.replace('_', '-')}" + msg[len(key):]
+        raise ValueError(msg) from None
 
 
 def run_merge(recipe: Any, out: Path | None, *, task: str | None = None, dry_run: bool = False,

@@ -217,6 +217,10 @@ def _write_folder_files(prep: Prepared, folder: Path, recipe: Any, hashes: Input
     write_model_card(folder, recipe_yaml=text, inputs=inputs, hashes=hashes.get(), base_model=recipe.base)
 
 
+def _size(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -234,9 +238,9 @@ def dry_run_text(prep: Prepared) -> str:
     lines = [f"method: {prep.method.name}; inputs: {ms.num_experts} models" + (" + base" if ms.base else ""),
              f"keys: {len(prep.plan)} tensors, {sum(numels):,} parameters; largest {prep.plan[largest][0]} "
              f"{list(prep.plan[largest][1])}" if numels else "keys: none",
-             f"output: {out_bytes / 1e9:.3f} GB ({', '.join(sorted({_dtype_name(d) for *_, d in prep.plan}))}), "
-             f"shards of at most {prep.shard_size / 1e9:g} GB",
-             f"memory estimate: about {peak / 1e9:.3f} GB beyond the Python process (the largest key's inputs, "
+             f"output: {_size(out_bytes)} ({', '.join(sorted({_dtype_name(d) for *_, d in prep.plan}))}), "
+             f"shards of at most {_size(prep.shard_size)}",
+             f"memory estimate: about {_size(peak)} beyond the Python process (the largest key's inputs, "
              "output and float32 temporaries; nothing else is held)",
              f"tasks: {'one model' if prep.tasks == [None] else ', '.join(map(str, prep.tasks))}",
              f"groups (keys with equal hyperparameters): {len(prep.groups)}"]

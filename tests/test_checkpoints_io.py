@@ -209,3 +209,26 @@ def test_adapter_folders_open_over_the_base_and_merge_in_full(tmp_path, monkeypa
     got = load_file(str(out))
     assert got["blk.w"].dtype == torch.bfloat16 and torch.equal(got["blk.w"], torch.ones(3, 2, dtype=torch.bfloat16))
     assert torch.equal(got["blk.b"], base["blk.b"])
+
+
+def test_threads_2_reads_ahead_and_writes_behind_with_the_same_result(tmp_path):
+    # --threads 2: the next key is read in a background thread and the merged one written by another;
+    # TIES's re-merge of ambiguous keys (negative majority) must see every pending write first
+    g = torch.Generator().manual_seed(2)
+    base = {f"l.{i}.w": torch.zeros(30, 8) for i in range(4)}
+    ex = [{k: -torch.rand(v.shape, generator=g) for k, v in base.items()} for _ in range(2)]
+    for k in base:
+        ex[0][k][0, :4], ex[1][k][0, :4] = 2.0, -2.0
+    paths = []
+    for name, sd in zip(["base", "a", "b"], [base, *ex]):
+        save_file(sd, str(tmp_path / f"{name}.safetensors"))
+        paths.append(tmp_path / f"{name}.safetensors")
+    want = merging.ties(base=base, experts=ex, density=0.5)
+    for threads in ("1", "2"):
+        out = tmp_path / f"m{threads}"
+        r = invoke("--method", "ties", "--base", paths[0], "--expert", paths[1], "--expert", paths[2],
+                   "--set", "density=0.5", "--threads", threads, "--out", out, "--out-shard-size", "1500B")
+        assert r.exit_code == 0, r.output
+        got = folder_state(out)
+        assert all(torch.equal(got[k], want[k]) for k in want), threads
+    torch.set_num_threads(1)

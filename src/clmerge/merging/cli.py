@@ -195,16 +195,20 @@ def list_methods(verbose: bool = typer.Option(False, "--verbose", "-v",
     """Print the registered merge methods (with ``--verbose``: each one's hyperparameters)."""
     from .hparams import DATA_HPARAMS, method_hparams
 
+    every = {name: method_hparams(get_method(name)) for name in available()} if verbose else {}
     for name, desc in available().items():
         typer.echo(f"{name:<26} {desc}")
         if not verbose:
             continue
-        hps = method_hparams(get_method(name))
+        hps = every[name]
         if any(n in DATA_HPARAMS for n in hps):
             typer.echo(f"    (needs data: Python API clmerge.merging.{get_method(name).fn.__name__})")
         for h in hps.values():
             default = "required" if h.required else f"default {h.default!r}"
-            typer.echo(f"    {h.name} ({h.annotation or '?'}, {default}): {h.help or '-'}")
+            # a docstring that says "other arguments as in cart" documents them there
+            other = next((m for m, o in every.items() if h.name in o and o[h.name].help), None)
+            text = h.help or (f"as in {other}: {every[other][h.name].help}" if other else "-")
+            typer.echo(f"    {h.name} ({h.annotation or '?'}, {default}): {text}")
 
 
 def merge_bench_command(

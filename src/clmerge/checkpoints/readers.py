@@ -49,8 +49,8 @@ class ShardedSource:
 class BinShardedSource:
     """``pytorch_model-*.bin`` shards (``pytorch_model.bin.index.json``), read with ``weights_only=True``.
 
-    Shapes are read once at open (each shard loaded and dropped); later reads keep one shard in memory, so a
-    merge that walks the keys in index order loads each shard about once per input.
+    Shapes are read at open from memory-mapped shards (no data read); later reads keep one shard in memory,
+    so a merge that walks the keys in index order loads each shard about once per input.
     """
 
     def __init__(self, index: Path, name: str | None = None) -> None:
@@ -60,7 +60,7 @@ class BinShardedSource:
         self.files = list(dict.fromkeys(self._file_of.values()))
         self._meta: dict[str, Any] = {}
         for f in self.files:
-            for k, v in torch_load_state_dict(f).items():
+            for k, v in torch_load_state_dict(f, mmap=True).items():
                 self._meta[k] = (tuple(v.shape), v.dtype)
         missing = [k for k in self._file_of if k not in self._meta]
         if missing:

@@ -138,9 +138,20 @@ def _anonymous_buffer(size: int) -> Any:
     return torch.empty(size, dtype=torch.uint8)
 
 
-def torch_load_state_dict(path: Path) -> dict[str, Tensor]:
+def torch_load_state_dict(path: Path, *, mmap: bool = False) -> dict[str, Tensor]:
+    """A state dict from a ``.bin`` / ``.pt`` file, ``weights_only=True`` (one-line errors).
+
+    Args:
+        mmap: map the file instead of reading it (zip-format files only; the legacy format is read): for
+            shapes and dtypes without reading the data.
+    """
     try:
-        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+        try:
+            obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=mmap)
+        except RuntimeError:
+            if not mmap:
+                raise
+            obj = torch.load(str(path), map_location="cpu", weights_only=True)  # legacy format: no mmap
     except Exception as exc:  # torch's message advises weights_only=False: do not repeat that advice
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise MergeInputError(f"{path}: cannot be read with torch.load(weights_only=True): {first[:200]}") from exc

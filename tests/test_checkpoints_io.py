@@ -232,3 +232,13 @@ def test_threads_2_reads_ahead_and_writes_behind_with_the_same_result(tmp_path):
         got = folder_state(out)
         assert all(torch.equal(got[k], want[k]) for k in want), threads
     torch.set_num_threads(1)
+
+
+def test_failed_merge_leaves_no_folder_not_even_new_parents(tmp_path):
+    base, ex = {"w": torch.zeros(3)}, [{"w": torch.ones(3)}]
+    save_file(base, str(tmp_path / "b.safetensors"))
+    save_file(ex[0], str(tmp_path / "e.safetensors"))
+    r = invoke("--method", "ties", "--base", tmp_path / "b.safetensors", "--expert", tmp_path / "e.safetensors",
+               "--set", "density=2", "--out", tmp_path / "new" / "deeper" / "m")
+    assert r.exit_code == 2 and "density" in r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.safetensors", "e.safetensors"]

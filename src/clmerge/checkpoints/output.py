@@ -71,7 +71,10 @@ class OutputTarget:
 
     def __init__(self, out: Path, kind: str) -> None:
         self.out, self.kind = Path(out), kind
-        self.out.parent.mkdir(parents=True, exist_ok=True)
+        parent = self.out.absolute().parent
+        # the parent folders this creates, removed again on failure (deepest first)
+        self._made = [p for p in [parent, *parent.parents] if not p.exists()]
+        parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", suffix=".tmp", dir=self.out.parent))
         self.committed = False
 
@@ -81,6 +84,11 @@ class OutputTarget:
     def __exit__(self, *exc: object) -> None:
         if not self.committed:
             shutil.rmtree(self.tmp, ignore_errors=True)
+            for p in self._made:
+                try:
+                    p.rmdir()
+                except OSError:  # no longer empty: something else writes there
+                    break
 
     def commit(self) -> None:
         """Move the result into place (an existing ``out`` is replaced only as :func:`check_out` allowed)."""

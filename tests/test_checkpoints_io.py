@@ -114,7 +114,7 @@ def test_streaming_sink_matches_in_memory_ties_with_negative_majority(tmp_path):
     plan = [(k, tuple(v.shape), v.dtype) for k, v in base.items()]
     w = ShardedWriter(tmp_path, plan, shard_size=2000)
     ms = ModelSet(base, [a, bb], sink=w)
-    merging.ties(base=None, experts=ms, density=0.5, trim_scope="per_tensor")
+    merging.ties(base=None, experts=ms, density=0.5, trim_scope="per_tensor").flush()
     w.close()
     got = folder_state(tmp_path)
     assert any((want[k][0, :4] != 0).any() for k in want)
@@ -242,3 +242,17 @@ def test_failed_merge_leaves_no_folder_not_even_new_parents(tmp_path):
                "--set", "density=2", "--out", tmp_path / "new" / "deeper" / "m")
     assert r.exit_code == 2 and "density" in r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.safetensors", "e.safetensors"]
+
+
+def test_sink_view_writes_back_a_tensor_patched_in_place(tmp_path):
+    from clmerge.merging.driver import SinkView
+
+    w = ShardedWriter(tmp_path, [("a", (3,), torch.float32), ("b", (2,), torch.float32)])
+    view = SinkView(w, ["a", "b"])
+    view["a"], view["b"] = torch.zeros(3), torch.zeros(2)
+    view["a"][1] = 5.0  # patched in place (as TIES settles ambiguous entries)
+    view["b"][0] = 7.0
+    view.flush()
+    w.close()
+    got = folder_state(tmp_path)
+    assert got["a"].tolist() == [0.0, 5.0, 0.0] and got["b"].tolist() == [7.0, 0.0]

@@ -70,17 +70,31 @@ def map_keys(models: ModelSet, kernel: Kernel, *, needs_base: bool = False,
 class SinkView(MutableMapping):
     """The merged parameters of a streaming merge as a mapping over the sink they were written to.
 
-    Reading a key reads it back from the sink; assigning rewrites it there (TIES re-merges a few keys after
-    its model-wide sign election). Nothing is held in memory.
+    Reading a key reads it back from the sink; assigning rewrites it there. A tensor read back may be patched
+    in place (TIES settles its ambiguous entries once the model-wide sign majority is known): it is written
+    back when the next key is read, or at :meth:`flush`, so at most one tensor is held.
     """
 
     def __init__(self, sink: Any, keys: list[str]) -> None:
         self.sink, self._keys = sink, list(keys)
+        self._open: tuple[str, Tensor] | None = None
+
+    def flush(self) -> None:
+        """Write back the tensor last read (the caller is done patching it)."""
+        if self._open is not None:
+            key, tensor = self._open
+            self._open = None
+            self.sink.write(key, tensor)
 
     def __getitem__(self, key: str) -> Tensor:
-        return self.sink.read(key)
+        self.flush()
+        tensor = self.sink.read(key)
+        self._open = (key, tensor)
+        return tensor
 
     def __setitem__(self, key: str, value: Tensor) -> None:
+        if self._open is not None and self._open[0] == key:
+            self._open = None  # replaced as a whole
         self.sink.write(key, value)
 
     def __delitem__(self, key: str) -> None:

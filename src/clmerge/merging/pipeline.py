@@ -166,6 +166,8 @@ def _merge_into(prep: Prepared, writer: ShardedWriter | BackgroundWriter, task: 
             if isinstance(res, dict):  # a method that does not stream: write what it returned
                 for k, v in res.items():
                     writer.write(k, v)
+            elif hasattr(res, "flush"):  # a SinkView: write back a tensor the method patched in place
+                res.flush()
             del res
     finally:
         prep.models.sink = None

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..checkpoints.sources import MergeInputError, ParamSource, as_source
+from ..checkpoints.sources import torch_load_state_dict as _torch_load  # noqa: F401 (the old private name)
 
 __all__ = ["MergeInputError", "ModelSet", "ParamSource", "as_source", "open_models"]
 

@@ -41,15 +41,16 @@ def save_variants(folder: Path, config, names, *, dtype=torch.float32, shard: st
 
 
 def folder_state(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a saved model folder (single file or shards)."""
+    """Every tensor of a saved model folder (single file or shards), in the order ``open_checkpoint`` gives
+    (the index's order): exact-density TIES breaks magnitude ties by position, so key order matters."""
     index = folder / "model.safetensors.index.json"
-    files = ["model.safetensors"]
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    if not index.exists():
+        return load_file(str(folder / "model.safetensors"))
+    weight_map = json.loads(index.read_text())["weight_map"]
     out = {}
-    for f in files:
+    for f in sorted(set(weight_map.values())):
         out.update(load_file(str(folder / f)))
-    return out
+    return {k: out[k] for k in weight_map}
 
 
 def invoke(*args):

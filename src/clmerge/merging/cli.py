@@ -104,6 +104,10 @@ def _adapter_merge(recipe: Any, out: Path | None, form: str, rank: int | None, o
 
     try:
         from ..checkpoints import peft
+
+        merge_adapters = getattr(peft, "merge_adapters", None)
+        if merge_adapters is None:  # the adapter branch keeps it in its own module
+            from ..checkpoints.lora_merge import merge_adapters
     except ImportError:
         raise ValueError("--adapter-out peft|factored needs clmerge.checkpoints.peft, missing from this build") \
             from None
@@ -117,9 +121,9 @@ def _adapter_merge(recipe: Any, out: Path | None, form: str, rank: int | None, o
 
     base = open_checkpoint(recipe.base, name=recipe.base)
     check_out(out, [base], overwrite=overwrite)
-    info = peft.merge_adapters(method=recipe.method, base=base, adapters=paths, hyperparameters=recipe.parameters,
-                               out=out, form=form, rank=rank)
-    return {"method": recipe.method, "keys": info.get("keys", "?"), "out": str(out), **info}
+    info = merge_adapters(method=recipe.method, base=base, adapters=paths, hyperparameters=recipe.parameters,
+                          out=out, form=form, rank=rank)
+    return {**info, "method": recipe.method, "keys": info.get("keys", "?"), "out": str(out)}
 
 
 def merge_command(
@@ -165,6 +169,9 @@ def merge_command(
         typer.echo(info["plan"])
         return
     typer.echo(f"wrote {info['out']} ({info['keys']} tensors, {spec.method} {spec.parameters})")
+    if "overall_rel_error" in info:  # an adapter re-factorised by truncated SVD
+        typer.echo(f"rank {info.get('rank')}: relative error of the merged delta W {info['overall_rel_error']:.3g} "
+                   f"overall, {info.get('max_rel_error', float('nan')):.3g} at worst (merge_report.json)")
 
 
 _IO_THREADS = [False]

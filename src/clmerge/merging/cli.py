@@ -123,7 +123,8 @@ def _adapter_merge(recipe: Any, out: Path | None, form: str, rank: int | None, o
     check_out(out, [base], overwrite=overwrite)
     info = merge_adapters(method=recipe.method, base=base, adapters=paths, hyperparameters=recipe.parameters,
                           out=out, form=form, rank=rank)
-    return {**info, "method": recipe.method, "keys": info.get("keys", "?"), "out": str(out)}
+    keys = info.get("keys", "?")
+    return {**info, "method": recipe.method, "keys": len(keys) if isinstance(keys, list) else keys, "out": str(out)}
 
 
 def merge_command(

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+
+if sys.argv[1:2] == ["merge"]:
+    # idle OpenMP threads sleep instead of spinning: on a shared machine spinning threads steal the cores
+    # the merge's own threads wait for (read by libgomp when torch loads, so set before any torch import)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from pathlib import Path
 
 import typer

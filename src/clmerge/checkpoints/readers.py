@@ -1,29 +1,40 @@
-"""Readers: a weights file or a model folder (single or sharded safetensors) as one lazy source.
+"""Readers: the checkpoints people have (a model folder, a weights file, a hub id, a PEFT adapter folder) as one
+lazy source each.
 
-Interim version: folders with ``model.safetensors`` or ``model.safetensors.index.json`` and single files.
+A model folder holds ``model.safetensors``, or shards listed by ``model.safetensors.index.json``, or
+``pytorch_model.bin`` / shards listed by ``pytorch_model.bin.index.json`` (read with
+``torch.load(weights_only=True)``, one shard in memory at a time). A hub id (``org/name`` that is not a local
+path) is resolved with ``huggingface_hub.snapshot_download`` (weights, config and tokenizer files only).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
-from ..merging.sources import MergeInputError, ParamSource
+from .sources import MergeInputError, ParamSource, torch_load_state_dict
 
-__all__ = ["open_checkpoint", "ShardedSource"]
+__all__ = ["HUB_PATTERNS", "BinShardedSource", "ShardedSource", "open_checkpoint", "resolve_hub_id"]
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What a merge needs from a hub repository: weights, configs, tokenizer files (never optimizer states etc.)
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
 
 class ShardedSource:
-    """The shards of one model (``*.index.json`` weight map) seen as one lazy source."""
+    """The safetensors shards of one model (``model.safetensors.index.json``) seen as one lazy source."""
 
     def __init__(self, index: Path, name: str | None = None) -> None:
+        self.folder = index.parent
         self.name = name or str(index.parent)
-        weight_map = json.loads(index.read_text())["weight_map"]
-        self._file_of = {k: index.parent / f for k, f in weight_map.items()}
+        self._file_of = _weight_map(index)
         self._shards = {f: ParamSource(f) for f in dict.fromkeys(self._file_of.values())}
+        self.files = list(self._shards)
 
     def keys(self) -> list[str]:
         return list(self._file_of)
@@ -35,13 +46,138 @@ class ShardedSource:
         return self._shards[self._file_of[key]].get(key)
 
 
-def open_checkpoint(spec: str | Path, *, name: str | None = None) -> ParamSource | ShardedSource:
-    """A lazy source for a weights file or a model folder."""
+class BinShardedSource:
+    """``pytorch_model-*.bin`` shards (``pytorch_model.bin.index.json``), read with ``weights_only=True``.
+
+    Shapes are read at open from memory-mapped shards (no data read); later reads keep one shard in memory,
+    so a merge that walks the keys in index order loads each shard about once per input.
+    """
+
+    def __init__(self, index: Path, name: str | None = None) -> None:
+        self.folder = index.parent
+        self.name = name or str(index.parent)
+        self._file_of = _weight_map(index)
+        self.files = list(dict.fromkeys(self._file_of.values()))
+        self._meta: dict[str, Any] = {}
+        for f in self.files:
+            for k, v in torch_load_state_dict(f, mmap=True).items():
+                self._meta[k] = (tuple(v.shape), v.dtype)
+        missing = [k for k in self._file_of if k not in self._meta]
+        if missing:
+            raise MergeInputError(f"{index}: key {missing[0]!r} is in the index but not in {self._file_of[missing[0]]}")
+        self._cached: tuple[Path, dict[str, Tensor]] | None = None
+
+    def keys(self) -> list[str]:
+        return list(self._file_of)
+
+    def meta(self, key: str) -> Any:
+        return self._meta[key]
+
+    def get(self, key: str) -> Tensor:
+        f = self._file_of[key]
+        if self._cached is None or self._cached[0] != f:
+            self._cached = None  # drop the old shard before reading the next
+            self._cached = (f, torch_load_state_dict(f))
+        return self._cached[1][key]
+
+
+def _weight_map(index: Path) -> dict[str, Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise MergeInputError(f"{index}: not a shard index (needs a 'weight_map'): {exc}") from None
+    files = {k: index.parent / f for k, f in weight_map.items()}
+    for f in dict.fromkeys(files.values()):
+        if not f.is_file():
+            raise MergeInputError(f"{index}: shard {f.name} is listed but missing")
+    return files
+
+
+def _open_folder(path: Path, base: Any, name: str | None) -> Any:
+    if (path / "adapter_config.json").exists():
+        return _open_adapter(path, base, name)
+    indexes = (("model.safetensors.index.json", ShardedSource), ("pytorch_model.bin.index.json", BinShardedSource))
+    for index, cls in indexes:
+        if (path / index).exists():
+            return cls(path / index, name)
+    singles = [path / "model.safetensors", path / "pytorch_model.bin"]
+    singles += sorted(path.glob("*.safetensors")) if len(list(path.glob("*.safetensors"))) == 1 else []
+    for f in singles:
+        if f.is_file():
+            src = ParamSource(f, name or str(path))
+            src.folder = path
+            return src
+    raise MergeInputError(f"{path}: no model weights in this folder (looked for model.safetensors, its shard "
+                          "index, pytorch_model.bin, or adapter_config.json)")
+
+
+def _open_adapter(path: Path, base: Any, name: str | None) -> Any:
+    try:
+        from .peft import AdapterSource
+    except ImportError:
+        raise MergeInputError(f"{path}: a PEFT adapter folder, but adapter support (clmerge.checkpoints.peft) "
+                              "is not available in this build") from None
+    if base is None:
+        raise MergeInputError(f"{path}: a PEFT adapter needs the base model (--base)")
+    src = AdapterSource(path, base)
+    if name:
+        src.name = name
+    return src
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def resolve_hub_id(repo_id: str) -> Path:
+    """Download (or find in the cache) the weights, configs and tokenizer of ``repo_id``; one-line errors.
+
+    Offline (``HF_HUB_OFFLINE=1``, or the hub unreachable within 3 s) only the local cache is used, so a
+    missing model fails at once instead of after the client's retries.
+    """
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise MergeInputError(f"{repo_id}: not a local path, and huggingface_hub is not installed") from None
+    offline = _offline() or not _hub_reachable()
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=offline,
+                                      etag_timeout=10))
+    except Exception as exc:  # the hub client raises many types (HTTP, offline, not found, auth)
+        why = "offline and not in the local cache" if offline else type(exc).__name__
+        raise MergeInputError(f"{repo_id}: not a local path, and the hub model cannot be fetched ({why})") from None
+
+
+def open_checkpoint(spec: str | Path, *, base: Any = None, name: str | None = None) -> Any:
+    """A lazy source for a weights file, a model folder, a PEFT adapter folder (over ``base``) or a hub id.
+
+    Args:
+        spec: a path, or a hub id ``org/name`` that is not an existing path.
+        base: the base model's source (needed by adapter folders, whose tensors are ``base + delta W``).
+        name: how errors refer to this input (default: the path).
+
+    Raises:
+        FileNotFoundError: ``spec`` is neither a path nor a hub id.
+        MergeInputError: the path holds no readable weights, or the hub model cannot be fetched.
+    """
     path = Path(spec)
     if path.is_dir():
-        if (path / "model.safetensors.index.json").exists():
-            return ShardedSource(path / "model.safetensors.index.json", name)
-        if (path / "model.safetensors").exists():
-            return ParamSource(path / "model.safetensors", name or str(path))
-        raise MergeInputError(f"{path}: no model.safetensors or model.safetensors.index.json in this folder")
-    return ParamSource(path, name)
+        return _open_folder(path, base, name)
+    if path.exists():
+        return ParamSource(path, name)
+    text = str(spec)
+    if HUB_ID.match(text) and not text.startswith(".") and path.suffix not in (".safetensors", ".bin", ".pt"):
+        return _open_folder(resolve_hub_id(text), base, name or text)
+    raise FileNotFoundError(f"no such weights file or model folder: {path}")

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .driver import map_keys, task_vectors64
+from .driver import CHUNK, map_keys, task_vectors64
 from .registry import register_merge
 from .sources import open_models
 
@@ -57,4 +57,5 @@ def consensus(*, base: Any, experts: Sequence[Any], k: int = 2, tall_lambda: flo
         votes = tall_masks_tensor(tvs, multi, tall_lambda).sum(0)
         return b.double() + scaling * torch.where(votes >= k, multi, torch.zeros_like(multi))
 
-    return map_keys(models, kernel, needs_base=True)
+    # elementwise (masks, votes and the sum are per entry): cache-sized slices, not float64 model-sized stacks
+    return map_keys(models, kernel, needs_base=True, chunk=CHUNK)

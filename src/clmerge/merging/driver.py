@@ -13,14 +13,16 @@ trip through main memory each.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .sources import ModelSet
 
-__all__ = ["Kernel", "map_keys", "apply_chunked", "CHUNK", "stack64", "task_vectors64", "check_experts_weights"]
+__all__ = ["CHUNK", "Kernel", "SinkView", "apply_chunked", "check_experts_weights", "map_keys", "stack64",
+           "task_vectors64"]
 
 Kernel = Callable[[str, Tensor | None, list[Tensor]], Tensor]
 
@@ -29,11 +31,13 @@ CHUNK = 1 << 16
 
 
 def map_keys(models: ModelSet, kernel: Kernel, *, needs_base: bool = False,
-             chunk: int | None = None, propagates_nonfinite: bool = False) -> dict[str, Tensor]:
+             chunk: int | None = None, propagates_nonfinite: bool = False) -> MutableMapping[str, Tensor]:
     """Run ``kernel`` over every key of ``models`` and collect a new parameter dict.
 
     Args:
-        models: the base and experts.
+        models: the base and experts. With ``models.sink`` set, each merged tensor is handed to the sink as
+            soon as it is computed and dropped (a streaming merge), and the returned mapping reads back from
+            the sink (assigning to it rewrites the key there).
         kernel: the per-tensor merge.
         needs_base: raise if ``models`` has no base.
         chunk: if given, ``kernel`` is elementwise and is run on flat slices of this many entries.
@@ -42,35 +46,88 @@ def map_keys(models: ModelSet, kernel: Kernel, *, needs_base: bool = False,
             offending file (one read of the inputs saved).
 
     Returns:
-        A new dict with the same keys, shapes and dtypes as the experts.
+        A new dict with the same keys, shapes and dtypes as the experts (a :class:`SinkView` when streaming).
     """
     if needs_base and models.base is None:
         raise ValueError("this method needs base= (the pretrained parameters)")
-    out: dict[str, Tensor] = {}
+    sink = getattr(models, "sink", None)
+    out: MutableMapping[str, Tensor] = {} if sink is None else SinkView(sink, models.keys())
     check_inputs = None if not propagates_nonfinite else False
     for key, base, experts in models.items(check_inputs):
         if not experts[0].is_floating_point():
-            out[key] = (base if base is not None else experts[0]).clone()
-            continue
-        if chunk is None:
-            out[key] = kernel(key, base, experts).to(experts[0].dtype).contiguous()
+            res = (base if base is not None else experts[0]).clone()
+        elif chunk is None:
+            res = kernel(key, base, experts).to(experts[0].dtype).contiguous()
         else:
-            out[key] = apply_chunked(kernel, key, base, experts, chunk)
-        if propagates_nonfinite and models.check_finite and not torch.isfinite(out[key].sum()):
+            res = apply_chunked(kernel, key, base, experts, chunk)
+        if propagates_nonfinite and models.check_finite and not torch.isfinite(res.sum()):
             models.load(key, check=True)  # raises MergeInputError naming the key and the file
-        del base, experts  # else this key's inputs stay alive while the next key is read
+        out[key] = res
+        del base, experts, res  # else this key's inputs stay alive while the next key is read
     return out
 
 
+class SinkView(MutableMapping):
+    """The merged parameters of a streaming merge as a mapping over the sink they were written to.
+
+    Reading a key reads it back from the sink; assigning rewrites it there. A tensor read back may be patched
+    in place (TIES settles its ambiguous entries once the model-wide sign majority is known): it is written
+    back when the next key is read, or at :meth:`flush`, so at most one tensor is held.
+    """
+
+    def __init__(self, sink: Any, keys: list[str]) -> None:
+        self.sink, self._keys = sink, list(keys)
+        self._open: tuple[str, Tensor] | None = None
+
+    def flush(self) -> None:
+        """Write back the tensor last read (the caller is done patching it)."""
+        if self._open is not None:
+            key, tensor = self._open
+            self._open = None
+            self.sink.write(key, tensor)
+
+    def __getitem__(self, key: str) -> Tensor:
+        self.flush()
+        tensor = self.sink.read(key)
+        self._open = (key, tensor)
+        return tensor
+
+    def __setitem__(self, key: str, value: Tensor) -> None:
+        if self._open is not None and self._open[0] == key:
+            self._open = None  # replaced as a whole
+        self.sink.write(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        raise TypeError("a streamed merge result cannot drop keys")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 def apply_chunked(kernel: Kernel, key: str, base: Tensor | None, experts: list[Tensor], chunk: int) -> Tensor:
-    """An elementwise ``kernel`` over flat slices of ``chunk`` entries, written into one output tensor."""
-    flat = [x.reshape(-1) for x in experts]
-    fbase = None if base is None else base.reshape(-1)
-    res = torch.empty(experts[0].shape, dtype=experts[0].dtype)
-    rflat = res.view(-1)
-    for i in range(0, rflat.numel(), chunk):
-        j = i + chunk
-        rflat[i:j] = kernel(key, None if fbase is None else fbase[i:j], [x[i:j] for x in flat])
+    """An elementwise ``kernel`` over flat slices of ``chunk`` entries, written into one output tensor.
+
+    The slices run on one intra-op thread: a thread pool woken for every cache-sized slice spends more time
+    handing off work than computing (on a busy 2-core machine, 2 threads took 8-30x the wall time of 1), and
+    these kernels are memory-bound anyway. ``clmerge merge --threads`` overlaps reading and writing instead.
+    """
+    threads = torch.get_num_threads()
+    if threads > 1:
+        torch.set_num_threads(1)
+    try:
+        flat = [x.reshape(-1) for x in experts]
+        fbase = None if base is None else base.reshape(-1)
+        res = torch.empty(experts[0].shape, dtype=experts[0].dtype)
+        rflat = res.view(-1)
+        for i in range(0, rflat.numel(), chunk):
+            j = i + chunk
+            rflat[i:j] = kernel(key, None if fbase is None else fbase[i:j], [x[i:j] for x in flat])
+    finally:
+        if threads > 1:
+            torch.set_num_threads(threads)
     return res
 
 

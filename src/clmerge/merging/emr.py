@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .driver import map_keys, task_vectors64
+from .driver import CHUNK, map_keys, task_vectors64
 from .registry import register_merge
 from .sources import open_models
 
@@ -42,7 +42,6 @@ def emr_merging(*, base: Any, experts: Sequence[Any], task: int = 0, rescale_mod
     """
     if rescale_mode not in ("sum", "mean_per_tensor"):
         raise ValueError(f"rescale_mode must be 'sum' or 'mean_per_tensor', got {rescale_mode!r}")
-    red = torch.sum if rescale_mode == "sum" else torch.mean
     models = open_models(base, experts)
     if not 0 <= task < models.num_experts:
         raise ValueError(f"task must be in [0, {models.num_experts}), got {task}")
@@ -50,10 +49,11 @@ def emr_merging(*, base: Any, experts: Sequence[Any], task: int = 0, rescale_mod
     den = torch.zeros((), dtype=torch.float64)
     for key, b, xs in models.items():
         if models.is_float(key):
-            tvs = task_vectors64(b, xs)
-            uni = emr_unified_tensor(tvs)
-            num += red(tvs[task].abs())
-            den += red((uni * ((tvs[task] * uni) > 0)).abs())
+            # sums over cache-sized slices (no float64 stack of the whole tensor); a mean is the sum / numel
+            n_sum, d_sum = _rescale_sums(b, xs, task)
+            scale = 1.0 if rescale_mode == "sum" else 1.0 / max(1, b.numel())
+            num += n_sum * scale
+            den += d_sum * scale
     rescale = num / den if den > 0 else torch.ones((), dtype=torch.float64)
 
     def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
@@ -61,4 +61,17 @@ def emr_merging(*, base: Any, experts: Sequence[Any], task: int = 0, rescale_mod
         uni = emr_unified_tensor(tvs)
         return b.double() + rescale * uni * ((tvs[task] * uni) > 0)
 
-    return map_keys(models, kernel, needs_base=True)
+    return map_keys(models, kernel, needs_base=True, chunk=CHUNK)  # elementwise once lambda_t is known
+
+
+def _rescale_sums(b: Tensor, xs: list[Tensor], task: int) -> tuple[Tensor, Tensor]:
+    """``(sum |tau_task|, sum |M_task * tau_uni|)`` of one key, over flat slices of :data:`CHUNK` entries."""
+    fb, fx = b.reshape(-1), [x.reshape(-1) for x in xs]
+    num = torch.zeros((), dtype=torch.float64)
+    den = torch.zeros((), dtype=torch.float64)
+    for i in range(0, fb.numel(), CHUNK):
+        tvs = task_vectors64(fb[i:i + CHUNK], [x[i:i + CHUNK] for x in fx])
+        uni = emr_unified_tensor(tvs)
+        num += tvs[task].abs().sum()
+        den += (uni * ((tvs[task] * uni) > 0)).abs().sum()
+    return num, den

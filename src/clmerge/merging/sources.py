@@ -1,12 +1,14 @@
-"""Where parameters come from: in-memory dicts, or weight files read lazily tensor by tensor.
+"""The inputs of one merge: a base (optional) and the experts, checked to agree, read one key at a time.
 
-:class:`ModelSet` holds a base (optional) and the experts, checks once that they agree (same keys, shapes and
-dtypes; an error names the key and the files) and hands out one key at a time, so a streaming merge keeps at
-most one tensor per expert in memory besides its output.
+:class:`ModelSet` checks once that the inputs agree (the base decides the key set; a missing, extra or
+shape-mismatched key is an error naming the key and the model) and hands out one key at a time, so a
+streaming merge keeps at most one tensor per input in memory besides its output. Floating inputs of different
+dtypes (bf16 beside fp32) are upcast to the compute dtype. The readers live in :mod:`clmerge.checkpoints`.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,167 +16,66 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ParamSource", "ModelSet", "as_source", "open_models", "MergeInputError"]
+from ..checkpoints.sources import MergeInputError, ParamSource, as_source
+from ..checkpoints.sources import torch_load_state_dict as _torch_load  # noqa: F401 (the old private name)
 
-_ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+__all__ = ["MergeInputError", "ModelSet", "ParamSource", "as_source", "open_models"]
 
-
-class MergeInputError(ValueError):
-    """Inputs to a merge disagree or are malformed (message names the key and the files)."""
-
-
-class ParamSource:
-    """A read-only view of one parameter set: a dict, a safetensors file (lazy) or a ``.bin``/``.pt`` file.
-
-    Args:
-        obj: a ``dict[str, Tensor]`` or a path.
-        name: how errors refer to this input (default: the path, or ``"<dict>"``).
-    """
-
-    def __init__(self, obj: Mapping[str, Tensor] | str | Path, name: str | None = None) -> None:
-        self._dict: Mapping[str, Tensor] | None = None
-        self._handle = None
-        self._reader: _SafetensorsReader | None = None
-        if isinstance(obj, Mapping):
-            self._dict = obj
-            self.name = name or "<dict>"
-        else:
-            path = Path(obj)
-            self.name = name or str(path)
-            if not path.exists():
-                raise FileNotFoundError(f"no such weights file: {path}")
-            if path.suffix == ".safetensors":
-                from safetensors import safe_open
-
-                try:
-                    self._handle = safe_open(str(path), framework="pt")  # validates the header
-                    self._reader = _SafetensorsReader(path)
-                except Exception as exc:  # safetensors raises several types for corrupt headers
-                    raise MergeInputError(f"{path}: not a readable safetensors file ({exc})") from exc
-            else:
-                self._dict = _torch_load(path)
-        self._meta = self._read_meta()
-
-    def _read_meta(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        if self._dict is not None:
-            return {k: (tuple(v.shape), v.dtype) for k, v in self._dict.items()}
-        meta = {}
-        for k in self._handle.keys():
-            sl = self._handle.get_slice(k)
-            meta[k] = (tuple(sl.get_shape()), _ST_DTYPES.get(sl.get_dtype(), sl.get_dtype()))
-        return meta
-
-    def keys(self) -> list[str]:
-        """Parameter names, in the input's order."""
-        return list(self._meta)
-
-    def meta(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
-        """``(shape, dtype)`` of ``key`` without reading its data."""
-        return self._meta[key]
-
-    def get(self, key: str) -> Tensor:
-        """The tensor ``key`` (read from disk now for a lazy file). Never modify it in place."""
-        return self._dict[key] if self._dict is not None else self._reader.read(key)
-
-
-class _SafetensorsReader:
-    """Reads one tensor of a safetensors file with ``readinto`` into fresh memory (no memory map).
-
-    A mapped file's pages count in the process's resident memory while mapped, so reading every key of
-    ``T`` mapped experts would look like ``T`` models resident; plain reads keep the resident set at what
-    the merge holds. Format: 8-byte little-endian header length, a JSON header with ``dtype``, ``shape``,
-    ``data_offsets`` per tensor, then the data.
-    """
-
-    def __init__(self, path: Path) -> None:
-        import json
-
-        self.path = path
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            self.header = {k: v for k, v in json.loads(f.read(n)).items() if k != "__metadata__"}
-        self.data_start = 8 + n
-
-    def read(self, key: str) -> Tensor:
-        info = self.header[key]
-        dtype = _ST_DTYPES[info["dtype"]]
-        begin, end = info["data_offsets"]
-        size = end - begin
-        if size == 0:
-            return torch.empty(info["shape"], dtype=dtype)
-        buf = _anonymous_buffer(size)
-        with open(self.path, "rb", buffering=0) as f:
-            f.seek(self.data_start + begin)
-            view, got = memoryview(buf.numpy() if isinstance(buf, Tensor) else buf), 0
-            while got < size:  # readinto may return short counts
-                n = f.readinto(view[got:])
-                if not n:
-                    raise MergeInputError(f"{self.path}: truncated data for key {key!r}")
-                got += n
-            view.release()
-        out = torch.frombuffer(buf, dtype=torch.uint8) if not isinstance(buf, Tensor) else buf
-        return out.view(dtype).reshape(info["shape"])
-
-
-def _anonymous_buffer(size: int) -> Any:
-    """A private anonymous memory map of ``size`` bytes (a tensor where mmap flags are unavailable).
-
-    Its own mapping is unmapped as soon as the tensor over it is freed, so reading key after key does not
-    leave holes in the malloc heap between the (kept) outputs: the resident set stays at what is alive.
-    """
-    import mmap
-
-    if hasattr(mmap, "MAP_ANONYMOUS") and hasattr(mmap, "MAP_PRIVATE"):
-        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.empty(size, dtype=torch.uint8)
-
-
-def _torch_load(path: Path) -> dict[str, Tensor]:
-    try:
-        obj = torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise MergeInputError(f"{path}: cannot be read with torch.load(weights_only=True) ({exc})") from exc
-    if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
-        obj = obj["state_dict"]
-    if not isinstance(obj, Mapping) or not all(isinstance(v, Tensor) for v in obj.values()):
-        raise MergeInputError(f"{path}: expected a dict of tensors (a state_dict)")
-    return dict(obj)
-
-
-def as_source(obj: Any, name: str | None = None) -> ParamSource:
-    """Wrap a dict or a path as a :class:`ParamSource` (a source is returned as is)."""
-    return obj if isinstance(obj, ParamSource) else ParamSource(obj, name)
+log = logging.getLogger("clmerge.merging")
 
 
 class ModelSet:
     """A base (or ``None``) and ``T >= 1`` experts that agree key by key.
 
     Args:
-        base: pretrained parameters (dict, path or source) or ``None``.
+        base: pretrained parameters (dict, path, hub id or source) or ``None``.
         experts: the fine-tuned parameter sets.
         check_finite: raise if a floating tensor holds NaN or Inf (checked as each key is read).
+        compute_dtype: floating dtype the inputs of a key are cast to when their dtypes differ, or always
+            when it is wider than float32 (kernels do their arithmetic in at least float32 anyway).
+        keys: restrict the merge to these keys (a group of a recipe with per-key overrides).
+        sink: where :func:`~clmerge.merging.driver.map_keys` streams each merged tensor (``write(key, t)``,
+            ``read(key)``) instead of collecting a dict; ``None``: collect in memory.
+
+    Attributes:
+        prefetch: read the next key in a background thread during :meth:`items` (set by the CLI with
+            ``--threads`` >= 2).
 
     Raises:
-        MergeInputError: no experts, or a key / shape / dtype mismatch (names the key and both files).
+        MergeInputError: no experts, or a key / shape mismatch (names the key and both inputs).
     """
 
-    def __init__(self, base: Any, experts: Sequence[Any], *, check_finite: bool = True) -> None:
+    def __init__(self, base: Any, experts: Sequence[Any], *, check_finite: bool = True,
+                 compute_dtype: torch.dtype = torch.float32, keys: Sequence[str] | None = None,
+                 sink: Any = None) -> None:
         if isinstance(experts, (str, Path, Mapping)) or len(experts) == 0:
             raise MergeInputError("experts: need a non-empty list of parameter dicts or weight files")
-        self.experts = [as_source(e, None if not isinstance(e, Mapping) else f"expert {i}")
-                        for i, e in enumerate(experts)]
         self.base = None if base is None else as_source(base, None if not isinstance(base, Mapping) else "base")
+        self.experts = [as_source(e, None if not isinstance(e, Mapping) else f"expert {i}", base=self.base)
+                        for i, e in enumerate(experts)]
         self.check_finite = check_finite
+        self.compute_dtype = compute_dtype
+        self.sink = sink
+        self.prefetch = False
+        self.mixed: set[str] = set()
         self._validate()
+        self._keys = self._ref.keys() if keys is None else list(keys)
+
+    @property
+    def _ref(self) -> Any:
+        return self.base if self.base is not None else self.experts[0]
+
+    def subset(self, keys: Sequence[str]) -> ModelSet:
+        """The same inputs restricted to ``keys`` (validated once already; the sink is shared)."""
+        new = object.__new__(ModelSet)
+        new.__dict__.update(self.__dict__)
+        new._keys = list(keys)
+        return new
 
     def _validate(self) -> None:
-        ref = self.experts[0]
+        ref = self._ref
         keys = set(ref.keys())
-        for other in self.experts[1:] + ([self.base] if self.base is not None else []):
+        for other in [s for s in [self.base, *self.experts] if s is not None and s is not ref]:
             okeys = set(other.keys())
             if okeys != keys:
                 missing, extra = sorted(keys - okeys), sorted(okeys - keys)
@@ -182,24 +83,36 @@ class ModelSet:
                     (extra[0], f"present in {other.name} but missing from {ref.name}")
                 raise MergeInputError(f"key {key!r} is {where}")
             for k in ref.keys():
-                if other.meta(k) != ref.meta(k):
-                    (s1, d1), (s2, d2) = ref.meta(k), other.meta(k)
+                (s1, d1), (s2, d2) = ref.meta(k), other.meta(k)
+                if s1 != s2 or (d1 != d2 and not (d1.is_floating_point and d2.is_floating_point)):
                     what = "shape" if s1 != s2 else "dtype"
                     raise MergeInputError(f"key {k!r}: {what} mismatch: {ref.name} has {list(s1)} {d1}, "
                                           f"{other.name} has {list(s2)} {d2}")
+                if d1 != d2:
+                    self.mixed.add(k)
+        if self.mixed:
+            log.info("inputs mix floating dtypes on %d keys (e.g. %s); those are upcast to %s", len(self.mixed),
+                     next(iter(sorted(self.mixed))), self.compute_dtype)
 
     @property
     def num_experts(self) -> int:
         return len(self.experts)
 
     def keys(self) -> list[str]:
-        return self.experts[0].keys()
+        return list(self._keys)
 
     def meta(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
-        return self.experts[0].meta(key)
+        shape, dtype = self.experts[0].meta(key)
+        return shape, (self._cast_to(key) or dtype)
 
     def is_float(self, key: str) -> bool:
         return self.meta(key)[1].is_floating_point
+
+    def _cast_to(self, key: str) -> torch.dtype | None:
+        if not self.experts[0].meta(key)[1].is_floating_point:
+            return None
+        wide = self.compute_dtype.itemsize > 4
+        return self.compute_dtype if key in self.mixed or wide else None
 
     def load(self, key: str, check: bool | None = None) -> tuple[Tensor | None, list[Tensor]]:
         """``(base tensor or None, [expert tensors])`` for one key, checked for NaN/Inf.
@@ -215,12 +128,32 @@ class ModelSet:
                 # a sum is finite only if every entry is (one read, no mask); confirm a non-finite sum exactly
                 if not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
                     raise MergeInputError(f"key {key!r} in {src.name} contains NaN or Inf")
+        cast = self._cast_to(key)
+        if cast is not None:
+            base = None if base is None else base.to(cast)
+            experts = [x.to(cast) for x in experts]
         return base, experts
 
     def items(self, check: bool | None = None) -> Iterator[tuple[str, Tensor | None, list[Tensor]]]:
-        """Yield ``(key, base, experts)`` key by key (``check`` as in :meth:`load`)."""
-        for k in self.keys():
-            yield (k, *self.load(k, check))
+        """Yield ``(key, base, experts)`` key by key (``check`` as in :meth:`load`).
+
+        With ``prefetch`` set, the next key is read in a background thread while the caller merges this one
+        (file reads release the GIL): reading overlaps merging at the cost of one more key in memory.
+        """
+        keys = self.keys()
+        if not self.prefetch or len(keys) < 2:
+            for k in keys:
+                yield (k, *self.load(k, check))
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1, thread_name_prefix="clmerge-read") as pool:
+            nxt = pool.submit(self.load, keys[0], check)
+            for i, k in enumerate(keys):
+                base, experts = nxt.result()
+                nxt = pool.submit(self.load, keys[i + 1], check) if i + 1 < len(keys) else None
+                yield k, base, experts
+                del base, experts
 
 
 def open_models(base: Any, experts: Sequence[Any] | ModelSet) -> ModelSet:

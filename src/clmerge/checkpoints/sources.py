@@ -1,0 +1,179 @@
+"""Parameter sources: an in-memory dict, or one weights file read lazily tensor by tensor.
+
+A source has ``keys()``, ``meta(key) -> (shape, dtype)``, ``get(key)``, ``name`` (how errors refer to it),
+``files`` (the weight files it reads) and ``folder`` (the model folder, or ``None``). Safetensors are read one
+tensor at a time with plain reads; ``.bin`` / ``.pt`` files only with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["ST_DTYPES", "MergeInputError", "ParamSource", "as_source", "is_source", "torch_load_state_dict"]
+
+ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class MergeInputError(ValueError):
+    """Inputs to a merge disagree or are malformed (message names the key and the files)."""
+
+
+class ParamSource:
+    """A read-only view of one parameter set: a dict, a safetensors file (lazy) or a ``.bin``/``.pt`` file.
+
+    Args:
+        obj: a ``dict[str, Tensor]`` or a path.
+        name: how errors refer to this input (default: the path, or ``"<dict>"``).
+    """
+
+    def __init__(self, obj: Mapping[str, Tensor] | str | Path, name: str | None = None) -> None:
+        self._dict: Mapping[str, Tensor] | None = None
+        self._handle = None
+        self._reader: _SafetensorsReader | None = None
+        self.files: list[Path] = []
+        self.folder: Path | None = None
+        if isinstance(obj, Mapping):
+            self._dict = obj
+            self.name = name or "<dict>"
+        else:
+            path = Path(obj)
+            self.name = name or str(path)
+            self.files = [path]
+            if not path.exists():
+                raise FileNotFoundError(f"no such weights file: {path}")
+            if path.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                try:
+                    self._handle = safe_open(str(path), framework="pt")  # validates the header
+                    self._reader = _SafetensorsReader(path)
+                except Exception as exc:  # safetensors raises several types for corrupt headers
+                    raise MergeInputError(f"{path}: not a readable safetensors file ({exc})") from exc
+            elif path.suffix in (".bin", ".pt", ".pth", ".ckpt"):
+                self._dict = torch_load_state_dict(path)
+            else:
+                raise MergeInputError(f"{path}: not a weights file (expected .safetensors, .bin, .pt or .pth)")
+        self._meta = self._read_meta()
+
+    def _read_meta(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        if self._dict is not None:
+            return {k: (tuple(v.shape), v.dtype) for k, v in self._dict.items()}
+        meta = {}
+        for k in self._handle.keys():
+            sl = self._handle.get_slice(k)
+            meta[k] = (tuple(sl.get_shape()), ST_DTYPES.get(sl.get_dtype(), sl.get_dtype()))
+        return meta
+
+    def keys(self) -> list[str]:
+        """Parameter names, in the input's order."""
+        return list(self._meta)
+
+    def meta(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """``(shape, dtype)`` of ``key`` without reading its data."""
+        return self._meta[key]
+
+    def get(self, key: str) -> Tensor:
+        """The tensor ``key`` (read from disk now for a lazy file). Never modify it in place."""
+        return self._dict[key] if self._dict is not None else self._reader.read(key)
+
+
+class _SafetensorsReader:
+    """Reads one tensor of a safetensors file with ``readinto`` into fresh memory (no memory map).
+
+    A mapped file's pages count in the process's resident memory while mapped, so reading every key of
+    ``T`` mapped experts would look like ``T`` models resident; plain reads keep the resident set at what
+    the merge holds. Format: 8-byte little-endian header length, a JSON header with ``dtype``, ``shape``,
+    ``data_offsets`` per tensor, then the data.
+    """
+
+    def __init__(self, path: Path) -> None:
+        import json
+
+        self.path = path
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            self.header = {k: v for k, v in json.loads(f.read(n)).items() if k != "__metadata__"}
+        self.data_start = 8 + n
+
+    def read(self, key: str) -> Tensor:
+        info = self.header[key]
+        dtype = ST_DTYPES[info["dtype"]]
+        begin, end = info["data_offsets"]
+        size = end - begin
+        if size == 0:
+            return torch.empty(info["shape"], dtype=dtype)
+        buf = _anonymous_buffer(size)
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.data_start + begin)
+            view, got = memoryview(buf.numpy() if isinstance(buf, Tensor) else buf), 0
+            while got < size:  # readinto may return short counts
+                n = f.readinto(view[got:])
+                if not n:
+                    raise MergeInputError(f"{self.path}: truncated data for key {key!r}")
+                got += n
+            view.release()
+        out = torch.frombuffer(buf, dtype=torch.uint8) if not isinstance(buf, Tensor) else buf
+        return out.view(dtype).reshape(info["shape"])
+
+
+def _anonymous_buffer(size: int) -> Any:
+    """A private anonymous memory map of ``size`` bytes (a tensor where mmap flags are unavailable).
+
+    Its own mapping is unmapped as soon as the tensor over it is freed, so reading key after key does not
+    leave holes in the malloc heap between the (kept) outputs: the resident set stays at what is alive.
+    """
+    import mmap
+
+    if hasattr(mmap, "MAP_ANONYMOUS") and hasattr(mmap, "MAP_PRIVATE"):
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.empty(size, dtype=torch.uint8)
+
+
+def torch_load_state_dict(path: Path, *, mmap: bool = False) -> dict[str, Tensor]:
+    """A state dict from a ``.bin`` / ``.pt`` file, ``weights_only=True`` (one-line errors).
+
+    Args:
+        mmap: map the file instead of reading it (zip-format files only; the legacy format is read): for
+            shapes and dtypes without reading the data.
+    """
+    try:
+        try:
+            obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=mmap)
+        except RuntimeError:
+            if not mmap:
+                raise
+            obj = torch.load(str(path), map_location="cpu", weights_only=True)  # legacy format: no mmap
+    except Exception as exc:  # torch's message advises weights_only=False: do not repeat that advice
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise MergeInputError(f"{path}: cannot be read with torch.load(weights_only=True): {first[:200]}") from exc
+    if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
+        obj = obj["state_dict"]
+    if not isinstance(obj, Mapping) or not all(isinstance(v, Tensor) for v in obj.values()):
+        raise MergeInputError(f"{path}: expected a dict of tensors (a state_dict)")
+    return dict(obj)
+
+
+def is_source(obj: Any) -> bool:
+    """Whether ``obj`` already is a lazy source (has ``keys``, ``meta`` and ``get``; a dict is not)."""
+    return not isinstance(obj, Mapping) and all(hasattr(obj, a) for a in ("keys", "meta", "get"))
+
+
+def as_source(obj: Any, name: str | None = None, *, base: Any = None) -> Any:
+    """Wrap a dict, a weights file, a model folder, a hub id or a PEFT adapter folder (over the source
+    ``base``) as a lazy source (a source is returned as is)."""
+    if is_source(obj):
+        return obj
+    if isinstance(obj, Mapping):
+        return ParamSource(obj, name)
+    from .readers import open_checkpoint
+
+    return open_checkpoint(obj, name=name, base=base)

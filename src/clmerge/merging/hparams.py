@@ -1,0 +1,125 @@
+"""What a merge method's hyperparameters are: their types (from the signature), defaults and meaning (from the
+docstring's ``Args:`` section), and the check of a user's value against them (one-line errors).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .registry import MergeMethod
+
+__all__ = ["DATA_HPARAMS", "HParam", "coerce_value", "method_hparams", "per_expert_name"]
+
+# Hyperparameters that are data-dependent statistics (computed by the Python API from a dataset).
+DATA_HPARAMS = ("fishers", "grams")
+
+
+@dataclass(frozen=True)
+class HParam:
+    """One keyword hyperparameter of a merge method."""
+
+    name: str
+    annotation: str
+    default: Any
+    help: str
+
+    @property
+    def required(self) -> bool:
+        return self.default is inspect.Parameter.empty
+
+    @property
+    def is_list(self) -> bool:
+        return bool(re.search(r"\b(Sequence|list|tuple)\[", self.annotation))
+
+    @property
+    def kinds(self) -> list[str]:
+        """The scalar kinds the annotation allows: some of ``bool int float str none``."""
+        text = self.annotation or type(self.default).__name__
+        if self.is_list:
+            text = re.sub(r"(Sequence|list|tuple)\[([^\]]*)\]", r"\2", text)
+        kinds = [k for k in ("bool", "int", "float", "str") if re.search(rf"\b{k}\b", text)]
+        if "None" in text or self.default is None:
+            kinds.append("none")
+        return kinds or ["any"]
+
+
+def method_hparams(method: MergeMethod) -> dict[str, HParam]:
+    """The keyword hyperparameters of ``method`` (not ``base`` / ``experts``), with their ``Args:`` text."""
+    docs = _args_section(inspect.getdoc(method.fn) or "")
+    sig = inspect.signature(method.fn)
+    out = {}
+    for name, p in sig.parameters.items():
+        if name in ("base", "experts"):
+            continue
+        ann = p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", "")
+        ann = "" if p.annotation is inspect.Parameter.empty else str(ann)
+        out[name] = HParam(name, ann, p.default, docs.get(name, ""))
+    return out
+
+
+def _args_section(doc: str) -> dict[str, str]:
+    """``{name: description}`` from a Google-style ``Args:`` section (``a, b: text`` documents both)."""
+    out: dict[str, str] = {}
+    lines = doc.splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == "Args:")
+    except StopIteration:
+        return out
+    indent, current = None, []
+    for line in lines[start + 1:]:
+        if not line.strip():
+            continue
+        ind = len(line) - len(line.lstrip())
+        indent = ind if indent is None else indent
+        if ind < indent:
+            break  # the next section (Returns:, Raises:)
+        m = re.match(r"\s*([\w, ]+):\s*(.*)", line) if ind == indent else None
+        if m:
+            current = [n.strip() for n in m.group(1).split(",")]
+            for n in current:
+                out[n] = m.group(2).strip()
+        else:
+            for n in current:
+                out[n] += " " + line.strip()
+    return out
+
+
+def coerce_value(method: str, hp: HParam, value: Any, where: str) -> Any:
+    """Check ``value`` against ``hp``'s type; returns it (ints accepted for floats) or raises one line.
+
+    Raises:
+        ValueError: ``"{where}: {method} expects <type>, got <value>"``.
+    """
+    if hp.is_list and isinstance(value, (list, tuple)):
+        return [_scalar(method, hp, v, where) for v in value]
+    return _scalar(method, hp, value, where)
+
+
+def _scalar(method: str, hp: HParam, value: Any, where: str) -> Any:
+    kinds = hp.kinds
+    ok = ("any" in kinds
+          or (value is None and "none" in kinds)
+          or (isinstance(value, bool) and "bool" in kinds)
+          or (isinstance(value, int) and not isinstance(value, bool) and ("int" in kinds or "float" in kinds))
+          or (isinstance(value, float) and "float" in kinds and math.isfinite(value))
+          or (isinstance(value, str) and "str" in kinds))
+    if not ok:
+        want = " or ".join({"none": "none", "float": "a finite number", "int": "an integer",
+                            "bool": "true/false", "str": "a string"}[k] for k in kinds)
+        want = f"a list of ({want})" if hp.is_list else want
+        raise ValueError(f"{where}: {method}'s {hp.name} expects {want}, got {value!r}")
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) and "int" not in kinds else value
+
+
+def per_expert_name(method: str, hps: dict[str, HParam], key: str) -> str:
+    """The list hyperparameter that a per-model value ``key`` feeds (``weight`` -> ``weights``), or an error."""
+    for name in (key, key + "s"):
+        if name in hps and hps[name].is_list and name not in DATA_HPARAMS:
+            return name
+    lists = [n for n, h in hps.items() if h.is_list and n not in DATA_HPARAMS]
+    have = f"its per-model lists: {', '.join(lists)}" if lists else "it takes no per-model values"
+    raise ValueError(f"per-model parameter {key!r}: {method} has no per-expert list {key!r} or {key + 's'!r} ({have})")

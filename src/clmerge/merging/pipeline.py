@@ -1,0 +1,254 @@
+"""A merge from checkpoints on disk to a model folder, streamed key by key (what ``clmerge merge`` runs).
+
+:func:`prepare` opens the inputs lazily, checks the recipe's hyperparameters against the method's signature
+and partitions the keys into groups of equal hyperparameters; nothing is read beyond the headers and nothing
+is written. :func:`execute` then runs the method on each group with the inputs' :class:`ModelSet` streaming
+into a :class:`~clmerge.checkpoints.writer.ShardedWriter`, so the memory in use is the tensors of the key
+being merged (plus a method's per-key temporaries), whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checkpoints.output import InputHashes, OutputTarget, copy_model_files, write_model_card
+from ..checkpoints.readers import open_checkpoint, resolve_hub_id
+from ..checkpoints.writer import BackgroundWriter, ShardedWriter, parse_size
+from .hparams import DATA_HPARAMS, HParam, coerce_value, method_hparams, per_expert_name
+from .registry import MergeMethod, get_method
+from .sources import ModelSet
+
+__all__ = ["Prepared", "dry_run_text", "execute", "prepare"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass
+class Prepared:
+    """Everything a merge needs, checked: the method, the opened inputs and the key groups."""
+
+    recipe: Any
+    method: MergeMethod
+    models: ModelSet
+    groups: list[tuple[dict[str, Any], list[str]]]
+    tasks: list[int | None]
+    out_dtype: torch.dtype | None
+    shard_size: int
+    plan: list[tuple[str, tuple[int, ...], torch.dtype]] = field(default_factory=list)
+
+
+def _check_params(method: MergeMethod, hps: dict[str, HParam], params: dict[str, Any], where: str,
+                  gradient_ok: bool) -> None:
+    for name, value in params.items():
+        if name not in hps or name in DATA_HPARAMS:
+            import difflib
+
+            near = difflib.get_close_matches(name, list(hps), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else f"; valid: {', '.join(hps) or 'none'}"
+            raise ValueError(f"{where}{name}: not a hyperparameter of {method.name}{hint}")
+        if isinstance(value, list) and not hps[name].is_list and gradient_ok:
+            if not value or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+                raise ValueError(f"{where}{name}: a depth gradient is a non-empty list of numbers, got {value!r}")
+            for v in value:
+                coerce_value(method.name, hps[name], v, f"{where}{name}")
+        elif name != "task":
+            coerce_value(method.name, hps[name], value, f"{where}{name}")
+
+
+def _per_model(method: MergeMethod, hps: dict[str, HParam], recipe: Any) -> dict[str, list]:
+    names = [set(m.parameters) for m in recipe.models]
+    if not any(names):
+        return {}
+    for i, n in enumerate(names):
+        if n != names[0]:
+            raise ValueError(f"models[{i}].parameters: gives {sorted(n)} but models[0] gives {sorted(names[0])} "
+                             "(every model needs the same per-model parameters)")
+    out = {}
+    for key in names[0]:
+        target = per_expert_name(method.name, hps, key)
+        out[target] = [coerce_value(method.name, hps[target], [m.parameters[key]], f"models[{i}].parameters.{key}")[0]
+                       for i, m in enumerate(recipe.models)]
+    return out
+
+
+def _tasks(method: MergeMethod, hps: dict[str, HParam], task: str | int | None, n: int) -> list[int | None]:
+    if "task" not in hps:
+        if task is not None:
+            raise ValueError(f"--task: {method.name} gives one merged model, not one per task")
+        return [None]
+    if task is None:
+        raise ValueError(f"{method.name} gives one model per task: pass --task i (0..{n - 1}) or --task all")
+    if str(task) == "all":
+        return list(range(n))
+    try:
+        t = int(task)
+    except ValueError:
+        raise ValueError(f"--task: expected an integer or 'all', got {task!r}") from None
+    if not 0 <= t < n:
+        raise ValueError(f"--task: {t} is out of range for {n} experts (0..{n - 1})")
+    return [t]
+
+
+def prepare(recipe: Any, *, task: str | int | None = None, where: str = "parameters.") -> Prepared:
+    """Check ``recipe`` against its method and open its inputs (headers only); raises one-line errors.
+
+    Args:
+        where: how errors name the global parameters (``"--set "`` for the flag form).
+    """
+    from ..recipes import key_groups
+
+    method = get_method(recipe.method)
+    hps = method_hparams(method)
+    if any(n in DATA_HPARAMS for n in hps):
+        stats = ", ".join(n for n in hps if n in DATA_HPARAMS)
+        raise ValueError(f"{method.name} needs data-dependent statistics ({stats}); "
+                         f"use the Python API: clmerge.merging.{method.fn.__name__}(...) (docs/merging_checkpoints.md)")
+    if method.needs_base and recipe.base is None:
+        raise ValueError(f"{method.name} needs --base PATH (the pretrained weights)")
+    task = recipe.parameters.get("task", task) if task is None else task
+    params = {k: v for k, v in recipe.parameters.items() if k != "task"}
+    _check_params(method, hps, params, where, True)
+    for i, o in enumerate(recipe.overrides):
+        _check_params(method, hps, o.parameters, f"overrides[{i}].parameters.", True)
+    per_model = _per_model(method, hps, recipe)
+    base = None if recipe.base is None else open_checkpoint(recipe.base, name=recipe.base)
+    experts = [open_checkpoint(m.model, base=base, name=m.model) for m in recipe.models]
+    compute = _DTYPES[recipe.compute_dtype]
+    models = ModelSet(base, experts, compute_dtype=compute)
+    tasks = _tasks(method, hps, task, models.num_experts)
+    list_params = {n for n, h in hps.items() if h.is_list}
+    groups = key_groups(models.keys(), {**params, **per_model}, recipe.overrides, list_params)
+    missing = [n for n, h in hps.items() if h.required and n not in groups[0][0] and n != "task"]
+    if missing:
+        raise ValueError(f"{method.name}: missing required hyperparameter {', '.join(missing)} "
+                         f"(--set {missing[0]}=...)")
+    out_dtype = None if recipe.out_dtype is None else _DTYPES[recipe.out_dtype]
+    prep = Prepared(recipe, method, models, groups, tasks, out_dtype, parse_size(recipe.out_shard_size))
+    ref = models.base if models.base is not None else models.experts[0]
+    for key in models.keys():
+        shape, dtype = ref.meta(key)
+        prep.plan.append((key, tuple(shape), out_dtype if out_dtype is not None and dtype.is_floating_point else dtype))
+    return prep
+
+
+def _config_dtype(prep: Prepared) -> torch.dtype:
+    if prep.out_dtype is not None:
+        return prep.out_dtype
+    sizes: Counter = Counter()
+    for _, shape, dtype in prep.plan:
+        if dtype.is_floating_point:
+            sizes[dtype] += math.prod(shape)
+    return sizes.most_common(1)[0][0] if sizes else torch.float32
+
+
+def _folder_of(spec: str | None) -> Path | None:
+    if spec is None:
+        return None
+    p = Path(spec)
+    if p.is_dir():
+        return p
+    return None if p.exists() else resolve_hub_id(spec)
+
+
+def _merge_into(prep: Prepared, writer: ShardedWriter | BackgroundWriter, task: int | None) -> None:
+    prep.models.sink = writer
+    try:
+        for hp, keys in prep.groups:
+            extra = {} if task is None else {"task": task}
+            res = prep.method.fn(base=prep.models.base, experts=prep.models.subset(keys), **hp, **extra)
+            if isinstance(res, dict):  # a method that does not stream: write what it returned
+                for k, v in res.items():
+                    writer.write(k, v)
+            elif hasattr(res, "flush"):  # a SinkView: write back a tensor the method patched in place
+                res.flush()
+            del res
+    finally:
+        prep.models.sink = None
+
+
+def execute(prep: Prepared, out: Path, kind: str, *, io_threads: bool = False, hash_inputs: bool = True,
+            log: Callable[[str], None] = lambda s: None) -> dict:
+    """Run the merge and move the result into ``out`` (nothing is left on failure); returns a summary.
+
+    Args:
+        io_threads: read the next key and write the last one in background threads, overlapping both with
+            the merge (``--threads`` >= 2).
+        hash_inputs: record every input file's sha256 in the model card.
+    """
+    prep.models.prefetch = io_threads
+    files = [f for s in [prep.models.base, *prep.models.experts] if s is not None for f in getattr(s, "files", [])]
+    hashes = InputHashes(files, enabled=hash_inputs) if kind == "folder" else None
+    recipe = prep.recipe
+    meta = {"clmerge_method": prep.method.name}
+    with OutputTarget(out, kind) as target:
+        for task in prep.tasks:
+            folder = target.tmp if len(prep.tasks) == 1 else target.tmp / f"task_{task}"
+            folder.mkdir(exist_ok=True)
+            writer = ShardedWriter(folder, prep.plan, shard_size=prep.shard_size, metadata=meta,
+                                   single_file=out.name if kind == "file" else None)
+            writer = BackgroundWriter(writer) if io_threads else writer
+            try:
+                _merge_into(prep, writer, task)
+                writer.close()
+            except BaseException:
+                writer.abort()
+                raise
+            if kind == "folder":
+                _write_folder_files(prep, folder, recipe, hashes, task)
+            log(f"merged {'task ' + str(task) + ' ' if task is not None else ''}({len(prep.plan)} tensors)")
+        target.commit()
+    return {"method": prep.method.name, "keys": len(prep.plan), "out": str(out), "tasks": prep.tasks}
+
+
+def _write_folder_files(prep: Prepared, folder: Path, recipe: Any, hashes: InputHashes, task: int | None) -> None:
+    ref = prep.models.base if prep.models.base is not None else prep.models.experts[0]
+    model_folder = getattr(ref, "folder", None)
+    tok = _folder_of(recipe.tokenizer_from) if recipe.tokenizer_from else model_folder
+    copy_model_files(folder, model_folder, tok, _config_dtype(prep))
+    text = recipe.to_yaml() + (f"# this folder: task {task}\n" if task is not None else "")
+    (folder / "clmerge_recipe.yaml").write_text(text)
+    inputs = ([("base", prep.models.base.name, prep.models.base.files)] if prep.models.base is not None else [])
+    inputs += [("model", e.name, getattr(e, "files", [])) for e in prep.models.experts]
+    write_model_card(folder, recipe_yaml=text, inputs=inputs, hashes=hashes.get(), base_model=recipe.base)
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dry_run_text(prep: Prepared) -> str:
+    """The plan: keys and shapes (summarised), per-group hyperparameters, and the memory estimate."""
+    ms = prep.models
+    n_in = ms.num_experts + (ms.base is not None)
+    in_bytes = [math.prod(ms.experts[0].meta(k)[0]) * ms.experts[0].meta(k)[1].itemsize for k in ms.keys()]
+    numels = [math.prod(s) for _, s, _ in prep.plan]
+    out_bytes = sum(n * d.itemsize for n, (_, _, d) in zip(numels, prep.plan))
+    largest = max(range(len(numels)), key=numels.__getitem__) if numels else 0
+    # per key: every input's tensor, the output, and about T+2 float32 temporaries of whole-tensor kernels
+    peak = n_in * max(in_bytes, default=0) + (ms.num_experts + 3) * 4 * max(numels, default=0)
+    lines = [f"method: {prep.method.name}; inputs: {ms.num_experts} models" + (" + base" if ms.base else ""),
+             f"keys: {len(prep.plan)} tensors, {sum(numels):,} parameters; largest {prep.plan[largest][0]} "
+             f"{list(prep.plan[largest][1])}" if numels else "keys: none",
+             f"output: {_size(out_bytes)} ({', '.join(sorted({_dtype_name(d) for *_, d in prep.plan}))}), "
+             f"shards of at most {_size(prep.shard_size)}",
+             f"memory estimate: about {_size(peak)} beyond the Python process (the largest key's inputs, "
+             "output and float32 temporaries; nothing else is held)",
+             f"tasks: {'one model' if prep.tasks == [None] else ', '.join(map(str, prep.tasks))}",
+             f"groups (keys with equal hyperparameters): {len(prep.groups)}"]
+    for hp, keys in prep.groups:
+        shown = ", ".join(keys[:3]) + (f", … ({len(keys)} keys)" if len(keys) > 3 else "")
+        lines.append(f"  {prep.method.name} {hp or '{defaults}'}: {shown}")
+    if ms.mixed:
+        lines.append(f"mixed input dtypes on {len(ms.mixed)} keys: upcast to {ms.compute_dtype}")
+    return "\n".join(lines)

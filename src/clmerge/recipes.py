@@ -1,0 +1,142 @@
+"""Merge recipes: the YAML that ``clmerge merge RECIPE.yaml`` reads (the flag form builds the same object).
+
+```yaml
+method: ties
+base: path/or/org-name
+models:
+  - model: path/to/expert_a
+    parameters: {weight: 1.0}          # per-model values feed the method's per-expert list (weights)
+  - model: path/to/expert_b
+parameters: {density: 0.2, scaling: 1.0}   # global hyperparameters
+overrides:                              # later entries win; "re:" starts a regular expression
+  - pattern: "*.self_attn.*"
+    parameters: {density: [0.1, 0.5]}   # a list: interpolated over the layer index (a depth gradient)
+out_dtype: bfloat16                     # default: the base's dtype
+compute_dtype: float32
+tokenizer_from: path                    # default: the base
+out_shard_size: 5GB
+```
+
+Keys are grouped by equal hyperparameters and each group is merged on its own (a method's global statistics,
+such as TIES's model-wide top-k, are then per group).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, field_validator
+
+from .config import ConfigError, _check_keys, _Strict, read_yaml_mapping, validate_strict
+
+__all__ = ["DTYPES", "ModelEntry", "Override", "Recipe", "key_groups", "layer_index", "load_recipe"]
+
+DTYPES = Literal["float32", "bfloat16", "float16", "float64"]
+
+
+class ModelEntry(_Strict):
+    model: str
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+
+class Override(_Strict):
+    pattern: str
+    parameters: dict[str, Any]
+
+    @field_validator("pattern")
+    @classmethod
+    def _valid_regex(cls, v: str) -> str:
+        if v.startswith("re:"):
+            try:
+                re.compile(v[3:])
+            except re.error as exc:
+                raise ValueError(f"invalid regular expression {v[3:]!r}: {exc}") from None
+        return v
+
+    def matches(self, key: str) -> bool:
+        if self.pattern.startswith("re:"):
+            return re.search(self.pattern[3:], key) is not None
+        return fnmatch.fnmatchcase(key, self.pattern)
+
+
+class Recipe(_Strict):
+    method: str
+    base: str | None = None
+    models: list[ModelEntry] = Field(min_length=1)
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    overrides: list[Override] = Field(default_factory=list)
+    out_dtype: DTYPES | None = None
+    compute_dtype: Literal["float32", "float64"] = "float32"
+    tokenizer_from: str | None = None
+    out_shard_size: str | int = "5GB"
+
+    def to_yaml(self) -> str:
+        """The recipe as YAML (defaults left out), as recorded in the output folder."""
+        return yaml.safe_dump(self.model_dump(exclude_defaults=True), sort_keys=False)
+
+
+def load_recipe(path: str, data: dict | None = None) -> Recipe:
+    """Read and validate a recipe file: unknown keys name the nearest valid key, bad values name their key."""
+    data = read_yaml_mapping(path, "merge recipe") if data is None else data
+    models = data.get("models")
+    if isinstance(models, list):
+        data = {**data, "models": [{"model": m} if isinstance(m, str) else m for m in models]}
+        for i, m in enumerate(data["models"]):
+            _check_keys(m, ModelEntry, f"models[{i}].")
+    for i, o in enumerate(data.get("overrides") or []):
+        _check_keys(o, Override, f"overrides[{i}].")
+    try:
+        return validate_strict(Recipe, data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}" if path else str(exc)) from None
+
+
+_LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+def layer_index(key: str) -> int | None:
+    """The layer number in a parameter name (``model.layers.7.mlp.up_proj.weight`` -> 7), or ``None``."""
+    m = _LAYER.search(key)
+    return int(m.group(1)) if m else None
+
+
+def _interpolate(values: Sequence[float], t: float) -> float:
+    """Piecewise-linear value at ``t`` in [0, 1] of ``values`` spread evenly over [0, 1]."""
+    if len(values) == 1:
+        return float(values[0])
+    pos = t * (len(values) - 1)
+    i = min(int(pos), len(values) - 2)
+    return float(values[i]) + (pos - i) * (float(values[i + 1]) - float(values[i]))
+
+
+def key_groups(keys: Sequence[str], parameters: dict[str, Any], overrides: Sequence[Override],
+               list_params: set[str]) -> list[tuple[dict[str, Any], list[str]]]:
+    """Partition ``keys`` into groups with equal hyperparameters.
+
+    Each key starts from ``parameters``; every override whose pattern matches it updates them (in order). A
+    list value for a hyperparameter that is not a per-expert list (``list_params``) is a depth gradient: the
+    value at ``t = layer / (num_layers - 1)`` of the list spread evenly over [0, 1]; keys without a layer
+    number take the first value.
+
+    Returns:
+        ``[(hyperparameters, keys)]`` in the order each group's first key appears.
+    """
+    layers = [i for i in map(layer_index, keys) if i is not None]
+    span = max(layers) if layers else 0
+    groups: dict[tuple, tuple[dict[str, Any], list[str]]] = {}
+    for key in keys:
+        hp = dict(parameters)
+        for o in overrides:
+            if o.matches(key):
+                hp.update(o.parameters)
+        layer = layer_index(key)
+        for name, v in hp.items():
+            if isinstance(v, list) and name not in list_params:
+                hp[name] = _interpolate(v, (layer or 0) / span if span else 0.0)
+        sig = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in hp.items()))
+        groups.setdefault(sig, (hp, []))[1].append(key)
+    return list(groups.values())

@@ -62,13 +62,13 @@ CONDITIONS = ("idle", "busy")
 def clmerge_command(args: argparse.Namespace, method: str, out: Path) -> list[str] | str:
     """clmerge's argv for one cell, or the reason it cannot run (the cell is then "pending")."""
     env = child_env(args, "clmerge")
-    help_text = subprocess.run([args.python, "-m", "clmerge", "merge", "--help"], capture_output=True, text=True,
+    help_text = subprocess.run([args.python, "-m", args.clmerge_module, "merge", "--help"], capture_output=True, text=True,
                                env=env).stdout
     if "--out-shard-size" not in help_text:
         return "pending: this clmerge's `merge` reads flat weight files only (no --out-shard-size in its help)"
     name, sets = METHODS[method]["clmerge"]
     base, experts = model_dirs(args.data)
-    argv = [args.python, "-m", "clmerge", "merge", "--method", name, "--base", str(base)]
+    argv = [args.python, "-m", args.clmerge_module, "merge", "--method", name, "--base", str(base)]
     for e in experts:
         argv += ["--expert", str(e)]
     for k, v in sets.items():
@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mergekit", type=Path, default=Path(os.environ.get("MERGEKIT_VENV", "/work/venvs/mergekit")),
                    help="mergekit 0.1.5's venv (env MERGEKIT_VENV)")
     p.add_argument("--python", default=sys.executable, help="the Python that runs clmerge")
-    p.add_argument("--clmerge-src", type=Path, default=REPO / "src", help="PYTHONPATH of the clmerge runs")
+    p.add_argument("--clmerge-src", default=str(REPO / "src"), help="PYTHONPATH of the clmerge runs")
+    p.add_argument("--clmerge-module", default="clmerge", help="the module run with `python -m` (default clmerge)")
     p.add_argument("--threads", type=int, default=1, help="threads of both tools (OMP_NUM_THREADS and their flag)")
     p.add_argument("--shard", default="5GB", help="output shard size of both tools (both default to 5 GB)")
     p.add_argument("--methods", nargs="*", default=list(METHODS))

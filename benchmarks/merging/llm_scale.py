@@ -62,8 +62,8 @@ CONDITIONS = ("idle", "busy")
 def clmerge_command(args: argparse.Namespace, method: str, out: Path) -> list[str] | str:
     """clmerge's argv for one cell, or the reason it cannot run (the cell is then "pending")."""
     env = child_env(args, "clmerge")
-    help_text = subprocess.run([args.python, "-m", args.clmerge_module, "merge", "--help"], capture_output=True, text=True,
-                               env=env).stdout
+    help_text = subprocess.run([args.python, "-m", args.clmerge_module, "merge", "--help"], capture_output=True,
+                               text=True, env=env).stdout
     if "--out-shard-size" not in help_text:
         return "pending: this clmerge's `merge` reads flat weight files only (no --out-shard-size in its help)"
     name, sets = METHODS[method]["clmerge"]

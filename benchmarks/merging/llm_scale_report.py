@@ -110,7 +110,8 @@ def write_report(res: dict[str, Any], path: Path) -> None:
     model = _model_bytes(res)
     c = res["spec"]["config"]
     text = HEADER.format(params=model / 2 / 1e9, gib=model / GIB, layers=c["num_hidden_layers"],
-                         hidden=c["hidden_size"], heads=c["num_attention_heads"], kv=c["num_key_value_heads"], cpus=res["cpus"], mem=res["mem_total_bytes"] / GIB,
+                         hidden=c["hidden_size"], heads=c["num_attention_heads"], kv=c["num_key_value_heads"],
+                         cpus=res["cpus"], mem=res["mem_total_bytes"] / GIB,
                          threads=res["threads"], shard=res["shard"], runtime=res.get("last_run_s", 0) / 60,
                          tokenizer="with" if res["spec"].get("tokenizer") else "without")
     for cond, title in (("idle", "Idle machine"), ("busy", "Beside a busy CPU process (`python -c \"while True: "
@@ -128,8 +129,8 @@ HEADER = """# clmerge vs mergekit on a 1.1B Llama (llm_scale)
 
 Made by `benchmarks/merging/llm_scale.py` (command and method in its docstring); raw numbers in `llm_scale.json`.
 
-- Models: Llama architecture with TinyLlama-1.1B shapes ({layers} layers, hidden {hidden}, {heads} heads, {kv} KV heads),
-  {params:.2f} B parameters, random init, bf16 ({gib:.2f} GiB), saved with `save_pretrained` in ~5 shards
+- Models: Llama architecture with TinyLlama-1.1B shapes ({layers} layers, hidden {hidden}, {heads} heads,
+  {kv} KV heads), {params:.2f} B parameters, random init, bf16 ({gib:.2f} GiB), saved with `save_pretrained` in ~5 shards
   {tokenizer} a tokenizer (a small BPE trained offline on this repo's Markdown); base + 3 variants
   (`llm_models.py`: sparse Gaussian + low-rank deltas of ~1% of each tensor's scale).
 - Machine: {cpus} CPUs visible, {mem:.0f} GiB, shared with other engineers (hence the load averages).
@@ -138,7 +139,10 @@ Made by `benchmarks/merging/llm_scale.py` (command and method in its docstring);
 - Peak RSS is the kernel's high-water mark (`ru_maxrss`) of the merge process; "anon" and "file-backed" are the
   peaks of its two parts polled every 0.1 s. File-backed pages are input files mapped by `safetensors`
   (page cache, reclaimable, but counted in RSS). "models" = peak / the size of one model.
-- Last run of the script: {runtime:.0f} min.
+- Last run of the script: {runtime:.0f} min. Run it again to fill "pending" / missing cells (it skips finished
+  ones): `python3 -m venv /work/venvs/mergekit && /work/venvs/mergekit/bin/pip install -c constraints.txt
+  mergekit==0.1.5` once, then `nice -n 5 env PYTHONPATH=src .venv/bin/python benchmarks/merging/llm_scale.py
+  --data /work/llm_models --mergekit /work/venvs/mergekit` (or `MERGEKIT_VENV=...`).
 """
 
 NOTES = """

@@ -221,6 +221,18 @@ def agreement(args: argparse.Namespace, method: str, res: dict[str, Any]) -> Non
             shutil.rmtree(o, ignore_errors=True)
 
 
+def import_baselines(args: argparse.Namespace, res: dict[str, Any]) -> None:
+    """Peak RSS of each tool's interpreter after its imports (constant; not scaled in the 7B extrapolation)."""
+    cmds = {"clmerge": [args.python, "-c", f"import {args.clmerge_module}.cli"],
+            "mergekit": [str(args.mergekit / "bin" / "python"), "-c", "import mergekit.merge, mergekit.scripts.run_yaml"]}
+    for tool in args.tools:
+        if f"baseline/{tool}" not in res["cells"] and Path(cmds[tool][0]).exists():
+            log = args.data / "out" / f"baseline_{tool}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            r = measure(cmds[tool], child_env(args, tool), log)
+            res["cells"][f"baseline/{tool}"] = r | {"status": "ok" if r["rc"] == 0 else "error"}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", type=Path, default=Path("/work/llm_models"), help="models and outputs (outside the repo)")
@@ -245,6 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     res = json.loads(args.json.read_text()) if args.json.exists() else {"cells": {}}
     res |= {"spec": spec, "threads": args.threads, "shard": args.shard, "cpus": os.cpu_count(),
             "mem_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
+    import_baselines(args, res)
     for condition in args.conditions:
         for method in args.methods:
             for tool in args.tools:

@@ -83,26 +83,41 @@ def agreement_table(res: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _parse_size(text: str) -> float:
+    units = {"KB": 1e3, "MB": 1e6, "GB": 1e9}
+    return float(text[:-2]) * units[text[-2:]] if text[-2:] in units else float(text)
+
+
 def memory_model(res: dict[str, Any], model: int) -> str:
-    """The 7B extrapolation, from the measured idle peaks (see NOTES for the reasoning)."""
+    """The 7B extrapolation from the measured idle peaks (the reasoning is in NOTES)."""
     big, big_tensor = 2 * 6.74e9, 2 * 32000 * 4096  # Llama-2-7B: bf16 bytes, embedding bytes
-    shard = float(res["shard"].rstrip("GB")) * 1e9
+    out_shard, in_shard = _parse_size(res["shard"]), _parse_size(res["spec"]["shard"])
+    inputs = 1 + res["spec"]["variants"]
     lines = []
     for tool in ("mergekit", "clmerge"):
-        peaks = [c["peak_rss_bytes"] for k, c in res["cells"].items()
-                 if k.startswith(f"idle/{tool}/") and c.get("status") == "ok"]
-        if not peaks:
+        cells = [c for k, c in res["cells"].items() if k.startswith(f"idle/{tool}/") and c.get("status") == "ok"]
+        if not cells:
             lines.append(f"- {tool}: no idle cell measured yet.")
             continue
-        p = max(peaks)
-        held = min(model, shard)  # the output shard a writer holds until it is full
-        rest = p - held
-        scaled = min(big, shard) + rest * big_tensor / _largest_tensor_bytes(res)
-        lines.append(f"- {tool}: largest idle peak {p / GIB:.2f} GiB = {p / model:.2f} models of {model / GIB:.2f} "
-                     f"GiB. Minus one output shard held whole ({held / GIB:.2f} GiB) leaves {rest / GIB:.2f} GiB, "
-                     f"which scales with the largest tensor ({_largest_tensor_bytes(res) / 2**20:.0f} MiB here, "
-                     f"{big_tensor / 2**20:.0f} MiB in a 7B): a 7B merge would peak near "
-                     f"{scaled / GIB:.1f} GiB (the model is {big / GIB:.1f} GiB in bf16).")
+        worst = max(cells, key=lambda c: c["peak_rss_bytes"])
+        anon, file_ = worst["polled_peak_anon_bytes"], worst["polled_peak_file_bytes"]
+        held = min(model, out_shard) if tool == "mergekit" else 0  # mergekit holds the current output shard
+        base = res["cells"].get(f"baseline/{tool}", {}).get("polled_peak_anon_bytes", 0)  # interpreter + imports
+        work = max(anon - held - base, 0)
+        ratio = big_tensor / _largest_tensor_bytes(res)
+        anon_7b = min(big, held and out_shard) + base + work * ratio
+        lines.append(
+            f"- {tool}: largest idle peak {worst['peak_rss_bytes'] / GIB:.2f} GiB = "
+            f"{worst['peak_rss_bytes'] / model:.2f} models of {model / GIB:.2f} GiB (anonymous {anon / GIB:.2f} GiB, "
+            f"file-backed {file_ / GIB:.2f} GiB = {file_ / (inputs * in_shard):.2f} x one {in_shard / 1e6:.0f} MB "
+            f"input shard per input). "
+            + f"Anonymous = {base / GIB:.2f} GiB of interpreter and imports + "
+            + (f"the output shard held whole ({held / GIB:.2f} GiB) + " if held else "")
+            + f"{work / GIB:.2f} GiB of "
+            + f"per-key working set, which scales with the largest tensor (x{ratio:.0f} in a 7B Llama): a 7B merge "
+            f"needs about {anon_7b / GIB:.1f} GiB of private memory"
+            + (f" (5 GB output shards), plus up to one mapped input shard per input ({inputs} x 5 GB for 5 GB "
+               "shards), file-backed and reclaimable." if tool == "mergekit" else "."))
     return "\n".join(lines) + "\n"
 
 

@@ -1,16 +1,16 @@
-"""The llm_scale benchmark's models: a random-init 1.1B Llama (TinyLlama-1.1B shapes) and 3 fine-tune-like variants.
+"""The llm_scale benchmark's models: a random-init 1.1B Llama (TinyLlama-1.1B shapes) and 3 variants.
 
 Everything is generated from seeds (nothing downloaded) and written with ``save_pretrained`` as sharded bf16
-safetensors, plus a small BPE tokenizer trained offline on this repository's Markdown (so the folders look like
-what users have: config, generation config, tokenizer, index, shards). At most two models are in memory at once
-(the base, and the variant being built key by key).
+safetensors, plus a small BPE tokenizer trained offline on this repository's Markdown (so the folders look
+like what users have: config, generation config, tokenizer, index, shards). At most two models are in memory
+at once (the base, and the variant being built key by key).
 
 - base: linear and embedding weights ~ N(0, 0.02^2) (Llama's ``initializer_range``), norms = 1;
-- variant v (1..3), per tensor W with scale s = std(W) (mean |W| for the constant norms):
-  ``W + M * N(0, (0.01 s)^2) + (0.005 s / 2) * U V`` with M a Bernoulli(0.3) mask and U, V ~ N(0, 1) of rank 4
-  (the low-rank part only on matrices), computed in fp32 and rounded to bf16. A change of 0.01 s is about two bf16
-  units in the last place of a typical entry, so many entries of the task vector are exactly 0 or tie in
-  magnitude: the regime where "keep the top 20%" needs a tie rule.
+- variant v (1..3), per tensor W with scale s = std(W) (mean |W| for the constant norms): ``W + M * N(0, (0.01
+  s)^2) + (0.005 s / 2) * U V`` with M a Bernoulli(0.3) mask and U, V ~ N(0, 1) of rank 4 (the low-rank part
+  only on matrices), computed in fp32 and rounded to bf16. A change of 0.01 s is about two bf16 units in the
+  last place of a typical entry, so many entries of the task vector are exactly 0 or tie in magnitude: the
+  regime where "keep the top 20%" needs a tie rule.
 """
 
 from __future__ import annotations
@@ -27,13 +27,15 @@ LLAMA_1B = {"hidden_size": 2048, "num_hidden_layers": 22, "num_attention_heads":
             "intermediate_size": 5632, "vocab_size": 32000, "max_position_embeddings": 2048,
             "tie_word_embeddings": False}
 TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "intermediate_size": 176, "vocab_size": 1000, "max_position_embeddings": 128, "tie_word_embeddings": False}
+        "intermediate_size": 176, "vocab_size": 1000, "max_position_embeddings": 128,
+        "tie_word_embeddings": False}
 VARIANTS = 3
 SPEC_VERSION = 1
 
 
 def _generator(seed: int, variant: int, key: str) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 1_000_003 + variant * 7919 + zlib.crc32(key.encode())) % 2**63)
+    return torch.Generator().manual_seed((seed * 1_000_003 + variant * 7919 + zlib.crc32(key.encode()))
+                                         % 2**63)
 
 
 def _base_tensor(key: str, shape: torch.Size, g: torch.Generator) -> torch.Tensor:
@@ -70,7 +72,8 @@ def _tokenizer(out: Path, vocab_size: int) -> bool:
         tok.decoder = decoders.ByteLevel()
         tok.train(files, trainers.BpeTrainer(vocab_size=min(vocab_size, 8000), show_progress=False,
                                              special_tokens=["<unk>", "<s>", "</s>"]))
-        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                       unk_token="<unk>")
         fast.save_pretrained(str(out))
         return True
     except Exception as exc:  # an optional extra: the benchmark runs without it

@@ -1,7 +1,7 @@
-"""clmerge against mergekit on a 1.1B-parameter Llama (TinyLlama shapes, random init, bf16, sharded), base + 3 variants.
+"""clmerge against mergekit on a 1.1B Llama (TinyLlama shapes, random init, bf16, sharded), base + 3 variants.
 
-One command runs everything, unattended; finished cells are skipped on a re-run (delete a cell from the JSON, or
-pass ``--redo``, to measure it again):
+One command runs everything, unattended; finished cells are skipped on a re-run (delete a cell from the JSON,
+or pass ``--redo``, to measure it again):
 
 ```bash
 python3 -m venv /work/venvs/mergekit                       # once, ~1 min, 1.6 GB; outside the repo
@@ -13,9 +13,9 @@ nice -n 5 env PYTHONPATH=src .venv/bin/python benchmarks/merging/llm_scale.py \
 - Models (``llm_models.py``): generated under ``--data`` on the first run (~4 x 2.2 GB, a few minutes).
 - Cells: {idle, busy} x {clmerge, mergekit} x method. ``busy`` runs the merge beside ``python -c "while True:
   pass"``. Each cell is one child process: wall seconds, CPU seconds (user + system, from ``wait4``), peak RSS
-  (``ru_maxrss`` from ``wait4``: the kernel's high-water mark of the child), and the anonymous / file-backed parts
-  of the RSS polled every 0.1 s from ``/proc``; the load average before and after. The inputs are read once
-  before each cell so both tools start from a warm page cache.
+  (``ru_maxrss`` from ``wait4``: the kernel's high-water mark of the child), and the anonymous / file-backed
+  parts of the RSS polled every 0.1 s from ``/proc``; the load average before and after. The inputs are read
+  once before each cell so both tools start from a warm page cache.
 - After each cell the output is checked (``llm_scale_check.py loads``); the idle outputs of the two tools are
   compared key by key (``llm_scale_check.py compare``) and then deleted (``--keep-outputs`` keeps them).
 - clmerge runs through its command line (``clmerge_command``, the only clmerge-specific function). A clmerge
@@ -40,20 +40,22 @@ sys.path.insert(0, str(HERE))
 from llm_models import model_dirs, make_models  # noqa: E402
 from llm_scale_report import write_report  # noqa: E402
 
-# method -> clmerge (CLI method, --set values), mergekit (merge_method, global parameters, per-model parameters)
+# method -> clmerge: (CLI method, --set values); mergekit: (merge_method, global parameters, per-model ones)
 METHODS: dict[str, dict[str, Any]] = {
     "task_arithmetic": {"clmerge": ("task_arithmetic", {"scaling": 0.3}),
                         "mergekit": ("task_arithmetic", {"lambda": 0.3}, {"weight": 1.0})},
     "linear": {"clmerge": ("weight_average", {}), "mergekit": ("linear", {}, {"weight": 1.0})},
     "ties_per_tensor": {"clmerge": ("ties", {"density": 0.2, "scaling": 1.0, "trim_scope": "per_tensor"}),
                         "mergekit": ("ties", {"lambda": 1.0}, {"weight": 1.0, "density": 0.2})},
-    "ties_global": {"clmerge": ("ties", {"density": 0.2, "scaling": 1.0, "trim_scope": "global"}), "mergekit": None},
+    "ties_global": {"clmerge": ("ties", {"density": 0.2, "scaling": 1.0, "trim_scope": "global"}),
+                    "mergekit": None},
     "dare_linear": {"clmerge": ("dare", {"drop_rate": 0.5, "scaling": 0.3, "seed": 0}),
                     "mergekit": ("dare_linear", {"lambda": 0.3}, {"weight": 1.0, "density": 0.5}),
                     "ta_scaling": 0.3},
     "dare_ties": {"clmerge": ("dare", {"drop_rate": 0.5, "combine": "ties", "density": 1.0, "scaling": 1.0,
                                        "seed": 0}),
-                  "mergekit": ("dare_ties", {"lambda": 1.0, "normalize": True}, {"weight": 1.0, "density": 0.5})},
+                  "mergekit": ("dare_ties", {"lambda": 1.0, "normalize": True},
+                               {"weight": 1.0, "density": 0.5})},
 }
 TOOLS = ("clmerge", "mergekit")
 CONDITIONS = ("idle", "busy")
@@ -62,10 +64,10 @@ CONDITIONS = ("idle", "busy")
 def clmerge_command(args: argparse.Namespace, method: str, out: Path) -> list[str] | str:
     """clmerge's argv for one cell, or the reason it cannot run (the cell is then "pending")."""
     env = child_env(args, "clmerge")
-    help_text = subprocess.run([args.python, "-m", args.clmerge_module, "merge", "--help"], capture_output=True,
-                               text=True, env=env).stdout
+    help_text = subprocess.run([args.python, "-m", args.clmerge_module, "merge", "--help"],
+                               capture_output=True, text=True, env=env).stdout
     if "--out-shard-size" not in help_text:
-        return "pending: this clmerge's `merge` reads flat weight files only (no --out-shard-size in its help)"
+        return "pending: this clmerge's `merge` reads flat weight files only (no --out-shard-size in --help)"
     name, sets = METHODS[method]["clmerge"]
     base, experts = model_dirs(args.data)
     argv = [args.python, "-m", args.clmerge_module, "merge", "--method", name, "--base", str(base)]
@@ -80,8 +82,8 @@ def mergekit_command(args: argparse.Namespace, method: str, out: Path) -> list[s
     """mergekit-yaml's argv for one cell (the recipe is written next to the output), or why it cannot run."""
     exe = args.mergekit / "bin" / "mergekit-yaml"
     if not exe.exists():
-        return f"skipped: no {exe}; create it with `python3 -m venv {args.mergekit}` and `{args.mergekit}/bin/pip " \
-               "install -c constraints.txt mergekit==0.1.5`"
+        return (f"skipped: no {exe}; create it with `python3 -m venv {args.mergekit}` and "
+                f"`{args.mergekit}/bin/pip install -c constraints.txt mergekit==0.1.5`")
     name, shared, per_model = METHODS[method]["mergekit"]
     base, experts = model_dirs(args.data)
     lines = [f"merge_method: {name}"] + ([] if name == "linear" else [f"base_model: {base}"]) + ["models:"]
@@ -98,7 +100,8 @@ def mergekit_command(args: argparse.Namespace, method: str, out: Path) -> list[s
 
 
 def child_env(args: argparse.Namespace, tool: str) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads), HF_HUB_OFFLINE="1")
+    threads = str(args.threads)
+    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, HF_HUB_OFFLINE="1")
     if tool == "clmerge":
         env["PYTHONPATH"] = str(args.clmerge_src)
     else:
@@ -138,7 +141,8 @@ def measure(argv: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
             if pid:
                 break
             anon, file_ = _tree_rss(child.pid)
-            peak_anon, peak_file, peak_sum = max(peak_anon, anon), max(peak_file, file_), max(peak_sum, anon + file_)
+            peak_anon, peak_file = max(peak_anon, anon), max(peak_file, file_)
+            peak_sum = max(peak_sum, anon + file_)
             time.sleep(0.1)
         wall = time.perf_counter() - t0
     child.returncode = os.waitstatus_to_exitcode(status)
@@ -189,7 +193,8 @@ def run_cell(args: argparse.Namespace, condition: str, tool: str, method: str) -
 
 def check(args: argparse.Namespace, *cmd: str) -> dict[str, Any]:
     env = child_env(args, "clmerge")
-    r = subprocess.run([args.python, str(HERE / "llm_scale_check.py"), *cmd], capture_output=True, text=True, env=env)
+    r = subprocess.run([args.python, str(HERE / "llm_scale_check.py"), *cmd], capture_output=True, text=True,
+                       env=env)
     if r.returncode != 0:
         return {"error": (r.stderr.strip().splitlines() or ["exit %d" % r.returncode])[-1][:300]}
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -211,7 +216,8 @@ def agreement(args: argparse.Namespace, method: str, res: dict[str, Any]) -> Non
     """
     tools = [t for t in TOOLS if METHODS[method][t] is not None]
     outs = {t: args.data / "out" / f"idle_{t}_{method}" for t in tools}
-    ok = all(res["cells"].get(f"idle/{t}/{method}", {}).get("status") == "ok" and outs[t].exists() for t in tools)
+    ok = all(res["cells"].get(f"idle/{t}/{method}", {}).get("status") == "ok" and outs[t].exists()
+             for t in tools)
     key = f"agreement/{method}"
     if len(tools) == 2 and ok and (key not in res["cells"] or args.redo):
         print(f"compare {method}", flush=True)
@@ -222,9 +228,10 @@ def agreement(args: argparse.Namespace, method: str, res: dict[str, Any]) -> Non
 
 
 def import_baselines(args: argparse.Namespace, res: dict[str, Any]) -> None:
-    """Peak RSS of each tool's interpreter after its imports (constant; not scaled in the 7B extrapolation)."""
+    """Peak RSS of each tool's interpreter after its imports (a constant in the 7B extrapolation)."""
     cmds = {"clmerge": [args.python, "-c", f"import {args.clmerge_module}.cli"],
-            "mergekit": [str(args.mergekit / "bin" / "python"), "-c", "import mergekit.merge, mergekit.scripts.run_yaml"]}
+            "mergekit": [str(args.mergekit / "bin" / "python"), "-c",
+                         "import mergekit.merge, mergekit.scripts.run_yaml"]}
     for tool in args.tools:
         if f"baseline/{tool}" not in res["cells"] and Path(cmds[tool][0]).exists():
             log = args.data / "out" / f"baseline_{tool}.log"
@@ -235,13 +242,16 @@ def import_baselines(args: argparse.Namespace, res: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--data", type=Path, default=Path("/work/llm_models"), help="models and outputs (outside the repo)")
-    p.add_argument("--mergekit", type=Path, default=Path(os.environ.get("MERGEKIT_VENV", "/work/venvs/mergekit")),
+    p.add_argument("--data", type=Path, default=Path("/work/llm_models"),
+                   help="models and outputs (outside the repo)")
+    p.add_argument("--mergekit", type=Path,
+                   default=Path(os.environ.get("MERGEKIT_VENV", "/work/venvs/mergekit")),
                    help="mergekit 0.1.5's venv (env MERGEKIT_VENV)")
     p.add_argument("--python", default=sys.executable, help="the Python that runs clmerge")
     p.add_argument("--clmerge-src", default=str(REPO / "src"), help="PYTHONPATH of the clmerge runs")
-    p.add_argument("--clmerge-module", default="clmerge", help="the module run with `python -m` (default clmerge)")
-    p.add_argument("--threads", type=int, default=1, help="threads of both tools (OMP_NUM_THREADS and their flag)")
+    p.add_argument("--clmerge-module", default="clmerge", help="the module run with `python -m`")
+    p.add_argument("--threads", type=int, default=1,
+                   help="threads of both tools (OMP_NUM_THREADS and their flag)")
     p.add_argument("--shard", default="5GB", help="output shard size of both tools (both default to 5 GB)")
     p.add_argument("--methods", nargs="*", default=list(METHODS))
     p.add_argument("--tools", nargs="*", default=list(TOOLS))

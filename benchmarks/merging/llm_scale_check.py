@@ -1,13 +1,15 @@
 """Checks on the llm_scale benchmark's merged folders, each run in its own process by ``llm_scale.py``.
 
-``python llm_scale_check.py loads OUT BASE`` -> JSON: the index lists every key of the base with its shape and dtype,
-config / tokenizer files are there, and ``AutoModelForCausalLM.from_pretrained(OUT)`` loads it (on the CPU, in bf16).
+``python llm_scale_check.py loads OUT BASE`` -> JSON: the index lists every key of the base with its shape and
+dtype, config / tokenizer files are there, and ``AutoModelForCausalLM.from_pretrained(OUT)`` loads it (on the
+CPU, in bf16).
 
-``python llm_scale_check.py compare OUT_A OUT_B BASE EXPERT... [--ta-scaling S]`` -> JSON: agreement of two merged
-folders (either may be ``-``), key by key, streamed (a few tensors in memory): max |a - b|, entries that differ,
-``||a - b|| / ||b - base||``, cosine of the two merged deltas, and the fraction of entries each tool changed from
-the base. With ``--ta-scaling``, also each output's distance to the dense task-arithmetic merge
-``base + S * sum_t (expert_t - base)`` (what DARE equals in expectation), relative to that merge's delta.
+``python llm_scale_check.py compare OUT_A OUT_B BASE EXPERT... [--ta-scaling S]`` -> JSON: agreement of two
+merged folders (either may be ``-``), key by key, streamed (a few tensors in memory): max |a - b|, entries
+that differ, ``||a - b|| / ||b - base||``, cosine of the two merged deltas, and the fraction of entries each
+tool changed from the base. With ``--ta-scaling``, also each output's distance to the dense task-arithmetic
+merge ``base + S * sum_t (expert_t - base)`` (what DARE equals in expectation), relative to that merge's
+delta.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 
 class Folder:
-    """The tensors of a model folder (sharded with an index, or one ``model.safetensors``), read one at a time."""
+    """The tensors of a model folder (sharded with an index, or one ``model.safetensors``), one at a time."""
 
     def __init__(self, path: Path) -> None:
         from safetensors import safe_open
@@ -46,7 +48,7 @@ class Folder:
 
 
 def loads(out: Path, base: Path) -> dict:
-    """Does ``out`` hold the base's keys, shapes and dtypes, config and tokenizer, and load with transformers?"""
+    """Does ``out`` hold the base's keys, shapes, dtypes, config, tokenizer, and load with transformers?"""
     res: dict = {"config": (out / "config.json").exists(),
                  "tokenizer": any((out / n).exists() for n in ("tokenizer.json", "tokenizer.model")),
                  "index": (out / "model.safetensors.index.json").exists()}

@@ -138,8 +138,9 @@ def write_report(res: dict[str, Any], path: Path) -> None:
              for w in ("load_before", "load_after")]
     if loads:
         text += (f"\nLoad average (1 min) around the cells: {min(loads):.1f} to {max(loads):.1f} on "
-                 f"{res['cpus']} CPUs. \"Idle\" means no busy process of ours; other engineers' jobs ran throughout, so wall "
-                 "times are noisy; CPU seconds and peak RSS are much less affected by the load.\n")
+                 f"{res['cpus']} CPUs. \"Idle\" means no busy process of ours; other engineers' jobs ran "
+                 "throughout, so wall times are noisy; CPU seconds and peak RSS are much less affected by the "
+                 "load.\n")
     reasons = sorted({c["status"] for c in res["cells"].values() if ":" in c.get("status", "")})
     text += "".join(f"\n- {r}" for r in reasons) + ("\n" if reasons else "")
     text += "\n## Goal (issue 10)\n\n" + goal_table(res)

@@ -139,7 +139,7 @@ def write_report(res: dict[str, Any], path: Path) -> None:
     if loads:
         text += (f"\nLoad average (1 min) around the cells: {min(loads):.1f} to {max(loads):.1f} on "
                  f"{res['cpus']} CPUs. \"Idle\" means no busy process of ours; other engineers' jobs ran "
-                 "throughout, so wall times are noisy; CPU seconds and peak RSS are much less affected by the "
+                 "throughout, so wall times are noisy; CPU seconds and peak RSS are less affected by the "
                  "load.\n")
     reasons = sorted({c["status"] for c in res["cells"].values() if ":" in c.get("status", "")})
     text += "".join(f"\n- {r}" for r in reasons) + ("\n" if reasons else "")

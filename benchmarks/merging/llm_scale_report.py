@@ -48,17 +48,22 @@ def cells_table(res: dict[str, Any], condition: str, model: int) -> str:
 
 
 def goal_table(res: dict[str, Any]) -> str:
-    out = ["| condition | method | clmerge / mergekit peak RSS (goal <= 0.5) | clmerge / mergekit wall "
-           "(goal <= 1) | met |", "|---|---|---|---|---|"]
+    out = ["| condition | method | mergekit peak GiB | clmerge budget GiB (0.5x) | clmerge peak GiB | ratio "
+           "(goal <= 0.5) | mergekit wall s | clmerge wall s | ratio (goal <= 1) | met |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for cond in ("idle", "busy"):
         for m in SHARED:
             a, b = (res["cells"].get(f"{cond}/{t}/{m}", {}) for t in ("clmerge", "mergekit"))
+            mk = (f"{b['peak_rss_bytes'] / GIB:.2f} | {0.5 * b['peak_rss_bytes'] / GIB:.2f}"
+                  if b.get("status") == "ok" else "- | -")
+            mk_wall = f"{b['wall_s']:.0f}" if b.get("status") == "ok" else "-"
             if a.get("status") != "ok" or b.get("status") != "ok":
                 why = a.get("status", "not run") if a.get("status") != "ok" else b.get("status", "not run")
-                out.append(f"| {cond} | {m} | - | - | {why.split(':')[0]} |")
+                out.append(f"| {cond} | {m} | {mk} | - | - | {mk_wall} | - | - | {why.split(':')[0]} |")
                 continue
             r, w = a["peak_rss_bytes"] / b["peak_rss_bytes"], a["wall_s"] / b["wall_s"]
-            out.append(f"| {cond} | {m} | {r:.2f} | {w:.2f} | {'yes' if r <= 0.5 and w <= 1 else 'no'} |")
+            out.append(f"| {cond} | {m} | {mk} | {a['peak_rss_bytes'] / GIB:.2f} | {r:.2f} | {mk_wall} | "
+                       f"{a['wall_s']:.0f} | {w:.2f} | {'yes' if r <= 0.5 and w <= 1 else 'no'} |")
     return "\n".join(out) + "\n"
 
 

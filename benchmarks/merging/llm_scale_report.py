@@ -128,13 +128,19 @@ def memory_model(res: dict[str, Any], model: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _runtime(res: dict[str, Any]) -> str:
+    if "last_run_s" in res:
+        return f"{res['last_run_s'] / 60:.0f} min"
+    return "interrupted before the end (the cells it finished are below)"
+
+
 def write_report(res: dict[str, Any], path: Path) -> None:
     model = _model_bytes(res)
     c = res["spec"]["config"]
     text = HEADER.format(params=model / 2 / 1e9, gib=model / GIB, layers=c["num_hidden_layers"],
                          hidden=c["hidden_size"], heads=c["num_attention_heads"], kv=c["num_key_value_heads"],
                          cpus=res["cpus"], mem=res["mem_total_bytes"] / GIB,
-                         threads=res["threads"], shard=res["shard"], runtime=res.get("last_run_s", 0) / 60,
+                         threads=res["threads"], shard=res["shard"], runtime=_runtime(res),
                          tokenizer="with" if res["spec"].get("tokenizer") else "without")
     busy = 'Beside a busy CPU process (`python -c "while True: pass"`)'
     for cond, title in (("idle", "Idle machine"), ("busy", busy)):
@@ -169,7 +175,7 @@ Made by `benchmarks/merging/llm_scale.py` (command and method in its docstring);
 - Peak RSS is the kernel's high-water mark (`ru_maxrss`) of the merge process; "anon" and "file-backed" are
   the peaks of its two parts polled every 0.1 s. File-backed pages are input files mapped by `safetensors`
   (page cache, reclaimable, but counted in RSS). "models" = peak / the size of one model.
-- Last run of the script: {runtime:.0f} min. Run it again to fill "pending" / missing cells (it skips finished
+- Last run of the script: {runtime}. Run it again to fill "pending" / missing cells (it skips finished
   ones): `python3 -m venv /work/venvs/mergekit && /work/venvs/mergekit/bin/pip install -c constraints.txt
   mergekit==0.1.5` once, then `nice -n 5 env PYTHONPATH=src .venv/bin/python benchmarks/merging/llm_scale.py
   --data /work/llm_models --mergekit /work/venvs/mergekit` (or `MERGEKIT_VENV=...`).

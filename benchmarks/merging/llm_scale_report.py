@@ -9,6 +9,7 @@ from typing import Any
 
 GIB = 2**30
 SHARED = ("task_arithmetic", "linear", "ties_per_tensor", "dare_linear", "dare_ties")
+ORDER = ("task_arithmetic", "linear", "ties_per_tensor", "ties_global", "dare_linear", "dare_ties")
 
 
 def _model_bytes(res: dict[str, Any]) -> int:
@@ -41,7 +42,8 @@ def _cell_row(method: str, tool: str, c: dict[str, Any], model: int) -> str:
 def cells_table(res: dict[str, Any], condition: str, model: int) -> str:
     head = ("| method | tool | status | wall s | CPU s | peak RSS GiB (models) | anon GiB | file-backed GiB "
             "| output loads | load avg 1 min, before -> after |\n|---|---|---|---|---|---|---|---|---|---|\n")
-    methods = list(dict.fromkeys(k.split("/")[2] for k in res["cells"] if k.startswith(condition + "/")))
+    methods = sorted(dict.fromkeys(k.split("/")[2] for k in res["cells"] if k.startswith(condition + "/")),
+                     key=lambda m: ORDER.index(m) if m in ORDER else len(ORDER))
     rows = [_cell_row(m, t, res["cells"].get(f"{condition}/{t}/{m}", {}), model)
             for m in methods for t in ("clmerge", "mergekit")]
     return head + "\n".join(rows) + "\n"
@@ -70,7 +72,7 @@ def goal_table(res: dict[str, Any]) -> str:
 def agreement_table(res: dict[str, Any]) -> str:
     out = ["| method | tool | entries changed from the base | norm of the merged delta | distance to the "
            "dense task-arithmetic merge (relative) |", "|---|---|---|---|---|"]
-    for m in dict.fromkeys(k.split("/")[2] for k in res["cells"] if k.startswith("idle/")):
+    for m in ORDER:
         for t in ("clmerge", "mergekit"):
             s = res["cells"].get(f"idle/{t}/{m}", {}).get("stats")
             if s and "a_changed_fraction" in s:

@@ -200,6 +200,14 @@ def check(args: argparse.Namespace, *cmd: str) -> dict[str, Any]:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def needs_output(args: argparse.Namespace, res: dict[str, Any], condition: str, tool: str,
+                 method: str) -> bool:
+    """An idle output still to be compared whose folder is gone (a run stopped mid-way): measure it again."""
+    return (condition == "idle" and METHODS[method]["mergekit"] is not None
+            and f"agreement/{method}" not in res["cells"]
+            and not (args.data / "out" / f"idle_{tool}_{method}").exists())
+
+
 def stats_args(args: argparse.Namespace, method: str, outs: list[Path | None]) -> list[str]:
     base, experts = model_dirs(args.data)
     cmd = ["compare", *(str(o) if o else "-" for o in outs), str(base), *map(str, experts)]
@@ -276,7 +284,8 @@ def main(argv: list[str] | None = None) -> None:
                 if tool == "mergekit" and METHODS[method]["mergekit"] is None:
                     res["cells"][key] = {"status": "n/a: mergekit trims per tensor only"}
                     continue
-                if old.get("status") == "ok" and not args.redo:
+                done = old.get("status") == "ok" and not needs_output(args, res, condition, tool, method)
+                if done and not args.redo:
                     continue
                 print(f"{key} ...", flush=True)
                 res["cells"][key] = run_cell(args, condition, tool, method)

@@ -177,7 +177,7 @@ Made by `benchmarks/merging/llm_scale.py` (command and method in its docstring);
 - Peak RSS is the kernel's high-water mark (`ru_maxrss`) of the merge process; "anon" and "file-backed" are
   the peaks of its two parts polled every 0.1 s. File-backed pages are input files mapped by `safetensors`
   (page cache, reclaimable, but counted in RSS). "models" = peak / the size of one model.
-- Last run of the script: {runtime}. Run it again to fill "pending" / missing cells (it skips finished
+- Last invocation of the script: {runtime}. Run it again to fill "pending" / missing cells (it skips finished
   ones): `python3 -m venv /work/venvs/mergekit && /work/venvs/mergekit/bin/pip install -c constraints.txt
   mergekit==0.1.5` once, then `nice -n 5 env PYTHONPATH=src .venv/bin/python benchmarks/merging/llm_scale.py
   --data /work/llm_models --mergekit /work/venvs/mergekit` (or `MERGEKIT_VENV=...`).
@@ -192,6 +192,11 @@ input pages that `safetensors` maps add file-backed RSS that the kernel can drop
 with 5 GB shards therefore needs about one output shard (5 GB) plus a few GB of working set; a writer that
 streams each tensor to disk as it is made (the header of a safetensors shard is known from the plan) needs
 only the working set.
+
+Noise: on this shared 2-core machine the same cell's wall time varied by up to 15x between invocations
+(mergekit task arithmetic, idle: 485 s in the first run at load ~13, 33 s when re-measured at load ~2; CPU
+seconds 38 and 31). The script runs clmerge and mergekit back to back for each method; for the final table
+measure both tools in one invocation (`--redo`), and read wall ratios together with the CPU seconds.
 
 ## Why the outputs differ
 

@@ -178,6 +178,12 @@ def test_compare_mode_leaves_the_primary_metrics_unchanged_and_shadows_equal_pri
         assert primary["til_accuracy_matrix"] == shadow["til_accuracy_matrix"], variant
         assert primary["head"]["val_acc"] == shadow["val_acc"], variant
     assert on["head"]["stats_bytes"]["class_stats"] > 0 and on["head"]["stats_bytes"]["ranpac"] > 0
+    from clmerge.report import build_report
+
+    html = build_report(tmp_path / "ncm").read_text()
+    assert "<b>head:</b> ncm" in html
+    html = build_report(tmp_path / "on").read_text()
+    assert "<h2>Heads</h2>" in html and "linear (reported)" in html and "ranpac" in html
 
 
 def test_resume_with_heads_gives_identical_metrics(tmp_path, monkeypatch):
@@ -215,3 +221,13 @@ def test_head_config_errors(tmp_path):
     r = CliRunner().invoke(app, ["run", str(path), "--out", str(tmp_path / "x")])
     assert r.exit_code == 2 and "head.classifier=ncm" in r.output and "stl" in r.output
     assert "Traceback" not in r.output and not (tmp_path / "x" / "config.yaml").exists()
+
+
+def test_embedded_default_uses_the_validated_head_and_config_files_keep_linear(tmp_path):
+    from clmerge.config import EMBEDDED_DEFAULT, default_config, load_config
+
+    assert default_config().head.classifier == EMBEDDED_DEFAULT["head"]["classifier"] != "linear"
+    assert load_config(None, ["head.classifier=linear"]).head.classifier == "linear"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"seed": 1}))
+    assert load_config(path).head.classifier == "linear" and parse_config({}).head.classifier == "linear"

@@ -305,9 +305,18 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return out
 
 
+# The embedded default experiment (``clmerge run`` without a config file) evaluates with the head that scored
+# best on validation data in the issue-11 grid (benchmarks/lora_cl/results.md, validation ranking). A config
+# file keeps HeadConfig's own defaults (the linear head of the papers' code), so that paper configs reproduce
+# the papers' head handling.
+EMBEDDED_DEFAULT: dict[str, Any] = {"head": {"classifier": "ranpac"}}
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
     """Read a YAML config (or the embedded default when ``path`` is None) and apply ``--set`` overrides."""
-    data = read_yaml_mapping(path) if path is not None else {}
+    import copy
+
+    data = read_yaml_mapping(path) if path is not None else copy.deepcopy(EMBEDDED_DEFAULT)
     data = apply_overrides(data, overrides or [])
     return parse_config(data)
 
@@ -321,4 +330,4 @@ def dump_config(cfg: ExperimentConfig) -> str:
 
 def default_config() -> ExperimentConfig:
     """The embedded default experiment that ``clmerge run`` runs with no arguments."""
-    return parse_config({})
+    return load_config(None)

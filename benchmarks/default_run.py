@@ -53,6 +53,15 @@ def main() -> None:
     write_markdown(args, walls, metrics, peak_mb, load_before, os.getloadavg())
 
 
+def _head_cost(m: dict) -> str:
+    """Bytes kept by the head and its mean end-of-task seconds per part (features, statistics, solve)."""
+    head = m.get("head") or {}
+    mem = sum((head.get("stats_bytes") or {}).values())
+    parts = {k: sum(v) / len(v) for k, v in (head.get("seconds_per_task") or {}).items() if v}
+    secs = ", ".join(f"{k} {v:.2f} s" for k, v in parts.items()) or "none"
+    return f"{mem / 2**20:.1f} MiB; {secs}"
+
+
 def write_markdown(args, walls: list[float], m: dict, peak_mb: float, load_before, load_after) -> None:
     til = m.get("til") or {}
     rows = "\n".join(
@@ -73,14 +82,15 @@ load average before/after: {load_before[0]:.2f} / {load_after[0]:.2f}.
 |---|---|
 | wall time, median of {len(walls)} (min-max) | **{statistics.median(walls):.1f} s** ({min(walls):.1f}-{max(walls):.1f}) |
 | peak RSS of a run | {peak_mb:.0f} MB |
-| method / scenario | {m['method']} / {m['scenario']} on {m['dataset']}, {len(m['accuracy_matrix'])} tasks |
+| method / head / scenario | {m['method']} / {(m.get('head') or {}).get('variant', 'linear')} / {m['scenario']} on {m['dataset']}, {len(m['accuracy_matrix'])} tasks |
+| head statistics (memory; seconds per task) | {_head_cost(m)} |
 | Acc (task-weighted) | {m['acc']:.2f} |
 | AAA | {m['aaa']:.2f} |
 | average forgetting | {m['forgetting']:.2f} |
 | BWT | {m['bwt']:.2f} |
 | TIL Acc / AAA (task id known) | {til.get('acc', float('nan')):.2f} / {til.get('aaa', float('nan')):.2f} |
 
-Accuracy matrix (%, class-incremental; row i = after task i):
+Accuracy matrix (%, class-incremental, from the head above; row i = after task i):
 
 {header}
 {sep}

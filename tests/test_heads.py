@@ -231,3 +231,19 @@ def test_embedded_default_uses_the_validated_head_and_config_files_keep_linear(t
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"seed": 1}))
     assert load_config(path).head.classifier == "linear" and parse_config({}).head.classifier == "linear"
+
+
+def test_adapt_tasks_trains_the_backbone_in_the_first_task_only(tmp_path):
+    base = {"scenario.n_tasks": 3, "scenario.classes_per_task": [2, 2, 2], "run.keep_checkpoints": 3}
+    run_experiment(_cfg(**base, **{"train.adapt_tasks": 1}), tmp_path / "fsa")
+    from clmerge.engine.checkpoint import load_checkpoint
+
+    states = [load_checkpoint(tmp_path / "fsa" / "checkpoints" / f"task_{t:03d}.safetensors")[0] for t in range(3)]
+    body = [k for k in states[0] if k.startswith("backbone.") and "lora_" not in k]
+    assert body and all(torch.equal(states[0][k], states[2][k]) for k in body)  # seq_lora folds a zero delta
+    events = [json.loads(x) for x in (tmp_path / "fsa" / "events.jsonl").read_text().splitlines()]
+    losses = [e["loss"] for e in events if e["event"] == "epoch" and e["task"] == 2]
+    assert len(losses) == 2 and losses[1] < losses[0]  # the head still trains in later tasks
+    run_experiment(_cfg(**base), tmp_path / "all")
+    full = load_checkpoint(tmp_path / "all" / "checkpoints" / "task_002.safetensors")[0]
+    assert any(not torch.equal(states[2][k], full[k]) for k in body)

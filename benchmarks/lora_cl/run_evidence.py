@@ -10,6 +10,11 @@ Methods: finetune, seq_lora, ewc, sd_lora, sd_lora_rr, sd_lora_kd, pm and its Ta
 only; pm_gauss: Gaussian noise; pm_exact: the three-pass Eq. 14 loss), inflora, and the merge baselines of
 P&M Table 3 (lora_avg, lora_dare, coma, cofima).
 
+Every LoRA method adapts the key and value projections (``LORA_TARGETS``), and every run evaluates four heads
+on the same backbone (``head.compare: true``: linear, linear+align, ncm, ranpac; issue 11), so one run per
+(method, seed, benchmark) fills the head column of results.md, and the validation ranking covers each
+(method, head) pair.
+
 Hyperparameter selection uses VALIDATION data only, never test: every run holds out
 ``scenario.val_fraction = 0.1`` of each task's training set. Phase 1 trains each method with every learning
 rate of its grid (seed 0) and scores the final model on the held-out validation parts of all tasks
@@ -23,6 +28,7 @@ Commands (the lead runs them; ``--jobs`` runs that many runs at once, one thread
     python benchmarks/lora_cl/run_evidence.py --jobs 2
     python benchmarks/lora_cl/run_evidence.py --methods pm,seq_lora --seeds 0 --benchmarks split_mnist5k
     python benchmarks/lora_cl/run_evidence.py --report-only      # rebuild results.md and the figures
+    python benchmarks/lora_cl/run_evidence.py --reuse-selection  # skip phase 1: issue 4's selected rates
 """
 
 from __future__ import annotations
@@ -64,10 +70,19 @@ METHODS: dict[str, tuple[dict, list[float]]] = {
     "coma": ({"name": "coma"}, LORA_LRS),
     "cofima": ({"name": "cofima"}, LORA_LRS),
 }
+# Protocol variants (issue 11): the same method, with the backbone trained in the first task only (``_fsa``:
+# RanPAC's / APER's first-session adaptation, ``train.adapt_tasks: 1``) or never (``frozen``: the pretrained
+# backbone, seq_lora's never-trained LoRA, only the heads learn). Features that do not drift keep the class
+# statistics of NCM / RanPAC / alignment valid for old classes.
+METHODS.update({"inflora_fsa": ({"name": "inflora"}, LORA_LRS), "seq_lora_fsa": ({"name": "seq_lora"}, LORA_LRS),
+                "frozen": ({"name": "seq_lora"}, LORA_LRS)})
+EXTRA_CONFIG = {"inflora_fsa": {"train": {"adapt_tasks": 1}}, "seq_lora_fsa": {"train": {"adapt_tasks": 1}},
+                "frozen": {"train": {"adapt_tasks": 0}}}
 # Variants and ablations change one thing of a parent method; they train with the parent's selected learning
 # rate (so the comparison isolates that one thing, and phase 1 stays affordable on a CPU).
 LR_FROM = {"sd_lora_rr": "sd_lora", "sd_lora_kd": "sd_lora", "pm_m": "pm", "pm_gauss": "pm", "pm_exact": "pm",
-           "lora_avg": "seq_lora", "lora_dare": "seq_lora", "coma": "seq_lora", "cofima": "seq_lora"}
+           "lora_avg": "seq_lora", "lora_dare": "seq_lora", "coma": "seq_lora", "cofima": "seq_lora",
+           "inflora_fsa": "inflora", "seq_lora_fsa": "seq_lora", "frozen": "seq_lora"}
 SEEDS = [0, 1, 2]
 VAL_FRACTION = 0.1
 # Every LoRA method adapts the same sites, the key and value projections: the official P&M and InfLoRA code
@@ -94,6 +109,7 @@ def make_config(bench: str, label: str, seed: int, lr: float, *, smoke: bool) ->
         scen.update(train_per_class=8, test_per_class=4)
         train = {"epochs": 1, "batch_size": 8, "max_steps_per_epoch": 2}
         model = {"name": "vit-tiny-fmnist", "pretrained": False, "config": {"num_hidden_layers": 2}}
+    train.update(EXTRA_CONFIG.get(label, {}).get("train", {}))
     return {"seed": seed, "scenario": scen, "model": model, "method": method, "head": dict(HEAD),
             "optim": {"name": "adam", "lr": lr}, "train": train,
             "run": {"progress": False, "report": False, "threads": 1, "keep_checkpoints": 1}}

@@ -128,6 +128,9 @@ class TrainConfig(_Strict):
     batch_size: int = Field(64, ge=1)
     eval_batch_size: int = Field(500, ge=1)
     max_steps_per_epoch: int | None = Field(None, ge=1, description="cap steps per epoch (dry runs)")
+    adapt_tasks: int | None = Field(
+        None, ge=0, description="train the backbone (every non-head parameter group) in the first N tasks only; "
+        "later tasks train the head alone (RanPAC's and APER's first-session adaptation: N=1). null: every task")
 
 
 class RunConfig(_Strict):

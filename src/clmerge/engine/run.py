@@ -163,16 +163,32 @@ def _train_task(cfg, t, scenario, model, method, state, out, device, heads: Head
                              batch_size=cfg.train.eval_batch_size, device=device)
         state.initial = [r["acc"] for r in res]
     lr = cfg.optim.first_task_lr if (t == 0 and cfg.optim.first_task_lr) else cfg.optim.lr
-    fit(model, task.train, groups=method.parameter_groups(model), loss_fn=lambda m, x, y: method.loss(m, x, y, ctx),
+    groups, frozen = _adapted_groups(cfg, t, method.parameter_groups(model))
+    fit(model, task.train, groups=groups, loss_fn=lambda m, x, y: method.loss(m, x, y, ctx),
         optim=cfg.optim, epochs=cfg.train.epochs, batch_size=cfg.train.batch_size, generator=gen, device=device,
         lr=lr, before_step=lambda m: method.before_step(m, ctx), after_step=lambda m: method.after_step(m, ctx),
         max_steps_per_epoch=cfg.train.max_steps_per_epoch, log=log, desc=f"task {t + 1}/{len(scenario)}",
         progress=cfg.run.progress, task_index=t)
+    for p in frozen:
+        p.requires_grad_(True)
     method.end_task(task, ctx)
     if heads is not None:  # same hook for every method: the inference model's features of this task's data
         heads.end_task(method.inference_model(), task, scenario.tasks[: t + 1],
                        batch_size=cfg.train.eval_batch_size, device=device)
     state.task_seconds.append(time.time() - t0)
+
+
+def _adapted_groups(cfg, t: int, groups: list[dict]) -> tuple[list[dict], list]:
+    """``train.adapt_tasks``: from task N on, only the head group trains; the body's parameters get
+    ``requires_grad=False`` for the task (no backward pass through the backbone) and are returned to be
+    re-enabled. A method's own end-of-task updates (folds, merges) still run."""
+    n = cfg.train.adapt_tasks
+    if n is None or t < n:
+        return groups, []
+    frozen = [p for g in groups if g.get("name") != "head" for p in g["params"] if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    return [g for g in groups if g.get("name") == "head"], frozen
 
 
 def _evaluate_row(cfg, t, scenario, method, state, device, heads: HeadSuite | None = None) -> None:

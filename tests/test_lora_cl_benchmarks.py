@@ -79,7 +79,9 @@ def test_evidence_smoke_runs_selects_on_val_and_resumes(tmp_path) -> None:
     assert sel["split_mnist5k"]["sd_lora_kd"]["lr"] == sel["split_mnist5k"]["sd_lora"]["lr"]
     assert "sd_lora" in sel["split_mnist5k"]["sd_lora_kd"]["selected_on"]
     assert not (tmp_path / "runs" / "select" / "split_mnist5k" / "sd_lora_kd").exists()
-    assert (tmp_path / "runs" / "select" / "split_mnist5k" / "pm" / "lr0.002" / "val.json").exists()
+    # the selection read each run's validation accuracy from metrics.json (recorded per head since issue 11)
+    run = json.loads((tmp_path / "runs" / "select" / "split_mnist5k" / "pm" / "lr0.002" / "metrics.json").read_text())
+    assert sel["split_mnist5k"]["pm"]["val_acc"]["0.002"] == run["heads"]["linear"]["val_acc"]
     assert (tmp_path / "fig" / "split_mnist5k_pm_alpha.png").exists()
     assert (tmp_path / "fig" / "split_mnist5k_sd_lora_kd_kd.png").exists()
     done = tmp_path / "runs" / "main" / "split_mnist5k" / "pm" / "seed0" / "metrics.json"

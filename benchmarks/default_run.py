@@ -82,7 +82,8 @@ Command: `python benchmarks/default_run.py --repeats {args.repeats} --threads {a
 (each repeat is a fresh `clmerge run` process: imports, data, training, evaluation, report).
 
 Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()};
-load average before/after: {load_before[0]:.2f} / {load_after[0]:.2f}.
+load average before/after: {load_before[0]:.2f} / {load_after[0]:.2f}. On a loaded shared machine the wall
+time is inflated by other jobs; with one thread, the CPU time is about what the run takes on an idle one.
 
 | figure | value |
 |---|---|

@@ -31,10 +31,14 @@ def run_once(threads: int) -> tuple[float, dict]:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)}
         cmd = [sys.executable, "-m", "clmerge.cli", "run", "--out", str(out), "--set", "run.progress=false",
                "--set", f"run.threads={threads}"]
-        t0 = time.perf_counter()
+        t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
         subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
-        wall = time.perf_counter() - t0
-        return wall, json.loads((out / "metrics.json").read_text())
+        wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+        metrics = json.loads((out / "metrics.json").read_text())
+        # CPU seconds of the run: on a loaded shared machine they say more than the wall time (with one
+        # thread, the wall time on an idle machine is about this)
+        metrics["_cpu_s"] = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+        return wall, metrics
 
 
 def main() -> None:
@@ -44,16 +48,27 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "default_run.md")
     args = ap.parse_args()
     load_before = os.getloadavg()
-    walls, metrics = [], None
+    walls, metrics, cpus = [], None, []
     for i in range(args.repeats):
         wall, metrics = run_once(args.threads)
         walls.append(wall)
+        cpus.append(metrics.pop("_cpu_s"))
         print(f"repeat {i + 1}: {wall:.1f} s, Acc {metrics['acc']:.2f}", flush=True)
     peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    write_markdown(args, walls, metrics, peak_mb, load_before, os.getloadavg())
+    write_markdown(args, walls, metrics, peak_mb, load_before, os.getloadavg(), cpus)
 
 
-def write_markdown(args, walls: list[float], m: dict, peak_mb: float, load_before, load_after) -> None:
+def _head_cost(m: dict) -> str:
+    """Bytes kept by the head and its mean end-of-task seconds per part (features, statistics, solve)."""
+    head = m.get("head") or {}
+    mem = sum((head.get("stats_bytes") or {}).values())
+    parts = {k: sum(v) / len(v) for k, v in (head.get("seconds_per_task") or {}).items() if v}
+    secs = ", ".join(f"{k} {v:.2f} s" for k, v in parts.items()) or "none"
+    return f"{mem / 2**20:.1f} MiB; {secs}"
+
+
+def write_markdown(args, walls: list[float], m: dict, peak_mb: float, load_before, load_after,
+                   cpus: list[float]) -> None:
     til = m.get("til") or {}
     rows = "\n".join(
         f"| task {i} | " + " | ".join("" if v is None else f"{v:.1f}" for v in row) + " |"
@@ -67,20 +82,23 @@ Command: `python benchmarks/default_run.py --repeats {args.repeats} --threads {a
 (each repeat is a fresh `clmerge run` process: imports, data, training, evaluation, report).
 
 Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()};
-load average before/after: {load_before[0]:.2f} / {load_after[0]:.2f}.
+load average before/after: {load_before[0]:.2f} / {load_after[0]:.2f}. On a loaded shared machine the wall
+time is inflated by other jobs; with one thread, the CPU time is about what the run takes on an idle one.
 
 | figure | value |
 |---|---|
 | wall time, median of {len(walls)} (min-max) | **{statistics.median(walls):.1f} s** ({min(walls):.1f}-{max(walls):.1f}) |
+| CPU time (user + sys) of a run, median | {statistics.median(cpus):.1f} s |
 | peak RSS of a run | {peak_mb:.0f} MB |
-| method / scenario | {m['method']} / {m['scenario']} on {m['dataset']}, {len(m['accuracy_matrix'])} tasks |
+| method / head / scenario | {m['method']} / {(m.get('head') or {}).get('variant', 'linear')} / {m['scenario']} on {m['dataset']}, {len(m['accuracy_matrix'])} tasks |
+| head statistics (memory; seconds per task) | {_head_cost(m)} |
 | Acc (task-weighted) | {m['acc']:.2f} |
 | AAA | {m['aaa']:.2f} |
 | average forgetting | {m['forgetting']:.2f} |
 | BWT | {m['bwt']:.2f} |
 | TIL Acc / AAA (task id known) | {til.get('acc', float('nan')):.2f} / {til.get('aaa', float('nan')):.2f} |
 
-Accuracy matrix (%, class-incremental; row i = after task i):
+Accuracy matrix (%, class-incremental, from the head above; row i = after task i):
 
 {header}
 {sep}

@@ -48,11 +48,17 @@ def test_mnist5k_fmnist20_source() -> None:
 def test_evidence_config_holds_out_validation() -> None:
     ev = _load("run_evidence")
     cfg = ev.make_config("split_mnist5k", "pm_gauss", 1, 5e-3, smoke=False)
-    assert cfg["scenario"]["val_fraction"] > 0 and cfg["method"] == {"name": "pm", "perturbation": "gaussian"}
+    assert cfg["scenario"]["val_fraction"] > 0
+    assert cfg["method"] == {"name": "pm", "perturbation": "gaussian", "targets": ["key", "value"]}
+    assert cfg["head"] == {"compare": True}
     from clmerge.config import parse_config
 
+    sites = set()
     for label in ev.METHODS:
-        parse_config(ev.make_config("mnist_fmnist10", label, 0, 1e-3, smoke=True))
+        resolved = parse_config(ev.make_config("mnist_fmnist10", label, 0, 1e-3, smoke=True))
+        if hasattr(resolved.method_options(), "targets"):  # every LoRA method adapts the same sites (issue 11)
+            sites.add(tuple(resolved.method_options().targets))
+    assert sites == {("key", "value")}
 
 
 def test_evidence_smoke_runs_selects_on_val_and_resumes(tmp_path) -> None:
@@ -63,16 +69,19 @@ def test_evidence_smoke_runs_selects_on_val_and_resumes(tmp_path) -> None:
     ev.main(args)
     text = (tmp_path / "r.md").read_text()
     for label in ("sd_lora_kd", "pm"):
-        assert f"| {label} |" in text
+        for head in ("linear", "linear+align", "ncm", "ranpac"):
+            assert f"| {label} | {head} |" in text
     ranking = text[text.index("## Validation ranking (split_mnist5k)"):]
-    assert "| sd_lora_kd |" in ranking and "| pm |" in ranking and "| 2 |" in ranking
+    assert "| sd_lora_kd + ranpac |" in ranking and "| pm + linear |" in ranking and "| 8 |" in ranking
     sel = json.loads((tmp_path / "runs" / "selected.json").read_text())
     # sd_lora_kd is a variant: its parent sd_lora is selected and sd_lora_kd takes the parent's rate
     assert set(sel["split_mnist5k"]) == {"sd_lora_kd", "pm", "sd_lora"}
     assert sel["split_mnist5k"]["sd_lora_kd"]["lr"] == sel["split_mnist5k"]["sd_lora"]["lr"]
     assert "sd_lora" in sel["split_mnist5k"]["sd_lora_kd"]["selected_on"]
     assert not (tmp_path / "runs" / "select" / "split_mnist5k" / "sd_lora_kd").exists()
-    assert (tmp_path / "runs" / "select" / "split_mnist5k" / "pm" / "lr0.002" / "val.json").exists()
+    # the selection read each run's validation accuracy from metrics.json (recorded per head since issue 11)
+    run = json.loads((tmp_path / "runs" / "select" / "split_mnist5k" / "pm" / "lr0.002" / "metrics.json").read_text())
+    assert sel["split_mnist5k"]["pm"]["val_acc"]["0.002"] == run["heads"]["linear"]["val_acc"]
     assert (tmp_path / "fig" / "split_mnist5k_pm_alpha.png").exists()
     assert (tmp_path / "fig" / "split_mnist5k_sd_lora_kd_kd.png").exists()
     done = tmp_path / "runs" / "main" / "split_mnist5k" / "pm" / "seed0" / "metrics.json"
@@ -92,8 +101,9 @@ def test_validation_ranking_is_best_first_over_finished_seeds(tmp_path) -> None:
             (run / "metrics.json").write_text("{}")
             (run / "v").write_text(str(v))
     (tmp_path / "main" / "bench" / "a" / "seed9").mkdir()  # unfinished: no metrics.json, not counted
-    rows = rep.validation_ranking(tmp_path, "bench", lambda r: float((r / "v").read_text()))
-    assert [(m, n) for m, _, _, n in rows] == [("b", 1), ("c", 3), ("a", 2)]
+    rows = rep.validation_ranking(tmp_path, "bench", lambda r, head: float((r / "v").read_text()))
+    # runs without head.compare count for their own head only (linear before issue 11)
+    assert [(m, n) for m, _, _, n in rows] == [("b + linear", 1), ("c + linear", 3), ("a + linear", 2)]
     assert rows[1][1] == pytest.approx(40.0) and rows[2][2] == pytest.approx(5.0)
 
 

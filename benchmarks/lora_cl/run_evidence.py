@@ -10,6 +10,11 @@ Methods: finetune, seq_lora, ewc, sd_lora, sd_lora_rr, sd_lora_kd, pm and its Ta
 only; pm_gauss: Gaussian noise; pm_exact: the three-pass Eq. 14 loss), inflora, and the merge baselines of
 P&M Table 3 (lora_avg, lora_dare, coma, cofima).
 
+Every LoRA method adapts the key and value projections (``LORA_TARGETS``), and every run evaluates four heads
+on the same backbone (``head.compare: true``: linear, linear+align, ncm, ranpac; issue 11), so one run per
+(method, seed, benchmark) fills the head column of results.md, and the validation ranking covers each
+(method, head) pair.
+
 Hyperparameter selection uses VALIDATION data only, never test: every run holds out
 ``scenario.val_fraction = 0.1`` of each task's training set. Phase 1 trains each method with every learning
 rate of its grid (seed 0) and scores the final model on the held-out validation parts of all tasks
@@ -23,6 +28,7 @@ Commands (the lead runs them; ``--jobs`` runs that many runs at once, one thread
     python benchmarks/lora_cl/run_evidence.py --jobs 2
     python benchmarks/lora_cl/run_evidence.py --methods pm,seq_lora --seeds 0 --benchmarks split_mnist5k
     python benchmarks/lora_cl/run_evidence.py --report-only      # rebuild results.md and the figures
+    python benchmarks/lora_cl/run_evidence.py --reuse-selection  # skip phase 1: issue 4's selected rates
 """
 
 from __future__ import annotations
@@ -64,24 +70,47 @@ METHODS: dict[str, tuple[dict, list[float]]] = {
     "coma": ({"name": "coma"}, LORA_LRS),
     "cofima": ({"name": "cofima"}, LORA_LRS),
 }
+# Protocol variants (issue 11): the same method, with the backbone trained in the first task only (``_fsa``:
+# RanPAC's / APER's first-session adaptation, ``train.adapt_tasks: 1``) or never (``frozen``: the pretrained
+# backbone, seq_lora's never-trained LoRA, only the heads learn). Features that do not drift keep the class
+# statistics of NCM / RanPAC / alignment valid for old classes.
+METHODS.update({"inflora_fsa": ({"name": "inflora"}, LORA_LRS), "seq_lora_fsa": ({"name": "seq_lora"}, LORA_LRS),
+                "frozen": ({"name": "seq_lora"}, LORA_LRS)})
+EXTRA_CONFIG = {"inflora_fsa": {"train": {"adapt_tasks": 1}}, "seq_lora_fsa": {"train": {"adapt_tasks": 1}},
+                "frozen": {"train": {"adapt_tasks": 0}}}
 # Variants and ablations change one thing of a parent method; they train with the parent's selected learning
 # rate (so the comparison isolates that one thing, and phase 1 stays affordable on a CPU).
 LR_FROM = {"sd_lora_rr": "sd_lora", "sd_lora_kd": "sd_lora", "pm_m": "pm", "pm_gauss": "pm", "pm_exact": "pm",
-           "lora_avg": "seq_lora", "lora_dare": "seq_lora", "coma": "seq_lora", "cofima": "seq_lora"}
+           "lora_avg": "seq_lora", "lora_dare": "seq_lora", "coma": "seq_lora", "cofima": "seq_lora",
+           "inflora_fsa": "inflora", "seq_lora_fsa": "seq_lora", "frozen": "seq_lora"}
 SEEDS = [0, 1, 2]
 VAL_FRACTION = 0.1
+# Every LoRA method adapts the same sites, the key and value projections: the official P&M and InfLoRA code
+# (and SD-LoRA's, built on InfLoRA's) put LoRA on k and v, while clmerge's seq_lora / sd_lora option default is
+# q and v; a comparison must not mix the two (issue 11).
+LORA_TARGETS = ["key", "value"]
+# The issue-11 grid evaluates every run with all four heads at once (head.compare: the shadow heads never feed
+# back into training, so the backbone trajectory is the one of the linear head).
+HEAD = {"compare": True}
+# Learning rates selected on validation in the issue-4 grid (linear head, split_mnist5k seed 0); with
+# --reuse-selection phase 1 is skipped and these are used (the CPU budget of issue 11 did not allow a re-run).
+ISSUE4_SELECTION = {**{m: 5e-3 for m in METHODS if m not in ("finetune", "ewc")}, "finetune": 3e-4, "ewc": 3e-4}
 
 
 def make_config(bench: str, label: str, seed: int, lr: float, *, smoke: bool) -> dict:
     """The run config: benchmark scenario (with the validation hold-out), method, lr, seed."""
     method, _ = METHODS[label]
+    method = dict(method)
+    if label not in ("finetune", "ewc"):
+        method["targets"] = list(LORA_TARGETS)
     scen = {**BENCHMARKS[bench], "seed": seed, "val_fraction": VAL_FRACTION}
     train, model = {"epochs": 5, "batch_size": 64}, {"name": "vit-tiny-fmnist"}
     if smoke:  # random-init 2-block tiny ViT: the smoke setting must not need the shipped weights
         scen.update(train_per_class=8, test_per_class=4)
         train = {"epochs": 1, "batch_size": 8, "max_steps_per_epoch": 2}
         model = {"name": "vit-tiny-fmnist", "pretrained": False, "config": {"num_hidden_layers": 2}}
-    return {"seed": seed, "scenario": scen, "model": model, "method": dict(method),
+    train.update(EXTRA_CONFIG.get(label, {}).get("train", {}))
+    return {"seed": seed, "scenario": scen, "model": model, "method": method, "head": dict(HEAD),
             "optim": {"name": "adam", "lr": lr}, "train": train,
             "run": {"progress": False, "report": False, "threads": 1, "keep_checkpoints": 1}}
 
@@ -110,8 +139,12 @@ def reuse_run(select_dir: Path, out: Path, *, seed: int) -> None:
         shutil.copytree(select_dir, out)
 
 
-def val_accuracy(out: Path) -> float:
-    """Final class-incremental accuracy of the run's last checkpoint on the held-out validation data."""
+def val_accuracy(out: Path, head: str = "linear") -> float:
+    """Final class-incremental accuracy of the run's last checkpoint on the held-out validation data (of one
+    head variant: runs since issue 11 record it in metrics.json for every variant)."""
+    heads = json.loads((out / "metrics.json").read_text()).get("heads") or {}
+    if heads.get(head, {}).get("val_acc") is not None:
+        return heads[head]["val_acc"]
     cached = out / "val.json"
     if cached.exists():
         return json.loads(cached.read_text())["val_acc"]
@@ -181,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--figures", type=Path, default=HERE / "figures")
     ap.add_argument("--smoke", action="store_true", help="tiny setting (1 epoch of 2 steps, 8 images per class)")
     ap.add_argument("--report-only", action="store_true", help="only rebuild results.md and the figures")
+    ap.add_argument("--reuse-selection", action="store_true",
+                    help="skip phase 1 and use the issue-4 validation-selected learning rates")
     a = ap.parse_args(argv)
     labels = [m for m in a.methods.split(",") if m]
     unknown = [m for m in labels if m not in METHODS]
@@ -192,7 +227,12 @@ def main(argv: list[str] | None = None) -> None:
     if any(b not in BENCHMARKS for b in sel_benches):
         ap.error(f"unknown --select-on benchmarks {sel_benches}; known: {list(BENCHMARKS)}")
     if not a.report_only:
-        selected = select(sel_benches, labels, a.out, jobs=a.jobs, smoke=a.smoke)
+        if a.reuse_selection:
+            selected = {b: {m: {"lr": ISSUE4_SELECTION[m], "selected_on": "issue-4 selection"} for m in labels}
+                        for b in sel_benches}
+            a.out.mkdir(parents=True, exist_ok=True)
+        else:
+            selected = select(sel_benches, labels, a.out, jobs=a.jobs, smoke=a.smoke)
         for b in benches:  # a benchmark without its own selection takes the first selected benchmark's choice
             for m in labels:
                 if m not in selected.get(b, {}) and m in selected.get(sel_benches[0], {}):

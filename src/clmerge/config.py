@@ -87,6 +87,25 @@ class HeadConfig(_Strict):
         description="local: cross-entropy over the current task's logits only (SD-LoRA and InfLoRA code); "
         "seen: over all classes seen so far",
     )
+    classifier: Literal["linear", "ncm", "ranpac"] = Field(
+        "linear", description="the head that predicts at evaluation: linear (the trained head), ncm (nearest "
+        "class mean of backbone features) or ranpac (random projection + ridge classifier, McDonnell et al. 2023)")
+    align: bool = Field(False, description="SLCA classifier alignment of the linear head after each task "
+                        "(pseudo-features from per-class Gaussians)")
+    compare: bool = Field(False, description="also evaluate linear, linear+align, ncm and ranpac as shadow heads "
+                          "(never fed back into training); metrics.json gets heads: {name: ...}")
+    ncm_metric: Literal["cosine", "euclidean"] = Field("cosine", description="ncm: similarity to the class means")
+    ranpac_dim: int = Field(2000, ge=1, description="ranpac: random projection width M (the paper: 10000)")
+    align_epochs: int = Field(5, ge=1, description="align: epochs over pseudo-features (SLCA ca_epochs)")
+    align_lr: float = Field(0.005, gt=0, description="align: SGD learning rate (SLCA ca_lr)")
+    align_samples: int = Field(256, ge=1, description="align: pseudo-features per class per epoch (SLCA)")
+    align_weight_decay: float = Field(5e-4, ge=0, description="align: SGD weight decay (SLCA)")
+    align_logit_norm: float | None = Field(0.1, gt=0, description="align: logit-normalisation temperature "
+                                           "(SLCA 0.1); null trains on plain logits")
+    align_mean_decay: bool = Field(True, description="align: SLCA's shrinking of older tasks' sampling means")
+    align_cov: Literal["full", "lowrank", "diag"] = Field(
+        "full", description="align: class covariance kept as full DxD, top-rank + diagonal, or diagonal")
+    align_rank: int = Field(16, ge=1, description="align_cov=lowrank: eigenpairs kept per class")
 
 
 class OptimConfig(_Strict):
@@ -109,6 +128,9 @@ class TrainConfig(_Strict):
     batch_size: int = Field(64, ge=1)
     eval_batch_size: int = Field(500, ge=1)
     max_steps_per_epoch: int | None = Field(None, ge=1, description="cap steps per epoch (dry runs)")
+    adapt_tasks: int | None = Field(
+        None, ge=0, description="train the backbone (every non-head parameter group) in the first N tasks only; "
+        "later tasks train the head alone (RanPAC's and APER's first-session adaptation: N=1). null: every task")
 
 
 class RunConfig(_Strict):
@@ -155,6 +177,13 @@ class ExperimentConfig(_Strict):
         for key, order in [("task_order", s.task_order)] + listed:
             if order is not None and sorted(order) != list(range(s.n_tasks)):
                 raise ValueError(f"scenario.{key} {order} is not a permutation of 0..{s.n_tasks - 1}")
+        h = self.head
+        if h.align and h.classifier != "linear":
+            raise ValueError(f"head.align=true retrains the linear head; it needs head.classifier=linear "
+                             f"(got {h.classifier})")
+        if s.kind == "domain_incremental" and (h.classifier != "linear" or h.align or h.compare):
+            raise ValueError("head.classifier/align/compare: feature-based heads need a class- or "
+                             "task-incremental scenario (scenario.kind is domain_incremental)")
         if s.kind == "domain_incremental" and s.transform == "none":
             raise ValueError("scenario.kind=domain_incremental needs scenario.transform (permutation or rotation)")
         return self
@@ -279,9 +308,20 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return out
 
 
+# The embedded default experiment (``clmerge run`` without a config file) is the (method, head) pair that
+# scored best on validation data in the issue-11 grid (benchmarks/lora_cl/results.md, validation ranking,
+# 3 seeds): ``frozen + ranpac``, the pretrained backbone kept fixed (seq_lora's LoRA is never trained:
+# train.adapt_tasks 0) with RanPAC's random-projection ridge head on its features. A config file keeps the
+# section defaults (InfLoRA, the linear head of the papers' code), so paper configs reproduce the papers.
+EMBEDDED_DEFAULT: dict[str, Any] = {"method": {"name": "seq_lora", "targets": ["key", "value"]},
+                                    "train": {"adapt_tasks": 0}, "head": {"classifier": "ranpac"}}
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
     """Read a YAML config (or the embedded default when ``path`` is None) and apply ``--set`` overrides."""
-    data = read_yaml_mapping(path) if path is not None else {}
+    import copy
+
+    data = read_yaml_mapping(path) if path is not None else copy.deepcopy(EMBEDDED_DEFAULT)
     data = apply_overrides(data, overrides or [])
     return parse_config(data)
 
@@ -295,4 +335,4 @@ def dump_config(cfg: ExperimentConfig) -> str:
 
 def default_config() -> ExperimentConfig:
     """The embedded default experiment that ``clmerge run`` runs with no arguments."""
-    return parse_config({})
+    return load_config(None)

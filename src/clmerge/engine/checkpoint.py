@@ -17,17 +17,21 @@ from safetensors import safe_open
 
 from ..utils.io import save_tensors
 
-__all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "RunLock"]
+__all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "load_head_tensors", "RunLock"]
 
 _NAME = re.compile(r"^task_(\d{3,})\.safetensors$")
 
 
 def save_checkpoint(run_dir: Path, task: int, model_state: dict[str, torch.Tensor],
-                    method_tensors: dict[str, torch.Tensor], meta: dict, keep: int = 1) -> Path:
-    """Write ``task_NNN.safetensors`` atomically, then delete all but the newest ``keep`` checkpoints."""
+                    method_tensors: dict[str, torch.Tensor], meta: dict, keep: int = 1,
+                    head_tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write ``task_NNN.safetensors`` atomically, then delete all but the newest ``keep`` checkpoints.
+
+    ``head_tensors`` (the head suite's statistics, ``engine.heads``) are stored under the ``head/`` prefix."""
     ckdir = Path(run_dir) / "checkpoints"
     tensors = {f"model/{k}": v for k, v in model_state.items()}
     tensors.update({f"method/{k}": v for k, v in method_tensors.items()})
+    tensors.update({f"head/{k}": v.contiguous() for k, v in (head_tensors or {}).items()})
     path = ckdir / f"task_{task:03d}.safetensors"
     save_tensors(path, tensors, metadata={"clmerge": json.dumps(meta)})
     for old in sorted(p for p in ckdir.iterdir() if _NAME.match(p.name))[:-keep]:
@@ -45,16 +49,26 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
     """Return (model_state, method_tensors, meta)."""
+    parts, meta = _load_parts(path)
+    return parts["model"], parts["method"], meta
+
+
+def load_head_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The head suite's tensors (``head/`` prefix) of a checkpoint; empty for runs without feature heads."""
+    return _load_parts(path)[0]["head"]
+
+
+def _load_parts(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
     try:
         with safe_open(str(path), framework="pt") as fh:
             meta = json.loads((fh.metadata() or {})["clmerge"])
-            model_state, method = {}, {}
+            parts: dict[str, dict[str, torch.Tensor]] = {"model": {}, "method": {}, "head": {}}
             for key in fh.keys():
                 prefix, _, name = key.partition("/")
-                (model_state if prefix == "model" else method)[name] = fh.get_tensor(key)
+                parts[prefix if prefix in ("model", "head") else "method"][name] = fh.get_tensor(key)
     except (KeyError, json.JSONDecodeError, OSError, Exception) as exc:
         raise ValueError(f"{path}: unreadable checkpoint ({exc})") from exc
-    return model_state, method, meta
+    return parts, meta
 
 
 class RunLock:

@@ -27,11 +27,12 @@ from ..methods.base import ContinualMethod, TaskContext
 from ..metrics import summarize
 from ..models import ContinualClassifier, IncrementalHead, build_backbone
 from ..utils.io import append_jsonl, atomic_write_text, read_json, write_json
-from .checkpoint import RunLock, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import RunLock, latest_checkpoint, load_checkpoint, load_head_tensors, save_checkpoint
 from .evaluate import evaluate_tasks
+from .heads import VARIANTS, HeadSuite, check_head_support
 from .training import fit
 
-__all__ = ["run_experiment", "prepare", "RunState", "task_generator", "resolve_device"]
+__all__ = ["run_experiment", "prepare", "build_heads", "RunState", "task_generator", "resolve_device"]
 
 
 @dataclass
@@ -41,10 +42,13 @@ class RunState:
     task_seconds: list[float] = field(default_factory=list)
     initial: list[float] | None = None
     events_lines: int = 0
+    head_rows: dict[str, dict[str, list]] = field(default_factory=dict)  # shadow heads: {variant: rows, til_rows}
+    head_val: dict[str, float] = field(default_factory=dict)  # final validation CIL accuracy per head variant
 
     def to_meta(self) -> dict:
         return {"rows": self.rows, "til_rows": self.til_rows, "task_seconds": self.task_seconds,
-                "initial": self.initial, "events_lines": self.events_lines}
+                "initial": self.initial, "events_lines": self.events_lines, "head_rows": self.head_rows,
+                "head_val": self.head_val}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -91,6 +95,18 @@ def prepare(cfg: ExperimentConfig) -> tuple[Scenario, ContinualClassifier, Conti
     return scenario, model, method, manifest
 
 
+def build_heads(cfg: ExperimentConfig, model: ContinualClassifier, method: ContinualMethod) -> HeadSuite:
+    """The run's head suite; a feature-based head on a method without one shared backbone is a config error."""
+    if head_variant_needs_features(cfg):
+        check_head_support(cfg.head, cfg.method.name, method.inference_model())
+    return HeadSuite(cfg.head, seed=cfg.seed, feature_dim=model.head.in_features, head_bias=cfg.model.head_bias)
+
+
+def head_variant_needs_features(cfg: ExperimentConfig) -> bool:
+    h = cfg.head
+    return h.compare or h.align or h.classifier != "linear"
+
+
 def _check_run_dir(out: Path, cfg_text: str, resume: bool) -> None:
     cfg_file = out / "config.yaml"
     if resume:
@@ -101,7 +117,8 @@ def _check_run_dir(out: Path, cfg_text: str, resume: bool) -> None:
         raise FileExistsError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
 
 
-def _restore(out: Path, model: ContinualClassifier, method: ContinualMethod, device) -> tuple[int, RunState]:
+def _restore(out: Path, model: ContinualClassifier, method: ContinualMethod, device,
+             heads: HeadSuite | None = None) -> tuple[int, RunState]:
     ck = latest_checkpoint(out)
     if ck is None:  # killed during the first task: start over
         (out / "events.jsonl").unlink(missing_ok=True)
@@ -111,8 +128,11 @@ def _restore(out: Path, model: ContinualClassifier, method: ContinualMethod, dev
     model.load_state_dict(model_state, strict=True)
     model.to(device)
     method.load_state({k: v.to(device) for k, v in method_tensors.items()}, meta["method"])
+    if heads is not None and heads.needs_features:
+        heads.load_state(load_head_tensors(ck), meta["heads"])
     st = meta["state"]
-    state = RunState(st["rows"], st["til_rows"], st["task_seconds"], st["initial"], st["events_lines"])
+    state = RunState(st["rows"], st["til_rows"], st["task_seconds"], st["initial"], st["events_lines"],
+                     st.get("head_rows", {}), st.get("head_val", {}))
     events = out / "events.jsonl"
     if events.exists():  # drop events written by the interrupted task
         lines = events.read_text().splitlines(keepends=True)[: state.events_lines]
@@ -125,7 +145,7 @@ def _row(results, n_tasks: int, key: str) -> list[float | None]:
     return vals + [None] * (n_tasks - len(vals))
 
 
-def _train_task(cfg, t, scenario, model, method, state, out, device) -> None:
+def _train_task(cfg, t, scenario, model, method, state, out, device, heads: HeadSuite | None = None) -> None:
     task = scenario.tasks[t]
     gen = task_generator(cfg.seed, t)
     log = lambda ev: _log(out, state, ev)  # noqa: E731
@@ -143,26 +163,81 @@ def _train_task(cfg, t, scenario, model, method, state, out, device) -> None:
                              batch_size=cfg.train.eval_batch_size, device=device)
         state.initial = [r["acc"] for r in res]
     lr = cfg.optim.first_task_lr if (t == 0 and cfg.optim.first_task_lr) else cfg.optim.lr
-    fit(model, task.train, groups=method.parameter_groups(model), loss_fn=lambda m, x, y: method.loss(m, x, y, ctx),
+    groups, frozen = _adapted_groups(cfg, t, method.parameter_groups(model))
+    fit(model, task.train, groups=groups, loss_fn=lambda m, x, y: method.loss(m, x, y, ctx),
         optim=cfg.optim, epochs=cfg.train.epochs, batch_size=cfg.train.batch_size, generator=gen, device=device,
         lr=lr, before_step=lambda m: method.before_step(m, ctx), after_step=lambda m: method.after_step(m, ctx),
         max_steps_per_epoch=cfg.train.max_steps_per_epoch, log=log, desc=f"task {t + 1}/{len(scenario)}",
         progress=cfg.run.progress, task_index=t)
+    for p in frozen:
+        p.requires_grad_(True)
     method.end_task(task, ctx)
+    if heads is not None:  # same hook for every method: the inference model's features of this task's data
+        heads.end_task(method.inference_model(), task, scenario.tasks[: t + 1],
+                       batch_size=cfg.train.eval_batch_size, device=device)
     state.task_seconds.append(time.time() - t0)
 
 
-def _evaluate_row(cfg, t, scenario, method, state, device) -> None:
+def _adapted_groups(cfg, t: int, groups: list[dict]) -> tuple[list[dict], list]:
+    """``train.adapt_tasks``: from task N on, only the head group trains; the body's parameters get
+    ``requires_grad=False`` for the task (no backward pass through the backbone) and are returned to be
+    re-enabled. A method's own end-of-task updates (folds, merges) still run."""
+    n = cfg.train.adapt_tasks
+    if n is None or t < n:
+        return groups, []
+    frozen = [p for g in groups if g.get("name") != "head" for p in g["params"] if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    return [g for g in groups if g.get("name") == "head"], frozen
+
+
+def _evaluate_row(cfg, t, scenario, method, state, device, heads: HeadSuite | None = None) -> None:
     task = scenario.tasks[t]
     future = scenario.kind == "domain_incremental"
     tasks = scenario.tasks if future else scenario.tasks[: t + 1]
     n_out = scenario.num_outputs if future else task.offset + task.n_classes
-    # task-incremental rows keep only til_acc, so only each task's own logits are computed (one routed pass)
-    res = evaluate_tasks(method.inference_model(), tasks, n_outputs=n_out, batch_size=cfg.train.eval_batch_size,
-                         device=device, til_only=scenario.kind == "task_incremental")
+    model = method.inference_model()
     # task-incremental: the task id is known, so accuracy is the argmax within the task's own range
-    state.rows.append(_row(res, len(scenario), "til_acc" if scenario.kind == "task_incremental" else "acc"))
+    key = "til_acc" if scenario.kind == "task_incremental" else "acc"
+    shadows = _head_results(cfg, heads, model, tasks, n_out, device)
+    if heads is None or heads.primary == "linear":
+        # task-incremental rows keep only til_acc, so only each task's own logits are computed (one routed pass)
+        res = evaluate_tasks(model, tasks, n_outputs=n_out, batch_size=cfg.train.eval_batch_size, device=device,
+                             til_only=scenario.kind == "task_incremental")
+    else:
+        res = shadows[heads.primary]
+    state.rows.append(_row(res, len(scenario), key))
     state.til_rows.append(_row(res, len(scenario), "til_acc"))
+    if heads is not None and heads.cfg.compare:
+        for v in VARIANTS:
+            rows = state.head_rows.setdefault(v, {"rows": [], "til_rows": []})
+            rows["rows"].append(_row(shadows[v], len(scenario), key))
+            rows["til_rows"].append(_row(shadows[v], len(scenario), "til_acc"))
+    if t == len(scenario) - 1 and all(x.val is not None and len(x.val) for x in scenario.tasks):
+        _validation(cfg, heads, model, scenario, state, device)
+
+
+def _head_results(cfg, heads, model, tasks, n_out, device) -> dict:
+    """Results of the feature-based variants this run evaluates (all four with head.compare)."""
+    if heads is None or not heads.needs_features:
+        return {}
+    variants = list(VARIANTS) if heads.cfg.compare else [heads.primary]
+    return heads.evaluate(model, tasks, n_outputs=n_out, variants=variants, batch_size=cfg.train.eval_batch_size,
+                          device=device)
+
+
+def _validation(cfg, heads, model, scenario, state, device) -> None:
+    """Final CIL accuracy (mean over tasks) on the held-out validation parts, per evaluated head variant:
+    what selects a head (and method) without touching test data."""
+    tasks, n_out = scenario.tasks, scenario.tasks[-1].offset + scenario.tasks[-1].n_classes
+    if heads is not None and heads.needs_features:
+        variants = list(VARIANTS) if heads.cfg.compare else [heads.primary]
+        res = heads.evaluate(model, tasks, n_outputs=n_out, variants=variants,
+                             batch_size=cfg.train.eval_batch_size, device=device, split="val")
+    else:
+        res = {"linear": evaluate_tasks(model, tasks, n_outputs=n_out, batch_size=cfg.train.eval_batch_size,
+                                        device=device, split="val")}
+    state.head_val = {v: float(np.mean([r["acc"] for r in rs])) for v, rs in res.items()}
 
 
 def _log(out: Path, state: RunState, event: dict) -> None:
@@ -170,7 +245,8 @@ def _log(out: Path, state: RunState, event: dict) -> None:
     state.events_lines += 1
 
 
-def final_metrics(cfg: ExperimentConfig, scenario: Scenario, method: ContinualMethod, state: RunState) -> dict:
+def final_metrics(cfg: ExperimentConfig, scenario: Scenario, method: ContinualMethod, state: RunState,
+                  heads: HeadSuite | None = None) -> dict:
     sizes = [len(t.test) for t in scenario.tasks]
     metrics = {"accuracy_matrix": state.rows, **summarize(state.rows, sizes=sizes, initial=state.initial)}
     til = scenario.kind == "class_incremental" and cfg.run.eval_til
@@ -182,7 +258,18 @@ def final_metrics(cfg: ExperimentConfig, scenario: Scenario, method: ContinualMe
         timings={"total_s": round(sum(state.task_seconds), 2), "per_task_s": [round(s, 2) for s in state.task_seconds]},
         method_metrics=method.metrics(),
     )
+    if heads is not None:
+        metrics["head"] = {**heads.metrics(), "val_acc": state.head_val.get(heads.primary)}
+        if heads.cfg.compare:
+            metrics["heads"] = {v: _head_summary(state, v, sizes) for v in VARIANTS}
     return metrics
+
+
+def _head_summary(state: RunState, variant: str, sizes: list[int]) -> dict:
+    rows = state.head_rows[variant]
+    return {"accuracy_matrix": rows["rows"], "til_accuracy_matrix": rows["til_rows"],
+            **summarize(rows["rows"], sizes=sizes), "til": summarize(rows["til_rows"], sizes=sizes),
+            "val_acc": state.head_val.get(variant)}
 
 
 def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool = False) -> dict:
@@ -195,22 +282,24 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool =
     with RunLock(out):
         _check_run_dir(out, cfg_text, resume)
         scenario, model, method, manifest = prepare(cfg)
-        start, state = _restore(out, model, method, device) if resume else (0, RunState())
+        heads = build_heads(cfg, model, method)
+        start, state = _restore(out, model, method, device, heads) if resume else (0, RunState())
         atomic_write_text(out / "config.yaml", cfg_text)
         write_json(out / "manifest.json", manifest)
         model.to(device)
         bar = tqdm(range(start, len(scenario)), desc="tasks", disable=not cfg.run.progress)
         for t in bar:
-            _train_task(cfg, t, scenario, model, method, state, out, device)
-            _evaluate_row(cfg, t, scenario, method, state, device)
+            _train_task(cfg, t, scenario, model, method, state, out, device, heads)
+            _evaluate_row(cfg, t, scenario, method, state, device, heads)
             row = [v for v in state.rows[-1][: t + 1]]
             _log(out, state, {"event": "task_end", "task": t, "seconds": round(state.task_seconds[-1], 3),
                               "acc_row": row, "avg_acc": float(np.mean(row))})
             meta = {"task": t, "structure": model_structure(model), "method": method.state_meta(),
-                    "state": state.to_meta()}
-            save_checkpoint(out, t, model.state_dict(), method.state_tensors(), meta, keep=cfg.run.keep_checkpoints)
+                    "state": state.to_meta(), "heads": heads.state_meta()}
+            save_checkpoint(out, t, model.state_dict(), method.state_tensors(), meta, keep=cfg.run.keep_checkpoints,
+                            head_tensors=heads.state_tensors() if heads.needs_features else None)
             bar.set_postfix(avg_acc=f"{np.mean(row):.1f}")
-        metrics = final_metrics(cfg, scenario, method, state)
+        metrics = final_metrics(cfg, scenario, method, state, heads)
         write_json(out / "metrics.json", metrics)
         if cfg.run.report:
             from ..report import build_report

@@ -193,6 +193,7 @@ def _header(run: Mapping[str, Any], run_dir: Path) -> str:
     title = f"clmerge report: {method}"
     fields = [
         ("method", metrics.get("method")),
+        ("head", _head_name(metrics)),
         ("dataset", metrics.get("dataset")),
         ("scenario", metrics.get("scenario")),
         ("metrics written", run["metrics_mtime"].strftime("%Y-%m-%d %H:%M:%S UTC")),
@@ -206,6 +207,30 @@ def _header(run: Mapping[str, Any], run_dir: Path) -> str:
     spans = "".join(f"<span><b>{escape(k)}:</b> {escape(_format_free(v))}</span>" for k, v in fields)
     where = f'<p class="meta">{escape(str(run_dir))}</p>'
     return f'<h1>{escape(title)}</h1>\n<p class="meta">{spans}</p>\n{where}'
+
+
+def _head_name(metrics: Mapping[str, Any]) -> str:
+    """The head variant that produced the metrics (runs before issue 11 had only the linear head)."""
+    head = metrics.get("head")
+    return str(head.get("variant", "linear")) if isinstance(head, dict) else "linear"
+
+
+def _heads_section(metrics: Mapping[str, Any]) -> str:
+    """With ``head.compare``: final CIL / TIL accuracy of every head variant on the same backbone."""
+    heads = metrics.get("heads")
+    if not isinstance(heads, dict) or not heads:
+        return ""
+    primary = _head_name(metrics)
+    rows = []
+    for name, h in heads.items():
+        h = h if isinstance(h, dict) else {}
+        til = h.get("til") if isinstance(h.get("til"), dict) else {}
+        label = f"{name} (reported)" if name == primary else name
+        rows.append([label, format_number(h.get("acc")), format_number(h.get("aaa")), format_number(til.get("acc")),
+                     format_number(h.get("val_acc"))])
+    note = ('<p class="note">Shadow heads (head.compare): evaluated on the same backbone, never fed back into '
+            'training. Validation: final CIL accuracy on the held-out validation parts.</p>')
+    return _section("Heads", _table(["head", "CIL Acc", "CIL AAA", "TIL Acc", "validation CIL"], rows) + note)
 
 
 def _metrics_section(metrics: Mapping[str, Any]) -> str:
@@ -318,7 +343,8 @@ def build_report(run_dir: str | Path) -> Path:
     run = load_run(run_dir)
     metrics = run["metrics"]
     names = _task_names(metrics, run["manifest"], plots.matrix_to_array(metrics["accuracy_matrix"]).shape[0])
-    sections = [_metrics_section(metrics), *_plot_sections(run, names), _method_metrics_section(metrics),
+    sections = [_metrics_section(metrics), _heads_section(metrics), *_plot_sections(run, names),
+                _method_metrics_section(metrics),
                 _tasks_section(run["manifest"], metrics)]
     if run["config_text"] is not None:
         sections.append(_section("Resolved config", f"<pre>{escape(run['config_text'])}</pre>"))

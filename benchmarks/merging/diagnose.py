@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from clmerge.merging.bench import SUITES, BenchConfig, _accuracy, build_base, expert_for_task, load_task
+from clmerge.harness.merge_bench import SUITES, BenchConfig, _accuracy, build_base, expert_for_task, load_task
 
 HERE = Path(__file__).resolve().parent
 

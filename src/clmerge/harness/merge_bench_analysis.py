@@ -26,9 +26,9 @@ import numpy as np
 from torch import Tensor
 
 from ..report.plots import _new_figure, _to_png
-from .analysis import interference_curves, task_vector_spectra
-from .lowrank import is_lowrank_param
-from .registry import merge
+from ..merging.analysis import interference_curves, task_vector_spectra
+from ..merging.lowrank import is_lowrank_param
+from ..merging.registry import merge
 
 __all__ = ["RATIOS", "analyse", "write_plots", "claims", "analysis_markdown"]
 

@@ -110,5 +110,6 @@ def summary_markdown(summary: dict[str, Any]) -> str:
                   "| rank ratio | " + " | ".join(str(g) for g in curve["ratios"]) + " |",
                   "|---|" + "---|" * len(curve["ratios"]),
                   "| CART (test, at each seed's chosen scaling) | "
-                  + " | ".join(f"{m:.1f} ± {s:.1f}" for m, s in zip(curve["cart_mean"], curve["cart_se"])) + " |"]
+                  + " | ".join(f"{m:.1f}" + ("" if math.isnan(s) else f" ± {s:.1f}")
+                               for m, s in zip(curve["cart_mean"], curve["cart_se"])) + " |"]
     return "\n".join(lines) + "\n"

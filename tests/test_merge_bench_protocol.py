@@ -122,6 +122,9 @@ def test_grid_extension_makes_the_chosen_value_interior():
     # an irregular grid uses its edge spacing; a step below an open bound halves the distance to it
     assert next_value([0.5, 1.0, 1.5, 2.0, 3.0], True, (0.0, math.inf, False, False)) == 4.0
     assert next_value([0.5, 1.0, 1.5, 2.0, 3.0], False, (0.0, math.inf, False, False)) == 0.25
+    # an open upper bound (DARE's drop rate < 1) is approached, never reached, even when a step lands on it
+    assert next_value([0.5, 0.9], True, (0.0, 1.0, True, False)) == 0.95
+    assert next_value([0.5, 0.9, 0.95], True, (0.0, 1.0, True, False)) == 0.975
 
 
 def test_seeds_summary_and_cotrained_protocol(tmp_path):
@@ -131,6 +134,7 @@ def test_seeds_summary_and_cotrained_protocol(tmp_path):
     assert [p["config"]["heads"] for p in per] == ["cotrained", "cotrained"]
     avgs = [p["rows"]["weight_average"]["avg"] for p in per]
     assert res["rows"]["weight_average"]["avg"] == pytest.approx(mean_se(avgs))
+    assert res["rows"]["weight_average"]["seeds"] == [0, 1]
     assert "co-trained" in (tmp_path / "results.md").read_text()
     m, se = mean_se([1.0, 2.0, 4.0])  # sample sd sqrt(7/3), n = 3
     assert m == pytest.approx(7 / 3) and se == pytest.approx(math.sqrt(7 / 3) / math.sqrt(3))
@@ -138,3 +142,30 @@ def test_seeds_summary_and_cotrained_protocol(tmp_path):
     for bad in ("0,x", "1,1", ""):
         with pytest.raises(ValueError, match="--seeds"):
             parse_seeds(bad)
+
+
+def test_summary_claims_are_paired_differences_over_seeds(tmp_path):
+    from clmerge.harness.merge_bench_seeds import summarise
+
+    cart, wa, ta = [50.0, 52.0, 51.0], [48.0, 49.0, 50.0], [51.0, 50.0, 52.0]
+    curves = [[48.0, 47.0, 53.0, 50.0, 48.0], [49.0, 50.0, 54.0, 52.0, 49.0], [50.0, 49.0, 52.0, 51.0, 50.0]]
+    for s in range(3):
+        rows = {"weight_average": {"avg": wa[s], "normalized": 90.0, "hp": {}},
+                "task_arithmetic": {"avg": ta[s], "normalized": 91.0, "hp": {"scaling": 0.3}},
+                "cart": {"avg": cart[s], "normalized": 92.0, "hp": {"scaling": 2.0}}}
+        if s == 2:
+            del rows["task_arithmetic"]  # a seed without a row: summarised over the seeds that have it
+        run = {"config": {"seed": 0, "heads": "frozen", "head_init": "probe"}, "tasks": ["a"], "rows": rows,
+               "analysis": {"rank_ratio": {"ratios": [0.0, 0.04, 0.08, 0.16, 1.0], "cart": curves[s]}}}
+        (tmp_path / f"seed{s}").mkdir()
+        (tmp_path / f"seed{s}" / "results.json").write_text(json.dumps(run))
+    out = summarise(tmp_path, [0, 1, 2])
+    c = out["claims"]
+    assert c["cart_minus_weight_average"]["mean_se"] == pytest.approx(mean_se([2.0, 3.0, 1.0]))
+    assert c["cart_minus_task_arithmetic"]["seeds"] == [0, 1]
+    assert c["cart_minus_task_arithmetic"]["mean_se"] == pytest.approx(mean_se([-1.0, 2.0]))
+    assert c["bell"]["peak_ratio"] == 0.08  # mean interior curve 48.7, 53.0, 51.0
+    assert c["bell"]["per_seed"] == pytest.approx([53 - 48, 54 - 49, 52 - 50])
+    assert out["rows"]["task_arithmetic"]["seeds"] == [0, 1]
+    md = (tmp_path / "results.md").read_text()
+    assert "CART − weight averaging: +2.0 ± 0.6" in md and "holds" in md

@@ -55,10 +55,14 @@ def next_value(values: list[float], upward: bool, domain: tuple[float, float, bo
         cand = edge * ratios[0] if upward else edge / ratios[0]
     else:
         cand = edge + (edge - inner)
-    inside = (cand < bound if upward else cand > bound) or (bound_in and _close(cand, bound))
+    cand = round(cand, 10)  # (0.95 + 0.05 is 0.9999999999999999: compare the value that will be used)
+    if _close(cand, bound):
+        inside = bound_in
+    else:
+        inside = cand < bound if upward else cand > bound
     if not inside:
-        cand = bound if bound_in else edge + (bound - edge) / 2
-    return round(cand, 10)
+        cand = bound if bound_in else round(edge + (bound - edge) / 2, 10)
+    return cand
 
 
 def search(space: dict[str, list[Any]], score: Callable[[dict[str, Any]], float], *, max_extensions: int = 4,

@@ -37,37 +37,50 @@ def _pm(xs: Sequence[float]) -> str:
 
 
 def summarise(out: Path, seeds: Sequence[int]) -> dict[str, Any]:
-    """Read ``out/seed<s>/results.json`` for ``seeds``; write and return the summary (module docstring)."""
-    runs = [json.loads((out / f"seed{s}" / "results.json").read_text()) for s in seeds]
+    """Read ``out/seed<s>/results.json`` for ``seeds``; write and return the summary (module docstring).
+
+    A row (or a claim) missing from some seeds' runs is summarised over the seeds that have it; its ``seeds``
+    entry says which.
+    """
+    runs = {s: json.loads((out / f"seed{s}" / "results.json").read_text()) for s in seeds}
+    names = list(dict.fromkeys(n for r in runs.values() for n in r["rows"]))
     rows: dict[str, dict[str, Any]] = {}
-    for name in runs[0]["rows"]:
-        avgs = [r["rows"][name]["avg"] for r in runs]
-        norms = [r["rows"][name]["normalized"] for r in runs]
-        rows[name] = {"avg": mean_se(avgs), "normalized": mean_se(norms), "avg_per_seed": avgs,
-                      "normalized_per_seed": norms, "hp_per_seed": [r["rows"][name]["hp"] for r in runs]}
-    summary = {"seeds": list(seeds), "config": runs[0]["config"], "tasks": runs[0]["tasks"], "rows": rows,
-               "grids_per_seed": [r.get("grids", {}) for r in runs]}
-    if all("analysis" in r for r in runs):
-        summary["claims"] = _claims(runs)
+    for name in names:
+        have = [s for s in seeds if name in runs[s]["rows"]]
+        avgs = [runs[s]["rows"][name]["avg"] for s in have]
+        norms = [runs[s]["rows"][name]["normalized"] for s in have]
+        rows[name] = {"seeds": have, "avg": mean_se(avgs), "normalized": mean_se(norms), "avg_per_seed": avgs,
+                      "normalized_per_seed": norms, "hp_per_seed": [runs[s]["rows"][name]["hp"] for s in have]}
+    first = runs[seeds[0]]
+    summary = {"seeds": list(seeds), "config": first["config"], "tasks": first["tasks"], "rows": rows,
+               "grids_per_seed": {s: r.get("grids", {}) for s, r in runs.items()}}
+    claims = _claims(runs)
+    if claims:
+        summary["claims"] = claims
     write_json(out / "results.json", summary)
     atomic_write_text(out / "results.md", summary_markdown(summary))
     return summary
 
 
-def _claims(runs: list[dict]) -> dict[str, Any]:
+def _claims(runs: dict[int, dict]) -> dict[str, Any]:
     """CART's claims with paired differences over seeds (each seed's CART against the same seed's baseline)."""
-    diff = lambda a, b: [r["rows"][a]["avg"] - r["rows"][b]["avg"] for r in runs]  # noqa: E731
-    curves = np.array([r["analysis"]["rank_ratio"]["cart"] for r in runs])
-    ratios = runs[0]["analysis"]["rank_ratio"]["ratios"]
-    interior = curves[:, 1:-1]
-    peak = interior.mean(0).argmax()
-    # Bell curve: the best interior rank ratio (chosen on the mean curve) above the ends (= averaging)
-    bell = interior[:, peak] - np.maximum(curves[:, 0], curves[:, -1])
-    out = {"cart_minus_weight_average": mean_se(diff("cart", "weight_average")),
-           "cart_minus_task_arithmetic": mean_se(diff("cart", "task_arithmetic")),
-           "rank_ratio_curve": {"ratios": ratios, "cart_mean": curves.mean(0).tolist(),
-                                "cart_se": [mean_se(c)[1] for c in curves.T]},
-           "bell_peak_ratio": ratios[1 + int(peak)], "bell_peak_minus_ends": mean_se(bell.tolist())}
+    out: dict[str, Any] = {}
+    for base in ("weight_average", "task_arithmetic"):
+        have = [s for s, r in runs.items() if "cart" in r["rows"] and base in r["rows"]]
+        if have:
+            d = [runs[s]["rows"]["cart"]["avg"] - runs[s]["rows"][base]["avg"] for s in have]
+            out[f"cart_minus_{base}"] = {"seeds": have, "per_seed": d, "mean_se": mean_se(d)}
+    have = [s for s, r in runs.items() if "analysis" in r]
+    if have:
+        curves = np.array([runs[s]["analysis"]["rank_ratio"]["cart"] for s in have])
+        ratios = runs[have[0]]["analysis"]["rank_ratio"]["ratios"]
+        interior = curves[:, 1:-1]
+        peak = int(interior.mean(0).argmax())
+        # Bell curve: the best interior rank ratio (picked on the mean curve) above the better end (= averaging)
+        bell = (interior[:, peak] - np.maximum(curves[:, 0], curves[:, -1])).tolist()
+        out["rank_ratio_curve"] = {"seeds": have, "ratios": ratios, "cart_mean": curves.mean(0).tolist(),
+                                   "cart_se": [mean_se(c)[1] for c in curves.T]}
+        out["bell"] = {"seeds": have, "peak_ratio": ratios[1 + peak], "per_seed": bell, "mean_se": mean_se(bell)}
     return out
 
 
@@ -84,32 +97,37 @@ def _verdict(m_se: tuple[float, float]) -> str:
 
 def summary_markdown(summary: dict[str, Any]) -> str:
     """Mean ± standard error over seeds of every row, then CART's claims with their standard errors."""
-    n = len(summary["seeds"])
-    lines = [_protocol_line(summary["config"]) + f" Fine-tuning seeds {summary['seeds']} (n = {n}); "
-             "each cell is the mean ± standard error over seeds of the mean over tasks. Per-seed tables: "
-             + ", ".join(f"[seed {s}](seed{s}/results.md)" for s in summary["seeds"]) + ".", "",
-             "| method | mean test accuracy | normalized (merged / expert, %) | hyperparameters per seed |",
-             "|---|---|---|---|"]
+    lines = [_protocol_line(summary["config"]) + f" Fine-tuning seeds {summary['seeds']}; each cell is the mean ± "
+             "standard error over seeds (n = the number of seeds of that row) of the mean over tasks. Per-seed "
+             "tables: " + ", ".join(f"[seed {s}](seed{s}/results.md)" for s in summary["seeds"]) + ".", "",
+             "| method | n | mean test accuracy | normalized (merged / expert, %) | hyperparameters per seed |",
+             "|---|---|---|---|---|"]
     for name, r in summary["rows"].items():
         hps = "; ".join(str(h) for h in r["hp_per_seed"]) if any(r["hp_per_seed"]) else ""
-        lines.append(f"| {ROW_LABELS.get(name, name)} | {_pm(r['avg_per_seed'])} | "
+        lines.append(f"| {ROW_LABELS.get(name, name)} | {len(r['seeds'])} | {_pm(r['avg_per_seed'])} | "
                      f"{_pm(r['normalized_per_seed'])} | {hps} |")
-    c = summary.get("claims")
+    c = summary.get("claims", {})
     if c:
-        fmt = lambda ms: f"{ms[0]:+.1f} ± {ms[1]:.1f}"  # noqa: E731
-        curve = c["rank_ratio_curve"]
-        lines += ["", "## CART's claims over seeds (paired differences, mean ± standard error)", "",
-                  f"- CART − weight averaging: {fmt(c['cart_minus_weight_average'])} points: "
-                  f"{_verdict(c['cart_minus_weight_average'])}",
-                  f"- CART − task arithmetic: {fmt(c['cart_minus_task_arithmetic'])} points: "
-                  f"{_verdict(c['cart_minus_task_arithmetic'])}",
-                  f"- Bell curve: the best interior rank ratio of the mean curve ({c['bell_peak_ratio']}) minus the "
-                  f"better end (= averaging): {fmt(c['bell_peak_minus_ends'])} points: "
-                  f"{_verdict(c['bell_peak_minus_ends'])} (the peak is picked on the same test curve, so this is "
-                  "optimistic)", "",
+        lines += ["", "## CART's claims over seeds (paired same-seed differences, mean ± standard error)", ""]
+    for base, label in (("weight_average", "weight averaging"), ("task_arithmetic", "task arithmetic")):
+        if f"cart_minus_{base}" in c:
+            d = c[f"cart_minus_{base}"]
+            lines.append(f"- CART − {label}: {_pmd(d['mean_se'])} points over seeds {d['seeds']} (per seed "
+                         f"{', '.join(f'{x:+.1f}' for x in d['per_seed'])}): {_verdict(d['mean_se'])}")
+    if "bell" in c:
+        b, curve = c["bell"], c["rank_ratio_curve"]
+        lines += [f"- Bell curve: CART at the best interior rank ratio of the mean curve ({b['peak_ratio']}) minus "
+                  f"the better end (rank 0 or full rank, both = averaging): {_pmd(b['mean_se'])} points over seeds "
+                  f"{b['seeds']}: {_verdict(b['mean_se'])}; the ratio is picked on the same test curve, so this is "
+                  "optimistic", "",
                   "| rank ratio | " + " | ".join(str(g) for g in curve["ratios"]) + " |",
                   "|---|" + "---|" * len(curve["ratios"]),
                   "| CART (test, at each seed's chosen scaling) | "
                   + " | ".join(f"{m:.1f}" + ("" if math.isnan(s) else f" ± {s:.1f}")
                                for m, s in zip(curve["cart_mean"], curve["cart_se"])) + " |"]
     return "\n".join(lines) + "\n"
+
+
+def _pmd(m_se: tuple[float, float]) -> str:
+    m, se = m_se
+    return f"{m:+.1f}" if math.isnan(se) else f"{m:+.1f} ± {se:.1f}"

@@ -70,10 +70,13 @@ def _claims(runs: dict[int, dict]) -> dict[str, Any]:
         if have:
             d = [runs[s]["rows"]["cart"]["avg"] - runs[s]["rows"][base]["avg"] for s in have]
             out[f"cart_minus_{base}"] = {"seeds": have, "per_seed": d, "mean_se": mean_se(d)}
-    have = [s for s, r in runs.items() if "analysis" in r]
+    # a run's rank-ratio curve: from its analysis, or a separately measured "rank_ratio_curve" (same keys)
+    curve_of = {s: r["analysis"]["rank_ratio"] if "analysis" in r else r.get("rank_ratio_curve")
+                for s, r in runs.items()}
+    have = [s for s, c in curve_of.items() if c]
     if have:
-        curves = np.array([runs[s]["analysis"]["rank_ratio"]["cart"] for s in have])
-        ratios = runs[have[0]]["analysis"]["rank_ratio"]["ratios"]
+        curves = np.array([curve_of[s]["cart"] for s in have])
+        ratios = curve_of[have[0]]["ratios"]
         interior = curves[:, 1:-1]
         peak = int(interior.mean(0).argmax())
         # Bell curve: the best interior rank ratio (picked on the mean curve) above the better end (= averaging)

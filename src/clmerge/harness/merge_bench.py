@@ -90,8 +90,10 @@ def run_benchmark(cfg: BenchConfig, out: Path, *, grids: dict[str, dict[str, lis
     curves: dict[str, list] = {}
     final_grids: dict[str, dict[str, Any]] = {}
     for method, space in grids.items():
-        val_of = lambda hp: float(np.mean(_evaluate(base_model, merge(method, base=base, experts=experts, **hp),  # noqa: E731
-                                                    heads, data, "val")))
+        def val_of(hp: dict[str, Any], method: str = method) -> float:
+            merged = merge(method, base=base, experts=experts, **hp)
+            return float(np.mean(_evaluate(base_model, merged, heads, data, "val")))
+
         found = search(space, val_of, max_extensions=max_extensions)
         merged = merge(method, base=base, experts=experts, **found["best"])
         rows[method] = {"hp": found["best"], "val": found["best_score"],

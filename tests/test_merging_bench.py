@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from clmerge.merging import bench
+from clmerge.harness import merge_bench as bench
 
 TINY_ARCH = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32}
 
@@ -27,7 +27,8 @@ def test_tables_and_selection_on_validation(tiny_run):
     out, cfg, grids, res = tiny_run
     md = (out / "results.md").read_text()
     for name in ("pretrained", "individual", "weight_average", "task_arithmetic", "ties", "cart"):
-        assert f"| {name} |" in md
+        assert f"| {bench.ROW_LABELS.get(name, name)} |" in md
+    assert "co-trained" in md  # the protocol is stated
     saved = json.loads((out / "results.json").read_text())
     assert saved["tasks"] == ["digits-identity", "digits-rot90", "digits-invert"]
     ta = saved["search"]["task_arithmetic"]
@@ -41,7 +42,7 @@ def test_experts_are_cached_with_their_config(tiny_run, monkeypatch):
     assert len(files) == 3 and all(f.with_suffix(".json").exists() for f in files)
     meta = json.loads(files[0].with_suffix(".json").read_text())
     assert meta["config"]["epochs"] == 1 and len(meta["sha256"]) == 64
-    monkeypatch.setattr(bench.torch.optim, "AdamW", lambda *a, **k: (_ for _ in ()).throw(AssertionError("retrained")))
+    monkeypatch.setattr(torch.optim, "AdamW", lambda *a, **k: (_ for _ in ()).throw(AssertionError("retrained")))
     again = bench.run_benchmark(cfg, out, grids={"weight_average": {}}, log=lambda *_: None)
     assert again["rows"]["weight_average"]["test"] == res["rows"]["weight_average"]["test"]
 

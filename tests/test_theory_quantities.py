@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from clmerge.config import ConfigError
-from clmerge.merging.bench import BenchConfig, init_expert, load_task, parse_task, split_expert, train_expert
+from clmerge.harness.merge_bench import BenchConfig, init_expert, load_task, parse_task, split_expert, train_expert
 from clmerge.theory import quantities as q
 from clmerge.theory.spec import expand_points, parse_study
 
@@ -50,7 +50,7 @@ def test_data_ratio_and_steps():
     task = parse_task("digits:identity")
     assert len(load_task(task, _cfg(data_ratio=0.25))["train"][1]) == 12
     cfg = _cfg(steps=7, batch_size=100)  # 7 steps over a 48-sample set: 7 batches across several epochs
-    from clmerge.merging.bench import _batches
+    from clmerge.harness.merge_bench import _batches
 
     assert len(list(_batches(48, cfg, torch.Generator().manual_seed(0)))) == 7
 

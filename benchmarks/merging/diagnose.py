@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from clmerge.merging.bench import SUITES, BenchConfig, _accuracy, build_base, expert_for_task, load_task
+from clmerge.harness.merge_bench import SUITES, BenchConfig, _accuracy, build_base, expert_for_task, load_task
 
 HERE = Path(__file__).resolve().parent
 
@@ -35,11 +35,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--max-train", type=int, default=None)
     ap.add_argument("--max-eval", type=int, default=None)
+    ap.add_argument("--heads", default="cotrained", help="head protocol of the experts: cotrained (the committed "
+                    "diagnosis files) or frozen")
+    ap.add_argument("--head-init", default="probe")
     ap.add_argument("--cache", type=Path, default=HERE / "experts")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    cfg = BenchConfig(suite=a.suite, epochs=a.epochs, lr=a.lr, max_train=a.max_train, max_eval=a.max_eval)
+    cfg = BenchConfig(suite=a.suite, epochs=a.epochs, lr=a.lr, max_train=a.max_train, max_eval=a.max_eval,
+                      heads=a.heads, head_init=a.head_init)
     tasks = SUITES[a.suite]
     model = build_base(cfg)
     base = {k: v.clone() for k, v in model.state_dict().items()}

@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from clmerge.merging.bench import BenchConfig, _accuracy, _batches, _optimizer, init_expert, load_task, parse_task
+from clmerge.harness.merge_bench import BenchConfig, _accuracy, _batches, _optimizer, init_expert, load_task, parse_task
 
 
 def probe(task: str, lr: float, epochs: int, max_train: int | None) -> dict:

@@ -176,8 +176,8 @@ def pretrain(
 
 
 from .merging.cli import list_methods as _list_merges  # noqa: E402
-from .merging.cli import merge_bench_command as _merge_bench_command  # noqa: E402
 from .merging.cli import merge_command as _merge_command  # noqa: E402
+from .harness.merge_bench_cli import merge_bench_command as _merge_bench_command  # noqa: E402
 
 app.command("merge")(_merge_command)
 app.command("merges", help="List the model-merging methods.")(_list_merges)

@@ -218,27 +218,3 @@ def list_methods(verbose: bool = typer.Option(False, "--verbose", "-v",
             text = h.help or (f"as in {other}: {every[other][h.name].help}" if other else "-")
             typer.echo(f"    {h.name} ({h.annotation or '?'}, {default}): {text}")
 
-
-def merge_bench_command(
-    out: Path = typer.Option(Path("benchmarks/merging/results"), "--out", help="results directory"),
-    suite: str = typer.Option("8", "--suite", help="task suite: 8, 14 or split8 (these two need Fashion-MNIST), or tiny"),
-    epochs: int = typer.Option(5, "--epochs", help="fine-tuning epochs per expert (chosen on validation: "
-                               "benchmarks/merging/lr_probe.md)"),
-    lr: float = typer.Option(1e-4, "--lr", help="AdamW learning rate of the experts' full fine-tuning (chosen on "
-                             "validation: benchmarks/merging/lr_probe.md)"),
-    max_train: int | None = typer.Option(None, "--max-train", help="cap on training samples per task"),
-    max_eval: int | None = typer.Option(None, "--max-eval", help="cap on validation/test samples per task"),
-    random_init: bool = typer.Option(False, "--random-init", help="start from a random-init ViT (dry runs)"),
-    method: list[str] = typer.Option([], "--method", help="only these methods (repeatable; default: all in the grid)"),
-) -> None:
-    """Fine-tune one expert per task, merge with every method, select on validation, report test accuracy."""
-    from .bench import bench_command
-
-    try:
-        res = bench_command(out, suite=suite, epochs=epochs, lr=lr, max_train=max_train, max_eval=max_eval,
-                            random_init=random_init, methods=method or None)
-    except (ValueError, FileNotFoundError, KeyError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2)
-    typer.echo((out / "results.md").read_text())
-    typer.echo(f"wrote {out / 'results.json'} ({len(res['tasks'])} tasks)")

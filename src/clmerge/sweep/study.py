@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from ..merging.bench import BenchConfig, expert_digest, expert_path, parse_task
+from ..harness.merge_bench import BenchConfig, expert_digest, expert_path, parse_task
 from ..theory.jobs import expert_job, merge_job, stability_configs
 from ..theory.spec import HYPERPARAMETERS, Point, StudySpec, expand_points
 from ..utils.io import append_jsonl, atomic_write_text, save_tensors, write_json

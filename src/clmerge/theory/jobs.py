@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from ..merging import merge
 from ..merging.adamerging import adamerging
-from ..merging.bench import BenchConfig, init_expert, load_task, loss_and_accuracy, parse_task, split_expert, train_expert
+from ..harness.merge_bench import BenchConfig, init_expert, load_task, loss_and_accuracy, parse_task, split_expert, train_expert
 from . import quantities as q
 from .spec import METHOD_ALIASES, Point, StudySpec, expert_config
 

@@ -22,7 +22,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..config import ConfigError, _nearest, apply_overrides, read_yaml_mapping, validate_strict
-from ..merging.bench import SUITES, BenchConfig, BenchTask, parse_task
+from ..harness.merge_bench import SUITES, BenchConfig, BenchTask, parse_task
 
 __all__ = ["StudySpec", "Point", "HYPERPARAMETERS", "load_study", "parse_study", "expand_points", "point_id",
            "METHOD_ALIASES"]

@@ -1,0 +1,102 @@
+"""``clmerge merge-bench``: the merging benchmark from the command line (registered in ``clmerge.cli``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import typer
+
+__all__ = ["bench_command", "merge_bench_command", "parse_seeds"]
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``"0,1,2"`` -> ``[0, 1, 2]`` (distinct integers, in order)."""
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds {text!r}: expected comma-separated integers such as 0,1,2") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds {text!r}: expected distinct comma-separated integers such as 0,1,2")
+    return seeds
+
+
+def _done(out: Path, cfg, grids: dict) -> bool:
+    """Whether ``out`` already holds this exact run (same config and start grids): then it is not redone."""
+    path = out / "results.json"
+    if not path.exists():
+        return False
+    old = json.loads(path.read_text())
+    same_grids = {m: g["start"] for m, g in old.get("grids", {}).items()} == json.loads(json.dumps(grids))
+    return old.get("config") == json.loads(json.dumps(asdict(cfg))) and same_grids
+
+
+def bench_command(out: Path, suite: str = "8", epochs: int = 5, lr: float = 1e-4, max_train: int | None = None,
+                  max_eval: int | None = None, random_init: bool = False, methods: Sequence[str] | None = None,
+                  heads: str = "frozen", head_init: str = "probe", seeds: Sequence[int] = (0,),
+                  log=print) -> dict:
+    """What ``clmerge merge-bench`` runs (kept free of typer so tests can call it).
+
+    One seed: results in ``out``. Several: one run per seed in ``out/seed<s>`` (a seed whose results there
+    match this config is not rerun), experts shared in ``out/experts``, and the summary over seeds in ``out``.
+    """
+    from .merge_bench import DEFAULT_GRIDS, SUITES, BenchConfig, run_benchmark
+
+    from .merge_bench_experts import HEAD_INITS, HEAD_PROTOCOLS
+
+    if suite not in SUITES:
+        raise ValueError(f"--suite {suite!r}: unknown; known: {', '.join(SUITES)}")
+    if heads not in HEAD_PROTOCOLS:
+        raise ValueError(f"--heads {heads!r}: expected one of {', '.join(HEAD_PROTOCOLS)}")
+    if head_init not in HEAD_INITS:
+        raise ValueError(f"--head-init {head_init!r}: expected one of {', '.join(HEAD_INITS)}")
+    unknown = [m for m in methods or () if m not in DEFAULT_GRIDS]
+    if unknown:
+        raise ValueError(f"--method {unknown[0]!r}: not in the benchmark's grids; known: {', '.join(DEFAULT_GRIDS)}")
+    grids = DEFAULT_GRIDS if not methods else {m: DEFAULT_GRIDS[m] for m in methods}
+    cfgs = [BenchConfig(suite=suite, epochs=epochs, lr=lr, max_train=max_train, max_eval=max_eval,
+                        pretrained=not random_init, heads=heads, head_init=head_init, train_seed=s) for s in seeds]
+    if len(seeds) == 1:
+        return run_benchmark(cfgs[0], out, grids=grids, log=log)
+    from .merge_bench_seeds import summarise
+
+    for s, cfg in zip(seeds, cfgs):
+        run_dir = out / f"seed{s}"
+        if _done(run_dir, cfg, grids):
+            log(f"seed {s}: results in {run_dir} match this config; not rerun")
+            continue
+        log(f"seed {s}")
+        run_benchmark(cfg, run_dir, grids=grids, cache=out / "experts", log=log)
+    return summarise(out, seeds)
+
+
+def merge_bench_command(
+    out: Path = typer.Option(Path("benchmarks/merging/results"), "--out", help="results directory"),
+    suite: str = typer.Option("8", "--suite", help="task suite: 8, 14 or split8 (these two need Fashion-MNIST), or tiny"),
+    heads: str = typer.Option("frozen", "--heads", help="head protocol: frozen (heads fitted on the pretrained "
+                              "backbone before fine-tuning, then fixed) or cotrained (trained with each expert)"),
+    head_init: str = typer.Option("probe", "--head-init", help="frozen heads: probe (linear probe) or prototypes "
+                                  "(class means); probe was chosen on validation: benchmarks/merging/README.md"),
+    seeds: str = typer.Option("0", "--seeds", "--seed", help="fine-tuning seed(s), e.g. 0 or 0,1,2 (several: "
+                              "one run per seed in OUT/seed<s> and mean ± standard error in OUT)"),
+    epochs: int = typer.Option(5, "--epochs", help="fine-tuning epochs per expert (chosen on validation: "
+                               "benchmarks/merging/lr_probe.md)"),
+    lr: float = typer.Option(1e-4, "--lr", help="AdamW learning rate of the experts' fine-tuning (chosen on "
+                             "validation: benchmarks/merging/lr_probe.md)"),
+    max_train: int | None = typer.Option(None, "--max-train", help="cap on training samples per task"),
+    max_eval: int | None = typer.Option(None, "--max-eval", help="cap on validation/test samples per task"),
+    random_init: bool = typer.Option(False, "--random-init", help="start from a random-init ViT (dry runs)"),
+    method: list[str] = typer.Option([], "--method", help="only these methods (repeatable; default: all in the grid)"),
+) -> None:
+    """Fine-tune one expert per task, merge with every method, select on validation, report test accuracy."""
+    try:
+        res = bench_command(out, suite=suite, epochs=epochs, lr=lr, max_train=max_train, max_eval=max_eval,
+                            random_init=random_init, methods=method or None, heads=heads, head_init=head_init,
+                            seeds=parse_seeds(seeds))
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    typer.echo((out / "results.md").read_text())
+    typer.echo(f"wrote {out / 'results.json'} ({len(res['tasks'])} tasks)")

@@ -1,0 +1,136 @@
+"""The merging benchmark's tasks: offline image sets under fixed transformations, split train/val/test.
+
+Tasks are offline image sets (MNIST-5k, scikit-learn digits, Fashion-MNIST when installed) under fixed
+transformations (rotation, pixel permutation, inversion), optionally restricted to a subset of classes.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from .merge_bench_experts import BenchConfig
+
+__all__ = ["BenchTask", "SUITES", "parse_task", "load_task"]
+
+
+@dataclass(frozen=True)
+class BenchTask:
+    """One task: a data source, a fixed transformation (``identity``, ``rot<deg>``, ``perm<seed>``, ``invert``)
+    and optionally a subset of its classes (``"0-4"`` or ``"0,2,4"``; labels renumbered from 0 in that order)."""
+
+    dataset: str
+    transform: str = "identity"
+    classes: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.dataset}-{self.transform}" + (f"-c{self.classes}" if self.classes else "")
+
+    @property
+    def spec(self) -> str:
+        """The ``dataset:transform[:classes]`` string that :func:`parse_task` reads back."""
+        return f"{self.dataset}:{self.transform}" + (f":{self.classes}" if self.classes else "")
+
+    def class_list(self) -> list[int] | None:
+        if not self.classes:
+            return None
+        out: list[int] = []
+        try:
+            for part in self.classes.split(","):
+                lo, _, hi = part.partition("-")
+                out += list(range(int(lo), int(hi) + 1)) if hi else [int(lo)]
+        except ValueError:
+            raise ValueError(f"task {self.spec!r}: classes must look like '0-4' or '0,2,4'") from None
+        if len(set(out)) != len(out) or len(out) < 2:
+            raise ValueError(f"task {self.spec!r}: need at least 2 distinct classes, got {out}")
+        return out
+
+
+def parse_task(spec: str) -> BenchTask:
+    """``"dataset:transform[:classes]"`` -> :class:`BenchTask` (``"digits"`` alone means the identity transform)."""
+    d, _, rest = spec.partition(":")
+    tr, _, classes = rest.partition(":")
+    task = BenchTask(d, tr or "identity", classes or None)
+    task.class_list()  # validate early
+    return task
+
+
+_t = parse_task
+
+
+SUITES: dict[str, list[BenchTask]] = {
+    "8": [_t(s) for s in ("mnist5k:identity", "mnist5k:rot90", "mnist5k:rot180", "mnist5k:invert", "mnist5k:perm1",
+                          "digits:identity", "digits:rot90", "digits:invert")],
+}
+SUITES["14"] = SUITES["8"] + [_t(s) for s in ("mnist5k:rot270", "mnist5k:perm2", "digits:rot180", "digits:perm1",
+                                              "fashion_mnist:rot90", "fashion_mnist:invert")]
+# Eight tasks that share their input statistics: 5-way class splits of the three datasets (and of rotated
+# MNIST-5k). Task vectors of such experts interfere less than those of unrelated input transformations.
+SUITES["split8"] = [_t(s) for s in ("mnist5k:identity:0-4", "mnist5k:identity:5-9", "digits:identity:0-4",
+                                    "digits:identity:5-9", "fashion_mnist:identity:0-4",
+                                    "fashion_mnist:identity:5-9", "mnist5k:rot90:0-4", "mnist5k:rot90:5-9")]
+SUITES["tiny"] = [_t(s) for s in ("digits:identity", "digits:rot90", "digits:invert")]
+
+
+def _transform(spec: str, x: Tensor) -> Tensor:
+    if spec == "identity":
+        return x
+    if spec == "invert":
+        return 1.0 - x
+    if spec.startswith("rot"):
+        from ..data import Rotation
+
+        return Rotation(float(spec[3:]))(x)
+    if spec.startswith("perm"):
+        from ..data import PixelPermutation
+
+        return PixelPermutation(int(spec[4:]), x.shape[-1] * x.shape[-2])(x)
+    raise ValueError(f"unknown transform {spec!r}")
+
+
+@functools.lru_cache(maxsize=8)
+def _splits(dataset: str):
+    """The data source's splits, built once per process (studies load the same tasks many times)."""
+    from ..data import build_dataset
+
+    return build_dataset(dataset)
+
+
+def load_task(task: BenchTask, cfg: BenchConfig) -> dict[str, tuple[Tensor, Tensor]]:
+    """``{"train", "val", "test"}`` -> ``(x, y)`` tensors for ``task`` (val carved from train with a fixed seed)."""
+    splits = _splits(task.dataset)
+    out = {}
+    rng = np.random.default_rng(cfg.seed)
+    tr = rng.permutation(len(splits.train))
+    n_val = max(1, int(cfg.val_fraction * len(tr)))
+    # test order shuffled too (fixed seed): a capped test set must not be the first, maybe one-class, rows
+    parts = {"val": tr[:n_val], "train": tr[n_val:], "test": rng.permutation(len(splits.test))}
+    source = {"val": splits.train, "train": splits.train, "test": splits.test}
+    wanted = task.class_list()
+    lut = None
+    if wanted is not None:  # keep only the task's classes (in each part's order) and renumber them 0..k-1
+        parts = {name: idx[np.isin(source[name].targets[idx], wanted)] for name, idx in parts.items()}
+        lut = torch.full((int(max(splits.train.targets.max(), splits.test.targets.max())) + 1,), -1, dtype=torch.long)
+        lut[torch.as_tensor(wanted)] = torch.arange(len(wanted))
+    for name, idx in parts.items():
+        src = source[name]
+        cap = cfg.max_train if name == "train" else cfg.max_eval
+        idx = idx[:cap] if cap else idx
+        if name == "train" and cfg.data_ratio < 1.0:
+            idx = idx[:max(1, int(round(cfg.data_ratio * len(idx))))]
+        if name == "train" and cfg.perturb is not None:
+            # Definition 1 of the theory spec: the j-th sample replaced by an independent draw z~_j (the
+            # first validation sample, never a training sample).
+            idx = idx.copy()
+            idx[cfg.perturb % len(idx)] = parts["val"][0]
+        x, y = src.get_batch(idx)
+        y = torch.as_tensor(y, dtype=torch.long)
+        out[name] = (_transform(task.transform, x.float()), y if lut is None else lut[y])
+    return out

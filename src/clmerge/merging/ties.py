@@ -21,7 +21,8 @@ from .driver import CHUNK, bshape, map_keys
 from .registry import register_merge
 from .sources import ModelSet, open_models
 from .ties_kernels import Work, fix_values, negative_choice, ties_key_streamed
-from .trim import TIE_ALL, add_ties, allocate_tie_quotas, check_trim_rule, exact_trim_rows, keep_count
+from .trim import (TIE_ALL, add_ties, allocate_tie_quotas, check_trim_rule, exact_trim_rows, keep_count,
+                   tensor_trim_spec)
 
 __all__ = ["ties", "ties_tensor", "global_magnitude_thresholds", "global_trim", "magnitude_threshold",
            "kth_smallest", "TaskVectorFn"]
@@ -281,6 +282,25 @@ def _trim_fns(models: ModelSet, tv_fn: TaskVectorFn, density: float, trim_scope:
     return None, None, lambda key, tvs: trim(tvs, torch.stack([magnitude_threshold(v.abs(), density) for v in tvs]))
 
 
+def per_tensor_trim_spec(b: Tensor, xs: list[Tensor], density: float, trim_rule: str) -> tuple[Tensor, list[int]]:
+    """Per-expert trim thresholds ``(T,)`` and tie quotas of one key (``trim_scope="per_tensor"``), from one
+    expert's float32 magnitudes at a time: the same kept set as :func:`.trim.exact_trim_rows` (exact) or
+    ``|tau| >= magnitude_threshold`` (threshold)."""
+    fb = b.float()
+    thr, quotas = [], []
+    for x in xs:
+        mag = (x.float() - fb).abs_()  # a new tensor: x.float() is x itself for float32 inputs
+        if trim_rule == "exact":
+            v, q = tensor_trim_spec(mag[None], density)
+            thr.append(v[0].float())
+            quotas.append(q[0])
+        else:
+            thr.append(magnitude_threshold(mag, density).float())
+            quotas.append(TIE_ALL)
+        del mag
+    return torch.stack(thr), quotas
+
+
 def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: float, scaling: float,
                            trim_scope: str, merge_fn: str, trim_rule: str = "exact") -> dict[str, Tensor]:
     """The TIES pipeline over any task-vector transform (plain for TIES, dropped-and-rescaled for DARE).
@@ -310,14 +330,18 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
                                      merge_fn, xs[0].dtype)
         return b.to(dtype) + scaling * tau.to(dtype)
 
-    if glob is not None and tv_fn is plain_task_vectors and merge_fn in ("mean", "sum", "max"):
-        # elementwise once the thresholds are global: cache-sized slices in preallocated buffers
+    if tv_fn is plain_task_vectors and merge_fn in ("mean", "sum", "max"):
+        # elementwise once each expert's threshold is known (model-wide, or this key's, found one expert at a
+        # time): cache-sized slices in preallocated buffers, never a (T, *shape) stack of a large tensor
         work = Work(models.num_experts, CHUNK)
         all_ties = [TIE_ALL] * models.num_experts
 
         def merged(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:  # noqa: F811
-            quotas = all_ties if gq is None else gq[key]
-            res, sign_sum, fix = ties_key_streamed(b, xs, glob, quotas, scaling, merge_fn, work)
+            if glob is None:
+                thr, quotas = per_tensor_trim_spec(b, xs, density, trim_rule)
+            else:
+                thr, quotas = glob, (all_ties if gq is None else gq[key])
+            res, sign_sum, fix = ties_key_streamed(b, xs, thr, quotas, scaling, merge_fn, work)
             total[0] += sign_sum
             if fix is not None:
                 fixes[key] = fix

@@ -163,3 +163,24 @@ def test_zero_sums_take_the_model_majority_without_a_second_read(majority, merge
         out = merging.ties(base=base, experts=ex, density=1.0, trim_scope=scope, merge_fn=merge_fn)
         assert sorted(reads) == ["a.w", "b.w"], scope
         assert out["a.w"][:2].tolist() == [chosen, chosen], scope  # both entries cancel
+
+
+@pytest.mark.parametrize("density", [1.0, 0.4])
+def test_generic_ties_election_in_column_blocks_equals_one_block(density, monkeypatch):
+    """DARE+TIES runs the election in column blocks of a large key; the blocks give the same output,
+    including entries whose trimmed values cancel (settled by the model-wide majority sign)."""
+    import importlib
+
+    ties_mod = importlib.import_module("clmerge.merging.ties")
+    g = torch.Generator().manual_seed(3)
+    base = {"a.w": torch.randn(9, 11, generator=g), "b.w": torch.randn(37, generator=g)}
+    ex = []
+    for _ in range(3):
+        e = {k: v + torch.randn(v.shape, generator=g).round() * 0.5 for k, v in base.items()}
+        ex.append(e)
+    kw = dict(drop_rate=0.3, combine="ties", density=density, scaling=0.7, seed=5)
+    want = merging.dare(base=base, experts=ex, **kw)
+    monkeypatch.setattr(ties_mod, "_BLOCK", 7)
+    got = merging.dare(base=base, experts=ex, **kw)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k

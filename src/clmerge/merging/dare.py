@@ -53,8 +53,14 @@ def dare(*, base: Any, experts: Sequence[Any], drop_rate: float = 0.5, rescale: 
     models = open_models(base, experts)
 
     def dropped(key: str, b: Tensor, xs: list[Tensor], idx: list[int]) -> Tensor:
-        return torch.stack([dare_tensor(x.float() - b.float(), drop_rate, rescale=rescale,
-                                        generator=_generator(seed, key, t)) for x, t in zip(xs, idx)])
+        # written into one preallocated stack, each row in place: the same numbers as dare_tensor
+        out, fb = torch.empty((len(xs), *b.shape)), b.float()
+        for row, x, t in zip(out, xs, idx):
+            torch.sub(x.float(), fb, out=row)
+            row.mul_(torch.rand(x.shape, generator=_generator(seed, key, t)) >= drop_rate)
+            if rescale:
+                row.div_(1.0 - drop_rate)
+        return out
 
     if combine == "task_arithmetic":
         def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:

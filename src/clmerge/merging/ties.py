@@ -28,6 +28,8 @@ __all__ = ["ties", "ties_tensor", "global_magnitude_thresholds", "global_trim", 
            "kth_smallest", "TaskVectorFn"]
 
 # (key, base, experts, expert indices) -> task vectors of those experts for that key, shape (len, *shape)
+_BLOCK = 1 << 20  # columns per block of the generic TIES election
+
 TaskVectorFn = Callable[[str, Tensor, list[Tensor], list[int]], Tensor]
 
 
@@ -322,13 +324,23 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
 
     def merged(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
         tvs = tv_fn(key, b, xs, list(range(len(xs))))
-        tau, sign_sum, fix = _ties_core(trim_key(key, tvs), merge_fn, 1.0, collect=True)
-        total[0] += sign_sum
+        # density 1 keeps every entry under both rules: no trimmed copy of the (T, *shape) stack
+        flat = (tvs if density >= 1.0 else trim_key(key, tvs)).reshape(len(xs), -1)
+        del tvs
         dtype = torch.promote_types(b.dtype, torch.float32)
-        if fix is not None:
-            fixes[key] = fix_values(fix[0], fix[1].to(dtype), b.reshape(-1)[fix[0]].to(dtype), scaling,
-                                     merge_fn, xs[0].dtype)
-        return b.to(dtype) + scaling * tau.to(dtype)
+        fb, out = b.reshape(-1), torch.empty(b.shape, dtype=dtype)
+        parts = []
+        # the election is elementwise: column blocks keep its temporaries small on a large key
+        for i in range(0, fb.numel(), _BLOCK):
+            tau, sign_sum, fix = _ties_core(flat[:, i:i + _BLOCK], merge_fn, 1.0, collect=True)
+            total[0] += sign_sum
+            fbi = fb[i:i + _BLOCK].to(dtype)
+            if fix is not None:
+                parts.append(fix_values(fix[0] + i, fix[1].to(dtype), fbi[fix[0]], scaling, merge_fn, xs[0].dtype))
+            out.view(-1)[i:i + _BLOCK] = fbi + scaling * tau.to(dtype)
+        if parts:
+            fixes[key] = tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
+        return out
 
     if tv_fn is plain_task_vectors and merge_fn in ("mean", "sum", "max"):
         # elementwise once each expert's threshold is known (model-wide, or this key's, found one expert at a

@@ -17,11 +17,15 @@ from .ties import ties_from_task_vectors
 __all__ = ["dare", "dare_tensor"]
 
 
-def dare_tensor(tv: Tensor, drop_rate: float, *, rescale: bool, generator: torch.Generator) -> Tensor:
-    """DARE Eq. (1)-(2) on one tensor: ``m ~ Bernoulli(drop_rate)``, ``tau~ = (1 - m) * tau / (1 - p)``."""
+def dare_tensor(tv: Tensor, drop_rate: float, *, rescale: bool, generator: torch.Generator,
+                out: Tensor | None = None) -> Tensor:
+    """DARE Eq. (1)-(2) on one tensor: ``m ~ Bernoulli(drop_rate)``, ``tau~ = (1 - m) * tau / (1 - p)``.
+
+    ``out`` (may be ``tv`` itself) receives the result without a full-size temporary.
+    """
     keep = torch.rand(tv.shape, generator=generator) >= drop_rate
-    out = tv * keep
-    return out / (1.0 - drop_rate) if rescale else out
+    out = torch.mul(tv, keep, out=out) if out is not None else tv * keep
+    return out.div_(1.0 - drop_rate) if rescale else out
 
 
 def _generator(seed: int, key: str, t: int) -> torch.Generator:
@@ -53,13 +57,11 @@ def dare(*, base: Any, experts: Sequence[Any], drop_rate: float = 0.5, rescale: 
     models = open_models(base, experts)
 
     def dropped(key: str, b: Tensor, xs: list[Tensor], idx: list[int]) -> Tensor:
-        # written into one preallocated stack, each row in place: the same numbers as dare_tensor
+        # written into one preallocated stack, each row in place (no per-expert full-size temporaries)
         out, fb = torch.empty((len(xs), *b.shape)), b.float()
         for row, x, t in zip(out, xs, idx):
-            torch.sub(x.float(), fb, out=row)
-            row.mul_(torch.rand(x.shape, generator=_generator(seed, key, t)) >= drop_rate)
-            if rescale:
-                row.div_(1.0 - drop_rate)
+            dare_tensor(torch.sub(x.float(), fb, out=row), drop_rate, rescale=rescale,
+                        generator=_generator(seed, key, t), out=row)
         return out
 
     if combine == "task_arithmetic":

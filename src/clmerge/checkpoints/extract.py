@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..merging.sources import MergeInputError
+from .sources import MergeInputError
 from .lora_svd import atomic_folder, check_out_dir, check_svd, error_summary, low_rank_factors
 from .peft import adapter_config, write_adapter
 from .readers import open_checkpoint

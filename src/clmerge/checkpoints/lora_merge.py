@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ..merging.registry import get_method, merge
-from ..merging.sources import MergeInputError, ParamSource
+from .sources import MergeInputError, ParamSource
 from .lora_svd import atomic_folder, check_out_dir, check_svd, error_summary, low_rank_factors
 from .peft import AdapterSource, LoraModule, adapter_config, write_adapter
 

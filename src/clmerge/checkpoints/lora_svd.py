@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..merging.sources import MergeInputError
+from .sources import MergeInputError
 from ..utils.io import write_json
 
 __all__ = ["low_rank_factors", "LowRank", "SVD_MODES", "check_svd", "numerical_rank", "atomic_folder", "check_out_dir",

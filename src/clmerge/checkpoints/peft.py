@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..merging.sources import MergeInputError, ParamSource, _torch_load
+from .sources import MergeInputError, ParamSource, torch_load_state_dict
 
 __all__ = ["ADAPTER_CONFIG", "is_peft_adapter", "AdapterSource", "LoraModule", "read_adapter",
            "write_adapter", "PREFIX"]
@@ -120,7 +120,7 @@ def _load_weights(path: Path) -> dict[str, Tensor]:
             return load_file(str(path))
         except Exception as exc:  # safetensors raises several types for corrupt files
             raise MergeInputError(f"{path}: not a readable safetensors file ({exc})") from exc
-    return _torch_load(path)  # weights_only=True
+    return torch_load_state_dict(path)  # weights_only=True
 
 
 def read_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, LoraModule], Path, dict[str, Tensor]]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..merging.sources import MergeInputError
+from .sources import MergeInputError
 from ..utils.io import read_json, save_tensors
 from .lora_svd import atomic_folder, check_out_dir, check_svd, error_summary, low_rank_factors, numerical_rank
 from .peft import adapter_config, write_adapter

@@ -116,3 +116,24 @@ def test_speed_smoke(tmp_path) -> None:
     row = next(line for line in text.splitlines() if line.startswith("| pm (running sums) |"))
     vals = [float(v) for v in row.strip("|").split("|")[1:]]
     assert len(vals) == 3 and vals[1] == vals[2]  # running sums: constant memory after the first task
+
+
+def test_archive_keeps_runs_whose_directories_are_gone(tmp_path) -> None:
+    rep = _load("evidence_report")
+    heads = lambda acc, val: {h: {"acc": acc, "aaa": acc, "til": {"acc": acc, "aaa": acc}, "val_acc": val}  # noqa: E731
+                              for h in rep.HEADS}
+    run = tmp_path / "main" / "bench" / "m" / "seed1"
+    run.mkdir(parents=True)
+    (run / "metrics.json").write_text(json.dumps({"heads": heads(60.0, 55.0)}))
+    # seed 0 lives only in the archive; seed 1's archived copy is stale and the run directory must win
+    archive = {"bench": {"m": {"seed0": {"heads": heads(40.0, 35.0)}, "seed1": {"heads": heads(1.0, 1.0)}}}}
+    data = rep.collect(tmp_path, archive)
+    assert [r["heads"]["ncm"]["acc"] for r in data["bench"]["m"]] == [40.0, 60.0]
+    rows = rep.validation_ranking(tmp_path, "bench", lambda r, head: 55.0 if r == run else None, archive)
+    assert rows[0][1:] == (pytest.approx(45.0), pytest.approx(10.0), 2)
+    path = tmp_path / "runs.json"
+    rep.write_archive(tmp_path, path, archive)
+    again = rep.load_archive(path)
+    assert again["bench"]["m"]["seed1"]["heads"]["linear"]["acc"] == 60.0
+    assert again["bench"]["m"]["seed0"]["heads"]["linear"]["acc"] == 40.0
+    assert rep.load_archive(tmp_path / "absent.json") == {}

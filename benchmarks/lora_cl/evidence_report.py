@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["HEADS", "collect", "head_metrics", "mean_std", "validation_ranking", "write_figures", "write_results"]
+__all__ = ["HEADS", "collect", "head_metrics", "load_archive", "mean_std", "validation_ranking", "write_archive",
+           "write_figures", "write_results"]
 
 HEADS = ("linear", "linear+align", "ncm", "ranpac")
 
@@ -21,15 +22,50 @@ def _finished(method_dir: Path) -> list[Path]:
     return [r for r in sorted(method_dir.glob("seed*")) if r.is_dir() and (r / "metrics.json").exists()]
 
 
-def collect(out_root: Path) -> dict[str, dict[str, list[dict]]]:
-    """``{benchmark: {method label: [metrics of each finished seed]}}`` from ``out_root/main``."""
-    found: dict[str, dict[str, list[dict]]] = {}
+def load_archive(path: Path | None) -> dict:
+    """The committed per-run archive ``{benchmark: {method: {"seed<s>": metrics}}}`` (empty when absent).
+
+    Run directories are git-ignored and large; the archive keeps every finished run's ``metrics.json`` in the
+    repository, so a later session that re-runs some cells still reports the ones it did not re-run."""
+    if path is None or not Path(path).exists():
+        return {}
+    return json.loads(Path(path).read_text())
+
+
+def _runs(out_root: Path, archive: dict | None = None) -> dict[str, dict[str, dict[str, tuple[dict, Path | None]]]]:
+    """``{benchmark: {method: {"seed<s>": (metrics, run dir or None)}}}``: the archive, overlaid by the finished
+    run directories under ``out_root/main`` (a run directory wins over its archived copy)."""
+    found: dict = {}
+    for bench, methods in (archive or {}).items():
+        for label, seeds in methods.items():
+            for seed, m in seeds.items():
+                found.setdefault(bench, {}).setdefault(label, {})[seed] = (m, None)
     for bench_dir in sorted((out_root / "main").glob("*")):
         for method_dir in sorted(bench_dir.glob("*")):
-            runs = [_metrics(r) for r in _finished(method_dir)]
-            if runs:
-                found.setdefault(bench_dir.name, {})[method_dir.name] = runs
+            for r in _finished(method_dir):
+                found.setdefault(bench_dir.name, {}).setdefault(method_dir.name, {})[r.name] = (_metrics(r), r)
     return found
+
+
+def _seed_key(name: str) -> tuple[int, str]:
+    digits = name.removeprefix("seed")
+    return (int(digits), name) if digits.isdigit() else (1 << 30, name)
+
+
+def collect(out_root: Path, archive: dict | None = None) -> dict[str, dict[str, list[dict]]]:
+    """``{benchmark: {method label: [metrics of each finished seed, in seed order]}}`` from the archive and
+    ``out_root/main``."""
+    return {b: {m: [seeds[k][0] for k in sorted(seeds, key=_seed_key)] for m, seeds in sorted(ms.items())}
+            for b, ms in sorted(_runs(out_root, archive).items())}
+
+
+def write_archive(out_root: Path, path: Path, archive: dict | None = None) -> None:
+    """Write the merged archive (``load_archive``'s format) atomically to ``path``."""
+    merged = {b: {m: {k: seeds[k][0] for k in sorted(seeds, key=_seed_key)} for m, seeds in sorted(ms.items())}
+              for b, ms in sorted(_runs(out_root, archive).items())}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(merged, separators=(",", ":"), sort_keys=True))
+    tmp.replace(path)
 
 
 def mean_std(values: list[float]) -> str:
@@ -61,26 +97,34 @@ def _row(label: str, head: str, runs: list[dict], lr: str) -> str | None:
     return f"| {label} | {head} | {acc} | {aaa} | {t_acc} | {t_aaa} | {len(hm)} | {lr} |"
 
 
-def validation_ranking(out_root: Path, bench: str, val_fn) -> list[tuple[str, float, float, int]]:
+def validation_ranking(out_root: Path, bench: str, val_fn, archive: dict | None = None
+                       ) -> list[tuple[str, float, float, int]]:
     """``(label, mean, std, seeds)`` of the final validation CIL accuracy of every finished (method, head) of
     ``bench``, best first: the ranking that picks ``clmerge run``'s default method and head (test data never
-    enters it). ``val_fn(run_dir, head)`` gives one run's validation accuracy of one head."""
+    enters it). ``val_fn(run_dir, head)`` gives one run's validation accuracy of one head; an archived run
+    without its directory uses the ``val_acc`` its metrics recorded for that head."""
     rows = []
-    for method_dir in sorted((out_root / "main" / bench).glob("*")):
-        runs = _finished(method_dir)
+    for label, seeds in sorted(_runs(out_root, archive).get(bench, {}).items()):
         for head in HEADS:
-            v = [val_fn(r, head) for r in runs if head_metrics(_metrics(r), head) is not None]
+            v = []
+            for metrics, run_dir in seeds.values():
+                hm = head_metrics(metrics, head)
+                if hm is None:
+                    continue
+                v.append(val_fn(run_dir, head) if run_dir is not None else hm.get("val_acc"))
             v = [x for x in v if x is not None]
             if v:
-                rows.append((f"{method_dir.name} + {head}", float(np.mean(v)), float(np.std(v)), len(v)))
+                rows.append((f"{label} + {head}", float(np.mean(v)), float(np.std(v)), len(v)))
     return sorted(rows, key=lambda r: -r[1])
 
 
 def write_results(out_root: Path, path: Path, bench_order: list[str], method_order: list[str], *,
-                  smoke: bool = False, val_fn=None, rank_on: str | None = None) -> None:
+                  smoke: bool = False, val_fn=None, rank_on: str | None = None,
+                  archive: dict | None = None) -> None:
     """Write the Acc / AAA tables (mean ± std over seeds; CIL and TIL) with the selected learning rates, and,
-    given ``val_fn`` (run dir, head -> validation accuracy), the validation ranking on benchmark ``rank_on``."""
-    data = collect(out_root)
+    given ``val_fn`` (run dir, head -> validation accuracy), the validation ranking on benchmark ``rank_on``.
+    Runs come from ``out_root/main`` and from ``archive`` (``load_archive``)."""
+    data = collect(out_root, archive)
     sel_file = out_root / "selected.json"
     selected = json.loads(sel_file.read_text()) if sel_file.exists() else {}
     lines = ["# LoRA continual learning: evidence grid (issues 4 and 11)", "",
@@ -114,7 +158,7 @@ def write_results(out_root: Path, path: Path, bench_order: list[str], method_ord
                   "set), mean ± std over the finished seeds, per method and head. The top pair is `clmerge run`'s",
                   "default.", "",
                   "| rank | method + head | validation CIL | seeds |", "|---|---|---|---|"]
-        for i, (label, mean, std, n) in enumerate(validation_ranking(out_root, rank_on, val_fn), 1):
+        for i, (label, mean, std, n) in enumerate(validation_ranking(out_root, rank_on, val_fn, archive), 1):
             lines.append(f"| {i} | {label} | {mean:.2f} ± {std:.2f} | {n} |")
         lines.append("")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -126,14 +170,14 @@ def _plot_series(ax, series: list[list[float]], label: str) -> None:
         ax.plot(range(1, len(s) + 1), s, marker="o", alpha=0.8, label=f"{label} seed {i}")
 
 
-def write_figures(out_root: Path, fig_dir: Path) -> list[Path]:
+def write_figures(out_root: Path, fig_dir: Path, archive: dict | None = None) -> list[Path]:
     """SD-LoRA magnitudes per task, SD-LoRA-KD residuals, P&M alpha per task (one PNG each per benchmark)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data, written = collect(out_root), []
+    data, written = collect(out_root, archive), []
     fig_dir.mkdir(parents=True, exist_ok=True)
     for bench, methods in data.items():
         for label, key in (("sd_lora", "magnitudes"), ("sd_lora_kd", "kd"), ("pm", "alpha")):

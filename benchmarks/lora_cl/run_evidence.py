@@ -22,6 +22,9 @@ rate of its grid (seed 0) and scores the final model on the held-out validation 
 (the same held-out split, so the reported test numbers never informed a choice). The selection is written to
 ``<out>/selected.json`` and into the results table.
 
+Every finished run's ``metrics.json`` is kept in the committed archive ``runs.json`` (``--archive``): results.md is
+built from the archive plus the run directories, so a session that runs some cells keeps the others' rows.
+
 Resumable: a run with ``metrics.json`` is skipped, an interrupted one is continued with ``--resume``.
 Commands (the lead runs them; ``--jobs`` runs that many runs at once, one thread each):
 
@@ -46,7 +49,7 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from evidence_report import write_figures, write_results  # noqa: E402
+from evidence_report import load_archive, write_archive, write_figures, write_results  # noqa: E402
 
 BENCHMARKS: dict[str, dict] = {
     "split_mnist5k": {"dataset": "mnist5k", "n_tasks": 5},
@@ -212,6 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=HERE / "runs", help="run directories (git-ignored)")
     ap.add_argument("--results", type=Path, default=HERE / "results.md")
     ap.add_argument("--figures", type=Path, default=HERE / "figures")
+    ap.add_argument("--archive", type=Path, default=None,
+                    help="committed per-run metrics, read and then rewritten with the finished runs of --out "
+                         "(default: runs.json beside this script; none with --smoke)")
     ap.add_argument("--smoke", action="store_true", help="tiny setting (1 epoch of 2 steps, 8 images per class)")
     ap.add_argument("--report-only", action="store_true", help="only rebuild results.md and the figures")
     ap.add_argument("--reuse-selection", action="store_true",
@@ -249,9 +255,13 @@ def main(argv: list[str] | None = None) -> None:
                     reuse_run(a.out / "select" / b / m / f"lr{lr:g}", out, seed=s)
                     todo.append((make_config(b, m, s, lr, smoke=a.smoke), out))
         _parallel(todo, a.jobs)
+    archive_path = a.archive if a.archive is not None else (None if a.smoke else HERE / "runs.json")
+    archive = load_archive(archive_path)
     write_results(a.out, a.results, list(BENCHMARKS), list(METHODS), smoke=a.smoke, val_fn=val_accuracy,
-                  rank_on=next(iter(BENCHMARKS)))  # the default benchmark: what `clmerge run` runs
-    write_figures(a.out, a.figures)
+                  rank_on=next(iter(BENCHMARKS)), archive=archive)  # the default benchmark: what `clmerge run` runs
+    write_figures(a.out, a.figures, archive)
+    if archive_path is not None:
+        write_archive(a.out, archive_path, archive)
     print(f"wrote {a.results} and {a.figures}/", flush=True)
 
 

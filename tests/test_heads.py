@@ -247,3 +247,16 @@ def test_adapt_tasks_trains_the_backbone_in_the_first_task_only(tmp_path):
     run_experiment(_cfg(**base), tmp_path / "all")
     full = load_checkpoint(tmp_path / "all" / "checkpoints" / "task_002.safetensors")[0]
     assert any(not torch.equal(states[2][k], full[k]) for k in body)
+
+
+def test_alignment_starts_at_the_second_task_unless_asked(tmp_path):
+    """The official SLCA / InfLoRA-CA code aligns from the second task on: after task 1 the aligned head is
+    the trained head (same accuracies); ``align_first_task`` aligns there too and changes them."""
+    base = {"scenario.n_tasks": 2, "scenario.classes_per_task": [2, 2], "head.compare": True}
+    off = run_experiment(_cfg(**base), tmp_path / "off")
+    first = off["heads"]["linear+align"]["accuracy_matrix"][0]
+    assert first == off["heads"]["linear"]["accuracy_matrix"][0]
+    assert off["head"]["align_losses"][0] == [] and len(off["head"]["align_losses"][1]) == 2
+    on = run_experiment(_cfg(**base, **{"head.align_first_task": True}), tmp_path / "on")
+    assert len(on["head"]["align_losses"][0]) == 2
+    assert on["heads"]["linear"]["accuracy_matrix"] == off["heads"]["linear"]["accuracy_matrix"]

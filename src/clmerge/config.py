@@ -97,7 +97,10 @@ class HeadConfig(_Strict):
     ncm_metric: Literal["cosine", "euclidean"] = Field("cosine", description="ncm: similarity to the class means")
     ranpac_dim: int = Field(2000, ge=1, description="ranpac: random projection width M (the paper: 10000)")
     align_epochs: int = Field(5, ge=1, description="align: epochs over pseudo-features (SLCA ca_epochs)")
-    align_lr: float = Field(0.005, gt=0, description="align: SGD learning rate (SLCA ca_lr)")
+    align_lr: float = Field(0.01, gt=0, description="align: SGD learning rate (0.01 in the official SLCA and "
+                            "InfLoRA-CA code)")
+    align_first_task: bool = Field(False, description="align: also after the first task (the official SLCA and "
+                                   "InfLoRA-CA code align from the second task on)")
     align_samples: int = Field(256, ge=1, description="align: pseudo-features per class per epoch (SLCA)")
     align_weight_decay: float = Field(5e-4, ge=0, description="align: SGD weight decay (SLCA)")
     align_logit_norm: float | None = Field(0.1, gt=0, description="align: logit-normalisation temperature "

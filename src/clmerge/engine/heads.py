@@ -119,6 +119,9 @@ class HeadSuite:
             if b_new.out_features != b_model.out_features:
                 raise RuntimeError("the model's head blocks changed shape; the aligned copy cannot follow")
         h = self.cfg
+        if len(seen) == 1 and not h.align_first_task:  # the official codes align from the second task on
+            self.align_losses.append([])
+            return
         losses = align_linear_head(
             self.aligned, self.stats, [t.class_range for t in seen], epochs=h.align_epochs, lr=h.align_lr,
             samples_per_class=h.align_samples, weight_decay=h.align_weight_decay, logit_norm=h.align_logit_norm,

@@ -227,7 +227,7 @@ def _normalised_logits(logits: torch.Tensor, ranges: list[tuple[int, int]], temp
 
 
 def align_linear_head(head: IncrementalHead, stats: ClassFeatureStats, ranges: list[tuple[int, int]], *,
-                      epochs: int = 5, lr: float = 0.005, samples_per_class: int = 256, weight_decay: float = 5e-4,
+                      epochs: int = 5, lr: float = 0.01, samples_per_class: int = 256, weight_decay: float = 5e-4,
                       logit_norm: float | None = 0.1, mean_decay: bool = True,
                       generator: torch.Generator) -> list[float]:
     """SLCA classifier alignment: retrain ``head`` on pseudo-features of every seen class (in place).
@@ -240,7 +240,8 @@ def align_linear_head(head: IncrementalHead, stats: ClassFeatureStats, ranges: l
         head: the linear head to retrain (only its parameters change).
         stats: class means and covariances of every seen class.
         ranges: the seen tasks' class ranges ``[lo, hi)``, in task order.
-        epochs, lr, samples_per_class, weight_decay: SLCA's ``ca_epochs`` 5, ``ca_lr`` 0.005, 256, 5e-4.
+        epochs, lr, samples_per_class, weight_decay: SLCA's ``ca_epochs`` 5, learning rate 0.01 (SLCA's
+            ``lrate`` and InfLoRA-CA's hard-coded value), 256, 5e-4.
         logit_norm: temperature τ of the logit normalisation (SLCA 0.1), or None for plain logits.
         mean_decay: SLCA's sampling mean ``μ_c · (0.9 + 0.1 (t_c + 1) / (t + 1))``, which shrinks older tasks'
             means (t_c: the class's task, t: the current task).

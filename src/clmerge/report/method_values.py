@@ -6,7 +6,7 @@ recognised, not the names; a new method's values are shown without changing this
 
 - a number, string or bool                          -> a row of the "scalars" table;
 - a list of numbers (one per task: P&M alpha)       -> a panel of the per-task plot and a row of its table;
-- a list of {name: number} (SD-LoRA magnitudes, HALRP ranks, GPM basis sizes)
+- a list of {name: number} (SD-LoRA magnitudes, HALRP ranks, GPM basis sizes, InfLoRA's [dim, kind])
                                                     -> a plot with one line per name, and a names x tasks table;
 - a {name: number} dict                             -> a two-column table;
 - anything else (a list of records like SD-LoRA-KD's residuals, nested dicts)
@@ -25,14 +25,30 @@ from typing import Any
 from clmerge.report import plots
 from clmerge.report.elements import MISSING, details, format_value, img, is_number, table
 
-__all__ = ["method_values_html", "classify_value"]
+__all__ = ["method_values_html", "classify_value", "numeric_part"]
 
 MAX_ROWS = 400  # a table longer than this is cut, with a note saying how many rows were left out
 OPEN_ROWS = 30  # tables up to this many rows are shown open; longer ones are collapsed
+MAX_COLUMNS = 8  # a list of records with more fields than this is shown transposed
 
 
 def _number_or_none(value: Any) -> bool:
     return value is None or is_number(value)
+
+
+def numeric_part(value: Any) -> float | int | None:
+    """The number a value stands for: itself, or the first item of ``[number, label...]`` (InfLoRA's
+    ``[dimension, "remove"]``); ``None`` when there is none."""
+    if is_number(value):
+        return value
+    if (isinstance(value, (list, tuple)) and value and is_number(value[0])
+            and not any(is_number(v) or isinstance(v, (list, tuple, Mapping)) for v in value[1:])):
+        return value[0]
+    return None
+
+
+def _plottable(value: Any) -> bool:
+    return value is None or numeric_part(value) is not None
 
 
 def classify_value(value: Any) -> str:
@@ -42,8 +58,8 @@ def classify_value(value: Any) -> str:
     if isinstance(value, (list, tuple)) and value and all(_number_or_none(v) for v in value):
         return "series" if any(is_number(v) for v in value) else "records"
     if (isinstance(value, (list, tuple)) and value and all(isinstance(v, Mapping) for v in value)
-            and all(_number_or_none(x) for v in value for x in v.values())
-            and any(is_number(x) for v in value for x in v.values())):
+            and all(_plottable(x) for v in value for x in v.values())
+            and any(numeric_part(x) is not None for v in value for x in v.values())):
         return "keyed_series"
     if isinstance(value, Mapping) and value and all(_number_or_none(v) for v in value.values()):
         return "dict"
@@ -70,7 +86,8 @@ def _keyed_series_block(name: str, entries: Sequence[Mapping[str, Any]]) -> str:
     for entry in entries:
         keys += [str(k) for k in entry if str(k) not in keys]
     lines = {k: [_get(entry, k) for entry in entries] for k in keys}
-    picture = _plot(lambda: plots.value_panels({name: lines}), name)
+    numbers = {k: [numeric_part(v) for v in vs] for k, vs in lines.items()}
+    picture = _plot(lambda: plots.value_panels({name: numbers}), name)
     rows = [[k, *(format_value(v) for v in vs)] for k, vs in lines.items()]
     return f"<h3>{escape(name)}</h3>\n" + picture + _long_table([name, *_task_headers(len(entries))], rows)
 
@@ -85,6 +102,9 @@ def _records_block(name: str, value: Any) -> str:
         fields: list[str] = []
         for entry in value:
             fields += [str(k) for k in entry if str(k) not in fields]
+        if len(fields) > MAX_COLUMNS:  # many fields (one per layer): fields down, records across
+            rows = [[f, *(format_value(_get(entry, f)) for entry in value)] for f in fields]
+            return f"<h3>{escape(name)}</h3>\n" + _long_table([name, *(f"#{i}" for i in range(len(value)))], rows)
         rows = [[str(i), *(format_value(_get(entry, f)) for f in fields)] for i, entry in enumerate(value)]
         return f"<h3>{escape(name)}</h3>\n" + _long_table(["#", *fields], rows)
     rows = [[path, format_value(v)] for path, v in _flatten(value)]

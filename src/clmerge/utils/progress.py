@@ -4,7 +4,7 @@ A bar redraws itself with cursor-movement codes (``\\x1b[A``); piped into a file
 up into hundreds of unreadable lines. So every loop in clmerge asks this module instead of calling tqdm:
 
 - ``enabled`` false (``run.progress: false``): nothing at all;
-- stderr is a terminal: tqdm bars, as before;
+- stderr is a terminal (or the loop runs in a Jupyter notebook): tqdm bars, as before;
 - stderr is anything else (a file, a pipe, pytest's capture): no bars, and :meth:`Progress.line` writes one
   plain line per epoch or task, e.g. ``task 2/5 epoch 3/5 loss 0.412 (12.3 s)``.
 
@@ -29,11 +29,18 @@ def stderr_is_terminal(stream: TextIO | None = None) -> bool:
         return False
 
 
+def _in_notebook() -> bool:
+    """A Jupyter kernel: its stderr is no terminal, but it renders tqdm.auto's widget bars."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    return type(shell).__name__ == "ZMQInteractiveShell"
+
+
 def progress_mode(enabled: bool, stream: TextIO | None = None) -> str:
-    """``"off"`` when progress is disabled, ``"bar"`` on a terminal, ``"lines"`` otherwise."""
+    """``"off"`` when progress is disabled, ``"bar"`` on a terminal or in a notebook, ``"lines"`` otherwise."""
     if not enabled:
         return "off"
-    return "bar" if stderr_is_terminal(stream) else "lines"
+    return "bar" if stderr_is_terminal(stream) or (stream is None and _in_notebook()) else "lines"
 
 
 class Progress:

@@ -61,7 +61,7 @@ class Progress:
         if self.mode == "bar":
             from tqdm.auto import tqdm  # only a terminal pays for the import
 
-            self._bar = tqdm(iterable, desc=desc, total=total, leave=leave, file=sys.stderr, dynamic_ncols=True)
+            self._bar = tqdm(iterable, desc=desc, total=total, leave=leave, file=sys.stderr)
         self._iterable = iterable
 
     def __iter__(self) -> Iterator:

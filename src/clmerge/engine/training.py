@@ -80,6 +80,22 @@ class _StepLosses:
         self.total, self.n, self.count = 0.0, 0, 0
 
 
+def _optimizer_step(model: nn.Module, loss: torch.Tensor, opt: torch.optim.Optimizer, sched, params: list,
+                    grad_clip: float | None, before_step: Callable[[nn.Module], None] | None,
+                    after_step: Callable[[nn.Module], None] | None) -> None:
+    """Backward, the method's hooks around the update, optional clipping, one optimizer and scheduler step."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if before_step is not None:
+        before_step(model)
+    if grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    opt.step()
+    sched.step()
+    if after_step is not None:
+        after_step(model)
+
+
 def fit(
     model: nn.Module,
     data,
@@ -125,16 +141,7 @@ def fit(
             loss = loss_fn(model, x, y)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"{desc}: loss is {loss.item()} at epoch {epoch + 1}; lower optim.lr?")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if before_step is not None:
-                before_step(model)
-            if optim.grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(params, optim.grad_clip)
-            opt.step()
-            sched.step()
-            if after_step is not None:
-                after_step(model)
+            _optimizer_step(model, loss, opt, sched, params, optim.grad_clip, before_step, after_step)
             value = float(loss.detach())
             total += value * len(x)
             n += len(x)

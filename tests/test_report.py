@@ -88,13 +88,13 @@ def test_full_report(tmp_path: Path) -> None:
     assert out == run_dir / "report.html" and out.is_file()
     text = out.read_text(encoding="utf-8")
     _check_self_contained(text)
-    # heatmap, TIL heatmap, accuracy curves, forgetting bars, loss curve
-    assert len(_images(text)) == 5
+    # heatmap, TIL heatmap, accuracy curves, forgetting bars, loss curve, the per-task method values
+    assert len(_images(text)) == 6
     for value in ("84.00", "88.02", "21.55", "-21.55", "98.03", "95.83", "96.70", "84.00"):
         assert value in text
     assert "—" in text  # fwt is null
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text
-    assert "[1, 0.6, 0.45]" in text  # method-metric list shown inline
+    assert '<td class="num">0.6</td><td class="num">0.45</td>' in text  # method-metric list: a table row
     assert "seq_lora" in text and "mnist5k" in text and "class_incremental" in text
     assert "<pre>" in text and "vit-tiny-fmnist" in text
     assert '<td class="num">800</td>' in text and "800.00" not in text  # counts are not metrics

@@ -139,7 +139,10 @@ class TrainConfig(_Strict):
 class RunConfig(_Strict):
     device: str = Field("cpu", description="cpu, cuda, cuda:N or auto")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's)")
-    progress: bool = True
+    progress: bool = Field(True, description="progress bars on a terminal; one line per epoch and task otherwise")
+    log_every_steps: int | None = Field(
+        None, ge=1, description="record the mean training loss every N optimizer steps in events.jsonl (step "
+        "events, plotted in the report); null: about 40 records per task")
     keep_checkpoints: int = Field(1, ge=1, description="how many per-task checkpoints to keep (newest)")
     report: bool = Field(True, description="write report.html at the end")
     eval_til: bool = Field(True, description="class-incremental: also report task-id-known accuracy")

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from .data.idx import find_idx_files, read_idx
 from .models.classifier import ContinualClassifier, IncrementalHead
 from .models.presets import VIT_TINY_FMNIST, vit_tiny_fmnist
 from .utils.io import save_tensors, sha256_file, write_json
+from .utils.progress import Progress
 
 __all__ = ["pretrain_vit_tiny_fmnist", "PRESETS"]
 
@@ -61,8 +61,8 @@ def _train_epochs(model, xtr, ytr, opt, sched, gen, *, epochs: int, batch_size: 
     for epoch in range(epochs):
         model.train()
         perm = torch.randperm(len(xtr), generator=gen)
-        bar = tqdm(range(steps_per_epoch), desc=f"pretrain epoch {epoch + 1}/{epochs}", disable=not progress)
-        run_loss = 0.0
+        bar = Progress(range(steps_per_epoch), desc=f"pretrain epoch {epoch + 1}/{epochs}", enabled=progress)
+        run_loss, t0 = 0.0, time.time()
         for i in bar:
             idx = perm[i * batch_size : (i + 1) * batch_size]
             loss = F.cross_entropy(model(_augment(xtr[idx], gen)), ytr[idx])
@@ -72,6 +72,8 @@ def _train_epochs(model, xtr, ytr, opt, sched, gen, *, epochs: int, batch_size: 
             sched.step()
             run_loss += loss.item()
             bar.set_postfix(loss=f"{run_loss / (i + 1):.3f}")
+        bar.close()
+        bar.line(f"pretrain epoch {epoch + 1}/{epochs} loss {run_loss / steps_per_epoch:.4g} ({time.time() - t0:.1f} s)")
         history.append({"epoch": epoch + 1, "train_loss": run_loss / steps_per_epoch})
     return history
 

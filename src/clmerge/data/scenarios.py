@@ -27,6 +27,9 @@ __all__ = [
     "Rotation",
     "class_order_from_seed",
     "split_classes",
+    "class_group_key",
+    "task_label",
+    "task_name",
     "build_scenario",
     "reorder_tasks",
 ]
@@ -115,6 +118,10 @@ class Task:
     def class_range(self) -> tuple[int, int]:
         return self.offset, self.offset + self.n_classes
 
+    @property
+    def label(self) -> str:
+        return task_label(self.key, self.classes)
+
     def describe(self) -> dict:
         return {"index": self.index, "name": self.name, "key": self.key, "classes": self.classes,
                 "offset": self.offset, "n_classes": self.n_classes, "n_train": len(self.train),
@@ -134,6 +141,26 @@ class Scenario:
 
     def __len__(self) -> int:
         return len(self.tasks)
+
+
+def class_group_key(classes: list[int]) -> str:
+    """The content key of a class group: its classes sorted, so the same group has one key in any order."""
+    return f"classes{sorted(map(int, classes))}"
+
+
+def task_label(key: str, classes: list[int]) -> str:
+    """What a task is, for people: its classes in head-output order (as the ``classes`` field lists them) when
+    its key is the class-group key, else the key itself (a transform, a source-defined name).
+
+    The key sorts the classes so that it identifies the group in any order (order-robustness matches tasks by
+    key); the label keeps the order so that a task's name agrees with its ``classes``.
+    """
+    return f"classes{[int(c) for c in classes]}" if key == class_group_key(classes) else key
+
+
+def task_name(index: int, key: str, classes: list[int]) -> str:
+    """The one place a task's display name is built: its position, then :func:`task_label`."""
+    return f"task {index}: {task_label(key, classes)}"
 
 
 def class_order_from_seed(classes: list[int], seed: int, shuffle: bool = True) -> list[int]:
@@ -240,9 +267,9 @@ def build_scenario(splits: DataSplits, *, kind: str, n_tasks: int, seed: int = 0
         elif transform != "none" and kind != "class_incremental":
             key = "identity"
         else:
-            key = f"classes{sorted(map(int, group))}"
+            key = class_group_key(group)
         tasks.append(Task(
-            index=t, name=f"task {t}: {key}", key=key, classes=list(map(int, group)), offset=task_offset,
+            index=t, name=task_name(t, key, group), key=key, classes=list(map(int, group)), offset=task_offset,
             n_classes=len(group), train=TaskData(splits.train, tr, label_map, tf),
             test=TaskData(splits.test, te, label_map, tf),
             val=TaskData(splits.train, va, label_map, tf) if va is not None else None,
@@ -286,7 +313,7 @@ def reorder_tasks(tasks: list[Task], order: list[int], kind: str) -> list[Task]:
         t = tasks[old]
         new_offset = 0 if kind == "domain_incremental" else offset
         shift = new_offset - t.offset
-        out.append(replace(t, index=new_index, name=f"task {new_index}: {t.key}", offset=new_offset,
+        out.append(replace(t, index=new_index, name=task_name(new_index, t.key, t.classes), offset=new_offset,
                            train=_shift_labels(t.train, shift), test=_shift_labels(t.test, shift),
                            val=_shift_labels(t.val, shift)))
         offset += t.n_classes

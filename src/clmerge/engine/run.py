@@ -15,8 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
-
 from .. import __version__
 from ..adapters.structure import model_structure, rebuild_structure
 from ..config import ExperimentConfig, dump_config
@@ -27,6 +25,7 @@ from ..methods.base import ContinualMethod, TaskContext
 from ..metrics import summarize
 from ..models import ContinualClassifier, IncrementalHead, build_backbone
 from ..utils.io import append_jsonl, atomic_write_text, read_json, write_json
+from ..utils.progress import Progress
 from .checkpoint import RunLock, latest_checkpoint, load_checkpoint, load_head_tensors, save_checkpoint
 from .evaluate import evaluate_tasks
 from .heads import VARIANTS, HeadSuite, check_head_support
@@ -153,7 +152,8 @@ def _train_task(cfg, t, scenario, model, method, state, out, device, heads: Head
                       head_loss=cfg.head.loss, batch_size=cfg.train.batch_size,
                       eval_batch_size=cfg.train.eval_batch_size, log=log, n_tasks=len(scenario))
     ctx.fit = lambda **kw: fit(**{"optim": cfg.optim, "generator": gen, "device": device, "log": log,
-                                  "task_index": t, "batch_size": cfg.train.batch_size,
+                                  "task_index": t, "batch_size": cfg.train.batch_size, "progress": cfg.run.progress,
+                                  "log_every": cfg.run.log_every_steps,
                                   "max_steps_per_epoch": cfg.train.max_steps_per_epoch, **kw})
     t0 = time.time()
     method.begin_task(task, ctx)
@@ -168,7 +168,7 @@ def _train_task(cfg, t, scenario, model, method, state, out, device, heads: Head
         optim=cfg.optim, epochs=cfg.train.epochs, batch_size=cfg.train.batch_size, generator=gen, device=device,
         lr=lr, before_step=lambda m: method.before_step(m, ctx), after_step=lambda m: method.after_step(m, ctx),
         max_steps_per_epoch=cfg.train.max_steps_per_epoch, log=log, desc=f"task {t + 1}/{len(scenario)}",
-        progress=cfg.run.progress, task_index=t)
+        progress=cfg.run.progress, task_index=t, log_every=cfg.run.log_every_steps)
     for p in frozen:
         p.requires_grad_(True)
     method.end_task(task, ctx)
@@ -287,7 +287,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool =
         atomic_write_text(out / "config.yaml", cfg_text)
         write_json(out / "manifest.json", manifest)
         model.to(device)
-        bar = tqdm(range(start, len(scenario)), desc="tasks", disable=not cfg.run.progress)
+        bar = Progress(range(start, len(scenario)), desc="tasks", enabled=cfg.run.progress)
         for t in bar:
             _train_task(cfg, t, scenario, model, method, state, out, device, heads)
             _evaluate_row(cfg, t, scenario, method, state, device, heads)
@@ -299,6 +299,9 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool =
             save_checkpoint(out, t, model.state_dict(), method.state_tensors(), meta, keep=cfg.run.keep_checkpoints,
                             head_tensors=heads.state_tensors() if heads.needs_features else None)
             bar.set_postfix(avg_acc=f"{np.mean(row):.1f}")
+            bar.line(f"task {t + 1}/{len(scenario)} done: avg acc {np.mean(row):.2f} "
+                     f"({state.task_seconds[-1]:.1f} s)")
+        bar.close()
         metrics = final_metrics(cfg, scenario, method, state, heads)
         write_json(out / "metrics.json", metrics)
         if cfg.run.report:

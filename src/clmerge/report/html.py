@@ -10,7 +10,6 @@ or null, and the matching part of the report is then left out or shows "—".
 
 from __future__ import annotations
 
-import base64
 import json
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
@@ -20,11 +19,15 @@ from typing import Any
 
 from clmerge.metrics import forgetting_per_task
 from clmerge.report import plots
+from clmerge.report.elements import MISSING, format_number
+from clmerge.report.elements import format_value as _format_free
+from clmerge.report.elements import img as _img, is_number as _is_number, page as _page
+from clmerge.report.elements import section as _section, table as _table
+from clmerge.report.method_values import method_values_html
 from clmerge.utils.io import atomic_write_text, read_json
 
 __all__ = ["build_report", "build_sweep_report", "load_run", "format_number"]
 
-MISSING = "—"
 # (label, task-weighted key, sample-weighted key or None); values are percent / percentage points.
 METRIC_ROWS: tuple[tuple[str, str, str | None], ...] = (
     ("Final accuracy (Acc)", "acc", "acc_sample"),
@@ -35,79 +38,6 @@ METRIC_ROWS: tuple[tuple[str, str, str | None], ...] = (
     ("Plasticity", "plasticity", None),
 )
 SWEEP_METRICS: tuple[str, ...] = ("acc", "aaa", "forgetting")
-
-_CSS = """
-body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 2em auto;
-       max-width: 1100px; padding: 0 1em; color: #222; line-height: 1.4; }
-h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ddd; padding-bottom: 0.2em; margin-top: 1.6em; }
-.meta { color: #555; } .meta span { margin-right: 1.5em; }
-table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.92em; }
-th, td { border: 1px solid #ccc; padding: 0.25em 0.7em; text-align: left; vertical-align: top; }
-th { background: #f3f3f3; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
-img { max-width: 100%; height: auto; margin: 0.4em 1em 0.4em 0; }
-pre { background: #f7f7f7; border: 1px solid #ddd; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
-.note { color: #777; font-style: italic; }
-"""
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def format_number(value: Any, fmt: str = ".2f") -> str:
-    """Format a metric for display: numbers with ``fmt``, ``None`` as "—", anything else as ``str``.
-
-    The result is plain text; callers escape it.
-    """
-    if value is None:
-        return MISSING
-    if _is_number(value):
-        return format(value, fmt)
-    return str(value)
-
-
-def _format_free(value: Any) -> str:
-    """Format a free-form value (a method metric, a manifest field) as plain text; callers escape it.
-
-    Ints are shown exactly, floats to 4 significant digits, lists inline, dicts as JSON, ``None`` as "—".
-    """
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_format_free(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return json.dumps(value, default=str)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)  # counts, seeds, ranks: exact, never "1.234e+04"
-    return format_number(value, ".4g")
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric_from: int = 1) -> str:
-    """An HTML table; every header and cell is escaped. Columns from ``numeric_from`` on are right-aligned."""
-    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
-    body = []
-    for row in rows:
-        cells = "".join(
-            f'<td class="num">{escape(c)}</td>' if k >= numeric_from else f"<td>{escape(c)}</td>"
-            for k, c in enumerate(row)
-        )
-        body.append(f"<tr>{cells}</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-
-
-def _img(png: bytes, alt: str) -> str:
-    data = base64.b64encode(png).decode("ascii")
-    return f'<img alt="{escape(alt)}" src="data:image/png;base64,{data}">'
-
-
-def _section(title: str, body: str) -> str:
-    return f"<section><h2>{escape(title)}</h2>\n{body}\n</section>"
-
-
-def _page(title: str, header: str, sections: Sequence[str]) -> str:
-    return (
-        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
-        f"<title>{escape(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
-        f"{header}\n" + "\n".join(s for s in sections if s) + "\n</body>\n</html>\n"
-    )
 
 
 def _read_events(path: Path) -> tuple[list[dict], int]:
@@ -280,7 +210,7 @@ def _plot_sections(run: Mapping[str, Any], names: list[str]) -> list[str]:
     if forgetting:
         bars = _safe_plot(lambda: plots.forgetting_bars(forgetting, names), "forgetting per task")
         out.append(_section("Forgetting per task", bars))
-    if plots.epoch_losses(run["events"]):
+    if plots.step_losses(run["events"]) or plots.epoch_losses(run["events"]):
         loss = _safe_plot(lambda: plots.loss_curve(run["events"]), "training loss")
         out.append(_section("Training loss", loss))
     if run["bad_event_lines"]:
@@ -289,11 +219,9 @@ def _plot_sections(run: Mapping[str, Any], names: list[str]) -> list[str]:
 
 
 def _method_metrics_section(metrics: Mapping[str, Any]) -> str:
-    values = metrics.get("method_metrics")
-    if not isinstance(values, dict) or not values:
-        return ""
-    rows = [[str(k), _format_free(v)] for k, v in values.items()]
-    return _section("Method metrics", _table(["name", "value"], rows, numeric_from=2))
+    """What the method recorded (``method_metrics``), as plots and rounded tables."""
+    body = method_values_html(metrics.get("method_metrics"))
+    return _section("Method values", body) if body else ""
 
 
 def _tasks_section(manifest: Mapping[str, Any], metrics: Mapping[str, Any]) -> str:

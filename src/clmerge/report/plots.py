@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 __all__ = [
     "PNG_SIGNATURE",
@@ -25,13 +26,16 @@ __all__ = [
     "accuracy_curves",
     "forgetting_bars",
     "epoch_losses",
+    "step_losses",
     "loss_curve",
+    "value_panels",
     "multi_order_curves",
     "metric_bars",
 ]
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _DPI = 100
+MAX_LEGEND = 12  # series per panel that still get a readable legend
 
 
 def _new_figure(width: float, height: float) -> Figure:
@@ -202,34 +206,114 @@ def epoch_losses(events: Sequence[Mapping[str, Any]]) -> list[tuple[Any, float]]
     return out
 
 
-def loss_curve(events: Sequence[Mapping[str, Any]]) -> bytes:
-    """Training loss per epoch across all tasks, with a dashed line at each task boundary.
+def step_losses(events: Sequence[Mapping[str, Any]]) -> list[tuple[Any, float, float]]:
+    """``(task, step, loss)`` of the ``step`` events, ``step`` counted cumulatively over the whole run.
 
-    Only ``{"event": "epoch", "loss": ...}`` records are used, in file order; other events are ignored.
+    Each ``step`` event holds the mean loss of its last ``steps`` optimizer steps; the x position of the
+    point is the running sum of ``steps`` (inner training loops of a method, e.g. a warm-up, count too).
+    """
+    out, at = [], 0.0
+    for ev in events:
+        loss, steps = ev.get("loss"), ev.get("steps", 1)
+        if ev.get("event") != "step" or not _is_number(loss) or not _is_number(steps):
+            continue
+        at += float(steps)
+        out.append((ev.get("task"), at, float(loss)))
+    return out
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def loss_curve(events: Sequence[Mapping[str, Any]]) -> bytes:
+    """Training loss across all tasks, with a dashed line at each task boundary.
+
+    Uses the ``step`` records (mean loss per logging interval, x in optimizer steps) when the run has them,
+    else the ``epoch`` records (one point per epoch, runs written before step logging); other events are
+    ignored.
 
     Args:
         events: the parsed lines of ``events.jsonl``.
 
     Returns:
-        The PNG image as bytes (an empty, labelled plot when there is no epoch loss).
+        The PNG image as bytes (an empty, labelled plot when there is no loss).
     """
-    points = epoch_losses(events)
+    steps = step_losses(events)
+    if steps:
+        points, xlabel = [(task, x, loss) for task, x, loss in steps], "optimizer step (all tasks)"
+    else:
+        epochs = epoch_losses(events)
+        points, xlabel = [(task, float(k), loss) for k, (task, loss) in enumerate(epochs, 1)], "epoch (all tasks)"
     fig = _new_figure(6.4, 3.6)
     ax = fig.add_subplot()
-    ax.plot(range(1, len(points) + 1), [loss for _, loss in points], marker=".", linewidth=1.2)
-    previous = object()
-    for k, (task, _) in enumerate(points, start=1):
+    segments: list[list[tuple[float, float]]] = []  # one per run of consecutive points of the same task
+    previous, last_x = object(), 0.0
+    for task, x, loss in points:
         if task != previous:
-            if k > 1:
-                ax.axvline(k - 0.5, color="grey", linestyle="--", linewidth=0.8)
-            ax.annotate(f"T{task}", (k, 1.0), xycoords=("data", "axes fraction"), fontsize=7, va="bottom")
+            if segments:
+                ax.axvline((last_x + x) / 2, color="grey", linestyle="--", linewidth=0.8)
+            ax.annotate(f"T{task}", (x, 1.0), xycoords=("data", "axes fraction"), fontsize=7, va="bottom")
+            segments.append([])
             previous = task
+        segments[-1].append((x, loss))
+        last_x = x
+    for seg in segments:  # no line across a task boundary: the jump there is a new task, not a step
+        ax.plot([x for x, _ in seg], [y for _, y in seg], color="C0", marker="." if len(points) <= 200 else None,
+                linewidth=1.2)
     if not points:
-        ax.text(0.5, 0.5, "no epoch losses recorded", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("epoch (all tasks)")
+        ax.text(0.5, 0.5, "no training losses recorded", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("training loss")
     ax.set_title("Training loss", pad=14)
     ax.grid(alpha=0.3)
+    return _to_png(fig)
+
+
+def value_panels(panels: Mapping[str, Mapping[str, Sequence[float | None]]], xlabel: str = "task") -> bytes:
+    """Small multiples of method values: one panel per quantity, one line per series in it.
+
+    Quantities of different scales (P&M's alpha and its Fisher trace) get their own axes. A panel with
+    more than :data:`MAX_LEGEND` series draws them thin, without a legend, plus their median in black.
+
+    Args:
+        panels: panel title -> {series label -> values by position (task); ``None`` leaves a gap}.
+        xlabel: the x-axis label of every panel.
+
+    Returns:
+        The PNG image as bytes.
+    """
+    n = max(len(panels), 1)
+    cols = min(3, n)
+    rows = (n + cols - 1) // cols
+    fig = _new_figure(4.2 * cols, 3.0 * rows)
+    for k, (title, series) in enumerate(panels.items()):
+        ax = fig.add_subplot(rows, cols, k + 1)
+        arrays = {str(lbl): np.array([np.nan if not _is_number(v) else float(v) for v in vs], dtype=float)
+                  for lbl, vs in series.items()}
+        many = len(arrays) > MAX_LEGEND
+        for label, ys in arrays.items():
+            ax.plot(np.arange(len(ys)), ys, marker="o", markersize=3, linewidth=0.8 if many else 1.4,
+                    alpha=0.5 if many else 1.0, label=label)
+        if many:
+            width = max(len(ys) for ys in arrays.values())
+            stack = np.full((len(arrays), width), np.nan)
+            for i, ys in enumerate(arrays.values()):
+                stack[i, : len(ys)] = ys
+            with np.errstate(all="ignore"):
+                ax.plot(np.arange(width), np.nanmedian(stack, axis=0), color="black", linewidth=2.2, label="median")
+        longest = max((len(ys) for ys in arrays.values()), default=0)
+        if longest <= 12:
+            ax.set_xticks(range(longest))
+        else:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_title(f"{title} ({len(arrays)} series)" if many else title, fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        if 1 < len(arrays) <= MAX_LEGEND or many:
+            handles = ax.get_legend_handles_labels()
+            ax.legend(handles[0][-1:] if many else handles[0], handles[1][-1:] if many else handles[1], fontsize=7)
+    fig.tight_layout()
     return _to_png(fig)
 
 

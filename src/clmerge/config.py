@@ -18,6 +18,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .errors import UsageError
+
 __all__ = [
     "ConfigError",
     "ExperimentConfig",
@@ -38,8 +40,8 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
-    """A config problem, with the dotted key that caused it."""
+class ConfigError(UsageError):
+    """A config problem, with the dotted key that caused it (a :class:`UsageError`: exit code 2)."""
 
 
 class _Strict(BaseModel):

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..errors import UsageError
 from .sources import MergeInputError
 from .lora_svd import atomic_folder, check_out_dir, check_svd, error_summary, low_rank_factors
 from .peft import adapter_config, write_adapter
@@ -69,7 +70,7 @@ def extract_lora(*, base: Any, tuned: Any, rank: int, out: str | Path, include: 
         "max_rel_error"}`` (also ``out/extract_report.json``).
     """
     if rank < 1:
-        raise MergeInputError(f"--rank must be >= 1, got {rank}")
+        raise UsageError(f"--rank must be >= 1, got {rank}")
     check_svd(svd)
     paths = [Path(str(x)) for x in (base, tuned) if isinstance(x, (str, Path))]
     base = open_checkpoint(base) if isinstance(base, (str, Path)) else base

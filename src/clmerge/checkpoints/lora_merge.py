@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import UsageError
 from ..merging.registry import get_method, merge
 from .sources import MergeInputError, ParamSource
 from .lora_svd import atomic_folder, check_out_dir, check_svd, error_summary, low_rank_factors
@@ -148,7 +149,7 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
         raise MergeInputError(f"form {form!r}: merge_adapters writes 'peft' or 'factored' ('full' is the "
                               "ordinary merge with AdapterSource experts)")
     if rank is not None and rank < 1:
-        raise MergeInputError(f"--adapter-rank must be >= 1, got {rank}")
+        raise UsageError(f"--adapter-rank must be >= 1, got {rank}")
     check_svd(svd)
     hp = dict(hyperparameters or {})
     valid = get_method(method).hyperparameters()  # unknown names fail before any work, in either form

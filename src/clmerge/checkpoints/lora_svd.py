@@ -28,7 +28,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .sources import MergeInputError
+from ..errors import OutputError, UsageError
+from ..utils.outpaths import check_writable
 from ..utils.io import write_json
 
 __all__ = ["low_rank_factors", "LowRank", "SVD_MODES", "check_svd", "numerical_rank", "atomic_folder", "check_out_dir",
@@ -55,7 +56,7 @@ class LowRank(NamedTuple):
 
 def check_svd(svd: str) -> None:
     if svd not in SVD_MODES:
-        raise MergeInputError(f"--svd {svd!r}: expected one of {', '.join(SVD_MODES)}")
+        raise UsageError(f"--svd {svd!r}: expected one of {', '.join(SVD_MODES)}")
 
 
 def _oversampled(k: int, m: int, n: int) -> int:
@@ -143,9 +144,10 @@ def check_out_dir(out: Path, inputs: list[Path] = ()) -> None:
     for p in inputs:
         p = Path(p).resolve()
         if resolved == p or p.is_relative_to(resolved):
-            raise MergeInputError(f"--out {out}: is or contains the input {p}; choose a new folder")
+            raise OutputError(f"--out {out}: is or contains the input {p}; choose a new folder")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise MergeInputError(f"--out {out}: already exists and is not an empty folder; choose a new one")
+        raise OutputError(f"--out {out}: already exists and is not an empty folder; choose a new one")
+    check_writable(out)
 
 
 def atomic_folder(out: Path, fill: Callable[[Path], dict], report_name: str | None = None) -> dict:

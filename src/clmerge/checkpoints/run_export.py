@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import UsageError
 from .sources import MergeInputError
 from ..utils.io import read_json, save_tensors
 from .lora_svd import atomic_folder, check_out_dir, check_svd, error_summary, low_rank_factors, numerical_rank
@@ -130,9 +131,9 @@ def export_run(run_dir: str | Path, *, format: str, out: str | Path, rank: int |
     """
     run_dir = Path(run_dir)
     if format not in FORMATS:
-        raise MergeInputError(f"--format {format!r}: expected one of {', '.join(FORMATS)}")
+        raise UsageError(f"--format {format!r}: expected one of {', '.join(FORMATS)}")
     if rank is not None and (format != "peft" or rank < 1):
-        raise MergeInputError("--rank: only with --format peft, and >= 1")
+        raise UsageError("--rank: only with --format peft, and >= 1")
     check_svd(svd)
     check_out_dir(Path(out), [run_dir])
     if base_out is not None:

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import InputError
+
 __all__ = ["ST_DTYPES", "MergeInputError", "ParamSource", "as_source", "is_source", "torch_load_state_dict"]
 
 ST_DTYPES = {
@@ -23,8 +25,8 @@ ST_DTYPES = {
 }
 
 
-class MergeInputError(ValueError):
-    """Inputs to a merge disagree or are malformed (message names the key and the files)."""
+class MergeInputError(InputError):
+    """Inputs to a merge disagree or are malformed (message names the key and the files); exit code 3."""
 
 
 class ParamSource:

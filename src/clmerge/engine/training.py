@@ -11,6 +11,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..config import OptimConfig
+from ..errors import TrainingError
 
 __all__ = ["build_optimizer", "build_scheduler", "fit"]
 
@@ -84,7 +85,7 @@ def fit(
             x, y = x.to(device), y.to(device)
             loss = loss_fn(model, x, y)
             if not torch.isfinite(loss):
-                raise FloatingPointError(f"{desc}: loss is {loss.item()} at epoch {epoch + 1}; lower optim.lr?")
+                raise TrainingError(f"{desc}: loss is {loss.item()} at epoch {epoch + 1}; lower optim.lr?")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if before_step is not None:

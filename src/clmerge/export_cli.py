@@ -6,16 +6,16 @@ import re
 from pathlib import Path
 
 import typer
-from rich.console import Console
+
+from .cli_support import fail, make_console, print_error
 
 __all__ = ["extract_lora_command", "export_command"]
 
-console = Console()
-err = Console(stderr=True)
+console = make_console()
 
 
 def _fail(msg: str) -> None:
-    err.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    print_error(msg)
     raise typer.Exit(2)
 
 
@@ -49,7 +49,7 @@ def extract_lora_command(
         res = extract_lora(base=base, tuned=tuned, rank=rank, out=out, include=include, exclude=exclude,
                            embeddings=embeddings, svd=svd)
     except (MergeInputError, FileNotFoundError, ValueError) as exc:
-        _fail(str(exc))
+        fail(exc)
     console.print(f"wrote {out}: {_summary(res)}")
 
 
@@ -70,7 +70,7 @@ def export_command(
     try:
         res = export_run(run_dir, format=format, out=out, rank=rank, base_out=base_out, svd=svd)
     except (MergeInputError, FileNotFoundError, ValueError) as exc:
-        _fail(str(exc))
+        fail(exc)
     if format == "peft":
         console.print(f"wrote {out}: {_summary(res)}")
     else:

@@ -14,6 +14,7 @@ from typing import Any
 
 import typer
 
+from ..cli_support import fail
 from ..config import read_yaml_mapping
 from .registry import available, get_method
 
@@ -163,9 +164,7 @@ def merge_command(
                          where="parameters." if recipe else "--set ",
                          log=lambda s: typer.echo(s, err=True))
     except (KeyError, ValueError, FileNotFoundError, TypeError, OSError) as exc:
-        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
-        typer.echo(f"error: {msg}", err=True)
-        raise typer.Exit(2)
+        fail(exc)  # printed by clmerge.cli_support.handle_errors, exit code by kind
     if "plan" in info:
         typer.echo(info["plan"])
         return

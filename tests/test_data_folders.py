@@ -145,7 +145,7 @@ def test_split_per_class_small_classes():
 
 def test_image_folder_errors(tmp_path):
     with pytest.raises(
-        FileNotFoundError, match="image_folder.*looked for class folders under .*Accepted layouts"
+        FileNotFoundError, match="(?s)image_folder.*looked for class folders under .*Accepted layouts"
     ):
         folders.image_folder(data_root=tmp_path / "nowhere")
     _class_tree(tmp_path / "only" / "train", ["a"], 2)
@@ -277,7 +277,7 @@ def test_imagenet_r_raw_split(tmp_path):
 
 
 def test_imagenet_r_missing(tmp_path):
-    with pytest.raises(FileNotFoundError, match="imagenet_r.*imagenet-r.*Accepted layouts.*imagenet-r.tar"):
+    with pytest.raises(FileNotFoundError, match="(?s)imagenet_r.*imagenet-r.*imagenet-r.tar.*Accepted layouts"):
         imagenet.imagenet_r(data_root=tmp_path)
     (tmp_path / "imagenet-r").mkdir()
     with pytest.raises(FileNotFoundError, match="CODA-Prompt"):

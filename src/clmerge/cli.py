@@ -14,8 +14,33 @@ from pathlib import Path
 
 import typer
 from rich.table import Table
+from typer.core import TyperGroup
 
 from .cli_support import fail, handle_errors, make_console, print_error, set_debug
+
+
+class _Group(TyperGroup):
+    """The root command: click's usage errors (a bad flag or argument) as ``error: <message>`` with the usage
+    line (2 lines, exit code 2) instead of typer's boxed panel."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except typer.TyperException as exc:  # typer's click exceptions (a usage error, a bad value)
+            if type(exc).__name__ == "NoArgsIsHelpError":  # the help is printed already
+                sys.exit(exc.exit_code)
+            ctx = getattr(exc, "ctx", None)
+            if ctx is not None:
+                typer.echo(ctx.get_usage(), err=True)
+            hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+            print_error(exc.format_message() + hint)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            print_error("aborted")
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)  # non-standalone click returns a typer.Exit's code
 
 
 class _App(typer.Typer):
@@ -31,7 +56,7 @@ class _App(typer.Typer):
         return decorator
 
 
-app = _App(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
+app = _App(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
            help="clmerge: continual learning and model merging on pretrained models.")
 console = make_console()
 err = make_console(stderr=True)

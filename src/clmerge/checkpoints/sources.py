@@ -143,7 +143,7 @@ def _anonymous_buffer(size: int) -> Any:
 def _unreadable_pickle(path: Path, exc: Exception) -> str:
     """Why a ``.bin`` / ``.pt`` file was refused, without torch's hint to unpickle it anyway."""
     text = str(exc)
-    if "Unsupported global" in text:  # a pickled object other than tensors and containers
+    if "unsupported global" in text.lower():  # a pickled object other than tensors and containers
         return (f"{path}: holds arbitrary Python objects, not only tensors; clmerge refuses to unpickle them (that "
                 f"can run code). Ask for a .safetensors file, or convert it where you trust its source")
     # torch's first line repeats the weights_only=False advice: keep only the reason after it

@@ -28,7 +28,8 @@ def check_writable(out: Path, flag: str = "--out") -> None:
     existing = next(p for p in ancestors if p.exists())
     if existing != out and not existing.is_dir():
         raise OutputError(f"{flag} {out}: {existing} is a file, not a folder")
-    target = out if out.is_dir() else existing
+    # an existing file is replaced by a rename in its folder: that folder must be writable
+    target = existing.absolute().parent if existing == out and not out.is_dir() else existing
     if not os.access(target, os.W_OK | os.X_OK):
         raise OutputError(f"{flag} {out}: cannot write in {target} (permission denied)")
 

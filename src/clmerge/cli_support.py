@@ -88,6 +88,17 @@ def fail(exc: BaseException) -> NoReturn:
     raise user from exc
 
 
+_PATH_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    """Typed errors, and OS errors about a path (a missing file, no permission, a full or read-only disk);
+    any other exception is a bug and keeps its traceback."""
+    if isinstance(exc, (ClmergeError, *_PATH_ERRORS)):
+        return True
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT) and bool(exc.filename)
+
+
 def _report(exc: BaseException) -> NoReturn:
     user = as_user_error(exc)
     print_error(str(user))
@@ -101,9 +112,8 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     def command(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (ClmergeError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
-                FileExistsError) as exc:
-            if debug_enabled():
+        except (ClmergeError, OSError) as exc:
+            if debug_enabled() or not _is_user_error(exc):
                 raise
             _report(exc)
 

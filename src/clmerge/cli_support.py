@@ -25,6 +25,7 @@ __all__ = ["as_user_error", "debug_enabled", "fail", "handle_errors", "make_cons
 
 FALLBACK_WIDTH = 120  # columns when stdout/stderr is not a terminal (rich's own fallback, 80, wraps paths)
 MAX_ERROR_LINES = 3
+_FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
 _DEBUG = [False]
 
 
@@ -52,7 +53,8 @@ def print_error(message: str) -> None:
     """``error: <message>`` on stderr: at most :data:`MAX_ERROR_LINES` lines, soft-wrapped (never cut at 80)."""
     lines = [ln for ln in str(message).strip().splitlines() if ln.strip()] or ["(no message)"]
     if len(lines) > MAX_ERROR_LINES:
-        lines = lines[: MAX_ERROR_LINES - 1] + [f"(… {len(lines) - MAX_ERROR_LINES + 1} more lines: rerun with --debug)"]
+        more = len(lines) - MAX_ERROR_LINES + 1
+        lines = lines[: MAX_ERROR_LINES - 1] + [f"(… {more} more lines: rerun with --debug)"]
     _err.print(f"[bold red]error:[/] {escape(chr(10).join(lines))}", highlight=False, soft_wrap=True)
 
 
@@ -63,7 +65,7 @@ def _os_error(exc: OSError) -> ClmergeError:
     else:
         where = f"{exc.filename}" + (f" -> {exc.filename2}" if exc.filename2 else "")
         text = f"{where}: {exc.strerror[0].lower()}{exc.strerror[1:]}" if exc.filename else exc.strerror
-    if isinstance(exc, (PermissionError, FileExistsError)) or exc.errno in (errno.EROFS, errno.ENOSPC):
+    if isinstance(exc, (PermissionError, FileExistsError)) or exc.errno in _FULL_OR_READ_ONLY:
         return OutputError(text)
     return InputError(text)
 
@@ -96,7 +98,7 @@ def _is_user_error(exc: BaseException) -> bool:
     any other exception is a bug and keeps its traceback."""
     if isinstance(exc, (ClmergeError, *_PATH_ERRORS)):
         return True
-    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT) and bool(exc.filename)
+    return isinstance(exc, OSError) and exc.errno in _FULL_OR_READ_ONLY and bool(exc.filename)
 
 
 def _report(exc: BaseException) -> NoReturn:

@@ -49,7 +49,8 @@ def check_out(out: Path, sources: Iterable[Any], *, overwrite: bool = False) -> 
     real = out.resolve()
     for p in _input_paths(sources):
         if real == p or real.is_relative_to(p) or (p.is_relative_to(real) and real.exists()):
-            raise OutputError(f"--out {out}: overlaps the input {p}; choose another path (inputs are never overwritten)")
+            raise OutputError(f"--out {out}: overlaps the input {p}; choose another path "
+                              "(inputs are never overwritten)")
     if out.suffix and out.suffix != ".safetensors" and not out.is_dir():
         raise OutputError(f"--out {out}: unsupported file suffix {out.suffix!r} (clmerge writes safetensors); give "
                           f"a folder or {out.with_suffix('.safetensors').name}")

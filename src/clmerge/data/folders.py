@@ -97,7 +97,8 @@ def missing_data_error(
     """
     accepted = "; ".join(f"({i + 1}) {lay}" for i, lay in enumerate(layouts))
     return FileNotFoundError(
-        f"{dataset}: data not found: looked for {looked_for} (the root is data_root, else ${DATA_ENV_VAR}, else ./data)\n"
+        f"{dataset}: data not found: looked for {looked_for} "
+        f"(the root is data_root, else ${DATA_ENV_VAR}, else ./data)\n"
         f"fix: {howto.removeprefix('Get it: ')}\n"
         f"Accepted layouts: {accepted}"
     )

@@ -185,6 +185,15 @@ def test_overwrite_lets_merge_replace_a_foreign_file(ws):
     assert (ws / "foreign.safetensors").read_bytes()[:8] != b"someone "
 
 
+def test_overwrite_lets_extract_lora_replace_a_folder(ws):
+    argv = ["extract-lora", "--base", "base.safetensors", "--tuned", "e1.safetensors", "--rank", "2", "--out", "full"]
+    assert CliRunner().invoke(app, argv).exit_code == OUTPUT
+    result = CliRunner().invoke(app, [*argv, "--overwrite"])
+    assert result.exit_code == 0, result.output
+    assert (ws / "full" / "adapter_config.json").exists() and not (ws / "full" / "keep.txt").exists()
+    assert sorted(p.name for p in ws.iterdir() if p.name.startswith(".")) == []  # no temporary folder left
+
+
 def test_divergence_is_a_one_line_training_error(ws):
     result = CliRunner().invoke(app, [*RUN, "--set", "optim.lr=1e30", "--set", "train.epochs=1", "--out", "r"])
     err_lines = [ln for ln in result.stderr.splitlines() if ln.strip()]

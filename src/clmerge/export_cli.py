@@ -35,6 +35,7 @@ def extract_lora_command(
                                     "(written as peft's lora_embedding_A/B)"),
     svd: str = typer.Option("auto", "--svd", help="auto (randomized for large matrices), full (exact optimum) "
                             "or randomized"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing non-empty --out"),
 ) -> None:
     """A PEFT LoRA adapter from a full fine-tune (truncated SVD of tuned - base per Linear weight)."""
     from .checkpoints.extract import extract_lora
@@ -47,7 +48,7 @@ def extract_lora_command(
             _fail(f"{flag} {pattern!r}: not a regular expression ({exc})")
     try:
         res = extract_lora(base=base, tuned=tuned, rank=rank, out=out, include=include, exclude=exclude,
-                           embeddings=embeddings, svd=svd)
+                           embeddings=embeddings, svd=svd, overwrite=overwrite)
     except (MergeInputError, FileNotFoundError, ValueError) as exc:
         fail(exc)
     console.print(f"wrote {out}: {_summary(res)}")
@@ -62,13 +63,15 @@ def export_command(
     base_out: Path | None = typer.Option(None, "--base-out", help="peft: also write the pretrained backbone "
                                          "here as an HF folder (the base the adapter applies to)"),
     svd: str = typer.Option("auto", "--svd", help="peft: auto, full or randomized truncated SVD"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing non-empty --out / --base-out"),
 ) -> None:
     """Export a continual run's final model as an HF model folder or a PEFT LoRA adapter."""
     from .checkpoints.run_export import export_run
     from .merging.sources import MergeInputError
 
     try:
-        res = export_run(run_dir, format=format, out=out, rank=rank, base_out=base_out, svd=svd)
+        res = export_run(run_dir, format=format, out=out, rank=rank, base_out=base_out, svd=svd,
+                         overwrite=overwrite)
     except (MergeInputError, FileNotFoundError, ValueError) as exc:
         fail(exc)
     if format == "peft":

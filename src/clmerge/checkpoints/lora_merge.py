@@ -124,7 +124,8 @@ def _factored(srcs, modules, method, hp) -> tuple[dict, dict]:
 
 
 def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperparameters: dict | None = None,
-                   out: str | Path, form: str = "peft", rank: int | None = None, svd: str = "auto") -> dict:
+                   out: str | Path, form: str = "peft", rank: int | None = None, svd: str = "auto",
+                   overwrite: bool = False) -> dict:
     """Merge PEFT LoRA adapters with any registered method and write the result as a PEFT adapter folder.
 
     Args:
@@ -136,14 +137,16 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
         form: ``"peft"`` (truncated SVD at ``rank``) or ``"factored"`` (exact, linear methods only).
         rank: the output rank for ``"peft"`` (default: the largest input rank).
         svd: ``"auto"``, ``"full"`` or ``"randomized"`` (:func:`.lora_svd.low_rank_factors`).
+        overwrite: replace an existing non-empty ``out`` (``--overwrite``).
 
     Returns:
         ``{"out", "form", "method", "keys", "rank", "max_rel_error", "overall_rel_error",
         "per_module_rel_error", ...}`` (also written to ``out/merge_report.json``).
 
     Raises:
-        MergeInputError: unreadable / unsupported adapters, keys that match no base key, an unsafe ``out``,
-            or ``form="factored"`` with a non-linear method.
+        MergeInputError: unreadable / unsupported adapters, keys that match no base key, or
+            ``form="factored"`` with a non-linear method.
+        OutputError: an unsafe ``out``.
     """
     if form not in ("peft", "factored"):
         raise MergeInputError(f"form {form!r}: merge_adapters writes 'peft' or 'factored' ('full' is the "
@@ -157,7 +160,8 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
         if key not in valid:
             raise TypeError(f"{method}: unknown hyperparameter {key!r}; valid: {', '.join(valid) or 'none'}")
     base, srcs = _open(base, adapters)
-    check_out_dir(Path(out), [Path(s.name) for s in srcs] + [p for p in [Path(str(base.name))] if p.exists()])
+    check_out_dir(Path(out), [Path(s.name) for s in srcs] + [p for p in [Path(str(base.name))] if p.exists()],
+                  overwrite)
     modules = _modules(srcs)
     if form == "peft":
         factors, errors, out_rank = _refactorise(base, srcs, modules, method, hp, rank, svd)
@@ -181,4 +185,4 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
         write_adapter(tmp, factors, config, {m.name for m in modules.values() if m.embedding})
         return report
 
-    return atomic_folder(Path(out), fill, REPORT_FILE)
+    return atomic_folder(Path(out), fill, REPORT_FILE, replace=overwrite)

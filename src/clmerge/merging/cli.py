@@ -123,7 +123,7 @@ def _adapter_merge(recipe: Any, out: Path | None, form: str, rank: int | None, o
     base = open_checkpoint(recipe.base, name=recipe.base)
     check_out(out, [base], overwrite=overwrite)
     info = merge_adapters(method=recipe.method, base=base, adapters=paths, hyperparameters=recipe.parameters,
-                          out=out, form=form, rank=rank)
+                          out=out, form=form, rank=rank, overwrite=overwrite)
     keys = info.get("keys", "?")
     return {**info, "method": recipe.method, "keys": len(keys) if isinstance(keys, list) else keys, "out": str(out)}
 

@@ -133,7 +133,7 @@ def run(
         metrics = run_experiment(cfg, out, resume=resume)
     except KeyboardInterrupt:
         err.print(f"\ninterrupted: finished tasks are checkpointed; continue with: clmerge run "
-                  f"{config or ''} --out {out} --resume")
+                  f"{config or ''} --out {out} --resume", highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(130)
     except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as exc:
         fail(exc)

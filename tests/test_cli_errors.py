@@ -229,3 +229,15 @@ def test_os_errors_map_to_their_kind():
     for exc, kind, text in cases:
         user = as_user_error(exc)
         assert type(user) is kind and str(user).startswith(text), (exc, user)
+
+
+def test_consoles_are_120_wide_off_a_terminal_and_errors_never_hard_wrap(monkeypatch, capsys):
+    from clmerge import cli_support
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert cli_support.make_console().width == cli_support.FALLBACK_WIDTH == 120
+    long_message = "--out " + "/very/long/path" * 20 + ": cannot write here"
+    cli_support.print_error(long_message)
+    assert capsys.readouterr().err == f"error: {long_message}\n"
+    cli_support.print_error("\n".join(f"line {i}" for i in range(6)))
+    assert capsys.readouterr().err.count("\n") == 3

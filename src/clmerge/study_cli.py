@@ -57,7 +57,6 @@ def study_command(
     from .config import ConfigError
     from .sweep import StudyError, run_study
     from .theory.spec import load_study
-
     from .utils.outpaths import check_writable
 
     try:

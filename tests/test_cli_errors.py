@@ -73,8 +73,8 @@ CASES = [
                       "--out", "r"], USAGE, ["11 tasks"]),
     ("run-no-data", [*RUN, "--set", "scenario.dataset=cifar100", "--set", "scenario.classes_per_task=null",
                      "--set", "scenario.data_root=nodata", "--out", "r"], INPUT, ["cifar100", "data not found"]),
-    ("run-missing-config", ["run", "nope.yaml", "--out", "r"], None, ["nope.yaml"]),
-    ("run-config-is-dir", ["run", "empty_dir", "--out", "r"], None, ["empty_dir"]),
+    ("run-missing-config", ["run", "nope.yaml", "--out", "r"], INPUT, ["nope.yaml"]),
+    ("run-config-is-dir", ["run", "empty_dir", "--out", "r"], INPUT, ["empty_dir"]),
     ("run-out-is-file", [*RUN, "--out", "foreign.safetensors"], OUTPUT, ["not a folder"]),
     ("run-out-under-file", [*RUN, "--out", "foreign.safetensors/r"], OUTPUT, ["is a file"]),
     ("run-out-foreign-dir", [*RUN, "--out", "full"], OUTPUT, ["--overwrite"]),
@@ -121,7 +121,8 @@ CASES = [
     ("extract-out-is-input", ["extract-lora", "--base", "base.safetensors", "--tuned", "e1.safetensors",
                               "--rank", "2", "--out", "base.safetensors"], OUTPUT, ["input"]),
     # study / predict / advise
-    ("study-missing-spec", ["study", "nope.yaml", "--out", "s"], None, ["nope.yaml"]),
+    ("study-missing-spec", ["study", "nope.yaml", "--out", "s"], INPUT, ["nope.yaml"]),
+    ("merge-missing-recipe", ["merge", "nope.yaml", "--out", "m"], INPUT, ["nope.yaml"]),
     ("study-unknown-key", ["study", str(STUDY_SPEC), "--set", "nope.key=1", "--out", "s"], USAGE, ["nope"]),
     ("predict-no-fits", ["predict", "empty_dir"], INPUT, ["fits.json"]),
     ("predict-bad-value", ["predict", "study", "lr=abc"], USAGE, ["lr=abc"]),
@@ -139,10 +140,7 @@ def _check(result, code, words, before, root):
     assert "Traceback" not in result.output, result.output
     assert 1 <= len(err_lines) <= 3, result.stderr
     assert any(ln.startswith("error: ") for ln in err_lines), result.stderr
-    if code is None:  # a missing/odd config or spec file: an input or a usage error, both name it
-        assert result.exit_code in (USAGE, INPUT), (result.exit_code, result.stderr)
-    else:
-        assert result.exit_code == code, (result.exit_code, result.stderr)
+    assert result.exit_code == code, (result.exit_code, result.stderr)
     for w in words:
         assert w in result.stderr, (w, result.stderr)
     assert "weights_only=False" not in result.stderr and "will likely succeed" not in result.stderr

@@ -134,7 +134,7 @@ def test_unsafe_out_is_refused_before_any_work(llama, tmp_path):
              (tmp_path / "m.pt", "unsupported file suffix"), (tmp_path / "full" / "keep", "not a folder")]
     for out, words in cases:
         r = invoke("--method", "ties", "--base", base, "--expert", a, "--expert", b, "--out", out)
-        assert r.exit_code == 2 and words in r.output and r.output.count("\n") == 1, (out, r.output)
+        assert r.exit_code == 5 and words in r.output and r.output.count("\n") == 1, (out, r.output)  # OutputError
     assert (_listing(root), _listing(tmp_path)) == before
 
 
@@ -144,7 +144,7 @@ def test_hub_id_offline_is_one_fast_line(tmp_path, monkeypatch):
     t = time.perf_counter()
     r = invoke("--method", "weight_average", "--expert", "nobody-xyz/not-a-model", "--out", tmp_path / "o")
     assert time.perf_counter() - t < 10
-    assert r.exit_code == 2 and r.output.count("\n") == 1 and "nobody-xyz/not-a-model" in r.output
+    assert r.exit_code == 3 and r.output.count("\n") == 1 and "nobody-xyz/not-a-model" in r.output  # InputError
     assert "offline" in r.output and not (tmp_path / "o").exists()
 
 
@@ -198,7 +198,7 @@ def test_adapter_folders_open_over_the_base_and_merge_in_full(tmp_path, monkeypa
     monkeypatch.setitem(sys.modules, "clmerge.checkpoints.peft", None)  # as if the module were missing
     r = invoke("--method", "task_arithmetic", "--base", tmp_path / "base.safetensors", "--expert", tmp_path / "ad1",
                "--out", tmp_path / "never")
-    assert r.exit_code == 2 and "adapter" in r.output and r.output.count("\n") == 1, r.output
+    assert r.exit_code == 3 and "adapter" in r.output and r.output.count("\n") == 1, r.output  # InputError
     fake = types.ModuleType("clmerge.checkpoints.peft")
     fake.AdapterSource = _FakeAdapter
     monkeypatch.setitem(sys.modules, "clmerge.checkpoints.peft", fake)

@@ -38,6 +38,6 @@ def test_run_and_report_commands(tmp_path, tiny_cfg):
     r = runner.invoke(app, ["report", str(out)])
     assert r.exit_code == 0 and (out / "report.html").exists()
     r = runner.invoke(app, ["report", str(tmp_path / "nothing")])
-    assert r.exit_code == 2 and "metrics.json" in r.output
+    assert r.exit_code == 3 and "metrics.json" in r.output  # InputError: docs/cli_errors.md
     r = runner.invoke(app, ["run", "--resume"])
     assert r.exit_code == 2 and "--out" in r.output

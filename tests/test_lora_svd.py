@@ -7,7 +7,7 @@ import torch
 
 from clmerge.checkpoints import lora_svd
 from clmerge.checkpoints.lora_svd import low_rank_factors, numerical_rank
-from clmerge.merging import MergeInputError
+from clmerge.errors import UsageError
 
 
 def _decaying(m: int, n: int, seed: int = 0) -> torch.Tensor:
@@ -51,5 +51,5 @@ def test_randomized_svd_near_the_optimum_and_exact_on_low_rank(monkeypatch):
 
 
 def test_svd_mode_checked():
-    with pytest.raises(MergeInputError, match="--svd 'fast'"):
+    with pytest.raises(UsageError, match="--svd 'fast'"):
         low_rank_factors(torch.ones(3, 3), 1, "fast")

@@ -81,7 +81,7 @@ def test_bad_inputs_are_errors_and_write_nothing(files, mutate, words):
     out = tmp / "never.safetensors"
     r = invoke("--method", "task_arithmetic", "--base", tmp / "base.safetensors", "--expert", paths[0],
                "--expert", bad, "--out", out)
-    assert r.exit_code == 2
+    assert r.exit_code == 3  # InputError (docs/cli_errors.md)
     for w in words:
         assert w in r.output, (w, r.output)
     assert not out.exists()
@@ -101,7 +101,8 @@ def test_usage_errors(files):
     ]
     for args, msg in cases:
         r = invoke(*args, "--out", out)
-        assert r.exit_code == 2 and msg in r.output, (args, r.output)
+        code = 3 if "no such" in msg else 2  # a missing input is an InputError (docs/cli_errors.md)
+        assert r.exit_code == code and msg in r.output, (args, r.output)
     assert not out.exists()
 
 

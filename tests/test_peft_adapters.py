@@ -14,6 +14,7 @@ from clmerge.checkpoints import open_checkpoint  # noqa: E402
 from clmerge.checkpoints.lora_merge import merge_adapters  # noqa: E402
 from clmerge.checkpoints.peft import AdapterSource, is_peft_adapter  # noqa: E402
 from clmerge.merging import MergeInputError, merge  # noqa: E402
+from clmerge.errors import OutputError  # noqa: E402
 
 LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=32)
@@ -240,9 +241,9 @@ def test_refuses_unsafe_out(tmp_path, two_adapters, base_dir):
     paths = [p for p, _ in two_adapters]
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
-    with pytest.raises(MergeInputError, match="not an empty folder"):
+    with pytest.raises(OutputError, match="not an empty folder"):
         merge_adapters(method="task_arithmetic", base=base_dir, adapters=paths, out=tmp_path / "full")
-    with pytest.raises(MergeInputError, match="is or contains the input"):
+    with pytest.raises(OutputError, match="is or contains the input"):
         merge_adapters(method="task_arithmetic", base=base_dir, adapters=paths, out=paths[0])
 
 

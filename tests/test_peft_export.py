@@ -92,9 +92,9 @@ def test_extract_lora_embeddings_when_asked(tmp_path, fine_tune):
 def test_extract_lora_bad_input_is_one_line_exit_2(tmp_path, fine_tune):
     d, _ = fine_tune
     res = _cli("extract-lora", "--base", d / "base", "--tuned", d / "base", "--rank", 2, "--out", tmp_path / "z")
-    assert res.exit_code == 2 and "nothing to extract" in res.output and not (tmp_path / "z").exists()
+    assert res.exit_code == 3 and "nothing to extract" in res.output and not (tmp_path / "z").exists()
     res = _cli("extract-lora", "--base", d / "base", "--tuned", d / "tuned", "--rank", 2, "--out", d / "base")
-    assert res.exit_code == 2 and "is or contains the input" in res.output
+    assert res.exit_code == 5 and "is or contains the input" in res.output  # OutputError
 
 
 def _run(tmp_path_factory, method: str):
@@ -144,12 +144,12 @@ def test_export_refusals(tmp_path, sd_lora_run):
     res = _cli("export", sd_lora_run, "--format", "onnx", "--out", tmp_path / "o")
     assert res.exit_code == 2 and "--format" in res.output
     res = _cli("export", tmp_path, "--format", "hf", "--out", tmp_path / "o")
-    assert res.exit_code == 2 and "not a run directory" in res.output
+    assert res.exit_code == 3 and "not a run directory" in res.output  # InputError
     run = tmp_path / "ft"
     run_experiment(parse_config(tiny_config(**{"method": {"name": "finetune"}, "train.epochs": 1,
                                                "scenario.n_tasks": 2})), run)
     res = _cli("export", run, "--format", "peft", "--out", tmp_path / "p")
-    assert res.exit_code == 2 and "no LoRA layers" in res.output and not (tmp_path / "p").exists()
+    assert res.exit_code == 3 and "no LoRA layers" in res.output and not (tmp_path / "p").exists()
 
 
 @pytest.mark.parametrize("method", ["seq_lora", "pm", "inflora"])
@@ -173,4 +173,4 @@ def test_export_refuses_task_routed_methods(tmp_path):
     cfg["model"] = {"name": "lenet", "pretrained": False}
     run_experiment(parse_config(cfg), tmp_path / "h")
     res = _cli("export", tmp_path / "h", "--format", "hf", "--out", tmp_path / "o")
-    assert res.exit_code == 2 and "keeps per-task modules" in res.output and not (tmp_path / "o").exists()
+    assert res.exit_code == 3 and "keeps per-task modules" in res.output and not (tmp_path / "o").exists()

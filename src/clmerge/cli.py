@@ -13,17 +13,63 @@ if sys.argv[1:2] == ["merge"]:
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
+from typer.core import TyperGroup
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="clmerge: continual learning and model merging on pretrained models.")
-console = Console()
-err = Console(stderr=True)
+from .cli_support import fail, handle_errors, make_console, print_error, set_debug
+
+
+class _Group(TyperGroup):
+    """The root command: click's usage errors (a bad flag or argument) as ``error: <message>`` with the usage
+    line (2 lines, exit code 2) instead of typer's boxed panel."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except typer.TyperException as exc:  # typer's click exceptions (a usage error, a bad value)
+            if type(exc).__name__ == "NoArgsIsHelpError":  # the help is printed already
+                sys.exit(exc.exit_code)
+            ctx = getattr(exc, "ctx", None)
+            if ctx is not None:
+                typer.echo(ctx.get_usage(), err=True)
+            hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+            print_error(exc.format_message() + hint)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            print_error("aborted")
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)  # non-standalone click returns a typer.Exit's code
+
+
+class _App(typer.Typer):
+    """Every registered command is wrapped by :func:`~clmerge.cli_support.handle_errors` (one-line errors)."""
+
+    def command(self, *args, **kwargs):
+        register = super().command(*args, **kwargs)
+
+        def decorator(fn):
+            register(handle_errors(fn))
+            return fn
+
+        return decorator
+
+
+app = _App(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
+           help="clmerge: continual learning and model merging on pretrained models.")
+console = make_console()
+err = make_console(stderr=True)
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="show the traceback of an error (also: "
+                                     "CLMERGE_DEBUG=1); errors and exit codes: docs/cli_errors.md")) -> None:
+    set_debug(debug)
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {msg}")
+    print_error(msg)
     raise typer.Exit(code)
 
 
@@ -63,6 +109,8 @@ def run(
                                       "report OPD/MOPD/AOPD (see clmerge.engine.orders)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="check the config here: random-init backbone, tiny "
                                  "look-alike data, 2 steps on the first 2 tasks, 1 evaluation (clmerge.engine.dry_run)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="write the run into an existing non-empty folder "
+                                   "that holds no run (files of the same names are replaced)"),
 ) -> None:
     """Run a continual-learning experiment and write a run directory."""
     from .config import ConfigError, load_config
@@ -71,25 +119,36 @@ def run(
     try:
         cfg = load_config(config, set_)
     except (ConfigError, ValueError) as exc:
-        _fail(str(exc))
+        fail(exc)
     if dry_run:
         return _dry_run(cfg)
     if out is None:
         if resume:
             _fail("--resume needs --out DIR (the run directory to continue)")
         out = Path("runs") / f"{cfg.method.name}-{cfg.scenario.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    _check_run_out(out, resume, overwrite)
     if orders is not None:
         return _run_orders(cfg, out, orders, resume)
     try:
         metrics = run_experiment(cfg, out, resume=resume)
     except KeyboardInterrupt:
         err.print(f"\ninterrupted: finished tasks are checkpointed; continue with: clmerge run "
-                  f"{config or ''} --out {out} --resume")
+                  f"{config or ''} --out {out} --resume", highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(130)
     except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as exc:
-        _fail(str(exc))
+        fail(exc)
     print_results(metrics)
     console.print(f"run directory: [bold]{out}[/] (report: {out / 'report.html'})")
+
+
+def _check_run_out(out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse an unusable run directory before anything is loaded or created."""
+    from .utils.outpaths import check_output_dir, check_writable
+
+    if resume:
+        check_writable(out)
+    else:  # a folder holding a run is refused by run_experiment (it names --resume)
+        check_output_dir(out, overwrite=overwrite, ours=("config.yaml", "checkpoints", "order_0"))
 
 
 def _dry_run(cfg) -> None:
@@ -107,7 +166,7 @@ def _run_orders(cfg, out: Path, n: int, resume: bool) -> None:
     try:
         summary = run_orders(cfg, out, n, resume=resume)
     except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as exc:
-        _fail(str(exc))
+        fail(exc)
     console.print((out / "orders_summary.md").read_text())
     console.print(f"order runs in: [bold]{out}[/] (report: {out / 'orders_report.html'}; mopd {_fmt(summary['mopd'])})")
 
@@ -120,7 +179,7 @@ def report(run_dir: Path = typer.Argument(..., help="a run directory")) -> None:
     try:
         path = build_report(run_dir)
     except (FileNotFoundError, ValueError) as exc:
-        _fail(str(exc))
+        fail(exc)
     console.print(f"wrote {path}")
 
 
@@ -154,24 +213,28 @@ def models() -> None:
 @app.command()
 def pretrain(
     preset: str = typer.Option("vit-tiny-fmnist", "--preset", help="what to pretrain"),
-    out: Path | None = typer.Option(None, "--out", help="output directory (default: the package's assets)"),
+    out: Path | None = typer.Option(None, "--out", help="output directory (default: ./pretrained/<preset>; the "
+                                    "shipped weights are in clmerge/assets/<preset>)"),
     epochs: int | None = typer.Option(None, "--epochs", help="override the preset's epochs"),
     data_root: str | None = typer.Option(None, "--data-root", help="where the Fashion-MNIST IDX files are"),
     threads: int = typer.Option(1, "--threads", help="torch threads (the shipped weights used 1; bit-exact "
                                 "reproduction needs the same count)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace the files of an existing non-empty --out"),
 ) -> None:
     """Reproducibly pretrain a shipped backbone (weights + provenance.json)."""
-    from .models.presets import asset_dir
     from .pretrain import PRESETS
+    from .utils.outpaths import check_output_dir
 
     if preset not in PRESETS:
-        _fail(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
-    target = out or asset_dir(preset.replace("-", "_"))
+        _fail(f"--preset {preset!r}: unknown; known: {', '.join(PRESETS)}")
+    # never into the installed package by default: that would silently replace the shipped weights
+    target = out or Path("pretrained") / preset.replace("-", "_")
+    check_output_dir(target, overwrite=overwrite)
+    if out is None:
+        err.print(f"writing to {target} (give --out to choose; the shipped weights are in clmerge/assets)",
+                  highlight=False, soft_wrap=True)
     kwargs = {"data_root": data_root, "threads": threads} | ({"epochs": epochs} if epochs else {})
-    try:
-        prov = PRESETS[preset](target, **kwargs)
-    except FileNotFoundError as exc:
-        _fail(str(exc))
+    prov = PRESETS[preset](target, **kwargs)
     console.print(f"wrote {target}: test accuracy {prov['test_accuracy']:.2f}%, sha256 {prov['sha256'][:16]}…")
 
 
@@ -198,8 +261,9 @@ app.command("predict")(_predict_command)
 app.command("advise")(_advise_command)
 
 
-def main() -> None:
-    app(prog_name="clmerge")
+def main(argv: list[str] | None = None) -> None:
+    """The ``clmerge`` entry point (errors: docs/cli_errors.md)."""
+    app(args=argv, prog_name="clmerge")
 
 
 if __name__ == "__main__":  # pragma: no cover

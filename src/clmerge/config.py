@@ -18,8 +18,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .errors import InputError, UsageError
+
 __all__ = [
     "ConfigError",
+    "ConfigFileError",
     "ExperimentConfig",
     "ScenarioConfig",
     "ModelConfig",
@@ -38,8 +41,15 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
-    """A config problem, with the dotted key that caused it."""
+class ConfigError(UsageError):
+    """A config problem, with the dotted key that caused it (a :class:`UsageError`: exit code 2)."""
+
+
+class ConfigFileError(ConfigError, InputError):
+    """A config / recipe / spec file that does not exist or is not a file: an input error (exit code 3),
+    still caught as a :class:`ConfigError`."""
+
+    exit_code = InputError.exit_code
 
 
 class _Strict(BaseModel):
@@ -261,7 +271,9 @@ def read_yaml_mapping(path: str | Path, what: str = "config file") -> dict:
     """Read a YAML file whose top level is a mapping; missing file, bad YAML or a non-mapping -> ConfigError."""
     p = Path(path)
     if not p.exists():
-        raise ConfigError(f"{what} not found: {p}")
+        raise ConfigFileError(f"{what} not found: {p}")
+    if not p.is_file():
+        raise ConfigFileError(f"{p}: the {what} is a folder, not a YAML file")
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as exc:

@@ -6,16 +6,16 @@ import re
 from pathlib import Path
 
 import typer
-from rich.console import Console
+
+from .cli_support import fail, make_console, print_error
 
 __all__ = ["extract_lora_command", "export_command"]
 
-console = Console()
-err = Console(stderr=True)
+console = make_console()
 
 
 def _fail(msg: str) -> None:
-    err.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    print_error(msg)
     raise typer.Exit(2)
 
 
@@ -35,6 +35,7 @@ def extract_lora_command(
                                     "(written as peft's lora_embedding_A/B)"),
     svd: str = typer.Option("auto", "--svd", help="auto (randomized for large matrices), full (exact optimum) "
                             "or randomized"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing non-empty --out"),
 ) -> None:
     """A PEFT LoRA adapter from a full fine-tune (truncated SVD of tuned - base per Linear weight)."""
     from .checkpoints.extract import extract_lora
@@ -47,9 +48,9 @@ def extract_lora_command(
             _fail(f"{flag} {pattern!r}: not a regular expression ({exc})")
     try:
         res = extract_lora(base=base, tuned=tuned, rank=rank, out=out, include=include, exclude=exclude,
-                           embeddings=embeddings, svd=svd)
+                           embeddings=embeddings, svd=svd, overwrite=overwrite)
     except (MergeInputError, FileNotFoundError, ValueError) as exc:
-        _fail(str(exc))
+        fail(exc)
     console.print(f"wrote {out}: {_summary(res)}")
 
 
@@ -62,15 +63,17 @@ def export_command(
     base_out: Path | None = typer.Option(None, "--base-out", help="peft: also write the pretrained backbone "
                                          "here as an HF folder (the base the adapter applies to)"),
     svd: str = typer.Option("auto", "--svd", help="peft: auto, full or randomized truncated SVD"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing non-empty --out / --base-out"),
 ) -> None:
     """Export a continual run's final model as an HF model folder or a PEFT LoRA adapter."""
     from .checkpoints.run_export import export_run
     from .merging.sources import MergeInputError
 
     try:
-        res = export_run(run_dir, format=format, out=out, rank=rank, base_out=base_out, svd=svd)
+        res = export_run(run_dir, format=format, out=out, rank=rank, base_out=base_out, svd=svd,
+                         overwrite=overwrite)
     except (MergeInputError, FileNotFoundError, ValueError) as exc:
-        _fail(str(exc))
+        fail(exc)
     if format == "peft":
         console.print(f"wrote {out}: {_summary(res)}")
     else:

@@ -12,17 +12,13 @@ from typing import Any
 
 import typer
 import yaml
-from rich.console import Console
+
+from .cli_support import fail, make_console
+from .errors import InputError, UsageError
 
 __all__ = ["study_command", "predict_command", "advise_command", "finish_study"]
 
-console = Console()
-err = Console(stderr=True)
-
-
-def _fail(msg: str) -> None:
-    err.print(f"[bold red]error:[/] {msg}")
-    raise typer.Exit(2)
+console = make_console()
 
 
 def finish_study(out: Path, rows: list[dict] | None = None, *, n_boot: int = 200) -> dict[str, Any]:
@@ -61,15 +57,17 @@ def study_command(
     from .config import ConfigError
     from .sweep import StudyError, run_study
     from .theory.spec import load_study
+    from .utils.outpaths import check_writable
 
     try:
         if not fit_only:
+            check_writable(out)
             study = load_study(spec, set_)
             run_study(study, out, backend=backend, workers=workers, address=address, num_cpus=num_cpus,
                       resume=resume, cache=cache, log=console.print)
         fits = finish_study(out)
     except (ConfigError, FileExistsError, FileNotFoundError, ValueError, StudyError) as exc:
-        _fail(str(exc))
+        fail(exc)
     n = sum(len(v) for v in fits["laws"].values())
     console.print(f"{n} law fits -> {out / 'fits.json'}; report: {out / 'report.html'}")
 
@@ -79,8 +77,11 @@ def _parse_assignments(items: list[str]) -> dict[str, float]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
-            raise ValueError(f"expected NAME=VALUE, got {item!r}")
-        out[key.strip()] = float(value)
+            raise UsageError(f"{item!r}: expected NAME=VALUE, e.g. lr=0.02")
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            raise UsageError(f"{item!r}: {value!r} is not a number") from None
     return out
 
 
@@ -97,7 +98,7 @@ def predict_command(
         fits = read_json(study_dir / "fits.json")
         res = predict(fits, method, **_parse_assignments(assignments or []))
     except (FileNotFoundError, KeyError, ValueError) as exc:
-        _fail(str(exc).strip("'\""))
+        fail(exc)
     hp = ", ".join(f"{k}={v:g}" for k, v in res["hp"].items()) or "the defaults"
     warn = f" (extrapolated in {', '.join(res['extrapolated'])})" if res["extrapolated"] else ""
     console.print(f"{method} at {hp}: merged loss {res['loss']:.4f} "
@@ -111,9 +112,9 @@ def advise_command(study_dir: Path = typer.Argument(..., help="a study directory
     from .utils.io import read_json
 
     if not (study_dir / "results.jsonl").exists():
-        _fail(f"{study_dir}: no results.jsonl (run `clmerge study` first)")
+        raise InputError(f"{study_dir}: no results.jsonl (run `clmerge study` first)")
     try:
         fits = read_json(study_dir / "fits.json") if (study_dir / "fits.json").exists() else finish_study(study_dir)
     except (FileNotFoundError, ValueError) as exc:
-        _fail(str(exc))
+        fail(exc)
     typer.echo(advise(read_results(study_dir), fits))

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..errors import UsageError
 from .sources import MergeInputError
 from .lora_svd import atomic_folder, check_out_dir, check_svd, error_summary, low_rank_factors
 from .peft import adapter_config, write_adapter
@@ -50,7 +51,8 @@ def _candidates(base: Any, tuned: Any, include: re.Pattern | None, exclude: re.P
 
 
 def extract_lora(*, base: Any, tuned: Any, rank: int, out: str | Path, include: str | None = None,
-                 exclude: str | None = None, embeddings: bool = False, svd: str = "auto") -> dict:
+                 exclude: str | None = None, embeddings: bool = False, svd: str = "auto",
+                 overwrite: bool = False) -> dict:
     """Write a PEFT LoRA adapter of rank ``rank`` that approximates ``tuned - base``.
 
     Args:
@@ -63,18 +65,19 @@ def extract_lora(*, base: Any, tuned: Any, rank: int, out: str | Path, include: 
         embeddings: also extract embedding tables (names like ``embed_tokens``, ``wte``,
             ``word_embeddings``), written as peft's ``lora_embedding_A/B`` (``Delta W^T = B A``).
         svd: ``"auto"``, ``"full"`` or ``"randomized"`` (:func:`.lora_svd.low_rank_factors`).
+        overwrite: replace an existing non-empty ``out`` (``--overwrite``).
 
     Returns:
         ``{"out", "rank", "modules", "skipped_unchanged", "per_module_rel_error", "overall_rel_error",
         "max_rel_error"}`` (also ``out/extract_report.json``).
     """
     if rank < 1:
-        raise MergeInputError(f"--rank must be >= 1, got {rank}")
+        raise UsageError(f"--rank must be >= 1, got {rank}")
     check_svd(svd)
     paths = [Path(str(x)) for x in (base, tuned) if isinstance(x, (str, Path))]
     base = open_checkpoint(base) if isinstance(base, (str, Path)) else base
     tuned = open_checkpoint(tuned) if isinstance(tuned, (str, Path)) else tuned
-    check_out_dir(Path(out), paths)
+    check_out_dir(Path(out), paths, overwrite)
     inc, exc = (re.compile(include) if include else None), (re.compile(exclude) if exclude else None)
     factors, errors, unchanged, emb = {}, {}, [], set()
     for key, is_embedding in _candidates(base, tuned, inc, exc, embeddings):
@@ -98,4 +101,4 @@ def extract_lora(*, base: Any, tuned: Any, rank: int, out: str | Path, include: 
         write_adapter(tmp, factors, config, emb)
         return report
 
-    return atomic_folder(Path(out), fill, REPORT_FILE)
+    return atomic_folder(Path(out), fill, REPORT_FILE, replace=overwrite)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import UsageError
 from ..merging.registry import get_method, merge
 from .sources import MergeInputError, ParamSource
 from .lora_svd import atomic_folder, check_out_dir, check_svd, error_summary, low_rank_factors
@@ -123,7 +124,8 @@ def _factored(srcs, modules, method, hp) -> tuple[dict, dict]:
 
 
 def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperparameters: dict | None = None,
-                   out: str | Path, form: str = "peft", rank: int | None = None, svd: str = "auto") -> dict:
+                   out: str | Path, form: str = "peft", rank: int | None = None, svd: str = "auto",
+                   overwrite: bool = False) -> dict:
     """Merge PEFT LoRA adapters with any registered method and write the result as a PEFT adapter folder.
 
     Args:
@@ -135,20 +137,22 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
         form: ``"peft"`` (truncated SVD at ``rank``) or ``"factored"`` (exact, linear methods only).
         rank: the output rank for ``"peft"`` (default: the largest input rank).
         svd: ``"auto"``, ``"full"`` or ``"randomized"`` (:func:`.lora_svd.low_rank_factors`).
+        overwrite: replace an existing non-empty ``out`` (``--overwrite``).
 
     Returns:
         ``{"out", "form", "method", "keys", "rank", "max_rel_error", "overall_rel_error",
         "per_module_rel_error", ...}`` (also written to ``out/merge_report.json``).
 
     Raises:
-        MergeInputError: unreadable / unsupported adapters, keys that match no base key, an unsafe ``out``,
-            or ``form="factored"`` with a non-linear method.
+        MergeInputError: unreadable / unsupported adapters, keys that match no base key, or
+            ``form="factored"`` with a non-linear method.
+        OutputError: an unsafe ``out``.
     """
     if form not in ("peft", "factored"):
         raise MergeInputError(f"form {form!r}: merge_adapters writes 'peft' or 'factored' ('full' is the "
                               "ordinary merge with AdapterSource experts)")
     if rank is not None and rank < 1:
-        raise MergeInputError(f"--adapter-rank must be >= 1, got {rank}")
+        raise UsageError(f"--adapter-rank must be >= 1, got {rank}")
     check_svd(svd)
     hp = dict(hyperparameters or {})
     valid = get_method(method).hyperparameters()  # unknown names fail before any work, in either form
@@ -156,7 +160,8 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
         if key not in valid:
             raise TypeError(f"{method}: unknown hyperparameter {key!r}; valid: {', '.join(valid) or 'none'}")
     base, srcs = _open(base, adapters)
-    check_out_dir(Path(out), [Path(s.name) for s in srcs] + [p for p in [Path(str(base.name))] if p.exists()])
+    check_out_dir(Path(out), [Path(s.name) for s in srcs] + [p for p in [Path(str(base.name))] if p.exists()],
+                  overwrite)
     modules = _modules(srcs)
     if form == "peft":
         factors, errors, out_rank = _refactorise(base, srcs, modules, method, hp, rank, svd)
@@ -180,4 +185,4 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
         write_adapter(tmp, factors, config, {m.name for m in modules.values() if m.embedding})
         return report
 
-    return atomic_folder(Path(out), fill, REPORT_FILE)
+    return atomic_folder(Path(out), fill, REPORT_FILE, replace=overwrite)

@@ -28,7 +28,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .sources import MergeInputError
+from ..errors import OutputError, UsageError
+from ..utils.outpaths import check_writable
 from ..utils.io import write_json
 
 __all__ = ["low_rank_factors", "LowRank", "SVD_MODES", "check_svd", "numerical_rank", "atomic_folder", "check_out_dir",
@@ -55,7 +56,7 @@ class LowRank(NamedTuple):
 
 def check_svd(svd: str) -> None:
     if svd not in SVD_MODES:
-        raise MergeInputError(f"--svd {svd!r}: expected one of {', '.join(SVD_MODES)}")
+        raise UsageError(f"--svd {svd!r}: expected one of {', '.join(SVD_MODES)}")
 
 
 def _oversampled(k: int, m: int, n: int) -> int:
@@ -135,24 +136,30 @@ def error_summary(per_module: dict[str, LowRank | tuple[float, float]]) -> dict:
             "max_rel_error": max(rel.values(), default=0.0), "svd": {u: used.count(u) for u in sorted(set(used))}}
 
 
-def check_out_dir(out: Path, inputs: list[Path] = ()) -> None:
-    """Refuse an ``--out`` that names an input, holds one, or holds something already (a new folder
-    inside an input folder is fine: nothing there is read)."""
+def check_out_dir(out: Path, inputs: list[Path] = (), overwrite: bool = False) -> None:
+    """Refuse an ``--out`` that names an input, holds one, or holds something already unless ``overwrite``
+    (a new folder inside an input folder is fine: nothing there is read)."""
     out = Path(out)
     resolved = out.resolve()
     for p in inputs:
         p = Path(p).resolve()
         if resolved == p or p.is_relative_to(resolved):
-            raise MergeInputError(f"--out {out}: is or contains the input {p}; choose a new folder")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise MergeInputError(f"--out {out}: already exists and is not an empty folder; choose a new one")
+            raise OutputError(f"--out {out}: is or contains the input {p}; choose a new folder")
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"--out {out}: exists and is not a folder; choose a new one")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise OutputError(f"--out {out}: already exists and is not an empty folder; choose a new one "
+                          "(or pass --overwrite to replace it)")
+    check_writable(out)
 
 
-def atomic_folder(out: Path, fill: Callable[[Path], dict], report_name: str | None = None) -> dict:
+def atomic_folder(out: Path, fill: Callable[[Path], dict], report_name: str | None = None,
+                  replace: bool = False) -> dict:
     """Build a folder with ``fill(tmp_dir) -> report`` in a temporary sibling, then rename it to ``out``.
 
     Nothing is left at ``out`` (or beside it) when ``fill`` fails. ``report`` is also written as
-    ``report_name`` in the folder when given.
+    ``report_name`` in the folder when given. An existing non-empty ``out`` is replaced only with
+    ``replace`` (``--overwrite``, allowed by :func:`check_out_dir`); it is removed after the new one is ready.
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -162,9 +169,15 @@ def atomic_folder(out: Path, fill: Callable[[Path], dict], report_name: str | No
         if report_name:
             write_json(tmp / report_name, report)
         os.chmod(tmp, 0o755)  # mkdtemp makes 0700; outputs are meant to be shared
-        if out.exists():  # an empty folder (check_out_dir refused anything else)
+        old = None
+        if out.exists() and replace and any(out.iterdir()):
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            os.replace(out, old / out.name)
+        elif out.exists():  # an empty folder (check_out_dir refused anything else)
             out.rmdir()
         os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -20,6 +20,9 @@ from typing import Any
 
 import torch
 
+from ..errors import OutputError
+from ..utils.outpaths import check_writable
+
 __all__ = ["TOKENIZER_FILES", "InputHashes", "OutputTarget", "check_out", "copy_model_files", "write_model_card"]
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -40,26 +43,25 @@ def check_out(out: Path, sources: Iterable[Any], *, overwrite: bool = False) -> 
     """Refuse an unsafe ``out`` before any work; returns ``"file"`` (``X.safetensors``) or ``"folder"``.
 
     Raises:
-        ValueError: one line naming ``out`` and what is wrong with it.
+        OutputError: one line naming ``out`` and what is wrong with it (exit code 5).
     """
     out = Path(out)
     real = out.resolve()
     for p in _input_paths(sources):
         if real == p or real.is_relative_to(p) or (p.is_relative_to(real) and real.exists()):
-            raise ValueError(f"--out {out}: overlaps the input {p}; choose another path (inputs are never overwritten)")
+            raise OutputError(f"--out {out}: overlaps the input {p}; choose another path "
+                              "(inputs are never overwritten)")
     if out.suffix and out.suffix != ".safetensors" and not out.is_dir():
-        raise ValueError(f"--out {out}: unsupported file suffix {out.suffix!r}; give a folder or a .safetensors file")
+        raise OutputError(f"--out {out}: unsupported file suffix {out.suffix!r} (clmerge writes safetensors); give "
+                          f"a folder or {out.with_suffix('.safetensors').name}")
     kind = "file" if out.suffix == ".safetensors" else "folder"
     if kind == "file" and out.is_dir():
-        raise ValueError(f"--out {out}: is a folder; give a new folder path or a .safetensors file name")
+        raise OutputError(f"--out {out}: is a folder; give a new folder path or a .safetensors file name")
     if kind == "folder" and out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out}: exists and is not a folder")
+        raise OutputError(f"--out {out}: exists and is not a folder")
     if not overwrite and out.exists() and (kind == "file" or any(out.iterdir())):
-        raise ValueError(f"--out {out}: already exists and is not empty (pass --overwrite to replace it)")
-    parent = out.parent if out.parent != Path("") else Path(".")
-    existing = next(p for p in [parent, *parent.parents] if p.exists())
-    if not os.access(existing, os.W_OK):
-        raise ValueError(f"--out {out}: cannot write in {existing} (permission denied)")
+        raise OutputError(f"--out {out}: already exists and is not empty (pass --overwrite to replace it)")
+    check_writable(out)
     return kind
 
 

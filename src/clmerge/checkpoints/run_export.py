@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import UsageError
 from .sources import MergeInputError
 from ..utils.io import read_json, save_tensors
 from .lora_svd import atomic_folder, check_out_dir, check_svd, error_summary, low_rank_factors, numerical_rank
@@ -114,7 +115,7 @@ def _write_peft(tmp: Path, deltas: dict, rank: int | None, base_ref: str | None,
 
 
 def export_run(run_dir: str | Path, *, format: str, out: str | Path, rank: int | None = None,
-               base_out: str | Path | None = None, svd: str = "auto") -> dict:
+               base_out: str | Path | None = None, svd: str = "auto", overwrite: bool = False) -> dict:
     """Export the run in ``run_dir`` (see the module docstring).
 
     Args:
@@ -124,19 +125,20 @@ def export_run(run_dir: str | Path, *, format: str, out: str | Path, rank: int |
         rank: ``peft`` only: the adapter rank (default: the largest numerical rank of the updates, exact).
         base_out: ``peft`` only: also write the pretrained backbone here as an HF folder.
         svd: ``"auto"``, ``"full"`` or ``"randomized"`` (:func:`.lora_svd.low_rank_factors`).
+        overwrite: replace an existing non-empty ``out`` / ``base_out`` (``--overwrite``).
 
     Returns:
         A report dict (``export_report.json`` in ``out``): format, method, modules, rank and errors.
     """
     run_dir = Path(run_dir)
     if format not in FORMATS:
-        raise MergeInputError(f"--format {format!r}: expected one of {', '.join(FORMATS)}")
+        raise UsageError(f"--format {format!r}: expected one of {', '.join(FORMATS)}")
     if rank is not None and (format != "peft" or rank < 1):
-        raise MergeInputError("--rank: only with --format peft, and >= 1")
+        raise UsageError("--rank: only with --format peft, and >= 1")
     check_svd(svd)
-    check_out_dir(Path(out), [run_dir])
+    check_out_dir(Path(out), [run_dir], overwrite)
     if base_out is not None:
-        check_out_dir(Path(base_out), [run_dir, Path(out)])
+        check_out_dir(Path(base_out), [run_dir, Path(out)], overwrite)
     from ..adapters.lora import LoRALinear
 
     # which Linears carry LoRA: read before folding removes the wrappers
@@ -156,13 +158,14 @@ def export_run(run_dir: str | Path, *, format: str, out: str | Path, rank: int |
             (tmp / "classes.json").write_text(json.dumps(classes, indent=2) + "\n")
             return report
 
-        return atomic_folder(Path(out), fill, REPORT_FILE)
+        return atomic_folder(Path(out), fill, REPORT_FILE, replace=overwrite)
     if not adapted:
         raise MergeInputError(f"{run_dir}: method {manifest.get('method')!r} has no LoRA layers; export "
                               "--format hf (then clmerge extract-lora against the pretrained backbone)")
     deltas = _adapted_deltas(inner, inner0, adapted, run_dir)
     if base_out is not None:
-        atomic_folder(Path(base_out), lambda tmp: inner0.save_pretrained(tmp) or {})
+        atomic_folder(Path(base_out), lambda tmp: inner0.save_pretrained(tmp) or {}, replace=overwrite)
     info = pretrained.info
     base_ref = str(base_out) if base_out is not None else info.get("source") or info.get("weights")
-    return atomic_folder(Path(out), lambda tmp: report | _write_peft(tmp, deltas, rank, base_ref, svd), REPORT_FILE)
+    return atomic_folder(Path(out), lambda tmp: report | _write_peft(tmp, deltas, rank, base_ref, svd), REPORT_FILE,
+                         replace=overwrite)

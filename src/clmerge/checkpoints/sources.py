@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import InputError
+
 __all__ = ["ST_DTYPES", "MergeInputError", "ParamSource", "as_source", "is_source", "torch_load_state_dict"]
 
 ST_DTYPES = {
@@ -23,8 +25,8 @@ ST_DTYPES = {
 }
 
 
-class MergeInputError(ValueError):
-    """Inputs to a merge disagree or are malformed (message names the key and the files)."""
+class MergeInputError(InputError):
+    """Inputs to a merge disagree or are malformed (message names the key and the files); exit code 3."""
 
 
 class ParamSource:
@@ -138,6 +140,18 @@ def _anonymous_buffer(size: int) -> Any:
     return torch.empty(size, dtype=torch.uint8)
 
 
+def _unreadable_pickle(path: Path, exc: Exception) -> str:
+    """Why a ``.bin`` / ``.pt`` file was refused, without torch's hint to unpickle it anyway."""
+    text = str(exc)
+    if "unsupported global" in text.lower():  # a pickled object other than tensors and containers
+        return (f"{path}: holds arbitrary Python objects, not only tensors; clmerge refuses to unpickle them (that "
+                f"can run code). Ask for a .safetensors file, or convert it where you trust its source")
+    # torch's first line repeats the weights_only=False advice: keep only the reason after it
+    reason = text.split("WeightsUnpickler error:", 1)[-1] if "WeightsUnpickler error:" in text else text
+    lines = [ln.strip() for ln in reason.splitlines() if ln.strip() and "weights_only" not in ln]
+    return f"{path}: not a readable PyTorch weights file ({(lines[0] if lines else type(exc).__name__)[:160]})"
+
+
 def torch_load_state_dict(path: Path, *, mmap: bool = False) -> dict[str, Tensor]:
     """A state dict from a ``.bin`` / ``.pt`` file, ``weights_only=True`` (one-line errors).
 
@@ -152,9 +166,8 @@ def torch_load_state_dict(path: Path, *, mmap: bool = False) -> dict[str, Tensor
             if not mmap:
                 raise
             obj = torch.load(str(path), map_location="cpu", weights_only=True)  # legacy format: no mmap
-    except Exception as exc:  # torch's message advises weights_only=False: do not repeat that advice
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise MergeInputError(f"{path}: cannot be read with torch.load(weights_only=True): {first[:200]}") from exc
+    except Exception as exc:  # torch's message advises weights_only=False: never repeat that advice
+        raise MergeInputError(_unreadable_pickle(path, exc)) from exc
     if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
         obj = obj["state_dict"]
     if not isinstance(obj, Mapping) or not all(isinstance(v, Tensor) for v in obj.values()):

@@ -83,7 +83,8 @@ def resolve_data_root(data_root: str | os.PathLike[str] | None) -> Path:
 def missing_data_error(
     dataset: str, looked_for: str, layouts: Sequence[str], howto: str
 ) -> FileNotFoundError:
-    """Build the uniform "data not found" error.
+    """Build the uniform "data not found" error: three lines (what and where, the fix, the accepted layouts),
+    so the command line shows it whole (``print_error`` keeps at most three).
 
     Args:
         dataset: registered source name.
@@ -96,8 +97,10 @@ def missing_data_error(
     """
     accepted = "; ".join(f"({i + 1}) {lay}" for i, lay in enumerate(layouts))
     return FileNotFoundError(
-        f"{dataset}: data not found: looked for {looked_for}. Accepted layouts: {accepted}. {howto} "
-        f"The root comes from data_root, else ${DATA_ENV_VAR}, else ./data."
+        f"{dataset}: data not found: looked for {looked_for} "
+        f"(the root is data_root, else ${DATA_ENV_VAR}, else ./data)\n"
+        f"fix: {howto.removeprefix('Get it: ')}\n"
+        f"Accepted layouts: {accepted}"
     )
 
 

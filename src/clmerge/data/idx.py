@@ -70,5 +70,5 @@ def find_idx_files(
             return found
     looked = ", ".join(str(d) for d in dirs)
     raise FileNotFoundError(
-        f"{dataset}: could not find {', '.join(s + '[.gz]' for s in stems)} in any of: {looked}. {hint}"
+        f"{dataset}: data not found: looked for {', '.join(s + '[.gz]' for s in stems)} in {looked}\nfix: {hint}"
     )

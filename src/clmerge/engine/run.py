@@ -279,10 +279,12 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool =
         torch.set_num_threads(cfg.run.threads)
     device = resolve_device(cfg.run.device)
     cfg_text = dump_config(cfg)
+    _check_run_dir(out, cfg_text, resume)
+    # data, scenario, model and method errors surface here, before the run directory exists
+    scenario, model, method, manifest = prepare(cfg)
+    heads = build_heads(cfg, model, method)
     with RunLock(out):
-        _check_run_dir(out, cfg_text, resume)
-        scenario, model, method, manifest = prepare(cfg)
-        heads = build_heads(cfg, model, method)
+        _check_run_dir(out, cfg_text, resume)  # again under the lock: another run may have started meanwhile
         start, state = _restore(out, model, method, device, heads) if resume else (0, RunState())
         atomic_write_text(out / "config.yaml", cfg_text)
         write_json(out / "manifest.json", manifest)

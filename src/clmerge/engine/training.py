@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from ..config import OptimConfig
+from ..errors import TrainingError
 from ..utils.progress import Progress
 
 __all__ = ["build_optimizer", "build_scheduler", "fit", "loss_interval", "LOSS_POINTS"]
@@ -140,7 +141,7 @@ def fit(
             x, y = x.to(device), y.to(device)
             loss = loss_fn(model, x, y)
             if not torch.isfinite(loss):
-                raise FloatingPointError(f"{desc}: loss is {loss.item()} at epoch {epoch + 1}; lower optim.lr?")
+                raise TrainingError(f"{desc}: loss is {loss.item()} at epoch {epoch + 1}; lower optim.lr?")
             _optimizer_step(model, loss, opt, sched, params, optim.grad_clip, before_step, after_step)
             value = float(loss.detach())
             total += value * len(x)

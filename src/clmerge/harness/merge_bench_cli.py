@@ -9,6 +9,8 @@ from pathlib import Path
 
 import typer
 
+from ..cli_support import fail
+
 __all__ = ["bench_command", "merge_bench_command", "parse_seeds"]
 
 
@@ -73,7 +75,8 @@ def bench_command(out: Path, suite: str = "8", epochs: int = 5, lr: float = 1e-4
 
 
 def merge_bench_command(
-    out: Path = typer.Option(Path("benchmarks/merging/results"), "--out", help="results directory"),
+    out: Path | None = typer.Option(None, "--out", help="results directory (default: ./merge-bench-runs/suite<S>; "
+                                    "a folder holding an earlier merge-bench result is reused)"),
     suite: str = typer.Option("8", "--suite", help="task suite: 8, 14 or split8 (these two need Fashion-MNIST), or tiny"),
     heads: str = typer.Option("frozen", "--heads", help="head protocol: frozen (heads fitted on the pretrained "
                               "backbone before fine-tuning, then fixed) or cotrained (trained with each expert)"),
@@ -89,14 +92,21 @@ def merge_bench_command(
     max_eval: int | None = typer.Option(None, "--max-eval", help="cap on validation/test samples per task"),
     random_init: bool = typer.Option(False, "--random-init", help="start from a random-init ViT (dry runs)"),
     method: list[str] = typer.Option([], "--method", help="only these methods (repeatable; default: all in the grid)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="write into an existing non-empty --out that holds "
+                                   "no merge-bench result"),
 ) -> None:
     """Fine-tune one expert per task, merge with every method, select on validation, report test accuracy."""
+    from ..utils.outpaths import check_output_dir
+
+    if out is None:  # never into the source tree's benchmarks/ unless asked
+        out = Path("merge-bench-runs") / f"suite{suite}"
+        typer.echo(f"writing to {out} (give --out to choose)", err=True)
+    check_output_dir(out, overwrite=overwrite, ours=("results.json", "experts", "seed0"))
     try:
         res = bench_command(out, suite=suite, epochs=epochs, lr=lr, max_train=max_train, max_eval=max_eval,
                             random_init=random_init, methods=method or None, heads=heads, head_init=head_init,
                             seeds=parse_seeds(seeds))
     except (ValueError, FileNotFoundError, KeyError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2)
+        fail(exc)
     typer.echo((out / "results.md").read_text())
     typer.echo(f"wrote {out / 'results.json'} ({len(res['tasks'])} tasks)")

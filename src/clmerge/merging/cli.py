@@ -14,6 +14,7 @@ from typing import Any
 
 import typer
 
+from ..cli_support import fail
 from ..config import read_yaml_mapping
 from .registry import available, get_method
 
@@ -122,7 +123,7 @@ def _adapter_merge(recipe: Any, out: Path | None, form: str, rank: int | None, o
     base = open_checkpoint(recipe.base, name=recipe.base)
     check_out(out, [base], overwrite=overwrite)
     info = merge_adapters(method=recipe.method, base=base, adapters=paths, hyperparameters=recipe.parameters,
-                          out=out, form=form, rank=rank)
+                          out=out, form=form, rank=rank, overwrite=overwrite)
     keys = info.get("keys", "?")
     return {**info, "method": recipe.method, "keys": len(keys) if isinstance(keys, list) else keys, "out": str(out)}
 
@@ -163,9 +164,7 @@ def merge_command(
                          where="parameters." if recipe else "--set ",
                          log=lambda s: typer.echo(s, err=True))
     except (KeyError, ValueError, FileNotFoundError, TypeError, OSError) as exc:
-        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
-        typer.echo(f"error: {msg}", err=True)
-        raise typer.Exit(2)
+        fail(exc)  # printed by clmerge.cli_support.handle_errors, exit code by kind
     if "plan" in info:
         typer.echo(info["plan"])
         return

@@ -58,8 +58,8 @@ def vit_tiny_fmnist(*, pretrained: bool = True, source: str | None = None, confi
         wfile = d / "model.safetensors"
         if not wfile.exists():
             raise FileNotFoundError(
-                f"vit-tiny-fmnist: weights not found at {wfile}. Run `clmerge pretrain --preset vit-tiny-fmnist` "
-                "(needs the Debian package dataset-fashion-mnist) or set model.pretrained: false."
+                f"vit-tiny-fmnist: weights not found at {wfile}\nfix: `clmerge pretrain --out DIR` (needs the Debian "
+                "package dataset-fashion-mnist) then set model.source=DIR, or set model.pretrained=false"
             )
         weights = load_tensors(wfile)
         info["weights"] = str(wfile)

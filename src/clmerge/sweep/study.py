@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from ..errors import ClmergeError
 from ..harness.merge_bench import BenchConfig, expert_digest, expert_path, parse_task
 from ..theory.jobs import expert_job, merge_job, stability_configs
 from ..theory.spec import HYPERPARAMETERS, Point, StudySpec, expand_points
@@ -29,8 +30,8 @@ from .executors import Executor, make_executor
 __all__ = ["run_study", "read_results", "StudyError"]
 
 
-class StudyError(RuntimeError):
-    """Some jobs failed; the finished points are on disk and ``--resume`` retries the rest."""
+class StudyError(ClmergeError, RuntimeError):
+    """Some jobs failed; the finished points are on disk and ``--resume`` retries the rest (exit code 1)."""
 
 
 def read_results(out: Path) -> list[dict[str, Any]]:

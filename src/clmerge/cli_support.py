@@ -1,0 +1,122 @@
+"""What every ``clmerge`` subcommand shares: consoles of the right width, and one-line user errors.
+
+Every command is wrapped by :func:`handle_errors` (``cli.py`` registers them through it): a
+:class:`~clmerge.errors.ClmergeError`, or an ``OSError`` on a user's path, becomes ``error: <message>`` on
+stderr (at most 3 lines, never hard-wrapped) and the exit code of its kind (docs/cli_errors.md). With
+``--debug`` or ``CLMERGE_DEBUG=1`` the exception propagates instead, with its traceback.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from .errors import ClmergeError, InputError, OutputError, UsageError
+
+__all__ = ["as_user_error", "debug_enabled", "fail", "handle_errors", "make_console", "print_error", "set_debug"]
+
+FALLBACK_WIDTH = 120  # columns when stdout/stderr is not a terminal (rich's own fallback, 80, wraps paths)
+MAX_ERROR_LINES = 3
+_FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
+_DEBUG = [False]
+
+
+def make_console(*, stderr: bool = False) -> Console:
+    """A rich Console: the terminal's width on a terminal, else ``$COLUMNS`` or 120 columns."""
+    stream = sys.stderr if stderr else sys.stdout
+    is_tty = getattr(stream, "isatty", lambda: False)()
+    width = None if is_tty or os.environ.get("COLUMNS") else FALLBACK_WIDTH
+    return Console(stderr=stderr, width=width)
+
+
+_err = make_console(stderr=True)
+
+
+def set_debug(flag: bool) -> None:
+    """``--debug``: show tracebacks instead of one-line errors (for this process)."""
+    _DEBUG[0] = flag
+
+
+def debug_enabled() -> bool:
+    return _DEBUG[0] or os.environ.get("CLMERGE_DEBUG", "").strip() not in ("", "0", "false", "no")
+
+
+def print_error(message: str) -> None:
+    """``error: <message>`` on stderr: at most :data:`MAX_ERROR_LINES` lines, soft-wrapped (never cut at 80)."""
+    lines = [ln for ln in str(message).strip().splitlines() if ln.strip()] or ["(no message)"]
+    if len(lines) > MAX_ERROR_LINES:
+        more = len(lines) - MAX_ERROR_LINES + 1
+        lines = lines[: MAX_ERROR_LINES - 1] + [f"(… {more} more lines: rerun with --debug)"]
+    _err.print(f"[bold red]error:[/] {escape(chr(10).join(lines))}", highlight=False, soft_wrap=True)
+
+
+def _os_error(exc: OSError) -> ClmergeError:
+    """A user-facing error for an OS error on a path: what failed, on which path, in one line."""
+    if exc.errno is None or exc.strerror is None:  # raised by clmerge with its own message
+        text = str(exc)
+    else:
+        where = f"{exc.filename}" + (f" -> {exc.filename2}" if exc.filename2 else "")
+        text = f"{where}: {exc.strerror[0].lower()}{exc.strerror[1:]}" if exc.filename else exc.strerror
+    if isinstance(exc, (PermissionError, FileExistsError)) or exc.errno in _FULL_OR_READ_ONLY:
+        return OutputError(text)
+    return InputError(text)
+
+
+def as_user_error(exc: BaseException) -> ClmergeError:
+    """The typed error to report for ``exc``: itself if typed; an ``OSError`` by kind (a missing or wrong-kind
+    path: :class:`InputError`; no permission, no space, exists: :class:`OutputError`); a ``ValueError`` /
+    ``KeyError`` / ``TypeError`` from argument checks: :class:`UsageError`; anything else exit code 1."""
+    if isinstance(exc, ClmergeError):
+        return exc
+    if isinstance(exc, OSError):
+        return _os_error(exc)
+    msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+    return UsageError(msg) if isinstance(exc, (ValueError, KeyError, TypeError)) else ClmergeError(msg)
+
+
+def fail(exc: BaseException) -> NoReturn:
+    """Re-raise ``exc`` as its user-facing type (call inside ``except``); :func:`handle_errors` prints it."""
+    user = as_user_error(exc)
+    if user is exc:
+        raise exc
+    raise user from exc
+
+
+_PATH_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    """Typed errors, and OS errors about a path (a missing file, no permission, a full or read-only disk);
+    any other exception is a bug and keeps its traceback."""
+    if isinstance(exc, (ClmergeError, *_PATH_ERRORS)):
+        return True
+    return isinstance(exc, OSError) and exc.errno in _FULL_OR_READ_ONLY and bool(exc.filename)
+
+
+def _report(exc: BaseException) -> NoReturn:
+    user = as_user_error(exc)
+    print_error(str(user))
+    raise typer.Exit(user.exit_code)
+
+
+def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a command: typed and path errors become a one-line ``error:`` and the kind's exit code."""
+
+    @functools.wraps(fn)
+    def command(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (ClmergeError, OSError) as exc:
+            if debug_enabled() or not _is_user_error(exc):
+                raise
+            _report(exc)
+
+    return command

@@ -91,6 +91,10 @@ def run_orders(cfg: ExperimentConfig, out_dir: str | Path, n: int, *, resume: bo
     from .run import run_experiment
 
     out = Path(out_dir)
+    if resume and not any((out / f"order_{r}").is_dir() for r in range(n)):
+        from .resume import check_resumable
+
+        check_resumable(out / "order_0")  # refuses: a mistyped --out never starts fresh order runs
     orders = task_orders(cfg, n)
     metrics = []
     for r, order in enumerate(orders):

@@ -35,7 +35,7 @@ def snapshot(root: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> tuple[dict, Path, dict]:
-    """(config dict, run directory, metrics) of one finished 2-task run (keep 2 checkpoints); tests copy it."""
+    """(config dict, run directory, metrics) of a finished 2-task run (keep 2 checkpoints); tests copy it."""
     data = tiny_config(**{"run.keep_checkpoints": 2})
     out = tmp_path_factory.mktemp("base") / "run"
     metrics = run_experiment(parse_config(data), out)
@@ -160,7 +160,7 @@ def test_a_run_killed_before_its_first_checkpoint_restarts(finished_run, tmp_pat
     assert (out / "events.jsonl").read_text().count("task_end") == 2
 
 
-def test_old_run_without_hashes_resumes_with_one_warning_and_adopts_them(run_copy, tmp_path, caplog):
+def test_old_run_without_hashes_resumes_with_one_warning_and_adopts_them(finished_run, run_copy, caplog):
     data, out = run_copy
     manifest = json.loads((out / "manifest.json").read_text())
     del manifest["checkpoints"]  # as written before checkpoints were hashed
@@ -171,7 +171,7 @@ def test_old_run_without_hashes_resumes_with_one_warning_and_adopts_them(run_cop
         resumed = run_experiment(parse_config(data), out, resume=True)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "task_000.safetensors" in warnings[0] and "\n" not in warnings[0]
-    assert resumed["accuracy_matrix"] == json.loads((tmp_path / "run" / "metrics.json").read_text())["accuracy_matrix"]
+    assert resumed["accuracy_matrix"] == finished_run[2]["accuracy_matrix"]
     assert sorted(checkpoint_record(out)) == ["task_000.safetensors", CKPT]
 
 
@@ -192,7 +192,8 @@ def test_an_unrecorded_checkpoint_is_ignored_and_pruning_updates_the_record(tmp_
         save_checkpoint(tmp_path, t, w, {}, {"task": t}, keep=2)
     assert sorted(checkpoint_record(tmp_path)) == ["task_001.safetensors", "task_002.safetensors"]
     assert not (tmp_path / "checkpoints" / "task_000.safetensors").exists()
-    shutil.copy(tmp_path / "checkpoints" / "task_002.safetensors", tmp_path / "checkpoints" / "task_003.safetensors")
+    ckdir = tmp_path / "checkpoints"
+    shutil.copy(ckdir / "task_002.safetensors", ckdir / "task_003.safetensors")
     assert latest_checkpoint(tmp_path).name == "task_002.safetensors"
     path, sha = resume_checkpoint(tmp_path)
     assert path.name == "task_002.safetensors" and sha == checkpoint_record(tmp_path)[path.name]
@@ -211,3 +212,21 @@ def test_orders_resume_of_a_missing_directory_is_refused(tmp_path):
     with pytest.raises(RunStateError, match="no such run directory"):
         run_orders(parse_config(tiny_config()), tmp_path / "nothing", 2, resume=True)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_corrupt_cached_expert_is_refused_and_an_unhashed_one_loads(tmp_path):
+    from clmerge.harness.merge_bench_experts import load_cached_expert
+    from clmerge.utils.io import save_tensors, write_json
+
+    path = tmp_path / "task-0123.safetensors"
+    sd = {"backbone.w": torch.arange(600.0), "head.b": torch.ones(3)}
+    write_json(path.with_suffix(".json"), {"sha256": "cfg", "file_sha256": save_tensors(path, sd)})
+    assert torch.equal(load_cached_expert(path)["backbone.w"], sd["backbone.w"])
+    raw = bytearray(path.read_bytes())
+    raw[-1024:] = bytes(b ^ 0xFF for b in raw[-1024:])
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointIntegrityError, match=f"{path.name}: sha256 mismatch.*delete it"):
+        load_cached_expert(path)
+    write_json(path.with_suffix(".json"), {"sha256": "cfg"})  # cached before hashes were recorded
+    save_tensors(path, sd)
+    assert torch.equal(load_cached_expert(path)["head.b"], sd["head.b"])

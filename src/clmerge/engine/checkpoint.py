@@ -123,7 +123,8 @@ def resume_checkpoint(run_dir: Path) -> tuple[Path | None, str | None]:
     if record is None:  # a run from before checkpoints were hashed
         ck = latest_checkpoint(run_dir)
         if ck is not None:
-            log.warning("warning: %s has no recorded sha256 (written by an older clmerge); loading it unverified", ck)
+            log.warning("warning: %s has no recorded sha256 (written by an older clmerge); loading it unverified",
+                        ck)
         return ck, None
     named = sorted((int(m.group(1)), n) for n in record if (m := _NAME.match(n)))
     if not named:
@@ -132,21 +133,23 @@ def resume_checkpoint(run_dir: Path) -> tuple[Path | None, str | None]:
     if not newest.is_file():
         missing = [f"checkpoints/{n}" for _, n in named if not (run_dir / "checkpoints" / n).is_file()]
         raise CheckpointIntegrityError(
-            f"{run_dir}: missing {', '.join(missing)} (recorded in manifest.json); nothing was changed: restore "
-            "the file(s) to resume, or start a fresh run in another --out")
+            f"{run_dir}: missing {', '.join(missing)} (recorded in manifest.json); nothing was changed: "
+            "restore the file(s) to resume, or start a fresh run in another --out")
     return newest, record[named[-1][1]]
 
 
-def verify_sha256(path: Path, expected: str | None, what: str = "checkpoint") -> None:
-    """Refuse ``path`` when its sha256 differs from ``expected`` (None: nothing recorded, nothing to check)."""
+def verify_sha256(path: Path, expected: str | None, what: str = "checkpoint", *, data: bytes | None = None,
+                  hint: str = "restore it or start a fresh run") -> None:
+    """Refuse ``path`` (or its bytes ``data``, already read) when its sha256 differs from ``expected``
+    (None: nothing recorded, nothing to check)."""
     if expected is None:
         return
-    if not Path(path).is_file():
+    if data is None and not Path(path).is_file():
         raise CheckpointIntegrityError(f"{path}: missing {what}")
-    actual = sha256_file(path)
+    actual = sha256_bytes(data) if data is not None else sha256_file(path)
     if actual != expected:
         raise CheckpointIntegrityError(f"{path}: sha256 mismatch ({actual[:12]}… on disk, {expected[:12]}… "
-                                       f"recorded): the {what} is corrupt; restore it or start a fresh run")
+                                       f"recorded): the {what} is corrupt; {hint}")
 
 
 def load_checkpoint(path: Path, sha256: str | None = None) -> tuple[dict[str, torch.Tensor],

@@ -51,17 +51,18 @@ def check_same_config(cfg_file: Path, cfg_text: str) -> None:
     diffs = config_differences(stored, yaml.safe_load(cfg_text) or {})
     if not diffs:  # the same values written differently (e.g. by another clmerge version)
         return
-    shown = "; ".join(diffs[:MAX_LISTED]) + (f"; and {len(diffs) - MAX_LISTED} more" if len(diffs) > MAX_LISTED else "")
-    raise RunStateError(f"{cfg_file}: the run was started with a different config ({len(diffs)} key"
-                        f"{'s' if len(diffs) != 1 else ''} differ); resume with the same config or choose another "
-                        f"--out\n{shown}")
+    more = len(diffs) - MAX_LISTED
+    shown = "; ".join(diffs[:MAX_LISTED]) + (f"; and {more} more" if more > 0 else "")
+    keys = f"{len(diffs)} key{'s' if len(diffs) != 1 else ''}"
+    raise RunStateError(f"{cfg_file}: the run was started with a different config ({keys} differ); resume with "
+                        f"the same config or choose another --out\n{shown}")
 
 
 _ABSENT = object()
 
 
 def config_differences(stored: Any, given: Any, prefix: str = "") -> list[str]:
-    """``["dotted.key: <stored> (run) != <given> (given)", ...]`` for every leaf where the two configs differ."""
+    """``["dotted.key: <stored> (run) != <given> (given)", ...]``, one per leaf where the configs differ."""
     if isinstance(stored, dict) and isinstance(given, dict):
         out: list[str] = []
         for key in list(stored) + [k for k in given if k not in stored]:
@@ -101,11 +102,11 @@ def verify_events(events: Path, n_lines: int, expected_sha256: str | None) -> st
     """
     prefix = events_prefix(events, n_lines)
     if prefix is None:
-        raise RunStateError(f"{events}: missing or shorter than the {n_lines} lines the last checkpoint recorded; "
-                            "nothing was changed: restore it to resume")
-    if expected_sha256 is not None and sha256_bytes(prefix.encode()) != expected_sha256:
-        raise RunStateError(f"{events}: its first {n_lines} lines do not match the sha256 the last checkpoint "
+        raise RunStateError(f"{events}: missing or shorter than the {n_lines} lines the last checkpoint "
                             "recorded; nothing was changed: restore it to resume")
+    if expected_sha256 is not None and sha256_bytes(prefix.encode()) != expected_sha256:
+        raise RunStateError(f"{events}: its first {n_lines} lines differ from the sha256 the last "
+                            "checkpoint recorded; nothing was changed: restore it to resume")
     return prefix
 
 

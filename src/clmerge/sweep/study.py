@@ -20,7 +20,9 @@ from typing import Any
 
 import yaml
 
+from ..engine.checkpoint import verify_sha256
 from ..harness.merge_bench import BenchConfig, expert_digest, expert_path, parse_task
+from ..harness.merge_bench_experts import cached_file_sha256
 from ..theory.jobs import expert_job, merge_job, stability_configs
 from ..theory.spec import HYPERPARAMETERS, Point, StudySpec, expand_points
 from ..utils.io import append_jsonl, atomic_write_text, save_tensors, write_json
@@ -68,8 +70,11 @@ class _Experts:
         if path.exists() and meta.exists():
             info = json.loads(meta.read_text()).get("info")
             if info is not None:
+                params = path.read_bytes()
+                verify_sha256(path, cached_file_sha256(path), what="cached expert", data=params,
+                              hint="delete it and its .json to retrain")
                 self.infos[digest] = info
-                self.handles[digest] = self.ex.put({"params": path.read_bytes(), "info": info})
+                self.handles[digest] = self.ex.put({"params": params, "info": info})
                 self.ready.add(digest)
                 return digest
         h = self.ex.submit(expert_job, task, asdict(cfg), self.threads)
@@ -83,9 +88,9 @@ class _Experts:
         path.parent.mkdir(parents=True, exist_ok=True)
         from safetensors.torch import load
 
-        save_tensors(path, load(res["params"]), metadata={"sha256_of_config": digest})
+        file_sha = save_tensors(path, load(res["params"]), metadata={"sha256_of_config": digest})
         write_json(path.with_suffix(".json"), {"sha256": digest, "config": cfg.expert_key(parse_task(task)),
-                                               "info": res["info"]})
+                                               "info": res["info"], "file_sha256": file_sha})
         self.infos[digest] = res["info"]
         self.ready.add(digest)
         return digest

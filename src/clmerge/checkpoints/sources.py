@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import InputError
+
 __all__ = ["ST_DTYPES", "MergeInputError", "ParamSource", "as_source", "is_source", "torch_load_state_dict"]
 
 ST_DTYPES = {
@@ -23,7 +25,7 @@ ST_DTYPES = {
 }
 
 
-class MergeInputError(ValueError):
+class MergeInputError(InputError):  # a ValueError too (InputError derives from it)
     """Inputs to a merge disagree or are malformed (message names the key and the files)."""
 
 

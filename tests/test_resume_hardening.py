@@ -113,11 +113,17 @@ def test_resume_refuses_a_bit_flipped_checkpoint_naming_it(run_copy, tmp_path):
         load_run_model(out)
 
 
-def test_resume_refuses_an_edited_events_log(run_copy, tmp_path):
+@pytest.mark.parametrize("edit", ["drop_first_line", "change_a_value", "delete"])
+def test_resume_refuses_an_edited_or_lost_events_log(edit, run_copy, tmp_path):
     data, out = run_copy
     events = out / "events.jsonl"
-    lines = events.read_text().splitlines(keepends=True)
-    events.write_text("".join(lines[1:]))
+    text = events.read_text()
+    if edit == "delete":
+        events.unlink()
+    elif edit == "drop_first_line":
+        events.write_text("".join(text.splitlines(keepends=True)[1:]))
+    else:
+        events.write_text(text.replace('"task": 0', '"task": 7', 1))
     refused(data, out, tmp_path, match="events.jsonl")
 
 

@@ -17,7 +17,7 @@ import yaml
 from ..errors import RunStateError
 from ..utils.io import sha256_bytes
 
-__all__ = ["check_resumable", "check_same_config", "config_differences", "events_prefix",
+__all__ = ["check_resumable", "check_same_config", "config_differences", "events_prefix", "events_sha256",
            "finished_tasks_in_events", "verify_events", "MAX_LISTED"]
 
 RUN_FILES = ("config.yaml", "manifest.json")  # written when a run starts, before its first task
@@ -94,17 +94,28 @@ def events_prefix(events: Path, n_lines: int) -> str | None:
     return "".join(lines[:n_lines]) if len(lines) >= n_lines else None
 
 
+def events_sha256(events: Path, n_lines: int) -> str | None:
+    """The sha256 of the first ``n_lines`` lines of ``events.jsonl`` (what a resume keeps), recorded in each
+    checkpoint; None when the file has fewer lines (then nothing is checked on resume)."""
+    prefix = events_prefix(events, n_lines)
+    return None if prefix is None else sha256_bytes(prefix.encode())
+
+
 def verify_events(events: Path, n_lines: int, expected_sha256: str | None) -> str:
-    """The first ``n_lines`` lines of ``events.jsonl`` after checking them against the checkpoint's record.
+    """The first ``n_lines`` lines of ``events.jsonl`` (what a resume keeps), checked against the sha256 the
+    checkpoint recorded; without a record (older runs), whatever of them exists, as before.
 
     Raises:
         RunStateError: the file is missing, shorter than the checkpoint saw, or its first lines changed.
     """
     prefix = events_prefix(events, n_lines)
+    if expected_sha256 is None:
+        lines = events.read_text().splitlines(keepends=True) if events.is_file() else []
+        return "".join(lines[:n_lines])
     if prefix is None:
         raise RunStateError(f"{events}: missing or shorter than the {n_lines} lines the last checkpoint "
                             "recorded; nothing was changed: restore it to resume")
-    if expected_sha256 is not None and sha256_bytes(prefix.encode()) != expected_sha256:
+    if sha256_bytes(prefix.encode()) != expected_sha256:
         raise RunStateError(f"{events}: its first {n_lines} lines differ from the sha256 the last "
                             "checkpoint recorded; nothing was changed: restore it to resume")
     return prefix

@@ -27,12 +27,12 @@ from ..methods import build_method
 from ..methods.base import ContinualMethod, TaskContext
 from ..metrics import summarize
 from ..models import ContinualClassifier, IncrementalHead, build_backbone
-from ..utils.io import append_jsonl, atomic_write_text, read_json, sha256_bytes, sha256_file, write_json
+from ..utils.io import append_jsonl, atomic_write_text, read_json, sha256_file, write_json
 from .checkpoint import RECORD_KEY, RunLock, checkpoint_record, load_checkpoint, load_head_tensors, \
     resume_checkpoint, save_checkpoint
 from .evaluate import evaluate_tasks
 from .heads import VARIANTS, HeadSuite, check_head_support
-from .resume import check_resumable, check_same_config, events_prefix, finished_tasks_in_events, verify_events
+from .resume import check_resumable, check_same_config, events_sha256, finished_tasks_in_events, verify_events
 from .training import fit
 
 __all__ = ["run_experiment", "prepare", "build_heads", "RunState", "task_generator", "resolve_device"]
@@ -112,8 +112,7 @@ def head_variant_needs_features(cfg: ExperimentConfig) -> bool:
 
 def _check_run_dir(out: Path, cfg_text: str, resume: bool) -> None:
     cfg_file = out / "config.yaml"
-    if resume:
-        check_resumable(out)
+    if resume:  # check_resumable(out) ran before the lock
         check_same_config(cfg_file, cfg_text)
         return
     if cfg_file.exists() or (out / "checkpoints").exists():
@@ -308,7 +307,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool =
                               "acc_row": row, "avg_acc": float(np.mean(row))})
             meta = {"task": t, "structure": model_structure(model), "method": method.state_meta(),
                     "state": state.to_meta(), "heads": heads.state_meta(),
-                    "events_sha256": sha256_bytes(events_prefix(out / "events.jsonl", state.events_lines).encode())}
+                    "events_sha256": events_sha256(out / "events.jsonl", state.events_lines)}
             save_checkpoint(out, t, model.state_dict(), method.state_tensors(), meta, keep=cfg.run.keep_checkpoints,
                             head_tensors=heads.state_tensors() if heads.needs_features else None)
             bar.set_postfix(avg_acc=f"{np.mean(row):.1f}")

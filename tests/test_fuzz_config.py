@@ -5,6 +5,7 @@ UsageError whose message names the offending key (issue 13) — never another ex
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import yaml
@@ -16,7 +17,8 @@ from clmerge.config import ConfigError, ExperimentConfig, OptimConfig, load_conf
 from clmerge.errors import UsageError
 
 CLEAN = (ConfigError, UsageError)
-FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+EXAMPLES = int(os.environ.get("CLMERGE_FUZZ_EXAMPLES", "80"))  # e.g. 5000 for a long hunt
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _leaves(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -120,7 +122,7 @@ def test_every_float_learning_rate_is_accepted_or_named(lr: float) -> None:
         assert math.isfinite(cfg.lr) and cfg.lr > 0
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=EXAMPLES // 2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.one_of(st.text(max_size=60), nested.map(lambda d: yaml.safe_dump(d, allow_unicode=True))))
 def test_a_random_yaml_file_is_a_config_or_a_clean_error(text: str, tmp_path_factory) -> None:
     path = tmp_path_factory.mktemp("cfg") / "c.yaml"

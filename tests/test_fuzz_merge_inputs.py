@@ -5,6 +5,7 @@ was wrong, and a failed merge leaves no output file or folder behind (issue 13).
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +21,8 @@ from clmerge.config import ConfigError
 from clmerge.errors import ClmergeError, InputError, UsageError
 
 CLEAN = (InputError, UsageError, MergeInputError, ConfigError)
-FUZZ = settings(max_examples=40, deadline=None,
+EXAMPLES = int(os.environ.get("CLMERGE_FUZZ_EXAMPLES", "40"))  # e.g. 2000 for a long hunt
+FUZZ = settings(max_examples=EXAMPLES, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
           torch.uint8, torch.bool]

@@ -21,10 +21,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save
 
 from ..errors import RunStateError
-from ..utils.io import atomic_write_bytes, read_json, sha256_bytes, sha256_file, write_json
+from ..utils.io import read_json, save_tensors, sha256_bytes, sha256_file, write_json
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "load_head_tensors", "RunLock",
            "checkpoint_record", "resume_checkpoint", "verify_sha256", "CheckpointIntegrityError"]
@@ -52,13 +51,11 @@ def save_checkpoint(run_dir: Path, task: int, model_state: dict[str, torch.Tenso
     tensors.update({f"method/{k}": v for k, v in method_tensors.items()})
     tensors.update({f"head/{k}": v.contiguous() for k, v in (head_tensors or {}).items()})
     path = ckdir / f"task_{task:03d}.safetensors"
-    data = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-                metadata={"clmerge": json.dumps(meta)})
-    atomic_write_bytes(path, data)
+    sha = save_tensors(path, tensors, metadata={"clmerge": json.dumps(meta)})
     on_disk = [p for _, p in _numbered(ckdir)]
     stale = [p for p in on_disk if p != path][: max(0, len(on_disk) - keep)]
     record = {k: v for k, v in (checkpoint_record(run_dir) or {}).items() if k not in {p.name for p in stale}}
-    record[path.name] = sha256_bytes(data)
+    record[path.name] = sha
     _write_record(run_dir, record)  # the commit point: only now does resume see this checkpoint
     for old in stale:
         old.unlink(missing_ok=True)

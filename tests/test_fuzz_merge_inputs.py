@@ -5,6 +5,7 @@ was wrong, and a failed merge leaves no output file or folder behind (issue 13).
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 from pathlib import Path
@@ -94,10 +95,24 @@ def workdirs(tmp_path_factory):
     return lambda: tmp_path_factory.mktemp("ex")
 
 
+@st.composite
+def pickle_file_bytes(draw) -> bytes:
+    """A ``torch.save`` file (``.bin`` / ``.pt``): a state dict, something else, or that truncated."""
+    obj = draw(st.one_of(state_dict, st.lists(st.integers(), max_size=3), st.text(max_size=5)))
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    return data if draw(st.booleans()) else data[: draw(st.integers(0, len(data) - 1))]
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")  # torch, on garbage .pt files
 @FUZZ
-@given(raw=model_file_bytes())
-def test_open_checkpoint_of_any_bytes_reads_or_refuses_cleanly(raw: bytes, workdirs) -> None:
-    path = workdirs() / "m.safetensors"
+@given(suffix_raw=st.one_of(st.tuples(st.just(".safetensors"), model_file_bytes()),
+                            st.tuples(st.sampled_from([".bin", ".pt"]), st.one_of(pickle_file_bytes(),
+                                                                                   model_file_bytes()))))
+def test_open_checkpoint_of_any_bytes_reads_or_refuses_cleanly(suffix_raw: tuple[str, bytes], workdirs) -> None:
+    suffix, raw = suffix_raw
+    path = workdirs() / f"m{suffix}"
     path.write_bytes(raw)
     try:
         src = open_checkpoint(path)

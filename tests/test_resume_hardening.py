@@ -236,3 +236,22 @@ def test_a_corrupt_cached_expert_is_refused_and_an_unhashed_one_loads(tmp_path):
     write_json(path.with_suffix(".json"), {"sha256": "cfg"})  # cached before hashes were recorded
     save_tensors(path, sd)
     assert torch.equal(load_cached_expert(path)["head.b"], sd["head.b"])
+
+
+def test_study_resume_refuses_a_missing_directory_and_names_a_changed_spec(tmp_path):
+    from clmerge.sweep.study import run_study
+    from clmerge.theory.spec import load_study
+
+    spec = load_study(Path(__file__).resolve().parents[1] / "benchmarks" / "study_smoke.yaml", [])
+    with pytest.raises(RunStateError, match="no study to resume"):
+        run_study(spec, tmp_path / "typo", resume=True, log=lambda *_: None)
+    assert not (tmp_path / "typo").exists()
+    out = tmp_path / "study"
+    out.mkdir()
+    other = spec.model_copy(update={"name": "renamed"})
+    (out / "study.yaml").write_text(yaml.safe_dump(spec.model_dump(), sort_keys=False))
+    before = snapshot(tmp_path)
+    with pytest.raises(RunStateError, match="differs from the spec") as info:
+        run_study(other, out, resume=True, log=lambda *_: None)
+    assert f"name: {spec.name!r} (run) != 'renamed' (given)" in str(info.value)
+    assert snapshot(tmp_path) == before

@@ -26,16 +26,21 @@ from ..errors import RunStateError
 from ..utils.io import read_json, save_tensors, sha256_bytes, sha256_file, write_json
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "load_head_tensors", "RunLock",
-           "checkpoint_record", "resume_checkpoint", "verify_sha256", "CheckpointIntegrityError"]
+           "checkpoint_record", "resume_checkpoint", "verify_sha256", "CheckpointIntegrityError",
+           "ResumeError"]
 
 _NAME = re.compile(r"^task_(\d{3,})\.safetensors$")
 RECORD_KEY = "checkpoints"  # the manifest key that holds {checkpoint file name: sha256}
 log = logging.getLogger("clmerge.engine")
 
 
-class CheckpointIntegrityError(RunStateError, ValueError):
-    """A checkpoint or state file that is missing, unreadable or does not match its recorded sha256 (also a
-    ValueError, so callers that catch bad input files keep working)."""
+class ResumeError(RunStateError, ValueError):
+    """A run (or study) directory that cannot be resumed as asked; also a ValueError, so callers that catch
+    bad input keep working."""
+
+
+class CheckpointIntegrityError(ResumeError):
+    """A checkpoint or state file that is missing, unreadable or does not match its recorded sha256."""
 
 
 def save_checkpoint(run_dir: Path, task: int, model_state: dict[str, torch.Tensor],
@@ -120,8 +125,8 @@ def resume_checkpoint(run_dir: Path) -> tuple[Path | None, str | None]:
     if record is None:  # a run from before checkpoints were hashed
         ck = latest_checkpoint(run_dir)
         if ck is not None:
-            log.warning("warning: %s has no recorded sha256 (written by an older clmerge); loading it unverified",
-                        ck)
+            log.warning("warning: %s has no recorded sha256 (written by an older clmerge); loading it "
+                        "unverified", ck)
         return ck, None
     named = sorted((int(m.group(1)), n) for n in record if (m := _NAME.match(n)))
     if not named:

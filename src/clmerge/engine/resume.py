@@ -1,8 +1,8 @@
 """What ``--resume`` checks before it touches anything: that the directory holds a run, that the config is
 the run's (and, if not, which keys differ), that ``events.jsonl`` is the one the checkpoint saw.
 
-Every refusal is a :class:`clmerge.errors.RunStateError` raised before the run directory is modified, so a
-refused ``--resume`` leaves the file system exactly as it was.
+Every refusal is a :class:`~clmerge.engine.checkpoint.ResumeError` (a :class:`clmerge.errors.RunStateError`)
+raised before the run directory is modified, so a refused ``--resume`` leaves the file system as it was.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any
 
 import yaml
 
-from ..errors import RunStateError
 from ..utils.io import sha256_bytes
+from .checkpoint import ResumeError
 
 __all__ = ["check_resumable", "check_same_config", "config_differences", "events_prefix", "events_sha256",
-           "finished_tasks_in_events", "verify_events", "MAX_LISTED"]
+           "finished_tasks_in_events", "summarize_differences", "verify_events", "MAX_LISTED"]
 
 RUN_FILES = ("config.yaml", "manifest.json")  # written when a run starts, before its first task
 MAX_LISTED = 3  # differing keys shown in full in a refusal; the rest are counted
@@ -30,12 +30,12 @@ def check_resumable(out: Path) -> None:
     out = Path(out)
     hint = "check the --out path, or drop --resume to start a new run"
     if not out.exists():
-        raise RunStateError(f"{out}: no such run directory to resume; {hint}")
+        raise ResumeError(f"{out}: no such run directory to resume; {hint}")
     if not out.is_dir():
-        raise RunStateError(f"{out}: not a directory, so no run to resume; {hint}")
+        raise ResumeError(f"{out}: not a directory, so no run to resume; {hint}")
     missing = [name for name in RUN_FILES if not (out / name).is_file()]
     if missing:
-        raise RunStateError(f"{out}: holds no clmerge run to resume (no {' or '.join(missing)}); {hint}")
+        raise ResumeError(f"{out}: holds no clmerge run to resume (no {' or '.join(missing)}); {hint}")
 
 
 def check_same_config(cfg_file: Path, cfg_text: str) -> None:
@@ -47,15 +47,22 @@ def check_same_config(cfg_file: Path, cfg_text: str) -> None:
     try:
         stored = yaml.safe_load(stored_text) or {}
     except yaml.YAMLError as exc:
-        raise RunStateError(f"{cfg_file}: unreadable YAML ({exc}); cannot check the config") from None
+        raise ResumeError(f"{cfg_file}: unreadable YAML ({exc}); cannot check the config") from None
     diffs = config_differences(stored, yaml.safe_load(cfg_text) or {})
     if not diffs:  # the same values written differently (e.g. by another clmerge version)
         return
+    raise ResumeError(f"{cfg_file}: the run was started with a different config ({_count(diffs)} differ); "
+                      "resume with the same config or choose another --out\n" + summarize_differences(diffs))
+
+
+def summarize_differences(diffs: list[str]) -> str:
+    """One line: the first :data:`MAX_LISTED` differences, then how many more."""
     more = len(diffs) - MAX_LISTED
-    shown = "; ".join(diffs[:MAX_LISTED]) + (f"; and {more} more" if more > 0 else "")
-    keys = f"{len(diffs)} key{'s' if len(diffs) != 1 else ''}"
-    raise RunStateError(f"{cfg_file}: the run was started with a different config ({keys} differ); resume with "
-                        f"the same config or choose another --out\n{shown}")
+    return "; ".join(diffs[:MAX_LISTED]) + (f"; and {more} more" if more > 0 else "")
+
+
+def _count(diffs: list[str]) -> str:
+    return f"{len(diffs)} key{'s' if len(diffs) != 1 else ''}"
 
 
 _ABSENT = object()
@@ -106,17 +113,17 @@ def verify_events(events: Path, n_lines: int, expected_sha256: str | None) -> st
     checkpoint recorded; without a record (older runs), whatever of them exists, as before.
 
     Raises:
-        RunStateError: the file is missing, shorter than the checkpoint saw, or its first lines changed.
+        ResumeError: the file is missing, shorter than the checkpoint saw, or its first lines changed.
     """
     prefix = events_prefix(events, n_lines)
     if expected_sha256 is None:
         lines = events.read_text().splitlines(keepends=True) if events.is_file() else []
         return "".join(lines[:n_lines])
     if prefix is None:
-        raise RunStateError(f"{events}: missing or shorter than the {n_lines} lines the last checkpoint "
+        raise ResumeError(f"{events}: missing or shorter than the {n_lines} lines the last checkpoint "
                             "recorded; nothing was changed: restore it to resume")
     if sha256_bytes(prefix.encode()) != expected_sha256:
-        raise RunStateError(f"{events}: its first {n_lines} lines differ from the sha256 the last "
+        raise ResumeError(f"{events}: its first {n_lines} lines differ from the sha256 the last "
                             "checkpoint recorded; nothing was changed: restore it to resume")
     return prefix
 

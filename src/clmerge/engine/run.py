@@ -22,14 +22,13 @@ from ..adapters.structure import model_structure, rebuild_structure
 from ..config import ExperimentConfig, dump_config
 from ..data import build_dataset, build_scenario
 from ..data.scenarios import Scenario
-from ..errors import RunStateError
 from ..methods import build_method
 from ..methods.base import ContinualMethod, TaskContext
 from ..metrics import summarize
 from ..models import ContinualClassifier, IncrementalHead, build_backbone
 from ..utils.io import append_jsonl, atomic_write_text, read_json, sha256_file, write_json
-from .checkpoint import RECORD_KEY, RunLock, checkpoint_record, load_checkpoint, load_head_tensors, \
-    resume_checkpoint, save_checkpoint
+from .checkpoint import (RECORD_KEY, ResumeError, RunLock, checkpoint_record, load_checkpoint,
+                         load_head_tensors, resume_checkpoint, save_checkpoint)
 from .evaluate import evaluate_tasks
 from .heads import VARIANTS, HeadSuite, check_head_support
 from .resume import check_resumable, check_same_config, events_sha256, finished_tasks_in_events, verify_events
@@ -128,7 +127,7 @@ def _restore(out: Path, model: ContinualClassifier, method: ContinualMethod, dev
     events = out / "events.jsonl"
     if ck is None:  # killed during the first task: start over
         if checkpoint_record(out) is None and (n := finished_tasks_in_events(events)):
-            raise RunStateError(f"{out}: events.jsonl records {n} finished task(s) but checkpoints/ holds no "
+            raise ResumeError(f"{out}: events.jsonl records {n} finished task(s) but checkpoints/ holds no "
                                 "checkpoint; nothing was changed: restore the checkpoints to resume")
         events.unlink(missing_ok=True)
         return 0, RunState(), {}

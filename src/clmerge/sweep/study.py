@@ -20,7 +20,8 @@ from typing import Any
 
 import yaml
 
-from ..engine.checkpoint import verify_sha256
+from ..engine.checkpoint import ResumeError, verify_sha256
+from ..engine.resume import config_differences, summarize_differences
 from ..harness.merge_bench import BenchConfig, expert_digest, expert_path, parse_task
 from ..harness.merge_bench_experts import cached_file_sha256
 from ..theory.jobs import expert_job, merge_job, stability_configs
@@ -126,14 +127,19 @@ def _record(p: Point, res: dict, needs: dict, experts: _Experts) -> dict[str, An
 
 
 def _prepare(out: Path, spec: StudySpec, resume: bool) -> set[str]:
+    saved = out / "study.yaml"
+    if resume and not saved.is_file():  # a mistyped --out never starts a fresh study
+        raise ResumeError(f"{out}: no study to resume (no study.yaml); check the --out path or drop --resume")
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
     if results.exists() and not resume:
         raise FileExistsError(f"{results} exists: use --resume to continue that study, or another --out")
-    saved = out / "study.yaml"
     text = yaml.safe_dump(spec.model_dump(), sort_keys=False)
-    if resume and saved.exists() and saved.read_text() != text:
-        raise ValueError(f"{saved} differs from the spec given: --resume needs the same study")
+    if resume and saved.read_text() != text:
+        diffs = config_differences(yaml.safe_load(saved.read_text()) or {}, yaml.safe_load(text) or {})
+        if diffs:
+            raise ResumeError(f"{saved} differs from the spec given: --resume needs the same study\n"
+                                f"{summarize_differences(diffs)}")
     atomic_write_text(saved, text)
     rows = read_results(out)
     # rewrite without a torn last line (a killed run), so appended records start on a fresh line

@@ -198,3 +198,25 @@ def test_merge_command_merges_or_fails_in_one_line_leaving_nothing(call, out_nam
     else:
         assert code >= 2 and "Traceback" not in err and 1 <= len(err.strip().splitlines()) <= 3, err
         assert list(out.parent.iterdir()) == [], "a failed merge left files behind"
+
+
+@pytest.mark.parametrize("with_base", [True, False])
+def test_slerp_on_the_merge_command_equals_the_api(with_base, tmp_path, monkeypatch):
+    """Found by the fuzz above: the merge command's slerp failed with "object of type 'ModelSet' has no len()"."""
+    from safetensors.torch import load_file
+
+    from clmerge.cli import main
+
+    g = torch.Generator().manual_seed(0)
+    a, b = ({"w": torch.randn(3, 4, generator=g), "n": torch.tensor([7])} for _ in range(2))
+    pa, pb = _write(tmp_path, "a.safetensors", a), _write(tmp_path, "b.safetensors", b)
+    models = ["--base", str(pa), "--expert", str(pb)] if with_base else ["--expert", str(pa), "--expert", str(pb)]
+    out = tmp_path / "out.safetensors"
+    monkeypatch.setattr(sys, "argv", ["clmerge", "merge", "--method", "slerp", *models, "--set", "t=0.3",
+                                      "--compute-dtype", "float32", "--threads", "1", "--out", str(out)])
+    with pytest.raises(SystemExit) as info:
+        main()
+    assert (info.value.code or 0) == 0
+    expected = merging.merge("slerp", base=a if with_base else None, experts=[b] if with_base else [a, b], t=0.3)
+    got = load_file(out)
+    assert torch.allclose(got["w"], expected["w"], atol=1e-6) and torch.equal(got["n"], a["n"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -39,10 +40,19 @@ def run_and_resume(method: dict, tmp_path: Path) -> tuple[dict, dict]:
     a, b = tmp_path / "a", tmp_path / "b"
     full = run_experiment(cfg, a)
     shutil.copytree(a, b)
-    (b / "checkpoints" / "task_001.safetensors").unlink()
+    uncommit_checkpoint(b, "task_001.safetensors")
     (b / "metrics.json").unlink()
     resumed = run_experiment(cfg, b, resume=True)
     return full, resumed
+
+
+def uncommit_checkpoint(run_dir: Path, name: str) -> None:
+    """Delete a checkpoint and its sha256 record in manifest.json: the state of a run killed before that
+    checkpoint was committed (a recorded checkpoint that is missing is refused by --resume)."""
+    (run_dir / "checkpoints" / name).unlink()
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    del manifest["checkpoints"][name]
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
 
 
 def assert_same_run(full: dict, resumed: dict) -> None:

@@ -11,6 +11,7 @@ import yaml
 
 from clmerge.config import parse_config
 from clmerge.engine.run import run_experiment
+from clmerge.errors import RunStateError
 from clmerge.methods.seq_lora import SeqLoRA
 from conftest import tiny_config
 
@@ -79,7 +80,7 @@ def test_resume_after_crash_gives_identical_metrics(tmp_path, monkeypatch, metho
 
 def test_resume_refuses_a_different_config(tmp_path):
     run_experiment(parse_config(tiny_config()), tmp_path / "r")
-    with pytest.raises(ValueError, match="different config"):
+    with pytest.raises(RunStateError, match="different config"):
         run_experiment(parse_config(tiny_config(seed=1)), tmp_path / "r", resume=True)
 
 

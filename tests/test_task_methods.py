@@ -13,6 +13,7 @@ from clmerge.config import parse_config
 from clmerge.engine.checkpoint import load_checkpoint
 from clmerge.engine.run import prepare, run_experiment
 from clmerge.methods.gpm import extend_basis
+from _lora_cl_helpers import uncommit_checkpoint
 
 
 def tiny_cfg(method: str, **options) -> dict:
@@ -33,7 +34,7 @@ def _run(tmp_path, name: str, data: dict) -> dict:
 def _resume_matches(tmp_path, data: dict, full: dict) -> None:
     shutil.copytree(tmp_path / "full", tmp_path / "resumed")
     (tmp_path / "resumed" / "metrics.json").unlink()
-    (tmp_path / "resumed" / "checkpoints" / "task_002.safetensors").unlink()
+    uncommit_checkpoint(tmp_path / "resumed", "task_002.safetensors")
     resumed = run_experiment(parse_config(data), tmp_path / "resumed", resume=True)
     assert resumed["accuracy_matrix"] == full["accuracy_matrix"]
     assert resumed["method_metrics"] == full["method_metrics"]

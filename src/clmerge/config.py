@@ -53,7 +53,8 @@ class ConfigFileError(ConfigError, InputError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # nan/inf are never meaningful settings (an lr of inf diverges at the first step): refused with the key
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ScenarioConfig(_Strict):
@@ -213,7 +214,7 @@ class ExperimentConfig(_Strict):
 
 # ----------------------------------------------------------------------------------------------------------
 def _nearest(key: str, valid: list[str]) -> str:
-    near = get_close_matches(key, valid, n=1, cutoff=0.5)
+    near = get_close_matches(str(key), valid, n=1, cutoff=0.5)  # YAML keys may be numbers
     return f" (did you mean {near[0]!r}?)" if near else f"; valid keys: {', '.join(valid)}"
 
 
@@ -239,13 +240,13 @@ def _check_method_keys(data: dict, path: str) -> None:
     from .methods import available_methods, method_options_model
 
     name = data.get("name", MethodConfig().name)
-    if name not in available_methods():
+    if not isinstance(name, str) or name not in available_methods():
         raise ConfigError(f"{path}name: unknown method {name!r}{_nearest(name, list(available_methods()))}")
     opts = method_options_model(name)
     for key in data:
         if key != "name" and key not in opts.model_fields:
             valid = list(opts.model_fields) or ["(this method has no options)"]
-            raise ConfigError(f"unknown config key {path + key!r} for method {name!r}{_nearest(key, valid)}")
+            raise ConfigError(f"unknown config key {f'{path}{key}'!r} for method {name!r}{_nearest(key, valid)}")
 
 
 def _format_validation(exc: ValidationError, prefix: str = "") -> str:

@@ -39,13 +39,13 @@ def load_run_model(run_dir: Path) -> tuple[nn.Module, nn.Module, dict, dict]:
     from ..adapters.folded import folded_copy
     from ..adapters.structure import rebuild_structure
     from ..config import ConfigError, load_config
-    from ..engine.checkpoint import latest_checkpoint, load_checkpoint
+    from ..engine.checkpoint import load_checkpoint, resume_checkpoint
     from ..engine.run import build_classifier
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise MergeInputError(f"{run_dir}: not a run directory (no config.yaml)")
-    ck = latest_checkpoint(run_dir)
+    ck, sha = resume_checkpoint(run_dir)  # the newest recorded checkpoint and its sha256
     if ck is None:
         raise MergeInputError(f"{run_dir}: no checkpoint (checkpoints/task_NNN.safetensors); finish a task first")
     try:
@@ -54,7 +54,7 @@ def load_run_model(run_dir: Path) -> tuple[nn.Module, nn.Module, dict, dict]:
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         raise MergeInputError(f"{run_dir / 'config.yaml'}: cannot rebuild the model ({exc})") from exc
     pretrained = copy.deepcopy(model.backbone).eval()
-    state, _, meta = load_checkpoint(ck)
+    state, _, meta = load_checkpoint(ck, sha256=sha)
     others = sorted({c for c in meta["structure"].get("wrapped", {}).values() if c != "LoRALinear"})
     if others:
         raise MergeInputError(f"{run_dir}: method {cfg.method.name!r} keeps per-task modules ({', '.join(others)}); "

@@ -1,13 +1,20 @@
-"""Per-task checkpoints (atomic safetensors) and the run-directory lock.
+"""Per-task checkpoints (atomic safetensors with a recorded sha256) and the run-directory lock.
 
 ``checkpoints/task_NNN.safetensors`` holds the model state (``model/`` prefix), the method's tensors
 (``method/`` prefix) and, as JSON metadata, the model structure, the method's metadata and the evaluation
 rows so far. A resumed run rebuilds the structure, loads the tensors and starts at task NNN + 1.
+
+Integrity: ``manifest.json`` keeps ``"checkpoints": {file name: sha256}``. A checkpoint is written first
+(atomically), then recorded (the manifest is rewritten atomically), then older ones are pruned; so the record
+is the commit point: a file that is not recorded (a run killed between the two writes) is ignored by resume,
+and a recorded file that is missing or whose bytes no longer hash to the record is refused with its name.
+Runs written before hashes were recorded (no ``"checkpoints"`` key) load with a one-line warning.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -15,46 +22,149 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..utils.io import save_tensors
+from ..errors import RunStateError
+from ..utils.io import read_json, save_tensors, sha256_bytes, sha256_file, write_json
 
-__all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "load_head_tensors", "RunLock"]
+__all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "load_head_tensors", "RunLock",
+           "checkpoint_record", "resume_checkpoint", "verify_sha256", "CheckpointIntegrityError",
+           "ResumeError"]
 
 _NAME = re.compile(r"^task_(\d{3,})\.safetensors$")
+RECORD_KEY = "checkpoints"  # the manifest key that holds {checkpoint file name: sha256}
+log = logging.getLogger("clmerge.engine")
+
+
+class ResumeError(RunStateError, ValueError):
+    """A run (or study) directory that cannot be resumed as asked; also a ValueError, so callers that catch
+    bad input keep working."""
+
+
+class CheckpointIntegrityError(ResumeError):
+    """A checkpoint or state file that is missing, unreadable or does not match its recorded sha256."""
 
 
 def save_checkpoint(run_dir: Path, task: int, model_state: dict[str, torch.Tensor],
                     method_tensors: dict[str, torch.Tensor], meta: dict, keep: int = 1,
                     head_tensors: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write ``task_NNN.safetensors`` atomically, then delete all but the newest ``keep`` checkpoints.
+    """Write ``task_NNN.safetensors`` atomically, record its sha256 in ``manifest.json``, then delete all but
+    the newest ``keep`` checkpoints.
 
     ``head_tensors`` (the head suite's statistics, ``engine.heads``) are stored under the ``head/`` prefix."""
-    ckdir = Path(run_dir) / "checkpoints"
+    run_dir = Path(run_dir)
+    ckdir = run_dir / "checkpoints"
     tensors = {f"model/{k}": v for k, v in model_state.items()}
     tensors.update({f"method/{k}": v for k, v in method_tensors.items()})
     tensors.update({f"head/{k}": v.contiguous() for k, v in (head_tensors or {}).items()})
     path = ckdir / f"task_{task:03d}.safetensors"
-    save_tensors(path, tensors, metadata={"clmerge": json.dumps(meta)})
-    for old in sorted(p for p in ckdir.iterdir() if _NAME.match(p.name))[:-keep]:
-        old.unlink()
+    sha = save_tensors(path, tensors, metadata={"clmerge": json.dumps(meta)})
+    on_disk = [p for _, p in _numbered(ckdir)]
+    stale = [p for p in on_disk if p != path][: max(0, len(on_disk) - keep)]
+    record = {k: v for k, v in (checkpoint_record(run_dir) or {}).items() if k not in {p.name for p in stale}}
+    record[path.name] = sha
+    _write_record(run_dir, record)  # the commit point: only now does resume see this checkpoint
+    for old in stale:
+        old.unlink(missing_ok=True)
     return path
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    ckdir = Path(run_dir) / "checkpoints"
+def _numbered(ckdir: Path) -> list[tuple[int, Path]]:
     if not ckdir.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in ckdir.iterdir() if (m := _NAME.match(p.name)))
+
+
+def _write_record(run_dir: Path, record: dict[str, str]) -> None:
+    manifest_path = run_dir / "manifest.json"
+    manifest = _read_manifest(run_dir) if manifest_path.is_file() else {}
+    manifest[RECORD_KEY] = dict(sorted(record.items()))
+    write_json(manifest_path, manifest)
+
+
+def _read_manifest(run_dir: Path) -> dict:
+    path = Path(run_dir) / "manifest.json"
+    try:
+        manifest = read_json(path)
+    except (ValueError, OSError) as exc:
+        raise CheckpointIntegrityError(f"{path}: unreadable ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointIntegrityError(f"{path}: not a JSON object")
+    return manifest
+
+
+def checkpoint_record(run_dir: Path) -> dict[str, str] | None:
+    """``{checkpoint file name: sha256}`` from ``manifest.json``; None for a run written before checkpoints
+    were hashed (or with no manifest)."""
+    if not (Path(run_dir) / "manifest.json").is_file():
         return None
-    found = sorted((int(m.group(1)), p) for p in ckdir.iterdir() if (m := _NAME.match(p.name)))
+    record = _read_manifest(run_dir).get(RECORD_KEY)
+    if record is None:
+        return None
+    if not isinstance(record, dict) or not all(isinstance(v, str) for v in record.values()):
+        raise CheckpointIntegrityError(f"{Path(run_dir) / 'manifest.json'}: {RECORD_KEY!r} is not a "
+                                       "{file: sha256} mapping")
+    return record
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint: the newest recorded one, or (runs without a record) the newest on disk."""
+    record = checkpoint_record(run_dir)
+    found = _numbered(Path(run_dir) / "checkpoints")
+    if record is not None:
+        found = [(n, p) for n, p in found if p.name in record]
     return found[-1][1] if found else None
 
 
-def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
-    """Return (model_state, method_tensors, meta)."""
+def resume_checkpoint(run_dir: Path) -> tuple[Path | None, str | None]:
+    """``(checkpoint to resume from, its recorded sha256)``; ``(None, None)`` when no task was recorded.
+
+    Raises:
+        CheckpointIntegrityError: the newest recorded checkpoint is missing (every missing one is named).
+    """
+    run_dir = Path(run_dir)
+    record = checkpoint_record(run_dir)
+    if record is None:  # a run from before checkpoints were hashed
+        ck = latest_checkpoint(run_dir)
+        if ck is not None:
+            log.warning("warning: %s has no recorded sha256 (written by an older clmerge); loading it "
+                        "unverified", ck)
+        return ck, None
+    named = sorted((int(m.group(1)), n) for n in record if (m := _NAME.match(n)))
+    if not named:
+        return None, None
+    newest = run_dir / "checkpoints" / named[-1][1]
+    if not newest.is_file():
+        missing = [f"checkpoints/{n}" for _, n in named if not (run_dir / "checkpoints" / n).is_file()]
+        raise CheckpointIntegrityError(
+            f"{run_dir}: missing {', '.join(missing)} (recorded in manifest.json); nothing was changed: "
+            "restore the file(s) to resume, or start a fresh run in another --out")
+    return newest, record[named[-1][1]]
+
+
+def verify_sha256(path: Path, expected: str | None, what: str = "checkpoint", *, data: bytes | None = None,
+                  hint: str = "restore it or start a fresh run") -> None:
+    """Refuse ``path`` (or its bytes ``data``, already read) when its sha256 differs from ``expected``
+    (None: nothing recorded, nothing to check)."""
+    if expected is None:
+        return
+    if data is None and not Path(path).is_file():
+        raise CheckpointIntegrityError(f"{path}: missing {what}")
+    actual = sha256_bytes(data) if data is not None else sha256_file(path)
+    if actual != expected:
+        raise CheckpointIntegrityError(f"{path}: sha256 mismatch ({actual[:12]}… on disk, {expected[:12]}… "
+                                       f"recorded): the {what} is corrupt; {hint}")
+
+
+def load_checkpoint(path: Path, sha256: str | None = None) -> tuple[dict[str, torch.Tensor],
+                                                                     dict[str, torch.Tensor], dict]:
+    """Return (model_state, method_tensors, meta); with ``sha256``, the file is verified first."""
+    verify_sha256(path, sha256)
     parts, meta = _load_parts(path)
     return parts["model"], parts["method"], meta
 
 
-def load_head_tensors(path: Path) -> dict[str, torch.Tensor]:
+def load_head_tensors(path: Path, sha256: str | None = None) -> dict[str, torch.Tensor]:
     """The head suite's tensors (``head/`` prefix) of a checkpoint; empty for runs without feature heads."""
+    verify_sha256(path, sha256)
     return _load_parts(path)[0]["head"]
 
 
@@ -66,8 +176,8 @@ def _load_parts(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
             for key in fh.keys():
                 prefix, _, name = key.partition("/")
                 parts[prefix if prefix in ("model", "head") else "method"][name] = fh.get_tensor(key)
-    except (KeyError, json.JSONDecodeError, OSError, Exception) as exc:
-        raise ValueError(f"{path}: unreadable checkpoint ({exc})") from exc
+    except Exception as exc:  # safetensors and json raise several types for a torn or foreign file
+        raise CheckpointIntegrityError(f"{path}: unreadable checkpoint ({exc})") from exc
     return parts, meta
 
 

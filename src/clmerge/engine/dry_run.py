@@ -264,7 +264,7 @@ def _task_losses(out: Path) -> dict[int, float]:
 def _check_resume(cfg: ExperimentConfig, out: Path, device) -> None:
     """Restore the last checkpoint into a freshly built model and method (the ``--resume`` path)."""
     _, model2, method2, _ = prepare(cfg)
-    start, _ = _restore(out, model2, method2, device)
+    start = _restore(out, model2, method2, device)[0]
     if start < 1:
         raise RuntimeError("dry run: the checkpoint could not be restored")
 

@@ -87,10 +87,14 @@ def _markdown(summary: dict) -> str:
 
 def run_orders(cfg: ExperimentConfig, out_dir: str | Path, n: int, *, resume: bool = False) -> dict:
     """Run ``cfg`` over ``n`` task orders into sub-run directories and write the order-robustness summary."""
+    out = Path(out_dir)
+    if resume and not any((out / f"order_{r}").is_dir() for r in range(n)):
+        from .resume import check_resumable
+
+        check_resumable(out / "order_0")  # refuses: a mistyped --out never starts fresh order runs
     from ..report.html import build_sweep_report
     from .run import run_experiment
 
-    out = Path(out_dir)
     orders = task_orders(cfg, n)
     metrics = []
     for r, order in enumerate(orders):

@@ -24,11 +24,13 @@ from ..methods import build_method
 from ..methods.base import ContinualMethod, TaskContext
 from ..metrics import summarize
 from ..models import ContinualClassifier, IncrementalHead, build_backbone
-from ..utils.io import append_jsonl, atomic_write_text, read_json, write_json
+from ..utils.io import append_jsonl, atomic_write_text, read_json, sha256_file, write_json
 from ..utils.progress import Progress
-from .checkpoint import RunLock, latest_checkpoint, load_checkpoint, load_head_tensors, save_checkpoint
+from .checkpoint import (RECORD_KEY, ResumeError, RunLock, checkpoint_record, load_checkpoint,
+                         load_head_tensors, resume_checkpoint, save_checkpoint)
 from .evaluate import evaluate_tasks
 from .heads import VARIANTS, HeadSuite, check_head_support
+from .resume import check_resumable, check_same_config, events_sha256, finished_tasks_in_events, verify_events
 from .training import fit
 
 __all__ = ["run_experiment", "prepare", "build_heads", "RunState", "task_generator", "resolve_device"]
@@ -108,35 +110,41 @@ def head_variant_needs_features(cfg: ExperimentConfig) -> bool:
 
 def _check_run_dir(out: Path, cfg_text: str, resume: bool) -> None:
     cfg_file = out / "config.yaml"
-    if resume:
-        if cfg_file.exists() and cfg_file.read_text() != cfg_text:
-            raise ValueError(f"{cfg_file}: the run was started with a different config; resume with the same one")
+    if resume:  # check_resumable(out) ran before the lock
+        check_same_config(cfg_file, cfg_text)
         return
     if cfg_file.exists() or (out / "checkpoints").exists():
         raise FileExistsError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
 
 
 def _restore(out: Path, model: ContinualClassifier, method: ContinualMethod, device,
-             heads: HeadSuite | None = None) -> tuple[int, RunState]:
-    ck = latest_checkpoint(out)
+             heads: HeadSuite | None = None) -> tuple[int, RunState, dict[str, str]]:
+    """``(first task to run, run state, checkpoint record)`` from the newest verified checkpoint. Every check
+    (missing or corrupt checkpoint, changed events.jsonl) runs before the one change: events.jsonl is cut
+    back to what the checkpoint saw."""
+    ck, sha = resume_checkpoint(out)
+    events = out / "events.jsonl"
     if ck is None:  # killed during the first task: start over
-        (out / "events.jsonl").unlink(missing_ok=True)
-        return 0, RunState()
-    model_state, method_tensors, meta = load_checkpoint(ck)
+        if checkpoint_record(out) is None and (n := finished_tasks_in_events(events)):
+            raise ResumeError(f"{out}: events.jsonl records {n} finished task(s) but checkpoints/ holds no "
+                                "checkpoint; nothing was changed: restore the checkpoints to resume")
+        events.unlink(missing_ok=True)
+        return 0, RunState(), {}
+    model_state, method_tensors, meta = load_checkpoint(ck, sha256=sha)
+    st = meta["state"]
+    kept = verify_events(events, st["events_lines"], meta.get("events_sha256"))
     rebuild_structure(model, meta["structure"])
     model.load_state_dict(model_state, strict=True)
     model.to(device)
     method.load_state({k: v.to(device) for k, v in method_tensors.items()}, meta["method"])
     if heads is not None and heads.needs_features:
         heads.load_state(load_head_tensors(ck), meta["heads"])
-    st = meta["state"]
     state = RunState(st["rows"], st["til_rows"], st["task_seconds"], st["initial"], st["events_lines"],
                      st.get("head_rows", {}), st.get("head_val", {}))
-    events = out / "events.jsonl"
     if events.exists():  # drop events written by the interrupted task
-        lines = events.read_text().splitlines(keepends=True)[: state.events_lines]
-        atomic_write_text(events, "".join(lines))
-    return meta["task"] + 1, state
+        atomic_write_text(events, kept)
+    record = checkpoint_record(out)  # a run from before hashes were recorded adopts its checkpoint's hash
+    return meta["task"] + 1, state, record if record is not None else {ck.name: sha256_file(ck)}
 
 
 def _row(results, n_tasks: int, key: str) -> list[float | None]:
@@ -279,15 +287,17 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool =
         torch.set_num_threads(cfg.run.threads)
     device = resolve_device(cfg.run.device)
     cfg_text = dump_config(cfg)
+    if resume:  # before the lock, which would create a mistyped directory
+        check_resumable(out)
     _check_run_dir(out, cfg_text, resume)
     # data, scenario, model and method errors surface here, before the run directory exists
     scenario, model, method, manifest = prepare(cfg)
     heads = build_heads(cfg, model, method)
     with RunLock(out):
         _check_run_dir(out, cfg_text, resume)  # again under the lock: another run may have started meanwhile
-        start, state = _restore(out, model, method, device, heads) if resume else (0, RunState())
+        start, state, record = _restore(out, model, method, device, heads) if resume else (0, RunState(), {})
         atomic_write_text(out / "config.yaml", cfg_text)
-        write_json(out / "manifest.json", manifest)
+        write_json(out / "manifest.json", {**manifest, RECORD_KEY: record})
         model.to(device)
         bar = Progress(range(start, len(scenario)), desc="tasks", enabled=cfg.run.progress)
         for t in bar:
@@ -297,7 +307,8 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool =
             _log(out, state, {"event": "task_end", "task": t, "seconds": round(state.task_seconds[-1], 3),
                               "acc_row": row, "avg_acc": float(np.mean(row))})
             meta = {"task": t, "structure": model_structure(model), "method": method.state_meta(),
-                    "state": state.to_meta(), "heads": heads.state_meta()}
+                    "state": state.to_meta(), "heads": heads.state_meta(),
+                    "events_sha256": events_sha256(out / "events.jsonl", state.events_lines)}
             save_checkpoint(out, t, model.state_dict(), method.state_tensors(), meta, keep=cfg.run.keep_checkpoints,
                             head_tensors=heads.state_tensors() if heads.needs_features else None)
             bar.set_postfix(avg_acc=f"{np.mean(row):.1f}")

@@ -27,6 +27,7 @@ from .merge_bench_data import BenchTask
 
 __all__ = ["BenchConfig", "HEAD_PROTOCOLS", "HEAD_INITS", "build_base", "features", "fit_probe", "prototype_head",
            "fit_head", "init_expert", "train_expert", "split_expert", "expert_digest", "expert_path",
+           "load_cached_expert",
            "expert_for_task", "loss_and_accuracy", "make_head"]
 
 HEAD_PROTOCOLS = ("frozen", "cotrained")
@@ -242,13 +243,33 @@ def expert_for_task(task: BenchTask, cfg: BenchConfig, data: dict,
     """``(backbone params, head params)`` of the expert for ``task``: from the cache, or fine-tuned now."""
     path = expert_path(cache, task, cfg)
     if path.exists():
-        sd = load_tensors(path)
+        sd = load_cached_expert(path)
     else:
         digest = expert_digest(task, cfg)
         sd = train_expert(cfg, data)
-        save_tensors(path, sd, metadata={"sha256_of_config": digest})
-        write_json(path.with_suffix(".json"), {"sha256": digest, "config": cfg.expert_key(task)})
+        file_sha = save_tensors(path, sd, metadata={"sha256_of_config": digest})
+        write_json(path.with_suffix(".json"), {"sha256": digest, "config": cfg.expert_key(task),
+                                               "file_sha256": file_sha})
     return split_expert(sd)
+
+
+def cached_file_sha256(path: Path) -> str | None:
+    """The sha256 of the cached expert's bytes recorded in the JSON beside it (None: cached before hashes
+    were recorded, or no JSON)."""
+    meta = path.with_suffix(".json")
+    try:
+        return json.loads(meta.read_text()).get("file_sha256") if meta.is_file() else None
+    except (json.JSONDecodeError, AttributeError):
+        return None
+
+
+def load_cached_expert(path: Path) -> dict[str, Tensor]:
+    """A cached expert, verified against its recorded sha256 (a corrupt cache file is refused, naming it)."""
+    from ..engine.checkpoint import verify_sha256
+
+    verify_sha256(path, cached_file_sha256(path), what="cached expert",
+                  hint="delete it and its .json to retrain")
+    return load_tensors(path)
 
 
 def loss_and_accuracy(backbone: nn.Module, head: nn.Module, x: Tensor, y: Tensor,

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import UsageError
 from .driver import map_keys, task_vectors64
 from .registry import register_merge
 from .sources import open_models
@@ -47,7 +48,7 @@ def model_stock(*, base: Any, experts: Sequence[Any]) -> dict[str, Tensor]:
     """
     models = open_models(base, experts)
     if models.num_experts < 2:
-        raise ValueError(f"model_stock needs at least 2 experts, got {models.num_experts}")
+        raise UsageError(f"model_stock needs at least 2 experts, got {models.num_experts}")
 
     def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
         tvs = task_vectors64(b, xs)

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import UsageError
 from .driver import map_keys
 from .registry import register_merge
-from .sources import open_models
+from .sources import ModelSet, open_models
 
 __all__ = ["slerp", "slerp_tensor", "DOT_THRESHOLD"]
 
@@ -61,12 +62,16 @@ def slerp(*, base: Any = None, experts: Sequence[Any], t: float = 0.5,
         raise ValueError(f"t must be in [0, 1], got {t}")
     if not 0.0 <= dot_threshold <= 1.0:
         raise ValueError(f"dot_threshold must be in [0, 1], got {dot_threshold}")
-    if isinstance(experts, (str, dict)) or base is None and len(experts) != 2 or base is not None and len(experts) != 1:
-        raise ValueError("slerp needs exactly two models: base= and one expert, or two experts and no base")
-    ends = [base, experts[0]] if base is not None else list(experts)
-    models = open_models(None, ends)
+    if isinstance(experts, ModelSet):  # the merge driver's inputs (``clmerge merge``): keep its keys and sink
+        models, count = experts, experts.num_experts + (experts.base is not None)
+    else:
+        count = -1 if isinstance(experts, (str, dict)) else len(experts) + (base is not None)
+        models = open_models(base, experts) if count == 2 else None
+    if count != 2:
+        raise UsageError("slerp needs exactly two models: base= and one expert, or two experts and no base")
 
     def kernel(key: str, b: Tensor | None, xs: list[Tensor]) -> Tensor:
-        return slerp_tensor(t, xs[0], xs[1], dot_threshold=dot_threshold)
+        first, second = (b, xs[0]) if b is not None else (xs[0], xs[1])
+        return slerp_tensor(t, first, second, dot_threshold=dot_threshold)
 
     return map_keys(models, kernel)

@@ -39,7 +39,8 @@ __all__ = [
 class MethodOptions(BaseModel):
     """Base for a method's options: unknown keys are errors; every field documents its paper source."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # nan/inf are never meaningful option values: refused with the key
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 @dataclass

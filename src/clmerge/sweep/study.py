@@ -21,7 +21,10 @@ from typing import Any
 import yaml
 
 from ..errors import ClmergeError
+from ..engine.checkpoint import ResumeError, verify_sha256
+from ..engine.resume import config_differences, summarize_differences
 from ..harness.merge_bench import BenchConfig, expert_digest, expert_path, parse_task
+from ..harness.merge_bench_experts import cached_file_sha256
 from ..theory.jobs import expert_job, merge_job, stability_configs
 from ..theory.spec import HYPERPARAMETERS, Point, StudySpec, expand_points
 from ..utils.io import append_jsonl, atomic_write_text, save_tensors, write_json
@@ -69,8 +72,11 @@ class _Experts:
         if path.exists() and meta.exists():
             info = json.loads(meta.read_text()).get("info")
             if info is not None:
+                params = path.read_bytes()
+                verify_sha256(path, cached_file_sha256(path), what="cached expert", data=params,
+                              hint="delete it and its .json to retrain")
                 self.infos[digest] = info
-                self.handles[digest] = self.ex.put({"params": path.read_bytes(), "info": info})
+                self.handles[digest] = self.ex.put({"params": params, "info": info})
                 self.ready.add(digest)
                 return digest
         h = self.ex.submit(expert_job, task, asdict(cfg), self.threads)
@@ -84,9 +90,9 @@ class _Experts:
         path.parent.mkdir(parents=True, exist_ok=True)
         from safetensors.torch import load
 
-        save_tensors(path, load(res["params"]), metadata={"sha256_of_config": digest})
+        file_sha = save_tensors(path, load(res["params"]), metadata={"sha256_of_config": digest})
         write_json(path.with_suffix(".json"), {"sha256": digest, "config": cfg.expert_key(parse_task(task)),
-                                               "info": res["info"]})
+                                               "info": res["info"], "file_sha256": file_sha})
         self.infos[digest] = res["info"]
         self.ready.add(digest)
         return digest
@@ -122,14 +128,19 @@ def _record(p: Point, res: dict, needs: dict, experts: _Experts) -> dict[str, An
 
 
 def _prepare(out: Path, spec: StudySpec, resume: bool) -> set[str]:
+    saved = out / "study.yaml"
+    if resume and not saved.is_file():  # a mistyped --out never starts a fresh study
+        raise ResumeError(f"{out}: no study to resume (no study.yaml); check the --out path or drop --resume")
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
     if results.exists() and not resume:
         raise FileExistsError(f"{results} exists: use --resume to continue that study, or another --out")
-    saved = out / "study.yaml"
     text = yaml.safe_dump(spec.model_dump(), sort_keys=False)
-    if resume and saved.exists() and saved.read_text() != text:
-        raise ValueError(f"{saved} differs from the spec given: --resume needs the same study")
+    if resume and saved.read_text() != text:
+        diffs = config_differences(yaml.safe_load(saved.read_text()) or {}, yaml.safe_load(text) or {})
+        if diffs:
+            raise ResumeError(f"{saved} differs from the spec given: --resume needs the same study\n"
+                                f"{summarize_differences(diffs)}")
     atomic_write_text(saved, text)
     rows = read_results(out)
     # rewrite without a torn last line (a killed run), so appended records start on a fresh line

@@ -84,10 +84,14 @@ def append_jsonl(path: str | Path, record: dict) -> None:
         fh.flush()
 
 
-def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    """Save a tensor dict as safetensors, atomically. Tensors are made contiguous and detached first."""
+def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor],
+                 metadata: dict[str, str] | None = None) -> str:
+    """Save a tensor dict as safetensors, atomically; return the sha256 of the bytes written (for a record
+    that later loads verify). Tensors are made contiguous and detached first."""
     clean = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    atomic_write_bytes(path, save(clean, metadata=metadata))
+    data = save(clean, metadata=metadata)
+    atomic_write_bytes(path, data)
+    return sha256_bytes(data)
 
 
 def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:

@@ -1,0 +1,141 @@
+"""What ``--resume`` checks before it touches anything: that the directory holds a run, that the config is
+the run's (and, if not, which keys differ), that ``events.jsonl`` is the one the checkpoint saw.
+
+Every refusal is a :class:`~clmerge.engine.checkpoint.ResumeError` (a :class:`clmerge.errors.RunStateError`)
+raised before the run directory is modified, so a refused ``--resume`` leaves the file system as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..utils.io import sha256_bytes
+from .checkpoint import ResumeError
+
+__all__ = ["check_resumable", "check_same_config", "config_differences", "events_prefix", "events_sha256",
+           "finished_tasks_in_events", "summarize_differences", "verify_events", "MAX_LISTED"]
+
+RUN_FILES = ("config.yaml", "manifest.json")  # written when a run starts, before its first task
+MAX_LISTED = 3  # differing keys shown in full in a refusal; the rest are counted
+
+
+def check_resumable(out: Path) -> None:
+    """Refuse a ``--resume`` into ``out`` when it is no run directory (missing, a file, or lacking the files a
+    run writes when it starts)."""
+    out = Path(out)
+    hint = "check the --out path, or drop --resume to start a new run"
+    if not out.exists():
+        raise ResumeError(f"{out}: no such run directory to resume; {hint}")
+    if not out.is_dir():
+        raise ResumeError(f"{out}: not a directory, so no run to resume; {hint}")
+    missing = [name for name in RUN_FILES if not (out / name).is_file()]
+    if missing:
+        raise ResumeError(f"{out}: holds no clmerge run to resume (no {' or '.join(missing)}); {hint}")
+
+
+def check_same_config(cfg_file: Path, cfg_text: str) -> None:
+    """Refuse when the run's stored config differs from the given one, naming each differing key with both
+    values (at most :data:`MAX_LISTED`, then a count)."""
+    stored_text = cfg_file.read_text()
+    if stored_text == cfg_text:
+        return
+    try:
+        stored = yaml.safe_load(stored_text) or {}
+    except yaml.YAMLError as exc:
+        raise ResumeError(f"{cfg_file}: unreadable YAML ({exc}); cannot check the config") from None
+    diffs = config_differences(stored, yaml.safe_load(cfg_text) or {})
+    if not diffs:  # the same values written differently (e.g. by another clmerge version)
+        return
+    raise ResumeError(f"{cfg_file}: the run was started with a different config ({_count(diffs)} differ); "
+                      "resume with the same config or choose another --out\n" + summarize_differences(diffs))
+
+
+def summarize_differences(diffs: list[str]) -> str:
+    """One line: the first :data:`MAX_LISTED` differences, then how many more."""
+    more = len(diffs) - MAX_LISTED
+    return "; ".join(diffs[:MAX_LISTED]) + (f"; and {more} more" if more > 0 else "")
+
+
+def _count(diffs: list[str]) -> str:
+    return f"{len(diffs)} key{'s' if len(diffs) != 1 else ''}"
+
+
+_ABSENT = object()
+
+
+def config_differences(stored: Any, given: Any, prefix: str = "") -> list[str]:
+    """``["dotted.key: <stored> (run) != <given> (given)", ...]``, one per leaf where the configs differ."""
+    if isinstance(stored, dict) and isinstance(given, dict):
+        out: list[str] = []
+        for key in list(stored) + [k for k in given if k not in stored]:
+            out += config_differences(stored.get(key, _ABSENT), given.get(key, _ABSENT), f"{prefix}{key}.")
+        return out
+    if _same(stored, given):
+        return []
+    return [f"{prefix.rstrip('.')}: {_show(stored)} (run) != {_show(given)} (given)"]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b and isinstance(a, bool) == isinstance(b, bool)  # True == 1 in Python, not in a config
+
+
+def _show(value: Any, width: int = 40) -> str:
+    if value is _ABSENT:
+        return "(absent)"
+    text = repr(value) if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def events_prefix(events: Path, n_lines: int) -> str | None:
+    """The first ``n_lines`` lines of ``events.jsonl`` (None when the file is missing or shorter)."""
+    if not events.is_file():
+        return None if n_lines else ""
+    lines = events.read_text().splitlines(keepends=True)
+    return "".join(lines[:n_lines]) if len(lines) >= n_lines else None
+
+
+def events_sha256(events: Path, n_lines: int) -> str | None:
+    """The sha256 of the first ``n_lines`` lines of ``events.jsonl`` (what a resume keeps), recorded in each
+    checkpoint; None when the file has fewer lines (then nothing is checked on resume)."""
+    prefix = events_prefix(events, n_lines)
+    return None if prefix is None else sha256_bytes(prefix.encode())
+
+
+def verify_events(events: Path, n_lines: int, expected_sha256: str | None) -> str:
+    """The first ``n_lines`` lines of ``events.jsonl`` (what a resume keeps), checked against the sha256 the
+    checkpoint recorded; without a record (older runs), whatever of them exists, as before.
+
+    Raises:
+        ResumeError: the file is missing, shorter than the checkpoint saw, or its first lines changed.
+    """
+    prefix = events_prefix(events, n_lines)
+    if expected_sha256 is None:
+        lines = events.read_text().splitlines(keepends=True) if events.is_file() else []
+        return "".join(lines[:n_lines])
+    if prefix is None:
+        raise ResumeError(f"{events}: missing or shorter than the {n_lines} lines the last checkpoint "
+                            "recorded; nothing was changed: restore it to resume")
+    if sha256_bytes(prefix.encode()) != expected_sha256:
+        raise ResumeError(f"{events}: its first {n_lines} lines differ from the sha256 the last "
+                            "checkpoint recorded; nothing was changed: restore it to resume")
+    return prefix
+
+
+def finished_tasks_in_events(events: Path) -> int:
+    """How many ``task_end`` events ``events.jsonl`` holds (0 when missing); torn lines are skipped."""
+    if not events.is_file():
+        return 0
+    count = 0
+    for line in events.read_text().splitlines():
+        try:
+            count += json.loads(line).get("event") == "task_end"
+        except (json.JSONDecodeError, AttributeError):
+            continue
+    return count

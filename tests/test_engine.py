@@ -84,6 +84,7 @@ def test_resume_refuses_a_different_config(tmp_path):
         run_experiment(parse_config(tiny_config(seed=1)), tmp_path / "r", resume=True)
 
 
+@pytest.mark.slow  # three real `clmerge run` processes: 30-95 s on a loaded 2-core machine
 def test_sigkill_mid_task_then_resume(tmp_path):
     """A real process killed with SIGKILL during task 1 resumes to the same metrics as an uninterrupted run."""
     cfg = tiny_config(**{"scenario.n_tasks": 3, "scenario.classes_per_task": [2, 2, 2],

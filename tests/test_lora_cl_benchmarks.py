@@ -61,6 +61,7 @@ def test_evidence_config_holds_out_validation() -> None:
     assert sites == {("key", "value")}
 
 
+@pytest.mark.slow  # the whole evidence pipeline, 9 short runs: 20-30 s on a loaded 2-core machine
 def test_evidence_smoke_runs_selects_on_val_and_resumes(tmp_path) -> None:
     ev = _load("run_evidence")
     args = ["--smoke", "--methods", "sd_lora_kd,pm", "--seeds", "0",
@@ -107,6 +108,7 @@ def test_validation_ranking_is_best_first_over_finished_seeds(tmp_path) -> None:
     assert rows[1][1] == pytest.approx(40.0) and rows[2][2] == pytest.approx(5.0)
 
 
+@pytest.mark.slow  # times every method: 10-17 s on a loaded 2-core machine
 def test_speed_smoke(tmp_path) -> None:
     sp = _load("speed")
     out = tmp_path / "speed.md"

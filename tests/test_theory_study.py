@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import pickle
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -93,18 +96,83 @@ def test_resume_skips_finished_points(smoke, monkeypatch):
     assert len(calls) == 3 and _strip(again) == _approx(_strip(rows))
 
 
-def test_a_two_point_study_is_identical_on_local_and_ray(tmp_path):
-    pytest.importorskip("ray")
-    spec = parse_study({
+def _two_point_spec():
+    return parse_study({
         "base": {"pretrained": False, "arch": {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2,
                                                "intermediate_size": 64}},
         "suite": "tiny", "data": {"max_train": 32, "max_eval": 16},
         "defaults": {"steps": 3, "n_experts": 2, "batch_size": 8, "lr": 0.05},
         "methods": [{"name": "averaging"}, {"name": "dare", "drop_rate": 0.3}],
         "measure": {"noise_samples": 4}})
+
+
+@pytest.mark.slow  # a real local Ray cluster: its start-up took 6 minutes on a loaded 2-core machine
+def test_a_two_point_study_is_identical_on_local_and_ray(tmp_path):
+    pytest.importorskip("ray")
+    spec = _two_point_spec()
     local = run_study(spec, tmp_path / "local", log=lambda *_: None)
     ray_rows = run_study(spec, tmp_path / "ray", backend="ray", num_cpus=2, log=lambda *_: None)
     assert len(local) == 2
+    assert _strip(local) == _approx(_strip(ray_rows))
+    assert _strip(read_results(tmp_path / "ray")) == _approx(_strip(local))
+
+
+class _FakeRay(types.ModuleType):
+    """The part of Ray's API that ``RayExecutor`` uses, in process, with Ray's argument semantics: a task's
+    top-level object refs are resolved before it runs, refs nested in lists are not (the job must ``get``
+    them), and every argument and result crosses a pickle, as between Ray workers. ``wait`` returns the
+    newest finished task, so results arrive in another order than the local executor's."""
+
+    class ObjectRef:
+        def __init__(self, value=None, error=None):
+            self.value, self.error = value, error
+
+    def __init__(self):
+        super().__init__("ray")
+        self.initialized, self.calls = False, 0
+
+    def is_initialized(self):
+        return self.initialized
+
+    def init(self, **_):
+        self.initialized = True
+
+    def shutdown(self):
+        self.initialized = False
+
+    def put(self, value):
+        return self.ObjectRef(pickle.loads(pickle.dumps(value)))
+
+    def get(self, ref):
+        if ref.error is not None:
+            raise ref.error
+        return ref.value
+
+    def wait(self, refs, num_returns=1):
+        return refs[-num_returns:], refs[:-num_returns]
+
+    def remote(self, **_):
+        def wrap(fn):
+            def call(*args):
+                self.calls += 1
+                args = pickle.loads(pickle.dumps([self.get(a) if isinstance(a, self.ObjectRef) else a for a in args]))
+                try:
+                    return self.ObjectRef(pickle.loads(pickle.dumps(fn(*args))))
+                except Exception as exc:  # delivered at get(), as Ray does
+                    return self.ObjectRef(error=exc)
+            return types.SimpleNamespace(remote=call)
+        return wrap
+
+
+def test_the_ray_backend_protocol_gives_the_local_rows(tmp_path, monkeypatch):
+    """The fast tier's check of the Ray backend: the real ``RayExecutor`` and scheduler on an in-process Ray
+    stand-in (the real cluster is the slow test above)."""
+    fake = _FakeRay()
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    spec = _two_point_spec()
+    local = run_study(spec, tmp_path / "local", log=lambda *_: None)
+    ray_rows = run_study(spec, tmp_path / "ray", backend="ray", num_cpus=2, log=lambda *_: None)
+    assert len(local) == 2 and fake.calls >= 4 and not fake.initialized  # experts + merges ran; shut down
     assert _strip(local) == _approx(_strip(ray_rows))
     assert _strip(read_results(tmp_path / "ray")) == _approx(_strip(local))
 

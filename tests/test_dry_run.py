@@ -19,10 +19,12 @@ PAPER = sorted((Path(__file__).resolve().parents[1] / "configs" / "paper").glob(
 # Slow tier (`make test-all`): HALRP with AlexNet on Tiny-ImageNet (the method's own rank selection at the
 # second task, SVDs of the large layers, takes ~100 s on this CPU) and the dry runs that took 8-30 s each on
 # a loaded 2-core machine (DomainNet's 345 classes, Omniglot's 1200, 200-class ImageNet-R/A and CUB sets).
-# Every method, dataset and backbone keeps a dry run in the default tier (pm_cifar100_10, pm_imagenet_r_20,
-# sd_lora_domainnet_5, sd_lora_imagenet_a_10, sd_lora_cub200_10, halrp_*_lenet, halrp_five_dataset_alexnet...).
+# Every method keeps dry runs in the default tier (pm_cifar100_10, sd_lora_imagenet_r_10/20,
+# sd_lora_imagenet_a_10, sd_lora_cub200_10, halrp_*_lenet, halrp_*_resnet18_reduced...); DomainNet's and
+# AlexNet's dry runs (9.5 and 6.7 s on a loaded machine) are in the slow tier only.
 SLOW = {"halrp_tiny20_alexnet", "halrp_tiny40_alexnet", "halrp_omniglot_rotation_lenet", "pm_domainnet_5",
-        "pm_imagenet_r_5", "pm_imagenet_r_10", "pm_imagenet_a_10", "pm_cub200_10"}
+        "pm_imagenet_r_5", "pm_imagenet_r_10", "pm_imagenet_a_10", "pm_cub200_10", "sd_lora_domainnet_5",
+        "sd_lora_imagenet_r_5", "pm_imagenet_r_20", "halrp_five_dataset_alexnet"}
 PARAMS = [pytest.param(p, id=p.stem, marks=pytest.mark.slow if p.stem in SLOW else ()) for p in PAPER]
 
 

@@ -37,6 +37,7 @@ def smoke(tmp_path_factory):
     return out, json.loads((out / "landscape.json").read_text())
 
 
+@pytest.mark.slow  # the benchmark's smoke run (module fixture, ~9 s on a loaded machine)
 def test_files_written(smoke) -> None:
     out, _ = smoke
     for name in ("fig4_interpolation.png", "fig2_loss_plane.png"):
@@ -45,6 +46,7 @@ def test_files_written(smoke) -> None:
     assert not list(out.glob(".*.tmp"))  # atomic writes left no temporary files
 
 
+@pytest.mark.slow  # the benchmark's smoke run (module fixture, ~9 s on a loaded machine)
 def test_replot_rebuilds_from_json(smoke, tmp_path) -> None:
     out, r = smoke
     for name in ("landscape.json", "fig4_interpolation.png"):
@@ -54,6 +56,7 @@ def test_replot_rebuilds_from_json(smoke, tmp_path) -> None:
     assert again["fig2"]["pm"]["summary_ce_til"] == r["fig2"]["pm"]["summary_ce_til"]
 
 
+@pytest.mark.slow  # the benchmark's smoke run (module fixture, ~9 s on a loaded machine)
 def test_fig4_numbers(smoke) -> None:
     _, r = smoke
     assert r["setting"]["smoke"] is True and r["setting"]["fig4_split"] == "test"
@@ -67,6 +70,7 @@ def test_fig4_numbers(smoke) -> None:
     assert len(r["fig4"]["sd_lora"]["method_metrics"]["magnitudes"]) == 2
 
 
+@pytest.mark.slow  # the benchmark's smoke run (module fixture, ~9 s on a loaded machine)
 def test_fig2_numbers(smoke) -> None:
     _, r = smoke
     assert set(r["fig2"]) == {"pm", "pm_m"}

@@ -16,6 +16,7 @@ import typer
 from rich.table import Table
 from typer.core import TyperGroup
 
+from .cli_support import exit_with as _fail
 from .cli_support import fail, handle_errors, make_console, print_error, set_debug
 
 
@@ -66,11 +67,6 @@ err = make_console(stderr=True)
 def _root(debug: bool = typer.Option(False, "--debug", help="show the traceback of an error (also: "
                                      "CLMERGE_DEBUG=1); errors and exit codes: docs/cli_errors.md")) -> None:
     set_debug(debug)
-
-
-def _fail(msg: str, code: int = 2) -> None:
-    print_error(msg)
-    raise typer.Exit(code)
 
 
 def _fmt(v) -> str:
@@ -238,9 +234,9 @@ def pretrain(
     console.print(f"wrote {target}: test accuracy {prov['test_accuracy']:.2f}%, sha256 {prov['sha256'][:16]}…")
 
 
+from .harness.merge_bench_cli import merge_bench_command as _merge_bench_command  # noqa: E402
 from .merging.cli import list_methods as _list_merges  # noqa: E402
 from .merging.cli import merge_command as _merge_command  # noqa: E402
-from .harness.merge_bench_cli import merge_bench_command as _merge_bench_command  # noqa: E402
 
 app.command("merge")(_merge_command)
 app.command("merges", help="List the model-merging methods.")(_list_merges)

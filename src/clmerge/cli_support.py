@@ -58,6 +58,12 @@ def print_error(message: str) -> None:
     _err.print(f"[bold red]error:[/] {escape(chr(10).join(lines))}", highlight=False, soft_wrap=True)
 
 
+def exit_with(message: str, code: int = 2) -> NoReturn:
+    """Print ``message`` as a user error (:func:`print_error`) and exit with ``code`` (2: a usage error)."""
+    print_error(message)
+    raise typer.Exit(code)
+
+
 def _os_error(exc: OSError) -> ClmergeError:
     """A user-facing error for an OS error on a path: what failed, on which path, in one line."""
     if exc.errno is None or exc.strerror is None:  # raised by clmerge with its own message

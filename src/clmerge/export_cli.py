@@ -7,16 +7,12 @@ from pathlib import Path
 
 import typer
 
-from .cli_support import fail, make_console, print_error
+from .cli_support import exit_with as _fail
+from .cli_support import fail, make_console
 
 __all__ = ["extract_lora_command", "export_command"]
 
 console = make_console()
-
-
-def _fail(msg: str) -> None:
-    print_error(msg)
-    raise typer.Exit(2)
 
 
 def _summary(res: dict) -> str:

@@ -169,3 +169,26 @@ def test_summary_claims_are_paired_differences_over_seeds(tmp_path):
     assert out["rows"]["task_arithmetic"]["seeds"] == [0, 1]
     md = (tmp_path / "results.md").read_text()
     assert "CART − weight averaging: +2.0 ± 0.6" in md and "holds" in md
+
+
+def test_a_seed_whose_grid_stopped_at_an_older_cap_is_rerun(tmp_path):
+    from dataclasses import asdict
+
+    from clmerge.harness.merge_bench import BenchConfig
+    from clmerge.harness.merge_bench_cli import _done
+
+    cfg, grids = BenchConfig(suite="tiny"), {"cart": {"scaling": [1.0, 2.0]}}
+
+    def write(chosen_at, cap=None):
+        g = {"start": grids["cart"], "final": [1.0, 2.0], "chosen_at": chosen_at}
+        if cap is not None:
+            g["max_extensions"] = cap
+        (tmp_path / "results.json").write_text(json.dumps({"config": asdict(cfg), "grids": {"cart": g}}))
+
+    write({"scaling": "interior"})  # settled: the cap does not matter, whatever it was
+    assert _done(tmp_path, cfg, grids, 12)
+    write({"scaling": "high"})  # stopped at the old default cap of 4 (no cap recorded)
+    assert not _done(tmp_path, cfg, grids, 12) and _done(tmp_path, cfg, grids, 4)
+    write({"scaling": "high"}, cap=12)
+    assert _done(tmp_path, cfg, grids, 12)
+    assert not _done(tmp_path, cfg, {"cart": {"scaling": [1.0, 3.0]}}, 12)  # other start grid

@@ -25,7 +25,7 @@ from .merge_bench_experts import (BenchConfig, _batches, _optimizer, build_base,
 from .merge_bench_grid import search
 
 __all__ = ["BenchTask", "BenchConfig", "SUITES", "DEFAULT_GRIDS", "run_benchmark", "expert_for_task", "train_expert",
-           "init_expert", "expert_digest", "expert_path", "loss_and_accuracy", "parse_task", "split_expert",
+           "init_expert", "expert_digest", "MAX_EXTENSIONS", "expert_path", "loss_and_accuracy", "parse_task", "split_expert",
            "load_task", "build_base", "results_markdown", "ROW_LABELS", "_batches", "_optimizer", "_accuracy"]
 
 # Start grids; run_benchmark extends each one until its chosen value is interior, so a start grid may be coarse
@@ -40,6 +40,10 @@ DEFAULT_GRIDS: dict[str, dict[str, list[Any]]] = {
     "low_rank_task_arithmetic": {"rank_ratio": [0.04, 0.08, 0.16, 0.32], "scaling": [0.3, 1.0]},
     "cart": {"rank_ratio": [0.04, 0.08, 0.16, 0.32], "scaling": [1.0, 2.0, 3.0]},
 }
+
+# At most this many extensions per hyperparameter and direction (merge_bench_grid.search). Suite 8's CART scaling
+# ran from 3.0 to the old cap of 4 extensions (7.0) on seed 1 and was still at the top, hence 12.
+MAX_EXTENSIONS = 12
 
 ROW_LABELS = {"pretrained": "pretrained backbone + task heads", "individual": "individual experts"}
 
@@ -66,7 +70,7 @@ def _experts(cfg: BenchConfig, tasks: list[BenchTask], data: list[dict], cache: 
 
 
 def run_benchmark(cfg: BenchConfig, out: Path, *, grids: dict[str, dict[str, list[Any]]] | None = None,
-                  cache: Path | None = None, log=print, analysis: bool = True, max_extensions: int = 4) -> dict:
+                  cache: Path | None = None, log=print, analysis: bool = True, max_extensions: int = MAX_EXTENSIONS) -> dict:
     """Fine-tune (or load) the experts, search each method's grid on validation, report test accuracy.
 
     Rows: ``pretrained`` (the pretrained backbone with the task heads: with frozen heads, the heads' own
@@ -99,7 +103,8 @@ def run_benchmark(cfg: BenchConfig, out: Path, *, grids: dict[str, dict[str, lis
         rows[method] = {"hp": found["best"], "val": found["best_score"],
                         "test": _evaluate(base_model, merged, heads, data, "test")}
         curves[method] = found["seen"]
-        final_grids[method] = {"start": space, "final": found["grid"], "chosen_at": found["edges"]}
+        final_grids[method] = {"start": space, "final": found["grid"], "chosen_at": found["edges"],
+                               "max_extensions": max_extensions}
         log(f"{method}: {found['best']} val {found['best_score']:.2f} ({found['edges']})")
     for r in rows.values():
         r["avg"] = float(np.mean(r["test"]))

@@ -25,14 +25,18 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def _done(out: Path, cfg, grids: dict) -> bool:
-    """Whether ``out`` already holds this exact run (same config and start grids): then it is not redone."""
+def _done(out: Path, cfg, grids: dict, max_extensions: int) -> bool:
+    """Whether ``out`` already holds this exact run (same config and start grids, and no grid that stopped at
+    an extension cap other than ``max_extensions``): then it is not redone."""
     path = out / "results.json"
     if not path.exists():
         return False
     old = json.loads(path.read_text())
     same_grids = {m: g["start"] for m, g in old.get("grids", {}).items()} == json.loads(json.dumps(grids))
-    return old.get("config") == json.loads(json.dumps(asdict(cfg))) and same_grids
+    # a grid still at an edge ("low"/"high") stopped at the cap of its run; a different cap changes that result
+    capped = any(e in ("low", "high") and g.get("max_extensions", 4) != max_extensions
+                 for g in old.get("grids", {}).values() for e in g.get("chosen_at", {}).values())
+    return old.get("config") == json.loads(json.dumps(asdict(cfg))) and same_grids and not capped
 
 
 def bench_command(out: Path, suite: str = "8", epochs: int = 5, lr: float = 1e-4, max_train: int | None = None,
@@ -44,7 +48,7 @@ def bench_command(out: Path, suite: str = "8", epochs: int = 5, lr: float = 1e-4
     One seed: results in ``out``. Several: one run per seed in ``out/seed<s>`` (a seed whose results there
     match this config is not rerun), experts shared in ``out/experts``, and the summary over seeds in ``out``.
     """
-    from .merge_bench import DEFAULT_GRIDS, SUITES, BenchConfig, run_benchmark
+    from .merge_bench import DEFAULT_GRIDS, MAX_EXTENSIONS, SUITES, BenchConfig, run_benchmark
 
     from .merge_bench_experts import HEAD_INITS, HEAD_PROTOCOLS
 
@@ -66,7 +70,7 @@ def bench_command(out: Path, suite: str = "8", epochs: int = 5, lr: float = 1e-4
 
     for s, cfg in zip(seeds, cfgs):
         run_dir = out / f"seed{s}"
-        if _done(run_dir, cfg, grids):
+        if _done(run_dir, cfg, grids, MAX_EXTENSIONS):
             log(f"seed {s}: results in {run_dir} match this config; not rerun")
             continue
         log(f"seed {s}")

@@ -107,26 +107,39 @@ def run(
                                  "look-alike data, 2 steps on the first 2 tasks, 1 evaluation (clmerge.engine.dry_run)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="write the run into an existing non-empty folder "
                                    "that holds no run (files of the same names are replaced)"),
+    nproc: int = typer.Option(1, "--nproc", min=1, help="data-parallel processes on this machine: relaunches this "
+                              "command under torchrun (docs/scaling.md); the batch size stays the global one"),
 ) -> None:
     """Run a continual-learning experiment and write a run directory."""
     from .config import ConfigError, load_config
+    from .engine import distributed
     from .engine.run import run_experiment
 
     try:
         cfg = load_config(config, set_)
     except (ConfigError, ValueError) as exc:
         fail(exc)
-    if dry_run:
-        return _dry_run(cfg)
-    if out is None:
+    if out is None and not dry_run:
         if resume:
             _fail("--resume needs --out DIR (the run directory to continue)")
         out = Path("runs") / f"{cfg.method.name}-{cfg.scenario.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
-    _check_run_out(out, resume, overwrite)
+    if nproc > 1 and not distributed.launched():
+        if cfg.train.batch_size < nproc:
+            _fail(f"--nproc {nproc}: train.batch_size={cfg.train.batch_size} gives a process no sample per batch")
+        if not dry_run:
+            _check_run_out(out, resume, overwrite)
+        return _launch(nproc, out)
+    if dry_run:
+        return _dry_run(cfg)
+    main = os.environ.get("RANK", "0") == "0"  # under torchrun only process 0 checks, writes and prints
+    if main:
+        _check_run_out(out, resume, overwrite)
     if orders is not None:
         return _run_orders(cfg, out, orders, resume)
     try:
         metrics = run_experiment(cfg, out, resume=resume)
+        if not main:
+            return
     except KeyboardInterrupt:
         err.print(f"\ninterrupted: finished tasks are checkpointed; continue with: clmerge run "
                   f"{config or ''} --out {out} --resume", highlight=False, markup=False, soft_wrap=True)
@@ -135,6 +148,27 @@ def run(
         fail(exc)
     print_results(metrics)
     console.print(f"run directory: [bold]{out}[/] (report: {out / 'report.html'})")
+
+
+def _launch(nproc: int, out: Path | None) -> None:
+    """``clmerge run ... --nproc N``: the same command in N processes under torchrun (one machine; for several
+    machines call torchrun yourself: docs/scaling.md). ``--out`` is fixed here so every process agrees."""
+    import subprocess
+
+    args, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            args.append(a)
+    if out is not None and "--out" not in args:
+        args += ["--out", str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "clmerge", *args]
+    err.print(f"launching {nproc} processes: {' '.join(cmd[1:])}", highlight=False, markup=False, soft_wrap=True)
+    raise typer.Exit(subprocess.call(cmd))
 
 
 def _check_run_out(out: Path, resume: bool, overwrite: bool) -> None:

@@ -142,6 +142,9 @@ class TrainConfig(_Strict):
     batch_size: int = Field(64, ge=1)
     eval_batch_size: int = Field(500, ge=1)
     max_steps_per_epoch: int | None = Field(None, ge=1, description="cap steps per epoch (dry runs)")
+    num_workers: int = Field(0, ge=0, description="data-loading worker processes for on-disk image datasets (0: "
+                             "decode in the training process)")
+    pin_memory: bool = Field(False, description="page-locked host batches (faster copies to a GPU)")
     adapt_tasks: int | None = Field(
         None, ge=0, description="train the backbone (every non-head parameter group) in the first N tasks only; "
         "later tasks train the head alone (RanPAC's and APER's first-session adaptation: N=1). null: every task")
@@ -150,6 +153,9 @@ class TrainConfig(_Strict):
 class RunConfig(_Strict):
     device: str = Field("cpu", description="cpu, cuda, cuda:N or auto")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's)")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="training and evaluation forward passes: fp32, or autocast to bf16 / fp16 (fp16 with "
+        "a loss scaler); end-of-task statistics stay fp32 (docs/scaling.md)")
     progress: bool = Field(True, description="progress bars on a terminal; one line per epoch and task otherwise")
     log_every_steps: int | None = Field(
         None, ge=1, description="record the mean training loss every N optimizer steps in events.jsonl (step "

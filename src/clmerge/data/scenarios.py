@@ -90,13 +90,35 @@ class TaskData:
         return x, torch.as_tensor(self.label_map[y.numpy()], dtype=torch.long)
 
     def batches(self, batch_size: int, *, shuffle: bool = False, generator: torch.Generator | None = None,
-                max_batches: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                max_batches: int | None = None,
+                part: tuple[int, int] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches of ``batch_size`` in a (seeded) random or the stored order.
+
+        ``part=(rank, world)``: only this process's contiguous share of each batch (``np.array_split`` of the
+        batch's positions into ``world`` parts; possibly empty when the batch is smaller than ``world``), so
+        that a data-parallel process loads and decodes only its own images. Every process draws the same
+        order from the same ``generator``.
+        """
         n = len(self)
         order = torch.randperm(n, generator=generator).numpy() if shuffle else np.arange(n)
         for k, start in enumerate(range(0, n, batch_size)):
             if max_batches is not None and k >= max_batches:
                 return
-            yield self.get_batch(order[start : start + batch_size])
+            idx = order[start : start + batch_size]
+            if part is not None:
+                mine = np.array_split(idx, part[1])[part[0]]
+                if not len(mine):  # a batch smaller than the world: an empty share of the right shape
+                    x, y = self.get_batch(idx[:1])
+                    yield x[:0], y[:0]
+                    continue
+                idx = mine
+            yield self.get_batch(idx)
+
+    def batch_sizes(self, batch_size: int, max_batches: int | None = None) -> list[int]:
+        """The size of every batch :meth:`batches` yields (the whole batch, not a ``part``)."""
+        n = len(self)
+        sizes = [min(batch_size, n - s) for s in range(0, n, batch_size)]
+        return sizes if max_batches is None else sizes[:max_batches]
 
     def num_batches(self, batch_size: int) -> int:
         return (len(self) + batch_size - 1) // batch_size

@@ -33,7 +33,8 @@ from ..adapters.structure import model_structure
 from ..config import ExperimentConfig
 from ..data.folders import DOMAINNET_DOMAINS
 from .checkpoint import save_checkpoint
-from .run import RunState, _evaluate_row, _restore, _train_task, prepare, resolve_device
+from . import distributed
+from .run import RunState, _evaluate_row, _restore, _train_task, fresh_objects, prepare, resolve_device
 
 __all__ = ["dry_run", "dry_run_config", "write_lookalike", "lookalike_classes", "FOLDER_CLASSES"]
 
@@ -282,8 +283,14 @@ def _cap_inner_loops(method, steps: int) -> None:
     method.begin_task = capped_begin
 
 
+def _capped(objs, steps):
+    _cap_inner_loops(objs[1], steps)
+    return objs
+
+
 def _run_tasks(cfg: ExperimentConfig, out: Path, tasks: int, echo: Callable[[str], None]) -> dict:
-    device = resolve_device(cfg.run.device)
+    dp = distributed.setup(cfg.run.device)
+    device = dp.device if dp is not None else resolve_device(cfg.run.device)
     scenario, model, method, manifest = prepare(cfg)
     _cap_inner_loops(method, cfg.train.max_steps_per_epoch)
     model.to(device)
@@ -291,8 +298,9 @@ def _run_tasks(cfg: ExperimentConfig, out: Path, tasks: int, echo: Callable[[str
     params = sum(p.numel() for p in model.backbone.parameters())
     echo(f"backbone {cfg.model.name} (random init): {params / 1e6:.2f}M parameters; "
          f"{len(scenario)} tasks of {[t.n_classes for t in scenario.tasks[:3]]}... classes ({scenario.kind})")
+    fresh = lambda: _capped(fresh_objects(cfg), cfg.train.max_steps_per_epoch)  # noqa: E731
     for t in range(n):
-        _train_task(cfg, t, scenario, model, method, state, out, device)
+        model, method, _ = _train_task(cfg, t, scenario, model, method, state, out, device, fresh=fresh)
         meta = {"task": t, "structure": model_structure(model), "method": method.state_meta(),
                 "state": state.to_meta()}
         save_checkpoint(out, t, model.state_dict(), method.state_tensors(), meta, keep=1)
@@ -322,7 +330,12 @@ def dry_run(cfg: ExperimentConfig, *, tasks: int = 2, steps: int = 2, batch_size
         echo: where the summary lines go.
     """
     t0 = time.time()
+    dp = distributed.setup(cfg.run.device)  # under torchrun (--nproc N): every process dry-runs; 0 prints
+    if not distributed.is_main():
+        echo = lambda line: None  # noqa: E731
     batch = min(cfg.train.batch_size, batch_size)
+    if dp is not None:
+        batch_size = max(batch_size, dp.world)
     train_per_class = per_class_for_batches(cfg, train_per_class, batch)
     dcfg = dry_run_config(cfg, steps=steps, batch_size=batch_size, train_per_class=train_per_class)
     with tempfile.TemporaryDirectory(prefix="clmerge-dry-") as tmp:
@@ -337,6 +350,8 @@ def dry_run(cfg: ExperimentConfig, *, tasks: int = 2, steps: int = 2, batch_size
         summary = _run_tasks(dcfg, out, max(1, tasks), echo)
     summary["seconds"] = round(time.time() - t0, 2)
     summary["method"], summary["dataset"] = cfg.method.name, cfg.scenario.dataset
+    summary["processes"] = dp.world if dp is not None else 1
+    procs = f", {dp.world} data-parallel processes ({dp.backend})" if dp is not None else ""
     echo(f"dry run ok: {cfg.method.name} on {cfg.scenario.dataset}, {summary['tasks_run']}/{summary['n_tasks']} "
-         f"tasks, {summary['seconds']}s")
+         f"tasks, {summary['seconds']}s{procs}")
     return summary

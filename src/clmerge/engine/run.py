@@ -7,6 +7,7 @@ exactly the same numbers as an uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import sys
 import time
@@ -31,9 +32,12 @@ from .checkpoint import (RECORD_KEY, ResumeError, RunLock, checkpoint_record, lo
 from .evaluate import evaluate_tasks
 from .heads import VARIANTS, HeadSuite, check_head_support
 from .resume import check_resumable, check_same_config, events_sha256, finished_tasks_in_events, verify_events
+from . import distributed
+from .precision import autocast, check_precision
 from .training import fit
 
-__all__ = ["run_experiment", "prepare", "build_heads", "RunState", "task_generator", "resolve_device"]
+__all__ = ["run_experiment", "prepare", "build_heads", "RunState", "task_generator", "resolve_device",
+           "fresh_objects", "share_state"]
 
 
 @dataclass
@@ -152,23 +156,31 @@ def _row(results, n_tasks: int, key: str) -> list[float | None]:
     return vals + [None] * (n_tasks - len(vals))
 
 
-def _train_task(cfg, t, scenario, model, method, state, out, device, heads: HeadSuite | None = None) -> None:
+def _train_task(cfg, t, scenario, model, method, state, out, device, heads: HeadSuite | None = None,
+                fresh=None) -> tuple[ContinualClassifier, ContinualMethod, HeadSuite | None]:
+    """Train task ``t`` and run the end-of-task work; returns ``(model, method, heads)``: the same objects, or,
+    in a data-parallel run's processes other than 0, fresh ones holding process 0's end-of-task state
+    (:mod:`.distributed`; ``fresh()`` builds them, default :func:`fresh_objects`)."""
     task = scenario.tasks[t]
     gen = task_generator(cfg.seed, t)
-    log = lambda ev: _log(out, state, ev)  # noqa: E731
+    main = distributed.is_main()
+    log = (lambda ev: _log(out, state, ev)) if main else (lambda ev: None)
+    precision = cfg.run.precision
     ctx = TaskContext(task=task, seen_tasks=scenario.tasks[: t + 1], device=device, generator=gen,
                       head_loss=cfg.head.loss, batch_size=cfg.train.batch_size,
                       eval_batch_size=cfg.train.eval_batch_size, log=log, n_tasks=len(scenario))
     ctx.fit = lambda **kw: fit(**{"optim": cfg.optim, "generator": gen, "device": device, "log": log,
-                                  "task_index": t, "batch_size": cfg.train.batch_size, "progress": cfg.run.progress,
-                                  "log_every": cfg.run.log_every_steps,
-                                  "max_steps_per_epoch": cfg.train.max_steps_per_epoch, **kw})
+                                  "task_index": t, "batch_size": cfg.train.batch_size,
+                                  "progress": cfg.run.progress and main, "log_every": cfg.run.log_every_steps,
+                                  "max_steps_per_epoch": cfg.train.max_steps_per_epoch, "precision": precision,
+                                  **kw})
     t0 = time.time()
     method.begin_task(task, ctx)
     model.to(device)
-    if scenario.kind == "domain_incremental" and t == 0 and state.initial is None:
-        res = evaluate_tasks(method.inference_model(), scenario.tasks, n_outputs=scenario.num_outputs,
-                             batch_size=cfg.train.eval_batch_size, device=device)
+    if main and scenario.kind == "domain_incremental" and t == 0 and state.initial is None:
+        with autocast(precision, device):
+            res = evaluate_tasks(method.inference_model(), scenario.tasks, n_outputs=scenario.num_outputs,
+                                 batch_size=cfg.train.eval_batch_size, device=device)
         state.initial = [r["acc"] for r in res]
     lr = cfg.optim.first_task_lr if (t == 0 and cfg.optim.first_task_lr) else cfg.optim.lr
     groups, frozen = _adapted_groups(cfg, t, method.parameter_groups(model))
@@ -176,14 +188,57 @@ def _train_task(cfg, t, scenario, model, method, state, out, device, heads: Head
         optim=cfg.optim, epochs=cfg.train.epochs, batch_size=cfg.train.batch_size, generator=gen, device=device,
         lr=lr, before_step=lambda m: method.before_step(m, ctx), after_step=lambda m: method.after_step(m, ctx),
         max_steps_per_epoch=cfg.train.max_steps_per_epoch, log=log, desc=f"task {t + 1}/{len(scenario)}",
-        progress=cfg.run.progress, task_index=t, log_every=cfg.run.log_every_steps)
+        progress=cfg.run.progress and main, task_index=t, log_every=cfg.run.log_every_steps, precision=precision)
     for p in frozen:
         p.requires_grad_(True)
-    method.end_task(task, ctx)
-    if heads is not None:  # same hook for every method: the inference model's features of this task's data
-        heads.end_task(method.inference_model(), task, scenario.tasks[: t + 1],
-                       batch_size=cfg.train.eval_batch_size, device=device)
+    dp = distributed.active()
+    if main:
+        with distributed.local():  # once, over the whole task (module docstring of engine.distributed)
+            method.end_task(task, ctx)
+            if heads is not None:  # same hook for every method: the inference model's features of this task
+                heads.end_task(method.inference_model(), task, scenario.tasks[: t + 1],
+                               batch_size=cfg.train.eval_batch_size, device=device)
     state.task_seconds.append(time.time() - t0)
+    if dp is not None:
+        model, method, heads = share_state(dp, cfg, model, method, heads, device, fresh)
+    return model, method, heads
+
+
+def fresh_objects(cfg: ExperimentConfig) -> tuple[ContinualClassifier, ContinualMethod, HeadSuite]:
+    """A new model, method (after ``setup``) and head suite of ``cfg``, as :func:`prepare` builds them."""
+    model = build_classifier(cfg)
+    method = build_method(cfg.method.name, cfg.method_options(), seed=cfg.seed)
+    method.setup(model)
+    return model, method, build_heads(cfg, model, method)
+
+
+def share_state(dp, cfg, model, method, heads, device, fresh=None):
+    """Process 0's model, method and head state (what a checkpoint holds) to every process; the others load it
+    into fresh objects, as ``--resume`` does. Returns ``(model, method, heads)`` of this process."""
+    meta = tensors = None
+    if dp.rank == 0:
+        meta = {"structure": model_structure(model), "method": method.state_meta(),
+                "heads": heads.state_meta() if heads is not None else None}
+        tensors = {**{f"model/{k}": v for k, v in model.state_dict().items()},
+                   **{f"method/{k}": v for k, v in method.state_tensors().items()}}
+        if heads is not None and heads.needs_features:
+            tensors.update({f"heads/{k}": v for k, v in heads.state_tensors().items()})
+        tensors = {k: v.detach().cpu() for k, v in tensors.items()}
+    meta = distributed.broadcast_json(dp, meta)
+    tensors = distributed.broadcast_tensors(dp, tensors)
+    if dp.rank == 0:
+        return model, method, heads
+    part = lambda prefix: {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}  # noqa: E731
+    model, method, new_heads = (fresh or (lambda: fresh_objects(cfg)))()
+    rebuild_structure(model, meta["structure"])
+    model.load_state_dict(part("model/"), strict=True)
+    model.to(device)
+    method.load_state({k: v.to(device) for k, v in part("method/").items()}, meta["method"])
+    if heads is None:
+        return model, method, None
+    if new_heads.needs_features:
+        new_heads.load_state(part("heads/"), meta["heads"])
+    return model, method, new_heads
 
 
 def _adapted_groups(cfg, t: int, groups: list[dict]) -> tuple[list[dict], list]:
@@ -200,6 +255,11 @@ def _adapted_groups(cfg, t: int, groups: list[dict]) -> tuple[list[dict], list]:
 
 
 def _evaluate_row(cfg, t, scenario, method, state, device, heads: HeadSuite | None = None) -> None:
+    with autocast(cfg.run.precision, device):
+        _evaluate_row_inner(cfg, t, scenario, method, state, device, heads)
+
+
+def _evaluate_row_inner(cfg, t, scenario, method, state, device, heads: HeadSuite | None = None) -> None:
     task = scenario.tasks[t]
     future = scenario.kind == "domain_incremental"
     tasks = scenario.tasks if future else scenario.tasks[: t + 1]
@@ -281,27 +341,48 @@ def _head_summary(state: RunState, variant: str, sizes: list[int]) -> dict:
 
 
 def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool = False) -> dict:
-    """Run (or resume) the experiment into ``out_dir``; return the metrics dict (also in metrics.json)."""
+    """Run (or resume) the experiment into ``out_dir``; return the metrics dict (also in metrics.json).
+
+    Under ``torchrun`` (several processes) the run is data-parallel (:mod:`.distributed`): process 0 checks,
+    writes and evaluates; the others train their share of every batch and return ``{}``.
+    """
     out = Path(out_dir)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
-    device = resolve_device(cfg.run.device)
+    dp = distributed.setup(cfg.run.device)
+    device = dp.device if dp is not None else resolve_device(cfg.run.device)
+    check_precision(cfg.run.precision, device)
+    if dp is not None and cfg.train.batch_size < dp.world:
+        raise ValueError(f"train.batch_size={cfg.train.batch_size} is smaller than the {dp.world} processes: "
+                         "each process needs at least one sample per batch")
+    main = distributed.is_main()
     cfg_text = dump_config(cfg)
-    if resume:  # before the lock, which would create a mistyped directory
-        check_resumable(out)
-    _check_run_dir(out, cfg_text, resume)
+    if main:
+        if resume:  # before the lock, which would create a mistyped directory
+            check_resumable(out)
+        _check_run_dir(out, cfg_text, resume)
     # data, scenario, model and method errors surface here, before the run directory exists
     scenario, model, method, manifest = prepare(cfg)
     heads = build_heads(cfg, model, method)
-    with RunLock(out):
-        _check_run_dir(out, cfg_text, resume)  # again under the lock: another run may have started meanwhile
-        start, state, record = _restore(out, model, method, device, heads) if resume else (0, RunState(), {})
-        atomic_write_text(out / "config.yaml", cfg_text)
-        write_json(out / "manifest.json", {**manifest, RECORD_KEY: record})
+    manifest.update(precision=cfg.run.precision, world_size=dp.world if dp is not None else 1,
+                    device=str(device))
+    with RunLock(out) if main else contextlib.nullcontext():
+        start, state, record = 0, RunState(), {}
+        if main:
+            _check_run_dir(out, cfg_text, resume)  # again under the lock: another run may have started meanwhile
+            if resume:
+                start, state, record = _restore(out, model, method, device, heads)
+            atomic_write_text(out / "config.yaml", cfg_text)
+            write_json(out / "manifest.json", {**manifest, RECORD_KEY: record})
+        if dp is not None and resume:  # the others start from process 0's restored state
+            start = distributed.broadcast_json(dp, start)
+            model, method, heads = share_state(dp, cfg, model, method, heads, device)
         model.to(device)
-        bar = Progress(range(start, len(scenario)), desc="tasks", enabled=cfg.run.progress)
+        bar = Progress(range(start, len(scenario)), desc="tasks", enabled=cfg.run.progress and main)
         for t in bar:
-            _train_task(cfg, t, scenario, model, method, state, out, device, heads)
+            model, method, heads = _train_task(cfg, t, scenario, model, method, state, out, device, heads)
+            if not main:
+                continue
             _evaluate_row(cfg, t, scenario, method, state, device, heads)
             row = [v for v in state.rows[-1][: t + 1]]
             _log(out, state, {"event": "task_end", "task": t, "seconds": round(state.task_seconds[-1], 3),
@@ -315,6 +396,8 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool =
             bar.line(f"task {t + 1}/{len(scenario)} done: avg acc {np.mean(row):.2f} "
                      f"({state.task_seconds[-1]:.1f} s)")
         bar.close()
+        if not main:
+            return {}
         metrics = final_metrics(cfg, scenario, method, state, heads)
         write_json(out / "metrics.json", metrics)
         if cfg.run.report:

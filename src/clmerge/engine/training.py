@@ -11,6 +11,8 @@ from torch import nn
 from ..config import OptimConfig
 from ..errors import TrainingError
 from ..utils.progress import Progress
+from . import distributed
+from .precision import autocast, grad_scaler
 
 __all__ = ["build_optimizer", "build_scheduler", "fit", "loss_interval", "LOSS_POINTS"]
 
@@ -83,15 +85,30 @@ class _StepLosses:
 
 def _optimizer_step(model: nn.Module, loss: torch.Tensor, opt: torch.optim.Optimizer, sched, params: list,
                     grad_clip: float | None, before_step: Callable[[nn.Module], None] | None,
-                    after_step: Callable[[nn.Module], None] | None) -> None:
-    """Backward, the method's hooks around the update, optional clipping, one optimizer and scheduler step."""
+                    after_step: Callable[[nn.Module], None] | None, scaler: torch.amp.GradScaler | None = None,
+                    sync: Callable[[list], None] | None = None) -> None:
+    """Backward, gradient all-reduce (data-parallel runs), the method's hooks around the update, optional
+    clipping, one optimizer and scheduler step. With an fp16 ``scaler`` the gradients are unscaled before the
+    hooks and the clipping (they see true gradients) and a step with inf/nan gradients is skipped."""
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    if scaler is not None and scaler.is_enabled():
+        scaler.scale(loss).backward()
+        if sync is not None:
+            sync(params)
+        scaler.unscale_(opt)
+    else:
+        loss.backward()
+        if sync is not None:
+            sync(params)
     if before_step is not None:
         before_step(model)
     if grad_clip is not None:
         torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    opt.step()
+    if scaler is not None and scaler.is_enabled():
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
     sched.step()
     if after_step is not None:
         after_step(model)
@@ -117,12 +134,18 @@ def fit(
     progress: bool = False,
     task_index: int | None = None,
     log_every: int | None = None,
+    precision: str = "fp32",
 ) -> dict:
     """Train ``model`` on ``data`` (a ``TaskData``) for ``epochs``; return ``{"losses": [...], "seconds": s}``.
 
     ``log`` receives one ``epoch`` event per epoch (mean loss) and one ``step`` event per ``log_every``
     optimizer steps (mean loss over those steps; default: :func:`loss_interval`). With ``progress``, a bar
     per epoch on a terminal, else one line per epoch on stderr (:mod:`clmerge.utils.progress`).
+
+    ``precision`` (``run.precision``): the forward pass and the loss run under autocast for bf16/fp16, with a
+    loss scaler for fp16 (:mod:`.precision`). In a data-parallel run (:mod:`.distributed`) each process
+    takes its shard of every batch, its loss is weighted by its share of the batch and the gradients are summed
+    over processes, so the update is that of the whole batch.
     """
     opt = build_optimizer(groups, optim, lr=lr)
     steps = data.num_batches(batch_size)
@@ -132,21 +155,31 @@ def fit(
     params = [p for g in opt.param_groups for p in g["params"]]
     losses, t0 = [], time.time()
     step_losses = _StepLosses(log, loss_interval(epochs * steps, log_every), task_index, desc)
+    scaler, dp = grad_scaler(precision, device), distributed.active()
     model.train()
     for epoch in range(epochs):
         total, n, te = 0.0, 0, time.time()
-        batches = data.batches(batch_size, shuffle=True, generator=generator, max_batches=steps)
-        bar = Progress(batches, total=steps, desc=f"{desc} epoch {epoch + 1}/{epochs}", leave=False, enabled=progress)
-        for x, y in bar:
-            x, y = x.to(device), y.to(device)
-            loss = loss_fn(model, x, y)
+        part = None if dp is None else (dp.rank, dp.world)
+        batches = data.batches(batch_size, shuffle=True, generator=generator, max_batches=steps, part=part)
+        bar = Progress(zip(data.batch_sizes(batch_size, steps), batches), total=steps,
+                       desc=f"{desc} epoch {epoch + 1}/{epochs}", leave=False, enabled=progress)
+        for n_batch, (x, y) in bar:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            if len(x) == 0:  # an empty share: zero gradients, so that the all-reduce still matches
+                loss = sum((p * 0).sum() for p in params)
+            else:
+                with autocast(precision, device):
+                    loss = loss_fn(model, x, y)
+            if dp is not None:  # this share's mean loss, weighted by its share: gradients then sum over ranks
+                loss = loss * (len(x) / n_batch)
             if not torch.isfinite(loss):
                 raise TrainingError(f"{desc}: loss is {loss.item()} at epoch {epoch + 1}; lower optim.lr?")
-            _optimizer_step(model, loss, opt, sched, params, optim.grad_clip, before_step, after_step)
-            value = float(loss.detach())
-            total += value * len(x)
-            n += len(x)
-            step_losses.add(value, len(x), epoch + 1, opt.param_groups[0]["lr"])
+            _optimizer_step(model, loss, opt, sched, params, optim.grad_clip, before_step, after_step, scaler,
+                            dp.all_reduce_grads if dp is not None else None)
+            value = float(loss.detach()) if dp is None else dp.sum_scalar(float(loss.detach()))
+            total += value * n_batch
+            n += n_batch
+            step_losses.add(value, n_batch, epoch + 1, opt.param_groups[0]["lr"])
         losses.append(total / max(n, 1))
         seconds = time.time() - te
         bar.line(f"{desc} epoch {epoch + 1}/{epochs} loss {losses[-1]:.4g} ({seconds:.1f} s)")

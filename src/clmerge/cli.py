@@ -197,6 +197,8 @@ def _run_orders(cfg, out: Path, n: int, resume: bool) -> None:
         summary = run_orders(cfg, out, n, resume=resume)
     except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as exc:
         fail(exc)
+    if not summary:  # a data-parallel process other than 0
+        return
     console.print((out / "orders_summary.md").read_text())
     console.print(f"order runs in: [bold]{out}[/] (report: {out / 'orders_report.html'}; mopd {_fmt(summary['mopd'])})")
 

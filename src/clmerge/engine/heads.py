@@ -25,6 +25,7 @@ from ..data.scenarios import Task
 from ..models.classifier import ContinualClassifier, IncrementalHead
 from ..models.heads import ClassFeatureStats, NCMHead, RanPACHead, align_linear_head
 from .evaluate import TaskAccuracy
+from .precision import full_precision
 
 __all__ = ["VARIANTS", "HeadSuite", "head_variant", "extract_features", "check_head_support"]
 
@@ -56,6 +57,7 @@ def _generator(seed: int, task: int, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + task * 7919 + 104_729 * (stream + 1)) % (2**63 - 1))
 
 
+@full_precision
 @torch.no_grad()
 def extract_features(model: ContinualClassifier, data, *, batch_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Backbone features and labels of ``data`` (eval mode, in order), on the CPU."""
@@ -92,6 +94,7 @@ class HeadSuite:
         self.align_losses: list[list[float]] = []
 
     # -- end of task ---------------------------------------------------------------------------------------
+    @full_precision
     def end_task(self, model: nn.Module, task: Task, seen: list[Task], *, batch_size: int, device) -> None:
         """Update the statistics from ``task``'s training features; refit RanPAC; realign the head copy."""
         if not self.needs_features:

@@ -95,14 +95,22 @@ def run_orders(cfg: ExperimentConfig, out_dir: str | Path, n: int, *, resume: bo
     from ..report.html import build_sweep_report
     from .run import run_experiment
 
+    from . import distributed
+
+    dp = distributed.setup(cfg.run.device)
     orders = task_orders(cfg, n)
     metrics = []
     for r, order in enumerate(orders):
         sub = out / f"order_{r}"
-        if (sub / "metrics.json").exists():
-            metrics.append(read_json(sub / "metrics.json"))
+        # data parallel: process 0's view of the directory decides for every process
+        state = [(sub / "metrics.json").exists(), (sub / "config.yaml").exists()]
+        done, started = distributed.broadcast_json(dp, state) if dp is not None else state
+        if done:
+            metrics.append(read_json(sub / "metrics.json") if distributed.is_main() else {})
             continue
-        metrics.append(run_experiment(_with_order(cfg, order), sub, resume=resume and (sub / "config.yaml").exists()))
+        metrics.append(run_experiment(_with_order(cfg, order), sub, resume=resume and started))
+    if not distributed.is_main():
+        return {}
     summary = summarize_orders(metrics, orders)
     write_json(out / "orders_summary.json", summary)
     atomic_write_text(out / "orders_summary.md", _markdown(summary))

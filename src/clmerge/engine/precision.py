@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["PRECISIONS", "autocast", "grad_scaler", "full_precision", "check_precision"]
+__all__ = ["PRECISIONS", "autocast", "grad_scaler", "full_precision", "fp32_region", "check_precision"]
 
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -50,7 +50,9 @@ def grad_scaler(precision: str, device: torch.device | str) -> torch.amp.GradSca
 
 
 @contextlib.contextmanager
-def _fp32() -> Iterator[None]:
+def fp32_region() -> Iterator[None]:
+    """Autocast off on CPU and CUDA inside (an ``autocast`` opened inside, e.g. by a method's inner ``fit``,
+    switches it back on for its own region)."""
     with torch.autocast("cpu", enabled=False):
         if torch.cuda.is_available():
             with torch.autocast("cuda", enabled=False):
@@ -64,7 +66,7 @@ def full_precision(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with _fp32():
+        with fp32_region():
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]

@@ -33,7 +33,7 @@ from .evaluate import evaluate_tasks
 from .heads import VARIANTS, HeadSuite, check_head_support
 from .resume import check_resumable, check_same_config, events_sha256, finished_tasks_in_events, verify_events
 from . import distributed
-from .precision import autocast, check_precision
+from .precision import autocast, check_precision, fp32_region
 from .training import fit
 
 __all__ = ["run_experiment", "prepare", "build_heads", "RunState", "task_generator", "resolve_device",
@@ -175,7 +175,8 @@ def _train_task(cfg, t, scenario, model, method, state, out, device, heads: Head
                                   "max_steps_per_epoch": cfg.train.max_steps_per_epoch, "precision": precision,
                                   **kw})
     t0 = time.time()
-    method.begin_task(task, ctx)
+    with fp32_region():  # statistics computed before training (InfLoRA's covariances) stay fp32
+        method.begin_task(task, ctx)
     model.to(device)
     if main and scenario.kind == "domain_incremental" and t == 0 and state.initial is None:
         with autocast(precision, device):
@@ -193,7 +194,7 @@ def _train_task(cfg, t, scenario, model, method, state, out, device, heads: Head
         p.requires_grad_(True)
     dp = distributed.active()
     if main:
-        with distributed.local():  # once, over the whole task (module docstring of engine.distributed)
+        with distributed.local(), fp32_region():  # once, over the whole task (engine.distributed), in fp32
             method.end_task(task, ctx)
             if heads is not None:  # same hook for every method: the inference model's features of this task
                 heads.end_task(method.inference_model(), task, scenario.tasks[: t + 1],

@@ -23,6 +23,7 @@ from torch import nn
 from ..data.scenarios import Task
 from ..engine.losses import classification_loss
 from ..models.classifier import ContinualClassifier
+from ..engine.precision import full_precision
 
 __all__ = [
     "MethodOptions",
@@ -65,6 +66,18 @@ class ContinualMethod:
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     Options: ClassVar[type[MethodOptions]] = MethodOptions
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        """Every method's ``begin_task`` and ``end_task`` run with autocast off: the statistics they compute
+        (Fisher, alpha sums, covariances, SVD bases, importance, task-vector folds) stay fp32 whatever
+        ``run.precision`` is and whoever calls them (:mod:`clmerge.engine.precision`)."""
+        super().__init_subclass__(**kwargs)
+        for hook in ("begin_task", "end_task"):
+            fn = cls.__dict__.get(hook)
+            if fn is not None and not getattr(fn, "_full_precision", False):
+                wrapped = full_precision(fn)
+                wrapped._full_precision = True
+                setattr(cls, hook, wrapped)
 
     def __init__(self, options: MethodOptions, *, seed: int = 0) -> None:
         self.options = options

@@ -17,6 +17,7 @@ from pydantic import Field
 from torch import nn
 
 from .base import ContinualMethod, MethodOptions, register_method
+from ..engine.precision import full_precision
 
 __all__ = ["GPM", "GPMOptions", "extend_basis"]
 
@@ -30,6 +31,7 @@ class GPMOptions(MethodOptions):
     max_columns: int = Field(4096, ge=1, description="cap on representation columns per layer (random subset)")
 
 
+@full_precision
 def extend_basis(rep: torch.Tensor, basis: torch.Tensor | None, threshold: float) -> torch.Tensor:
     """GPM memory update: add the fewest new directions of ``rep`` (d, n) so the energy criterion holds.
 
@@ -102,6 +104,7 @@ class GPM(ContinualMethod):
             mm = m.to(flat.dtype)
             flat.sub_((flat @ mm) @ mm.T)
 
+    @full_precision
     @torch.no_grad()
     def _representations(self, task, ctx) -> dict[str, torch.Tensor]:
         o = self.options

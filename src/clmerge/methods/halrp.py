@@ -25,6 +25,7 @@ from ..engine.losses import classification_loss
 from ..params import low_rank_perturbation as lrp
 from .base import ContinualMethod, register_method
 from .halrp_options import HALRPOptions
+from ..engine.precision import full_precision
 
 __all__ = ["HALRP", "HALRPOptions", "official_growth", "task_parameter_count"]
 
@@ -134,6 +135,7 @@ class HALRP(ContinualMethod):
         return free
 
     # -- rank selection ------------------------------------------------------------------------------------
+    @full_precision
     def _importance(self, free: nn.Module, task, ctx) -> dict[str, float]:
         """g_l (spec 2d): squared mini-batch gradients w.r.t. W_l at W^free, eval mode, true labels."""
         o = self.options

@@ -27,6 +27,7 @@ from pydantic import Field
 from ..adapters import add_lora_component, fold_component, inject_lora, lora_layers
 from .base import ContinualMethod, register_method
 from .seq_lora import LoRAMethodOptions
+from ..engine.precision import full_precision
 
 __all__ = ["InfLoRA", "InfLoRAOptions", "update_dual_gpm", "project_covariance", "input_covariances"]
 
@@ -41,6 +42,7 @@ class InfLoRAOptions(LoRAMethodOptions):
                        "(same function; LibContinual's InfLoRA_opt)")
 
 
+@full_precision
 @torch.no_grad()
 def input_covariances(model: torch.nn.Module, layers: dict, data, *, batch_size: int, device,
                       max_samples: int | None = None) -> dict[str, torch.Tensor]:
@@ -117,6 +119,7 @@ def _shrink_retain(act: torch.Tensor, basis: torch.Tensor, threshold: float) -> 
     return left[:, : basis.shape[1] - r]
 
 
+@full_precision
 def update_dual_gpm(act: torch.Tensor, basis: torch.Tensor | None, kind: str | None,
                     threshold: float) -> tuple[torch.Tensor, str]:
     """One DualGPM update of one layer from its covariance ``act``; returns (basis, kind)."""

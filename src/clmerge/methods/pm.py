@@ -36,6 +36,7 @@ from ..params import diagonal_fisher
 from ..params.fisher import resolve_fisher_method
 from .base import ContinualMethod, register_method
 from .seq_lora import LoRAMethodOptions
+from ..engine.precision import full_precision
 
 __all__ = ["PerturbAndMerge", "PMOptions", "sample_perturbation", "closed_form_alpha", "closed_form_alpha_stored",
            "eager_attention"]
@@ -72,6 +73,7 @@ def sample_perturbation(eps: float, p0: float, generator: torch.Generator | None
     return -eps if u < p_side else (eps if u < 2 * p_side else 0.0)
 
 
+@full_precision
 def closed_form_alpha(delta: dict[str, torch.Tensor], sum_f: dict[str, torch.Tensor],
                       sum_fu: dict[str, torch.Tensor], merged: dict[str, torch.Tensor]) -> tuple[float, float]:
     """Eq. 8 from running sums; returns (numerator, denominator) with alpha = -num / den (float64).
@@ -85,6 +87,7 @@ def closed_form_alpha(delta: dict[str, torch.Tensor], sum_f: dict[str, torch.Ten
     return num, den
 
 
+@full_precision
 def closed_form_alpha_stored(delta: dict[str, torch.Tensor], fishers: list[dict[str, torch.Tensor]],
                              optima: list[dict[str, torch.Tensor]], merged: dict[str, torch.Tensor]) -> tuple[float, float]:
     """Eq. 8 literally, from every task's Fisher F_i and optimum u_i = theta*_i - theta_0; (num, den)."""
@@ -194,6 +197,7 @@ class PerturbAndMerge(ContinualMethod):
                 h.remove()
 
     # -- after the task: Fisher, alpha (Eq. 8), merge ------------------------------------------------------
+    @full_precision
     def _fisher(self, task, ctx) -> dict[str, torch.Tensor]:
         o = self.options
         layers = lora_layers(self.model.backbone)

@@ -29,6 +29,7 @@ from ..adapters.folded import FoldedCache
 from ..adapters.lora import LoRALinear
 from .base import ContinualMethod, register_method
 from .seq_lora import LoRAMethodOptions
+from ..engine.precision import full_precision
 
 __all__ = ["SDLoRA", "SDLoRARR", "SDLoRAKD", "SDLoRAOptions", "SDLoRARROptions", "SDLoRAKDOptions",
            "direction_gram", "least_squares_fit"]
@@ -185,6 +186,7 @@ class SDLoRARR(SDLoRA):
 
 
 # ----------------------------------------------------------------------------------------------------------
+@full_precision
 def direction_gram(layers: list[LoRALinear], names: list[str], norm: str) -> torch.Tensor:
     """Gram matrix of the stacked normalised directions: G[j, k] = sum_layers <d_j, d_k>_F (float64).
 
@@ -210,6 +212,7 @@ def direction_gram(layers: list[LoRALinear], names: list[str], norm: str) -> tor
     return gram
 
 
+@full_precision
 def least_squares_fit(gram: torch.Tensor) -> tuple[torch.Tensor, float]:
     """Eq. 7: fit the last direction on the earlier ones from their Gram matrix.
 

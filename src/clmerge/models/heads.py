@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .classifier import IncrementalHead
+from ..engine.precision import full_precision
 
 __all__ = ["ClassFeatureStats", "NCMHead", "RanPACHead", "align_linear_head", "ridge_grid_choice"]
 
@@ -56,6 +57,7 @@ class ClassFeatureStats:
     def mean(self, c: int) -> torch.Tensor:
         return self.tensors[f"mean.{c}"]
 
+    @full_precision
     def update(self, feats: torch.Tensor, labels: torch.Tensor) -> None:
         """Add the statistics of every class in ``labels`` (each class is seen in one task only)."""
         feats = feats.detach().double().cpu()
@@ -179,6 +181,7 @@ class RanPACHead:
         """h = ReLU(f W_rand) (RanPAC Sec. 4.2)."""
         return torch.relu(feats.float() @ self.W_rand.to(feats.device))
 
+    @full_precision
     def update(self, feats: torch.Tensor, labels: torch.Tensor, n_classes: int, generator: torch.Generator) -> None:
         """Accumulate G, Q from one task's features (Eq. 4), choose λ, re-solve W_o (Eq. 5)."""
         order = torch.randperm(len(feats), generator=generator)  # the official loader shuffles

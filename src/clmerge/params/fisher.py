@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
+from ..engine.precision import full_precision
 
 __all__ = [
     "diagonal_fisher",
@@ -229,6 +230,7 @@ def _labels(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str, gener
     raise ValueError(f"unknown Fisher mode {mode!r} (expected 'empirical' or 'true')")
 
 
+@full_precision
 def diagonal_fisher(model: nn.Module, names: list[str], batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
                     mode: str = "empirical", logits_fn=None, generator: torch.Generator | None = None,
                     max_samples: int | None = None, method: str = "auto") -> dict[str, torch.Tensor]:

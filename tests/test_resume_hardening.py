@@ -255,3 +255,22 @@ def test_study_resume_refuses_a_missing_directory_and_names_a_changed_spec(tmp_p
         run_study(other, out, resume=True, log=lambda *_: None)
     assert f"name: {spec.name!r} (run) != 'renamed' (given)" in str(info.value)
     assert snapshot(tmp_path) == before
+
+
+def test_a_run_from_before_a_key_existed_resumes_at_its_default(tmp_path):
+    """run.precision, train.num_workers and train.pin_memory were added after runs existed: a stored config
+    without them matches a given one that keeps their defaults, and not one that changes them."""
+    import yaml
+
+    from clmerge.config import dump_config
+    from clmerge.engine.checkpoint import ResumeError
+    from clmerge.engine.resume import check_same_config
+
+    text = dump_config(parse_config(tiny_config()))
+    old = yaml.safe_load(text)
+    del old["run"]["precision"], old["train"]["num_workers"], old["train"]["pin_memory"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    check_same_config(tmp_path / "config.yaml", text)
+    changed = dump_config(parse_config(tiny_config(**{"run.precision": "bf16"})))
+    with pytest.raises(ResumeError, match=r"\(1 key differs\).*\nrun.precision: 'fp32' \(run\) != 'bf16' \(given\)"):
+        check_same_config(tmp_path / "config.yaml", changed)

@@ -48,10 +48,12 @@ def check_same_config(cfg_file: Path, cfg_text: str) -> None:
         stored = yaml.safe_load(stored_text) or {}
     except yaml.YAMLError as exc:
         raise ResumeError(f"{cfg_file}: unreadable YAML ({exc}); cannot check the config") from None
-    diffs = config_differences(stored, yaml.safe_load(cfg_text) or {})
-    if not diffs:  # the same values written differently (e.g. by another clmerge version)
+    given = yaml.safe_load(cfg_text) or {}
+    diffs = config_differences(_with_new_defaults(stored, given), given)
+    if not diffs:  # the same values written differently, or keys added since at their defaults
         return
-    raise ResumeError(f"{cfg_file}: the run was started with a different config ({_count(diffs)} differ); "
+    raise ResumeError(f"{cfg_file}: the run was started with a different config ({_count(diffs)} "
+                      f"differ{'s' if len(diffs) == 1 else ''}); "
                       "resume with the same config or choose another --out\n" + summarize_differences(diffs))
 
 
@@ -66,6 +68,28 @@ def _count(diffs: list[str]) -> str:
 
 
 _ABSENT = object()
+
+
+def _with_new_defaults(stored: Any, given: Any) -> Any:
+    """``stored`` plus every key it lacks, taken from the defaults of the given config's method: a run started
+    before a key existed (e.g. ``run.precision``) resumes when the given config keeps that key's default."""
+    from ..config import dump_config, parse_config
+
+    try:
+        name = (given.get("method") or {}).get("name")
+        defaults = yaml.safe_load(dump_config(parse_config({"method": {"name": name}} if name else {})))
+    except Exception:  # noqa: BLE001  (an unknown method: no defaults to fill in; the diff shows it)
+        return stored
+    return _fill(stored, defaults)
+
+
+def _fill(stored: Any, defaults: Any) -> Any:
+    if not (isinstance(stored, dict) and isinstance(defaults, dict)):
+        return stored
+    out = dict(stored)
+    for key, value in defaults.items():
+        out[key] = _fill(stored[key], value) if key in stored else value
+    return out
 
 
 def config_differences(stored: Any, given: Any, prefix: str = "") -> list[str]:

@@ -5,9 +5,9 @@ What one cell (method, precision, network) measures: the engine's own loop (``en
 couple of steps and runs the method's end-of-task work, so that task 2 starts with the state a method carries
 (frozen earlier LoRA components, Fisher / anchors, GPM bases, the merged model). Task 2 then trains, and a
 clock on ``after_step`` stamps the end of every optimizer step: the first ``--warmup`` steps are skipped and
-the median of the next ``--steps`` step intervals is the cell's time per step (a full loop step: batch, forward
-under autocast, backward, gradient hooks, optimizer, scheduler, ``after_step``). The method's ``loss`` and
-hooks are timed too, so an overhead can be traced to the part that costs it.
+the median of the next ``--steps`` step intervals is the cell's time per step (a full loop step: batch,
+forward under autocast, backward, gradient hooks, optimizer, scheduler, ``after_step``). The method's
+``loss`` and hooks are timed too, so an overhead can be traced to the part that costs it.
 
 Every cell runs in a fresh process (forked from a parent that has imported the libraries and parsed the data
 once; ``spawn`` on CUDA), so its memory is its own. Peak memory: CUDA, ``torch.cuda.max_memory_allocated``
@@ -82,16 +82,18 @@ DEFAULT_METHODS = [m for m in METHODS if m not in ("l2", "gpm")] + ["halrp"]
 HALRP = {"halrp": ({"name": "halrp", "warmup_epochs": 1, "grad_multiplier": 10.0, "prune": True}, "halrp"),
          "finetune": ({"name": "finetune"}, "full")}
 # network -> model + scenario sections, the methods it runs and the baseline of its ratios
+MNIST5K = {"dataset": "mnist5k", "n_tasks": 5}  # 800 training images per task: 12 full batches of 64
+PFMNIST = {"dataset": "fashion_mnist", "kind": "task_incremental", "n_tasks": 2, "transform": "permutation",
+           "permute_first_task": True, "train_per_task": 1024}
 SUITES: dict[str, dict] = {
-    "vit-tiny-fmnist": {"model": {"name": "vit-tiny-fmnist"}, "scenario": {"dataset": "mnist5k", "n_tasks": 5},
-                        "methods": METHODS, "baseline": "seq_lora", "cuda_only": False},
-    "vit-b16": {"model": {"name": "vit-b16", "pretrained": False}, "scenario": {"dataset": "mnist5k", "n_tasks": 5},
-                "methods": METHODS, "baseline": "seq_lora", "cuda_only": True},
-    # HALRP needs one head per task and its own small network (benchmarks/halrp/run.py, permuted Fashion-MNIST)
-    "mlp (HALRP)": {"model": {"name": "mlp", "pretrained": False, "config": {"image_size": 28, "hidden": [256, 256]}},
-                    "scenario": {"dataset": "fashion_mnist", "kind": "task_incremental", "n_tasks": 2,
-                                 "transform": "permutation", "permute_first_task": True, "train_per_task": 1024},
-                    "methods": HALRP, "baseline": "finetune", "cuda_only": False},
+    "vit-tiny-fmnist": {"model": {"name": "vit-tiny-fmnist"}, "scenario": MNIST5K, "methods": METHODS,
+                        "baseline": "seq_lora", "cuda_only": False},
+    "vit-b16": {"model": {"name": "vit-b16", "pretrained": False}, "scenario": MNIST5K, "methods": METHODS,
+                "baseline": "seq_lora", "cuda_only": True},
+    # HALRP: one head per task and its own small network (benchmarks/halrp/run.py, permuted Fashion-MNIST)
+    "mlp (HALRP)": {"model": {"name": "mlp", "pretrained": False,
+                              "config": {"image_size": 28, "hidden": [256, 256]}},
+                    "scenario": PFMNIST, "methods": HALRP, "baseline": "finetune", "cuda_only": False},
 }
 
 
@@ -105,9 +107,10 @@ def _sync(device: torch.device) -> None:
 
 
 class StepClock:
-    """Wraps a method's ``loss`` / ``before_step`` / ``after_step`` on the instance: time stamps (wall and this
-    process's CPU time) at the end of every optimizer step (``after_step`` is the loop's last call of a step) and
-    the seconds spent in each hook (CPU time on a CPU, wall time with CUDA's asynchronous kernels)."""
+    """Wraps a method's ``loss`` / ``before_step`` / ``after_step`` on the instance: time stamps (wall and
+    this process's CPU time) at the end of every optimizer step (``after_step`` is the loop's last call of a
+    step) and the seconds spent in each hook (CPU time on a CPU; wall time with CUDA's asynchronous
+    kernels)."""
 
     def __init__(self, method, total_steps: int, device: torch.device) -> None:
         self.stamps: list[float] = []
@@ -185,8 +188,8 @@ def measure_cell(job: dict) -> dict:
     model.to(device)
     total = job["warmup"] + job["steps"]
     per_epoch = scenario.tasks[1].train.num_batches(cfg.train.batch_size)
-    full = len(scenario.tasks[1].train) // cfg.train.batch_size  # full batches only: every timed step is alike
-    precision, cfg.run.precision = cfg.run.precision, "fp32"  # task 1 only sets up state (fp16 on CPU is slow)
+    full = len(scenario.tasks[1].train) // cfg.train.batch_size  # full batches only: timed steps are alike
+    precision, cfg.run.precision = cfg.run.precision, "fp32"  # task 1 only sets up state (CPU fp16 is slow)
     with tempfile.TemporaryDirectory() as tmp:
         state = RunState()
         model, method, _ = _train_task(cfg, 0, scenario, model, method, state, Path(tmp), device)
@@ -234,7 +237,7 @@ def run_cell(job: dict, context) -> dict:
 
 
 def _cache_datasets() -> None:
-    """Parse each dataset once in the parent (mnist5k is a 4-s text parse); forked cells inherit the splits."""
+    """Parse each dataset once in the parent (mnist5k is a 4-s text parse); forked cells inherit it."""
     import clmerge.engine.run as engine_run
 
     build, cache = engine_run.build_dataset, {}
@@ -303,7 +306,8 @@ def run_rounds(suites: dict, a, context) -> list[dict]:
 def parse_args(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]; CUDA adds the ViT-B/16 suite")
-    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated labels (also: l2, gpm)")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                    help="comma-separated labels (also: l2, gpm)")
     ap.add_argument("--precisions", default=",".join(PRECISIONS))
     ap.add_argument("--suites", default=None, help="comma-separated networks (default: all the device runs)")
     ap.add_argument("--batch", type=int, default=64)
@@ -312,7 +316,8 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--warmup", type=int, default=2, help="task-2 steps not timed (>= 1)")
     ap.add_argument("--steps", type=int, default=5, help="timed task-2 steps per cell")
     ap.add_argument("--fp16-cpu-steps", type=int, default=1, help="timed steps of fp16 cells on a CPU")
-    ap.add_argument("--task1-steps", type=int, default=1, help="task-1 steps (fp32) before its end-of-task work")
+    ap.add_argument("--task1-steps", type=int, default=1,
+                    help="task-1 steps (fp32) before its end-of-task work")
     ap.add_argument("--quick", action="store_true", help="smoke: 1 round, 1+2 steps, tiny ViT, fp32 + bf16")
     ap.add_argument("--out", type=Path, default=HERE / "throughput.md")
     ap.add_argument("--json", type=Path, default=None, help="raw results (default: OUT with .json)")
@@ -329,7 +334,8 @@ def parse_args(argv: list[str] | None):
     a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     a.precisions = [p.strip() for p in a.precisions.split(",") if p.strip()]
     known = set(METHODS) | set(HALRP)
-    for name, values, allowed in (("--methods", a.methods, known), ("--precisions", a.precisions, PRECISIONS)):
+    checks = (("--methods", a.methods, known), ("--precisions", a.precisions, PRECISIONS))
+    for name, values, allowed in checks:
         if bad := [v for v in values if v not in allowed]:
             ap.error(f"{name}: unknown {', '.join(bad)} (known: {', '.join(sorted(allowed))})")
     if a.warmup < 1 or a.steps < 1:
@@ -365,7 +371,8 @@ def main(argv: list[str] | None = None) -> None:
         keep = ("batch", "rounds", "warmup", "steps", "fp16_cpu_steps", "task1_steps", "quick", "precisions",
                 "methods")
         settings = {k: v for k, v in vars(a).items() if k in keep}
-        data = {"machine": info, "settings": settings, "suites": {n: s["baseline"] for n, s in suites.items()},
+        baselines = {n: s["baseline"] for n, s in suites.items()}
+        data = {"machine": info, "settings": settings, "suites": baselines,
                 "argv": shlex.join(sys.argv[1:] if argv is None else argv), "cells": cells}
         a.json.parent.mkdir(parents=True, exist_ok=True)
         tmp = a.json.with_suffix(".json.tmp")

@@ -1,4 +1,4 @@
-"""benchmarks/throughput.py (issue 15): the step clock, the memory probe, the paired ratios, and a --quick smoke."""
+"""benchmarks/throughput.py (issue 15): step clock, memory probe, paired ratios, and a --quick smoke."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def test_peak_memory_sees_an_allocation_inside_the_region():
 
 def _cells(method: str, times: list[float], kind: str = "lora") -> list[dict]:
     return [{"suite": "net", "method": method, "kind": kind, "precision": "fp32", "round": r, "step_s": t,
-             "peak_bytes": 2**20, "cpu_step_s": t, "hook_s": {"loss": t / 2, "before_step": 0.0, "after_step": 0.0}}
+             "peak_bytes": 2**20, "cpu_step_s": t,
+             "hook_s": {"loss": t / 2, "before_step": 0.0, "after_step": 0.0}}
             for r, t in enumerate(times)]
 
 

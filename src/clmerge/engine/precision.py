@@ -32,6 +32,11 @@ def check_precision(precision: str, device: torch.device | str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"run.precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
     dev = torch.device(device)
+    if precision == "fp16" and dev.type == "cpu":
+        import warnings
+
+        warnings.warn("run.precision=fp16 on a CPU runs ~9x slower than fp32 without fp16 matrix instructions "
+                      "(benchmarks/throughput.md); fp16 is meant for GPUs", stacklevel=2)
     if precision == "bf16" and dev.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError(f"run.precision: bf16 is not supported on {torch.cuda.get_device_name(dev)}; use fp16")
 

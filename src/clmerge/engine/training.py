@@ -63,24 +63,56 @@ def loss_interval(total_steps: int, every: int | None = None) -> int:
     return max(1, math.ceil(total_steps / LOSS_POINTS))
 
 
+class _LossSum:
+    """Sample-weighted loss terms kept as device tensors and read once per interval: reading a GPU loss every
+    step (``float(loss)``) would make the CPU wait for the GPU at every step. In a data-parallel run each
+    process holds its share-weighted terms and the read sums them over processes."""
+
+    def __init__(self, reduce: Callable[[float], float] | None) -> None:
+        self.reduce, self.terms, self.n = reduce, [], 0
+
+    def add(self, weighted: torch.Tensor, batch: int) -> None:
+        self.terms.append(weighted)
+        self.n += batch
+
+    def read(self) -> tuple[float, int]:
+        """``(mean loss, samples)`` of the terms since the last read (one device sync), then reset."""
+        total = float(torch.stack(self.terms).sum()) if self.terms else 0.0
+        if self.reduce is not None:
+            total = self.reduce(total)
+        n, self.terms, self.n = self.n, [], 0
+        return total / max(n, 1), n
+
+
 class _StepLosses:
     """Sample-weighted mean training loss over each interval of ``every`` steps, logged as ``step`` events."""
 
-    def __init__(self, log: Callable[[dict], None] | None, every: int, task: int | None, phase: str) -> None:
+    def __init__(self, log: Callable[[dict], None] | None, every: int, task: int | None, phase: str,
+                 reduce: Callable[[float], float] | None = None) -> None:
         self.log, self.every, self.task, self.phase = log, every, task, phase
-        self.step, self.total, self.n, self.count = 0, 0.0, 0, 0
+        self.step, self.count, self.sum = 0, 0, _LossSum(reduce)
 
-    def add(self, loss: float, batch: int, epoch: int, lr: float) -> None:
+    def add(self, weighted: torch.Tensor, batch: int, epoch: int, lr: float, desc: str) -> None:
         self.step += 1
-        self.total, self.n, self.count = self.total + loss * batch, self.n + batch, self.count + 1
+        self.count += 1
+        self.sum.add(weighted, batch)
         if self.count >= self.every:
-            self.flush(epoch, lr)
+            self.flush(epoch, lr, desc)
 
-    def flush(self, epoch: int, lr: float) -> None:
-        if self.log is not None and self.count:
+    def flush(self, epoch: int, lr: float, desc: str) -> None:
+        if not self.count:
+            return
+        loss, _ = self.sum.read()
+        _check_finite(loss, desc, epoch, self.step - self.count + 1, self.step)
+        if self.log is not None:
             self.log({"event": "step", "task": self.task, "phase": self.phase, "epoch": epoch, "step": self.step,
-                      "steps": self.count, "loss": self.total / max(self.n, 1), "lr": lr})
-        self.total, self.n, self.count = 0.0, 0, 0
+                      "steps": self.count, "loss": loss, "lr": lr})
+        self.count = 0
+
+
+def _check_finite(loss: float, desc: str, epoch: int, first: int, last: int) -> None:
+    if not math.isfinite(loss):
+        raise TrainingError(f"{desc}: loss is {loss} at epoch {epoch} (steps {first}-{last}); lower optim.lr?")
 
 
 def _optimizer_step(model: nn.Module, loss: torch.Tensor, opt: torch.optim.Optimizer, sched, params: list,
@@ -154,11 +186,13 @@ def fit(
     sched = build_scheduler(opt, optim, epochs, steps)
     params = [p for g in opt.param_groups for p in g["params"]]
     losses, t0 = [], time.time()
-    step_losses = _StepLosses(log, loss_interval(epochs * steps, log_every), task_index, desc)
     scaler, dp = grad_scaler(precision, device), distributed.active()
+    reduce = dp.sum_scalar if dp is not None else None
+    acc_dtype = torch.float32 if torch.device(device).type == "mps" else torch.float64  # (MPS has no float64)
+    step_losses = _StepLosses(log, loss_interval(epochs * steps, log_every), task_index, desc, reduce)
     model.train()
     for epoch in range(epochs):
-        total, n, te = 0.0, 0, time.time()
+        epoch_sum, te = _LossSum(reduce), time.time()
         part = None if dp is None else (dp.rank, dp.world)
         batches = data.batches(batch_size, shuffle=True, generator=generator, max_batches=steps, part=part)
         bar = Progress(zip(data.batch_sizes(batch_size, steps), batches), total=steps,
@@ -172,19 +206,18 @@ def fit(
                     loss = loss_fn(model, x, y)
             if dp is not None:  # this share's mean loss, weighted by its share: gradients then sum over ranks
                 loss = loss * (len(x) / n_batch)
-            if not torch.isfinite(loss):
-                raise TrainingError(f"{desc}: loss is {loss.item()} at epoch {epoch + 1}; lower optim.lr?")
             _optimizer_step(model, loss, opt, sched, params, optim.grad_clip, before_step, after_step, scaler,
                             dp.all_reduce_grads if dp is not None else None)
-            value = float(loss.detach()) if dp is None else dp.sum_scalar(float(loss.detach()))
-            total += value * n_batch
-            n += n_batch
-            step_losses.add(value, n_batch, epoch + 1, opt.param_groups[0]["lr"])
-        losses.append(total / max(n, 1))
+            weighted = loss.detach().to(acc_dtype) * n_batch  # read once per interval, not per step
+            epoch_sum.add(weighted, n_batch)
+            step_losses.add(weighted, n_batch, epoch + 1, opt.param_groups[0]["lr"], desc)
+        mean, _ = epoch_sum.read()
+        _check_finite(mean, desc, epoch + 1, 1, steps)
+        losses.append(mean)
         seconds = time.time() - te
         bar.line(f"{desc} epoch {epoch + 1}/{epochs} loss {losses[-1]:.4g} ({seconds:.1f} s)")
         if epoch == epochs - 1:
-            step_losses.flush(epoch + 1, opt.param_groups[0]["lr"])  # the last, shorter interval
+            step_losses.flush(epoch + 1, opt.param_groups[0]["lr"], desc)  # the last, shorter interval
         if log is not None:
             log({"event": "epoch", "task": task_index, "phase": desc, "epoch": epoch + 1, "loss": losses[-1],
                  "lr": opt.param_groups[0]["lr"], "seconds": round(seconds, 3)})

@@ -153,3 +153,17 @@ def test_fast_jpeg_leaves_png_and_full_size_jpeg_exact(tmp_path, png_source):
     exact = FileListData(paths, [0, 1], image_size=32).get_batch(np.arange(2))[0]
     fast = FileListData(paths, [0, 1], image_size=32, fast_jpeg=True).get_batch(np.arange(2))[0]
     assert torch.equal(fast, exact)
+
+
+def test_configure_loading_switches_fast_jpeg_on_file_sources(png_source):
+    from clmerge.data.base import DataSplits
+    from clmerge.data.scenarios import build_scenario
+
+    test_src = FileListData(png_source.paths, png_source.targets, image_size=16)
+    sc = build_scenario(DataSplits(train=png_source, test=test_src), kind="class_incremental", n_tasks=3)
+    configure_loading(sc, num_workers=1)
+    assert not png_source.fast_jpeg and not test_src.fast_jpeg  # None: as built
+    configure_loading(sc, fast_jpeg=True)
+    assert png_source.fast_jpeg and test_src.fast_jpeg
+    configure_loading(sc, fast_jpeg=False)
+    assert not png_source.fast_jpeg

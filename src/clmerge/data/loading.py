@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["PREFETCH_BATCHES", "load_in_workers", "pinning_available"]
+__all__ = ["PREFETCH_BATCHES", "file_sources", "load_in_workers", "pinning_available"]
 
 # batches each worker prepares ahead: enough to hide one slow image, few enough to keep large evaluation
 # batches (500 x 3 x 224 x 224 floats = 300 MB) from filling memory
@@ -30,6 +30,15 @@ PREFETCH_BATCHES = 2
 def pinning_available() -> bool:
     """Page-locked memory needs CUDA; without it ``pin_memory`` is accepted and does nothing."""
     return torch.cuda.is_available()
+
+
+def file_sources(source: Any) -> list:
+    """The :class:`~clmerge.data.base.FileListData` sources behind ``source`` (itself, or a ``mixed`` source's parts)."""
+    from .base import FileListData
+
+    if isinstance(source, FileListData):
+        return [source]
+    return [s for part in getattr(source, "parts", []) for s in file_sources(part.source)]
 
 
 @dataclass

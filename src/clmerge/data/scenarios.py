@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import ClassificationData, DataSplits
-from .loading import load_in_workers, pinning_available
+from .loading import file_sources, load_in_workers, pinning_available
 
 __all__ = [
     "TaskData",
@@ -150,20 +150,28 @@ def _batch_shares(order: np.ndarray, batch_size: int, max_batches: int | None,
     return shares
 
 
-def configure_loading(scenario: Scenario, *, num_workers: int = 0, pin_memory: bool = False) -> None:
-    """Set ``train.num_workers`` / ``train.pin_memory`` on every task's train, val and test data (in place).
+def configure_loading(scenario: Scenario, *, num_workers: int = 0, pin_memory: bool = False,
+                      fast_jpeg: bool | None = None) -> None:
+    """Set how every task's train, val and test data are loaded (in place).
 
     Args:
         scenario: the built scenario.
-        num_workers: worker processes that decode batches of on-disk sources (0: decode in this process).
-        pin_memory: page-locked batches for faster copies to a GPU (a no-op without CUDA).
+        num_workers: ``train.num_workers``, worker processes that decode batches of on-disk sources (0: decode
+            in this process; in-memory sources always do).
+        pin_memory: ``train.pin_memory``, page-locked batches for faster copies to a GPU (a no-op without CUDA).
+        fast_jpeg: ``None`` leaves the sources as built; ``True`` / ``False`` switches reduced-size JPEG decoding
+            (:class:`~clmerge.data.base.FileListData`'s ``fast_jpeg``) on every on-disk source of the scenario.
     """
     if num_workers < 0:
         raise ValueError(f"train.num_workers must be >= 0, got {num_workers}")
     for task in scenario.tasks:
         for data in (task.train, task.val, task.test):
-            if data is not None:
-                data.num_workers, data.pin_memory = int(num_workers), bool(pin_memory)
+            if data is None:
+                continue
+            data.num_workers, data.pin_memory = int(num_workers), bool(pin_memory)
+            if fast_jpeg is not None:
+                for source in file_sources(data.source):
+                    source.fast_jpeg = bool(fast_jpeg)
 
 
 @dataclass

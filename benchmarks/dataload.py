@@ -15,12 +15,14 @@ calling (training) process spends per image. Writes ``benchmarks/dataload.md`` a
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+import resource
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -42,8 +44,9 @@ class Row:
     workers: int
     pin: bool
     fast: bool
-    rates: list[float]
-    main_cpu_ms: float  # CPU time of the calling process per image (median pass)
+    rates: list[float] = field(default_factory=list)
+    main_cpu_ms: list[float] = field(default_factory=list)  # CPU time of the calling process per image
+    total_cpu_ms: list[float] = field(default_factory=list)  # the same, calling process + workers
     ratio: float = float("nan")
 
     @property
@@ -70,16 +73,25 @@ def write_folder(folder: Path, n: int, fmt: str, size: tuple[int, int], seed: in
     return paths
 
 
-def one_pass(paths: list[Path], workers: int, pin: bool, fast: bool, seed: int) -> tuple[float, float]:
-    """(images/s, calling-process CPU ms per image) of one shuffled pass."""
+def _cpu_seconds(who: int) -> float:
+    use = resource.getrusage(who)
+    return use.ru_utime + use.ru_stime
+
+
+def one_pass(paths: list[Path], workers: int, pin: bool, fast: bool, seed: int) -> tuple[float, float, float]:
+    """(images/s, calling-process CPU ms per image, calling process + workers CPU ms per image) of one pass."""
     src = FileListData(paths, np.zeros(len(paths), dtype=np.int64), image_size=IMAGE_SIZE, fast_jpeg=fast)
     data = TaskData(src, np.arange(len(paths)), np.zeros(1, dtype=np.int64), num_workers=workers, pin_memory=pin)
     gen = torch.Generator().manual_seed(seed)
-    count, c0, t0 = 0, time.process_time(), time.perf_counter()
+    count, t0 = 0, time.perf_counter()
+    c0, k0 = _cpu_seconds(resource.RUSAGE_SELF), _cpu_seconds(resource.RUSAGE_CHILDREN)
     for x, _ in data.batches(BATCH, shuffle=True, generator=gen):
         count += x.shape[0]
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return count / wall, 1e3 * cpu / count
+    wall = time.perf_counter() - t0
+    # the workers have exited and been waited for when the loop ends: their CPU time is in RUSAGE_CHILDREN
+    main = _cpu_seconds(resource.RUSAGE_SELF) - c0
+    workers_cpu = _cpu_seconds(resource.RUSAGE_CHILDREN) - k0
+    return count / wall, 1e3 * main / count, 1e3 * (main + workers_cpu) / count
 
 
 def configs(name: str, workers: list[int]) -> list[tuple[int, bool, bool]]:
@@ -92,15 +104,18 @@ def configs(name: str, workers: list[int]) -> list[tuple[int, bool, bool]]:
 
 
 def measure(folders: dict[str, list[Path]], workers: list[int], repeats: int) -> list[Row]:
-    rows = []
-    for name, paths in folders.items():
-        for w, pin, fast in configs(name, workers):
-            runs = [one_pass(paths, w, pin, fast, seed=r) for r in range(repeats)]
-            rates = [r for r, _ in runs]
-            cpu = sorted(runs)[len(runs) // 2][1]
-            rows.append(Row(name, w, pin, fast, rates, cpu))
-            print(f"{name:14s} workers={w} pin={pin!s:5s} fast_jpeg={fast!s:5s} "
-                  f"{statistics.median(rates):7.1f} img/s  main CPU {cpu:.2f} ms/img", flush=True)
+    """Every configuration once per round, ``repeats`` rounds: a change in the machine's load then affects all
+    configurations alike instead of the ones measured while it lasted."""
+    rows = [Row(name, w, pin, fast) for name in folders for w, pin, fast in configs(name, workers)]
+    for r in range(repeats):
+        for row in rows:
+            rate, main_ms, total_ms = one_pass(folders[row.folder], row.workers, row.pin, row.fast, seed=r)
+            row.rates.append(rate)
+            row.main_cpu_ms.append(main_ms)
+            row.total_cpu_ms.append(total_ms)
+            print(f"round {r + 1}: {row.folder:14s} workers={row.workers} pin={row.pin!s:5s} "
+                  f"fast_jpeg={row.fast!s:5s} {rate:7.1f} img/s  CPU main {main_ms:.2f} / total {total_ms:.2f} "
+                  f"ms/img", flush=True)
     for row in rows:  # ratio against num_workers=0 with the same folder, pinning and decoding
         base = next(r for r in rows if (r.folder, r.pin, r.fast, r.workers) == (row.folder, row.pin, row.fast, 0))
         row.ratio = row.rate / base.rate
@@ -116,13 +131,14 @@ def machine() -> str:
             f"Pillow {PIL.__version__}; CUDA available: {torch.cuda.is_available()}")
 
 
-def write_table(rows: list[Row], args, load_start, load_end, seconds: float) -> str:
+def write_table(rows: list[Row], args, load_start, load_end, seconds: float, machine_text: str) -> str:
     lines = ["| folder | num_workers | pin_memory | fast_jpeg | images/s (median) | min-max | × workers=0 "
-             "| main-process CPU ms/img |", "|---|---:|---|---|---:|---:|---:|---:|"]
+             "| CPU ms/img: main process | CPU ms/img: main + workers |", "|---|---:|---|---|---:|---:|---:|---:|---:|"]
+    med = statistics.median
     for r in rows:
         lines.append(f"| {r.folder} | {r.workers} | {'on' if r.pin else 'off'} | {'on' if r.fast else 'off'} | "
                      f"**{r.rate:.0f}** | {min(r.rates):.0f}-{max(r.rates):.0f} | {r.ratio:.2f} | "
-                     f"{r.main_cpu_ms:.2f} |")
+                     f"{med(r.main_cpu_ms):.2f} | {med(r.total_cpu_ms):.2f} |")
     pin_note = ("pinning is real here (CUDA available)" if pinning_available() else
                 "no CUDA on this machine, so `pin_memory` is accepted and does nothing (its rows measure noise)")
     return f"""# Data loading alone: images per second
@@ -130,15 +146,18 @@ def write_table(rows: list[Row], args, load_start, load_end, seconds: float) -> 
 Command: `nice -n 5 python benchmarks/dataload.py --n {args.n} --repeats {args.repeats} --workers \
 {' '.join(map(str, args.workers))}` ({seconds / 60:.1f} min).
 
-Machine: {machine()}.
+Machine: {machine_text}.
 Load average (1 min) at start / end: **{load_start[0]:.2f} / {load_end[0]:.2f}** ({os.cpu_count()} cores shared with
 other jobs; the figures are **under load** and understate what an idle machine does, the worker ratios most).
 
 Each figure is one pass of `TaskData.batches({BATCH}, shuffle=True)` over a synthetic folder at image_size
 {IMAGE_SIZE} (decode, resize of the shorter side to 256, centre crop, one float conversion per batch), worker
-start-up included; median of {args.repeats} passes. "× workers=0": against `num_workers=0` with the same folder,
-`pin_memory` and `fast_jpeg`, in this run. "main-process CPU": CPU time the calling (training) process spends
-per image; what workers take off the training loop. Folders: {args.n} JPEGs and {args.n} PNGs of 500x375, {args.n // 2}
+start-up included; median of {args.repeats} passes (each round measures every configuration once, so that load
+changes hit all alike). "× workers=0": against `num_workers=0` with the same folder, `pin_memory` and
+`fast_jpeg`, in this run. "CPU ms/img, main process": CPU time the calling (training) process spends per image,
+what the workers take off the training loop; "main + workers": the whole cost of decoding an image, which,
+unlike images/s, hardly depends on the load (on an idle machine, `num_workers` cores give about
+`1000 * num_workers / that` images/s while the main process keeps up). Folders: {args.n} JPEGs and {args.n} PNGs of 500x375, {args.n // 2}
 JPEGs of 1024x768. {pin_note}.
 
 {chr(10).join(lines)}
@@ -154,18 +173,36 @@ def plot(rows: list[Row], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     shown = [r for r in rows if not r.pin]
-    labels = [f"{r.folder}\nw={r.workers}{' fast' if r.fast else ''}" for r in shown]
-    fig, ax = plt.subplots(figsize=(max(6, 0.75 * len(shown)), 4))
+    labels = [f"{r.folder.replace(' ', chr(10))}\nworkers {r.workers}{chr(10) + 'fast_jpeg' if r.fast else ''}"
+              for r in shown]
+    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(shown)), 4.6))
     colors = {"jpeg 500x375": "tab:blue", "png 500x375": "tab:orange", "jpeg 1024x768": "tab:green"}
     ax.bar(range(len(shown)), [r.rate for r in shown], color=[colors[r.folder] for r in shown],
            hatch=None, alpha=0.85)
-    ax.set_xticks(range(len(shown)), labels, fontsize=7)
+    ax.set_xticks(range(len(shown)), labels, fontsize=6.5)
     ax.set_ylabel("images / s (median)")
     ax.set_title(f"Data loading alone at {IMAGE_SIZE}px, {os.cpu_count()} cores under load")
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)
     tmp.replace(path)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def report(record: dict, out: Path) -> None:
+    """Write the table (``out``), the plot (``.png``) and the raw figures (``.json``) from ``record``."""
+    rows = [Row(**r) for r in record["rows"]]
+    args = argparse.Namespace(**record["args"])
+    _write_atomic(out, write_table(rows, args, record["load_start"], record["load_end"], record["seconds"],
+                                   record["machine"]))
+    _write_atomic(out.with_suffix(".json"), json.dumps(record, indent=1) + "\n")
+    plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out} and its .png / .json")
 
 
 def main() -> None:
@@ -175,7 +212,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "dataload.md")
+    ap.add_argument("--replot", type=Path, default=None, help="rewrite the table and plot from a .json of a run")
     args = ap.parse_args()
+    if args.replot is not None:
+        report(json.loads(args.replot.read_text()), args.out)
+        return
     if args.workers[0] != 0:
         ap.error("--workers must start with 0 (the baseline of the ratios)")
     torch.set_num_threads(1)
@@ -185,12 +226,10 @@ def main() -> None:
                    for i, (name, (fmt, size, div)) in enumerate(SETS.items())}
         load_start, t0 = os.getloadavg(), time.perf_counter()
         rows = measure(folders, args.workers, args.repeats)
-    text = write_table(rows, args, load_start, os.getloadavg(), time.perf_counter() - t0)
-    tmp_md = args.out.with_suffix(".md.tmp")
-    tmp_md.write_text(text)
-    tmp_md.replace(args.out)
-    plot(rows, args.out.with_suffix(".png"))
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    record = {"args": {"n": args.n, "repeats": args.repeats, "workers": args.workers}, "machine": machine(),
+              "load_start": list(load_start), "load_end": list(os.getloadavg()),
+              "seconds": time.perf_counter() - t0, "rows": [asdict(r) for r in rows]}
+    report(record, args.out)
 
 
 if __name__ == "__main__":

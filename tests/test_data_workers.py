@@ -98,13 +98,15 @@ def test_pin_memory_is_accepted_without_cuda(png_source):
 
 def test_configure_loading_sets_every_split(png_source):
     from clmerge.data.base import DataSplits
-    from clmerge.data.scenarios import build_scenario
+    from clmerge.data.scenarios import build_scenario, reorder_tasks
 
     splits = DataSplits(train=png_source, test=png_source)
     sc = build_scenario(splits, kind="class_incremental", n_tasks=3, val_fraction=0.25, task_order=[2, 0, 1])
     configure_loading(sc, num_workers=2, pin_memory=True)
     datas = [d for t in sc.tasks for d in (t.train, t.val, t.test)]
     assert len(datas) == 9 and all(d.num_workers == 2 and d.pin_memory for d in datas)
+    moved = reorder_tasks(sc.tasks, [1, 2, 0], sc.kind)  # new label maps keep the loading settings
+    assert all(d.num_workers == 2 and d.pin_memory for t in moved for d in (t.train, t.val, t.test))
     with pytest.raises(ValueError, match="train.num_workers"):
         configure_loading(sc, num_workers=-1)
 

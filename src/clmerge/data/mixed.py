@@ -127,6 +127,10 @@ class MixedData(ClassificationData):
         labels = [p.label_map[p.source.targets[p.indices]] for p in parts]
         self.targets = np.concatenate(labels).astype(np.int64) if labels else np.zeros(0, np.int64)
 
+    @property
+    def decodes_files(self) -> bool:
+        return any(p.source.decodes_files for p in self.parts)
+
     def _prepare(self, part: _Part, x: torch.Tensor) -> torch.Tensor:
         c = x.shape[1]
         if c != self.channels:

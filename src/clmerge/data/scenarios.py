@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import ClassificationData, DataSplits
+from .loading import file_sources, load_in_workers, pinning_available
 
 __all__ = [
     "TaskData",
@@ -32,6 +33,7 @@ __all__ = [
     "task_name",
     "build_scenario",
     "reorder_tasks",
+    "configure_loading",
 ]
 
 
@@ -79,6 +81,8 @@ class TaskData:
     indices: np.ndarray
     label_map: np.ndarray  # original class id -> head output index (-1: not in this task)
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+    num_workers: int = 0  # processes that decode batches (sources that decode files only; see batches)
+    pin_memory: bool = False  # page-locked batches; needs CUDA (a no-op without it)
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -89,6 +93,11 @@ class TaskData:
             x = self.transform(x)
         return x, torch.as_tensor(self.label_map[y.numpy()], dtype=torch.long)
 
+    def get_share(self, positions: np.ndarray, empty: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`get_batch`, or for an empty data-parallel share a batch of the right shape with no rows."""
+        x, y = self.get_batch(positions)
+        return (x[:0], y[:0]) if empty else (x, y)
+
     def batches(self, batch_size: int, *, shuffle: bool = False, generator: torch.Generator | None = None,
                 max_batches: int | None = None,
                 part: tuple[int, int] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -98,21 +107,21 @@ class TaskData:
         batch's positions into ``world`` parts; possibly empty when the batch is smaller than ``world``), so
         that a data-parallel process loads and decodes only its own images. Every process draws the same
         order from the same ``generator``.
+
+        With ``num_workers > 0`` and a source that decodes files, worker processes decode the batches (see
+        :mod:`clmerge.data.loading`); the order is still drawn here, so the batches are the same tensors in the
+        same order. In-memory sources ignore ``num_workers``.
         """
         n = len(self)
         order = torch.randperm(n, generator=generator).numpy() if shuffle else np.arange(n)
-        for k, start in enumerate(range(0, n, batch_size)):
-            if max_batches is not None and k >= max_batches:
-                return
-            idx = order[start : start + batch_size]
-            if part is not None:
-                mine = np.array_split(idx, part[1])[part[0]]
-                if not len(mine):  # a batch smaller than the world: an empty share of the right shape
-                    x, y = self.get_batch(idx[:1])
-                    yield x[:0], y[:0]
-                    continue
-                idx = mine
-            yield self.get_batch(idx)
+        shares = _batch_shares(order, batch_size, max_batches, part)
+        if self.num_workers > 0 and self.source.decodes_files and shares:
+            yield from load_in_workers(self, shares, num_workers=self.num_workers, pin_memory=self.pin_memory)
+            return
+        pin = self.pin_memory and pinning_available()
+        for positions, empty in shares:
+            x, y = self.get_share(positions, empty)
+            yield (x.pin_memory(), y.pin_memory()) if pin else (x, y)
 
     def batch_sizes(self, batch_size: int, max_batches: int | None = None) -> list[int]:
         """The size of every batch :meth:`batches` yields (the whole batch, not a ``part``)."""
@@ -122,6 +131,47 @@ class TaskData:
 
     def num_batches(self, batch_size: int) -> int:
         return (len(self) + batch_size - 1) // batch_size
+
+
+def _batch_shares(order: np.ndarray, batch_size: int, max_batches: int | None,
+                  part: tuple[int, int] | None) -> list[tuple[np.ndarray, bool]]:
+    """``(positions, empty)`` per batch of ``order``: the whole batch, or this process's share of it (an empty
+    share keeps the batch's first position, loaded only for the shape)."""
+    shares = []
+    for k, start in enumerate(range(0, len(order), batch_size)):
+        if max_batches is not None and k >= max_batches:
+            break
+        idx = order[start : start + batch_size]
+        if part is not None:
+            mine = np.array_split(idx, part[1])[part[0]]
+            shares.append((mine, False) if len(mine) else (idx[:1], True))
+        else:
+            shares.append((idx, False))
+    return shares
+
+
+def configure_loading(scenario: Scenario, *, num_workers: int = 0, pin_memory: bool = False,
+                      fast_jpeg: bool | None = None) -> None:
+    """Set how every task's train, val and test data are loaded (in place).
+
+    Args:
+        scenario: the built scenario.
+        num_workers: ``train.num_workers``, worker processes that decode batches of on-disk sources (0: decode
+            in this process; in-memory sources always do).
+        pin_memory: ``train.pin_memory``, page-locked batches for faster copies to a GPU (a no-op without CUDA).
+        fast_jpeg: ``None`` leaves the sources as built; ``True`` / ``False`` switches reduced-size JPEG decoding
+            (:class:`~clmerge.data.base.FileListData`'s ``fast_jpeg``) on every on-disk source of the scenario.
+    """
+    if num_workers < 0:
+        raise ValueError(f"train.num_workers must be >= 0, got {num_workers}")
+    for task in scenario.tasks:
+        for data in (task.train, task.val, task.test):
+            if data is None:
+                continue
+            data.num_workers, data.pin_memory = int(num_workers), bool(pin_memory)
+            if fast_jpeg is not None:
+                for source in file_sources(data.source):
+                    source.fast_jpeg = bool(fast_jpeg)
 
 
 @dataclass
@@ -323,7 +373,7 @@ def _shift_labels(data: TaskData | None, shift: int) -> TaskData | None:
         return data
     label_map = data.label_map.copy()
     label_map[label_map >= 0] += shift
-    return TaskData(data.source, data.indices, label_map, data.transform)
+    return replace(data, label_map=label_map)
 
 
 def reorder_tasks(tasks: list[Task], order: list[int], kind: str) -> list[Task]:

@@ -169,3 +169,33 @@ def test_configure_loading_switches_fast_jpeg_on_file_sources(png_source):
     assert png_source.fast_jpeg and test_src.fast_jpeg
     configure_loading(sc, fast_jpeg=False)
     assert not png_source.fast_jpeg
+
+
+def test_a_run_with_decoding_workers_gives_the_same_metrics(tmp_path):
+    """train.num_workers reaches the engine's data (configure_loading in prepare) and changes nothing else."""
+    import json
+
+    from PIL import Image
+
+    from clmerge.config import parse_config
+    from clmerge.engine.run import run_experiment
+    from conftest import tiny_config
+
+    rng = np.random.default_rng(0)
+    for c in range(4):
+        (tmp_path / "imgs" / f"class{c}").mkdir(parents=True)
+        for i in range(12):
+            pixels = (rng.random((20, 20, 3)) * 60 + c * 50).astype(np.uint8)
+            Image.fromarray(pixels).save(tmp_path / "imgs" / f"class{c}" / f"{i}.png")
+    metrics = []
+    for workers in (0, 2):
+        cfg = tiny_config(**{"scenario.dataset": "image_folder", "scenario.data_root": str(tmp_path / "imgs"),
+                             "scenario.train_per_class": None, "scenario.test_per_class": None,
+                             "train.num_workers": workers, "train.batch_size": 8})
+        metrics.append(run_experiment(parse_config(cfg), tmp_path / f"run{workers}"))
+        cfg_text = (tmp_path / f"run{workers}" / "config.yaml").read_text()
+        assert f"num_workers: {workers}" in cfg_text
+    assert metrics[0]["accuracy_matrix"] == metrics[1]["accuracy_matrix"]
+    steps = [[json.loads(x)["loss"] for x in (tmp_path / f"run{w}" / "events.jsonl").read_text().splitlines()
+              if json.loads(x)["event"] == "step"] for w in (0, 2)]
+    assert steps[0] == steps[1] and steps[0]

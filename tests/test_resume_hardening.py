@@ -268,7 +268,7 @@ def test_a_run_from_before_a_key_existed_resumes_at_its_default(tmp_path):
 
     text = dump_config(parse_config(tiny_config()))
     old = yaml.safe_load(text)
-    del old["run"]["precision"], old["train"]["num_workers"], old["train"]["pin_memory"]
+    del old["run"]["precision"], old["train"]["num_workers"], old["train"]["pin_memory"], old["train"]["fast_jpeg"]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
     check_same_config(tmp_path / "config.yaml", text)
     changed = dump_config(parse_config(tiny_config(**{"run.precision": "bf16"})))

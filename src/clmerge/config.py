@@ -145,6 +145,8 @@ class TrainConfig(_Strict):
     num_workers: int = Field(0, ge=0, description="data-loading worker processes for on-disk image datasets (0: "
                              "decode in the training process)")
     pin_memory: bool = Field(False, description="page-locked host batches (faster copies to a GPU)")
+    fast_jpeg: bool = Field(False, description="on-disk JPEGs: decode at a reduced size (PIL draft) when the "
+                            "target is much smaller; changes pixels slightly (docs/data_loading.md)")
     adapt_tasks: int | None = Field(
         None, ge=0, description="train the backbone (every non-head parameter group) in the first N tasks only; "
         "later tasks train the head alone (RanPAC's and APER's first-session adaptation: N=1). null: every task")

@@ -20,7 +20,7 @@ from .. import __version__
 from ..adapters.structure import model_structure, rebuild_structure
 from ..config import ExperimentConfig, dump_config
 from ..data import build_dataset, build_scenario
-from ..data.scenarios import Scenario
+from ..data.scenarios import Scenario, configure_loading
 from ..methods import build_method
 from ..methods.base import ContinualMethod, TaskContext
 from ..metrics import summarize
@@ -88,6 +88,8 @@ def prepare(cfg: ExperimentConfig) -> tuple[Scenario, ContinualClassifier, Conti
         permute_first_task=s.permute_first_task, train_per_class=s.train_per_class, test_per_class=s.test_per_class,
         train_per_task=s.train_per_task, val_fraction=s.val_fraction, task_order=s.task_order,
     )
+    configure_loading(scenario, num_workers=cfg.train.num_workers, pin_memory=cfg.train.pin_memory,
+                      fast_jpeg=cfg.train.fast_jpeg)
     method = build_method(cfg.method.name, cfg.method_options(), seed=cfg.seed)
     method.setup(model)
     manifest = {

@@ -210,8 +210,13 @@ class PromptMechanism:
     @torch.no_grad()
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """The frozen backbone's [CLS] feature of images ``x`` with every prompt disabled (B, D)."""
-        with self.disabled():
-            return self.backbone(x)
+        was = self.backbone.training  # the official codes take the query from a frozen model in eval mode
+        self.backbone.eval()
+        try:
+            with self.disabled():
+                return self.backbone(x)
+        finally:
+            self.backbone.train(was)
 
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:

@@ -24,12 +24,23 @@ PAPER = sorted((Path(__file__).resolve().parents[1] / "configs" / "paper").glob(
 # AlexNet's dry runs (9.5 and 6.7 s on a loaded machine) are in the slow tier only.
 SLOW = {"halrp_tiny20_alexnet", "halrp_tiny40_alexnet", "halrp_omniglot_rotation_lenet", "pm_domainnet_5",
         "pm_imagenet_r_5", "pm_imagenet_r_10", "pm_imagenet_a_10", "pm_cub200_10", "sd_lora_domainnet_5",
-        "sd_lora_imagenet_r_5", "pm_imagenet_r_20", "halrp_five_dataset_alexnet"}
+        "sd_lora_imagenet_r_5", "pm_imagenet_r_20", "halrp_five_dataset_alexnet",
+        # 5 ViT-B blocks (their prefixes live in blocks 0-4): 25-43 s each on a loaded machine; the prompt
+        # methods' end-to-end, mechanism and resume tests stay in the default tier (test_prompt_methods.py)
+        "dualprompt_imagenet_r_10", "dualprompt_imagenet_r_20", "coda_prompt_imagenet_r_10",
+        "coda_prompt_imagenet_r_20", "l2p_imagenet_r_20", "magmax_imagenet_r_20"}
 PARAMS = [pytest.param(p, id=p.stem, marks=pytest.mark.slow if p.stem in SLOW else ()) for p in PAPER]
 
 
 def _overrides(path: Path) -> list[str]:
-    return ["model.config.num_hidden_layers=1"] if "vit" in load_config(path).model.name else []
+    """ViT-B/16 shortened to the fewest blocks the method's prompts need (1 without prompts; DualPrompt and
+    CODA-Prompt prefix blocks 0-4, so 5)."""
+    cfg = load_config(path)
+    if "vit" not in cfg.model.name:
+        return []
+    opts = cfg.method.options()
+    used = [i for key in ("layers", "g_layers", "e_layers") for i in opts.get(key) or []]
+    return [f"model.config.num_hidden_layers={max(used, default=0) + 1}"]
 
 
 def test_there_are_paper_configs() -> None:

@@ -27,7 +27,8 @@ PAPER = Path(__file__).resolve().parents[1] / "configs" / "paper"
 
 
 def transcribe(base: list[float], taus: list[list[float]], lam: float, tie_break: str) -> list[float]:
-    """Paper Sec. 4 entry by entry: k = argmax_t |tau_t^p| (tied: the last or first such t), theta_0 + lam tau_k."""
+    """Paper Sec. 4 entry by entry: k = argmax_t |tau_t^p| (tied: the last or first such t), then
+    theta_0 + lam tau_k."""
     out = []
     for p, b in enumerate(base):
         mags = [abs(tau[p]) for tau in taus]
@@ -44,7 +45,8 @@ def _tied_models(n_experts: int = 4, d: int = 300, seed: int = 0):
     base = torch.randint(-32, 33, (d,), generator=g).float() / 8
     levels = torch.tensor([-0.5, -0.25, 0.0, 0.25, 0.5])
     taus = [levels[torch.randint(0, 5, (d,), generator=g)] for _ in range(n_experts)]
-    taus[0][:2], taus[1][:2] = torch.tensor([0.5, 0.5]), torch.tensor([-0.5, 0.5])  # opposite / same sign ties
+    # entry 0: a tie of opposite signs, entry 1: of equal signs
+    taus[0][:2], taus[1][:2] = torch.tensor([0.5, 0.5]), torch.tensor([-0.5, 0.5])
     for tau in taus[2:]:
         tau[:2] = 0.25
     return base, taus
@@ -87,13 +89,14 @@ def test_cli_merge_files(tmp_path) -> None:
         save_file({"w": base + tau}, str(tmp_path / f"e{i}.safetensors"))
         args += ["--expert", str(tmp_path / f"e{i}.safetensors")]
     out = tmp_path / "m.safetensors"
-    r = CliRunner().invoke(app, [*args, "--out", str(out), "--set", "scaling=0.7", "--set", "tie_break=first"])
+    r = CliRunner().invoke(app, [*args, "--out", str(out), "--set", "scaling=0.7",
+                                 "--set", "tie_break=first"])
     assert r.exit_code == 0, r.output
     want = transcribe(base.tolist(), [t.tolist() for t in taus], 0.7, "first")
     torch.testing.assert_close(load_file(str(out))["w"], torch.tensor(want))
 
 
-# -- the continual method --------------------------------------------------------------------------------------
+# -- the continual method ---------------------------------------------------------------------------------
 def _context(scenario, t: int) -> TaskContext:
     return TaskContext(task=scenario.tasks[t], seen_tasks=scenario.tasks[: t + 1], device=torch.device("cpu"),
                        generator=torch.Generator().manual_seed(t), n_tasks=len(scenario))
@@ -149,13 +152,14 @@ def test_run_checkpoints_hold_the_merge_and_resume_is_identical(tmp_path) -> Non
     states = [load_checkpoint(a / "checkpoints" / f"task_{t:03d}.safetensors") for t in range(2)]
     theta0 = {k[len("theta0/"):]: v for k, v in states[1][1].items() if k.startswith("theta0/")}
     running = {k[len("running/"):]: v for k, v in states[1][1].items() if k.startswith("running/")}
-    experts = [{k: s[0][f"backbone.{k}"] for k in theta0} for s in states]  # the sequential models theta_1, theta_2
+    experts = [{k: s[0][f"backbone.{k}"] for k in theta0} for s in states]  # sequential theta_1, theta_2
     assert not all(torch.equal(experts[0][k], experts[1][k]) for k in theta0)
     want = merging.magmax(base=theta0, experts=experts, scaling=1.0)
     for k in theta0:
         assert torch.equal(theta0[k] + running[k], want[k]), k
     merges = full["method_metrics"]["merge"]
-    assert [m["task"] for m in merges] == [0, 1] and merges[0]["source_shares"] == [1.0 - merges[0]["unchanged_share"]]
+    assert [m["task"] for m in merges] == [0, 1]
+    assert merges[0]["source_shares"] == [1.0 - merges[0]["unchanged_share"]]
     assert sum(merges[1]["source_shares"]) + merges[1]["unchanged_share"] == pytest.approx(1.0)
     shutil.copytree(a, b)
     uncommit_checkpoint(b, "task_001.safetensors")
@@ -176,4 +180,5 @@ def test_options_and_paper_configs() -> None:
         o = cfg.method_options()
         assert (cfg.scenario.n_tasks, cfg.model.name, o.finetune, o.scaling, o.tie_break) == \
             (n, "vit-b16", "full", 0.5, "last")
-        assert (cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay, cfg.train.batch_size) == ("adamw", 1e-5, 0.1, 128)
+        optim = (cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay, cfg.train.batch_size)
+        assert optim == ("adamw", 1e-5, 0.1, 128)

@@ -56,8 +56,9 @@ def max_magnitude_fold(running: Tensor, tau: Tensor, *, tie_break: str = "last")
     return torch.where(taken, tau, running), taken
 
 
-@register_merge("magmax", "per entry, the task-vector value of largest magnitude (sign kept), scaled (MagMax)")
-def magmax(*, base: Any, experts: Sequence[Any], scaling: float = 0.5, tie_break: str = "last") -> dict[str, Tensor]:
+@register_merge("magmax", "per entry the task-vector value of largest magnitude, sign kept, scaled (MagMax)")
+def magmax(*, base: Any, experts: Sequence[Any], scaling: float = 0.5,
+           tie_break: str = "last") -> dict[str, Tensor]:
     """MagMax, Marczak et al. 2024, Sec. 4: ``theta_0 + lambda * tau_MagMax``,
     ``tau_MagMax^p = tau_k^p`` with ``k = argmax_t |tau_t^p|``.
 
@@ -66,9 +67,9 @@ def magmax(*, base: Any, experts: Sequence[Any], scaling: float = 0.5, tie_break
 
     Args:
         base: the pretrained parameters ``theta_0``.
-        experts: the fine-tuned parameters ``theta_t`` (with sequential fine-tuning, each task's final weights).
-        scaling: ``lambda``. 0.5 is the value of the official merge scripts (``merge_max_abs`` with 0.5), which
-            the paper reports to be robust across benchmarks; select on validation data.
+        experts: the fine-tuned parameters ``theta_t`` (sequential fine-tuning: each task's final weights).
+        scaling: ``lambda``. 0.5 is the value of the official merge scripts (``merge_max_abs`` with 0.5),
+            which the paper reports to be robust across benchmarks; select on validation data.
         tie_break: ``"last"`` (official code: a later task wins a tie in magnitude) or ``"first"``.
     """
     _check_tie_break(tie_break)

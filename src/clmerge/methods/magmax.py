@@ -49,16 +49,16 @@ NO_TASK = -1  # source index of an entry no task vector has changed yet
 class MagMaxOptions(LoRAMethodOptions):
     """MagMax options; each default is the paper's choice unless its description says otherwise."""
 
-    scaling: float = Field(0.5, gt=0, description="lambda of theta_0 + lambda * tau_MagMax. 0.5: the official "
-                           "merge scripts' value (merge_max_abs with 0.5), which the paper keeps for every "
-                           "benchmark as MagMax is robust to it; select on validation")
+    scaling: float = Field(0.5, gt=0, description="lambda of theta_0 + lambda * tau_MagMax. 0.5: the "
+                           "official merge scripts' value (merge_max_abs with 0.5), which the paper keeps "
+                           "for every benchmark as MagMax is robust to it; select on validation")
     tie_break: Literal["last", "first"] = Field(
-        "last", description="which task wins a tie in magnitude: last (official code, |tau_t| >= |running|) or "
-        "first; the paper's argmax does not say")
+        "last", description="which task wins a tie in magnitude: last (official code, |tau_t| >= |running|) "
+        "or first; the paper's argmax does not say")
     finetune: Literal["full", "lora"] = Field(
-        "full", description="full: sequential full fine-tuning of the backbone, every backbone parameter merged "
-        "(the paper); lora: a rank-r LoRA per task on `targets`, folded in at the task end, the adapted weights "
-        "merged (rank, targets, lora_alpha apply)")
+        "full", description="full: sequential full fine-tuning of the backbone, every backbone parameter "
+        "merged (the paper); lora: a rank-r LoRA per task on `targets`, folded in at the task end, the "
+        "adapted weights merged (rank, targets, lora_alpha apply)")
     track_sources: bool = Field(True, description="keep an int16 tensor of which task each merged entry came "
                                 "from (half a model's float32 size) and record the per-task shares")
 
@@ -66,8 +66,8 @@ class MagMaxOptions(LoRAMethodOptions):
 @register_method
 class MagMax(ContinualMethod):
     name = "magmax"
-    description = ("MagMax: sequential fine-tuning, evaluated as theta_0 + lambda * (per entry the task vector of "
-                   "largest magnitude)")
+    description = ("MagMax: sequential fine-tuning, evaluated as theta_0 + lambda * (per entry the task "
+                   "vector of largest magnitude)")
     Options = MagMaxOptions
 
     def setup(self, model) -> None:
@@ -90,7 +90,8 @@ class MagMax(ContinualMethod):
         """The backbone parameters MagMax merges, by their backbone name (see the module docstring)."""
         backbone = self.model.backbone
         if self.options.finetune == "lora":
-            return {f"{n}.base_layer.weight": layer.base_layer.weight for n, layer in lora_layers(backbone).items()}
+            return {f"{n}.base_layer.weight": layer.base_layer.weight
+                    for n, layer in lora_layers(backbone).items()}
         return {n: p for n, p in backbone.named_parameters() if p.is_floating_point()}
 
     # -- training ------------------------------------------------------------------------------------------
@@ -140,9 +141,10 @@ class MagMax(ContinualMethod):
 
     # -- evaluation ----------------------------------------------------------------------------------------
     def merged_backbone_state(self) -> dict[str, torch.Tensor]:
-        """``theta_0 + lambda * tau_MagMax`` of every merged parameter (float32 arithmetic, parameter dtype)."""
+        """``theta_0 + lambda * tau_MagMax`` of every merged parameter (in float32, cast to the parameter's
+        dtype)."""
         lam = self.options.scaling
-        return {n: (self.theta0[n].float() + lam * self.running[n]).to(self.theta0[n].dtype) for n in self.theta0}
+        return {n: (w.float() + lam * self.running[n]).to(w.dtype) for n, w in self.theta0.items()}
 
     def inference_model(self) -> nn.Module:
         """A frozen copy of the live model whose merged parameters hold ``theta_0 + lambda * tau_MagMax``
@@ -176,7 +178,8 @@ class MagMax(ContinualMethod):
 
     def load_state(self, tensors, meta) -> None:
         super().load_state(tensors, meta)
-        for prefix, store in (("theta0/", self.theta0), ("running/", self.running), ("sources/", self.sources)):
+        stores = (("theta0/", self.theta0), ("running/", self.running), ("sources/", self.sources))
+        for prefix, store in stores:
             for name in store:
                 store[name] = tensors[prefix + name]
         self.n_merged = int(meta.get("n_merged", 0))

@@ -94,6 +94,8 @@ def test_cli_merge_files(tmp_path) -> None:
     assert r.exit_code == 0, r.output
     want = transcribe(base.tolist(), [t.tolist() for t in taus], 0.7, "first")
     torch.testing.assert_close(load_file(str(out))["w"], torch.tensor(want))
+    bad = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "bad.safetensors"), "--set", "tie_break=mid"])
+    assert bad.exit_code == 2 and "tie_break" in bad.output and not (tmp_path / "bad.safetensors").exists()
 
 
 # -- the continual method ---------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ IDENTITY_HP = {
     "consensus": {"k": 0, "scaling": 1.0}, "low_rank_task_arithmetic": {"rank_ratio": 1.0, "scaling": 1.0},
     "tall_mask_ties": {"density": 1.0, "scaling": 1.0, "tall_lambda": 0.0},
     "breadcrumbs": {"density": 1.0, "beta": 0.0, "scaling": 1.0}, "della": {"density": 1.0, "epsilon": 0.0},
-    "slerp": {"t": 1.0},
+    "slerp": {"t": 1.0}, "magmax": {"scaling": 1.0},
 }
 # Methods defined only for a fixed number of models: slerp interpolates base and one expert.
 TWO_MODELS = {"slerp"}

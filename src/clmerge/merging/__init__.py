@@ -29,10 +29,11 @@ from .slerp import slerp
 from .model_stock import model_stock
 from .breadcrumbs import breadcrumbs
 from .della import della
+from .magmax import magmax
 
 __all__ = [
     "MERGES", "available", "get_method", "merge", "register_merge", "MergeInputError", "ModelSet", "ParamSource",
     "weight_average", "task_arithmetic", "low_rank_task_arithmetic", "ties", "dare", "consensus", "tall_masks",
     "tall_mask_ties", "emr_merging", "fisher_merging", "regmean", "gram_matrices", "cart", "cart_indexing", "adamerging",
-    "slerp", "model_stock", "breadcrumbs", "della",
+    "slerp", "model_stock", "breadcrumbs", "della", "magmax",
 ]

@@ -13,6 +13,7 @@ from .base import (
 from . import finetune, gpm, halrp, regularized, seq_lora, stl  # noqa: E402,F401  (register the methods)
 from . import inflora, pm, sd_lora  # noqa: E402,F401
 from . import merge_baselines  # noqa: E402,F401
+from . import magmax  # noqa: E402,F401
 from . import prompt_methods  # noqa: E402,F401
 
 __all__ = [

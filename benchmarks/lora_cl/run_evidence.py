@@ -77,6 +77,14 @@ METHODS: dict[str, tuple[dict, list[float]]] = {
 # RanPAC's / APER's first-session adaptation, ``train.adapt_tasks: 1``) or never (``frozen``: the pretrained
 # backbone, seq_lora's never-trained LoRA, only the heads learn). Features that do not drift keep the class
 # statistics of NCM / RanPAC / alignment valid for old classes.
+# Issue 14: the prompt baselines (frozen backbone; prompts, keys and head train) and MagMax (sequential full
+# fine-tuning merged by maximum magnitude). Their learning rates are selected in phase 1 like the others'.
+PROMPT_LRS = [1e-3, 3e-3, 1e-2]
+METHODS.update({"l2p": ({"name": "l2p"}, PROMPT_LRS), "dualprompt": ({"name": "dualprompt"}, PROMPT_LRS),
+                "coda_prompt": ({"name": "coda_prompt"}, PROMPT_LRS),
+                # full fine-tuning; its LoRA mode (finetune: lora) would adapt the same sites as the others
+                "magmax": ({"name": "magmax", "targets": ["key", "value"]}, FULL_LRS)})
+NO_LORA_SITES = {"finetune", "ewc", "l2p", "dualprompt", "coda_prompt", "magmax"}
 METHODS.update({"inflora_fsa": ({"name": "inflora"}, LORA_LRS), "seq_lora_fsa": ({"name": "seq_lora"}, LORA_LRS),
                 "frozen": ({"name": "seq_lora"}, LORA_LRS)})
 EXTRA_CONFIG = {"inflora_fsa": {"train": {"adapt_tasks": 1}}, "seq_lora_fsa": {"train": {"adapt_tasks": 1}},
@@ -97,14 +105,14 @@ LORA_TARGETS = ["key", "value"]
 HEAD = {"compare": True}
 # Learning rates selected on validation in the issue-4 grid (linear head, split_mnist5k seed 0); with
 # --reuse-selection phase 1 is skipped and these are used (the CPU budget of issue 11 did not allow a re-run).
-ISSUE4_SELECTION = {**{m: 5e-3 for m in METHODS if m not in ("finetune", "ewc")}, "finetune": 3e-4, "ewc": 3e-4}
+ISSUE4_SELECTION = {**{m: 5e-3 for m in METHODS if m not in NO_LORA_SITES}, "finetune": 3e-4, "ewc": 3e-4}
 
 
 def make_config(bench: str, label: str, seed: int, lr: float, *, smoke: bool) -> dict:
     """The run config: benchmark scenario (with the validation hold-out), method, lr, seed."""
     method, _ = METHODS[label]
     method = dict(method)
-    if label not in ("finetune", "ewc"):
+    if label not in NO_LORA_SITES:
         method["targets"] = list(LORA_TARGETS)
     scen = {**BENCHMARKS[bench], "seed": seed, "val_fraction": VAL_FRACTION}
     train, model = {"epochs": 5, "batch_size": 64}, {"name": "vit-tiny-fmnist"}
@@ -244,7 +252,12 @@ def main(argv: list[str] | None = None) -> None:
                 if m not in selected.get(b, {}) and m in selected.get(sel_benches[0], {}):
                     choice = selected[sel_benches[0]][m]
                     selected.setdefault(b, {})[m] = {"lr": choice["lr"], "selected_on": sel_benches[0]}
-        (a.out / "selected.json").write_text(json.dumps(selected, indent=1, default=str))
+        # merged into what earlier invocations selected (a run over a subset of methods keeps the others')
+        sel_file = a.out / "selected.json"
+        merged = json.loads(sel_file.read_text()) if sel_file.exists() else {}
+        for b, per in selected.items():
+            merged.setdefault(b, {}).update(per)
+        sel_file.write_text(json.dumps(merged, indent=1, default=str))
         todo = []
         for b in benches:
             for m in labels:

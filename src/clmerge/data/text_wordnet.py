@@ -61,6 +61,7 @@ DEFAULT_CLASSES = [n for n in LEXNAMES if n.split(".")[0] in POS_FILES and n != 
 WORDNET_LICENCE = ("WordNet 3.0 Copyright 2006 by Princeton University. All rights reserved. WordNet 3.0 licence: "
                    "use, copy, modify and distribute for any purpose without fee, keeping this notice; "
                    "provided AS IS without warranty")
+DEBIAN_DIR = Path("/usr/share/wordnet")  # Debian / Ubuntu package wordnet-base
 INSTALL_HINT = ("install it with `apt-get install wordnet-base` (files in /usr/share/wordnet), or "
                 "`python -m nltk.downloader wordnet` (~/nltk_data/corpora/wordnet), or set scenario.data_root")
 
@@ -120,7 +121,7 @@ def _candidate_dirs(data_root: str | None) -> list[Path]:
         dirs += [Path(data_root), Path(data_root) / "wordnet", Path(data_root) / "dict"]
     if os.environ.get("CLMERGE_DATA"):
         dirs.append(Path(os.environ["CLMERGE_DATA"]) / "wordnet")
-    dirs.append(Path("/usr/share/wordnet"))
+    dirs.append(DEBIAN_DIR)
     nltk = [p for p in os.environ.get("NLTK_DATA", "").split(os.pathsep) if p] + [str(Path.home() / "nltk_data")]
     dirs += [Path(p) / "corpora" / "wordnet" for p in nltk]
     return dirs

@@ -232,7 +232,8 @@ def test_lora_methods_default_targets_resolve_on_bert(method):
     m = build_method(method, cfg.method_options(), seed=0)
     m.setup(model)
     wrapped = sorted({n.rsplit(".", 1)[-1] for n in dict(lora_layers(model.backbone))})
-    assert wrapped == sorted(m.options.targets) and len(dict(lora_layers(model.backbone))) == 2 * TINY_BERT["num_hidden_layers"]
+    assert wrapped == sorted(m.options.targets)
+    assert len(lora_layers(model.backbone)) == 2 * TINY_BERT["num_hidden_layers"]
 
 
 # --- end to end -------------------------------------------------------------------------------------------------

@@ -164,7 +164,8 @@ def _select_classes(classes: list[str] | None, pos: list[str], names: list[str])
     return [names.index(c) for c in classes]
 
 
-def split_class(n: int, *, split_seed: int, lexfile: int, max_train: int, max_test: int) -> tuple[np.ndarray, np.ndarray]:
+def split_class(n: int, *, split_seed: int, lexfile: int, max_train: int,
+                max_test: int) -> tuple[np.ndarray, np.ndarray]:
     """``(train positions, test positions)`` within one class of ``n`` synsets (see the module docstring)."""
     perm = np.random.default_rng([split_seed, lexfile]).permutation(n)
     n_test = min(max_test, n // 4)
@@ -192,6 +193,24 @@ def _texts_and_labels(folder: Path, pos: list[str], lexfiles: list[int], o: dict
     return out
 
 
+def _tokenised(folder: Path, pos: list[str], lexfiles: list[int], opts: dict, tok, max_length: int) -> dict:
+    raw = _texts_and_labels(folder, pos, lexfiles, opts)
+    return {f"{s}_{k}": v for s in ("train", "test")
+            for k, v in (("x", tokenize_texts(tok, raw[f"{s}_text"], max_length)),
+                         ("y", np.asarray(raw[f"{s}_y"], dtype=np.int64)))}
+
+
+def _cached_arrays(store: TokenCache | None, build) -> tuple[dict[str, np.ndarray], bool]:
+    """``(arrays, cache hit)``: from ``store`` when it holds them, else ``build()`` (then saved)."""
+    arrays = store.load() if store is not None else None
+    if arrays is not None:
+        return arrays, True
+    arrays = build()
+    if store is not None:
+        store.save(arrays)
+    return arrays, False
+
+
 @register_dataset("wordnet_supersense", "WordNet 3.0 glosses labelled by lexicographer file (40 noun+verb "
                   "supersenses; apt-get install wordnet-base), tokenised for a text backbone")
 def wordnet_supersense(*, data_root: str | None = None, pos: list[str] | None = None, classes: list[str] | None = None,
@@ -214,14 +233,8 @@ def wordnet_supersense(*, data_root: str | None = None, pos: list[str] | None = 
     key = {"source": "wordnet_supersense", "files": file_sha, "options": opts, "tokenizer": tokenizer_digest(tok),
            "max_length": max_length}
     store = TokenCache(cache_dir_for(cache_dir, data_root), "wordnet_supersense", key)
-    arrays = store.load() if cache else None
-    hit = arrays is not None
-    if arrays is None:
-        raw = _texts_and_labels(folder, pos, lexfiles, opts)
-        arrays = {f"{s}_{k}": v for s in ("train", "test") for k, v in
-                  (("x", tokenize_texts(tok, raw[f"{s}_text"], max_length)), ("y", np.asarray(raw[f"{s}_y"], np.int64)))}
-        if cache:
-            store.save(arrays)
+    arrays, hit = _cached_arrays(store if cache else None, lambda: _tokenised(folder, pos, lexfiles, opts, tok,
+                                                                             max_length))
     class_names = [names[lf] for lf in lexfiles]
     fingerprint = {"source": "wordnet", "folder": str(folder), "sha256": file_sha, **opts, "classes": class_names,
                    "tokenizer": tokenizer, "tokenizer_sha256": key["tokenizer"], "max_length": max_length,

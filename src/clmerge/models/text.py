@@ -125,7 +125,8 @@ def text_from_config(arch: dict[str, Any], *, pooling: str, info: dict) -> TextB
     return TextBackbone(inner.eval(), pooling=pooling, info={**info, "source": "config"})
 
 
-def text_from_pretrained(source: str, *, pooling: str, info: dict, local_files_only: bool | None = None) -> TextBackbone:
+def text_from_pretrained(source: str, *, pooling: str, info: dict,
+                         local_files_only: bool | None = None) -> TextBackbone:
     """An HF encoder from a directory or a hub id (offline when ``HF_HUB_OFFLINE=1`` or ``source`` is a path)."""
     from transformers import AutoModel
 

@@ -179,6 +179,16 @@ def test_missing_files_one_line_error(text_env, tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_lookup_order_data_root_then_nltk(text_env, tmp_path):
+    nltk_dir = tmp_path / "home" / "nltk_data" / "corpora" / "wordnet"
+    write_wordnet(nltk_dir)
+    assert wn.find_wordnet_dir(None, ["data.noun", "data.verb"]) == nltk_dir  # HOME is tmp_path/home
+    assert wn.find_wordnet_dir(str(text_env[1]), ["data.noun"]) == text_env[1]  # data_root first
+    (text_env[1] / "lexnames").write_text("05\tnoun.fauna\t1\n")  # a lexnames file renames classes
+    d = _build(text_env, classes=["noun.fauna", "noun.food"], pos=["noun"])
+    assert d.class_names == ["noun.fauna", "noun.food"] and len(d.train) == 18
+
+
 def test_bad_classes_and_pos_name_the_option(text_env):
     with pytest.raises(ValueError, match="scenario.options.classes"):
         _build(text_env, classes=["noun.animal", "noun.nothing"])

@@ -17,6 +17,7 @@ from . import cifar, cub, domainnet, folders, imagenet  # noqa: F401,E402  (on-d
 from . import mixed  # noqa: F401,E402  (multi-source task sequences, Five-dataset style)
 from . import omniglot, tinyimagenet  # noqa: F401,E402  (Omniglot-Rotation, Tiny ImageNet release layouts)
 from . import combined  # noqa: F401,E402  (mnist5k_fmnist20: 20 classes over MNIST-5k and Fashion-MNIST)
+from . import text_wordnet  # noqa: F401,E402  (wordnet_supersense: tokenised WordNet glosses for text backbones)
 
 __all__ = [
     "DATASETS",

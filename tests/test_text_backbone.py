@@ -291,3 +291,20 @@ def test_real_minilm_on_real_wordnet_matches_sentence_transformers(tmp_path):
     with torch.no_grad():
         ours = torch.nn.functional.normalize(bb(x), dim=-1)
     assert torch.allclose(ours, ref.cpu(), atol=1e-4)
+
+
+def test_an_hf_text_backbone_passes_its_tokenizer_to_a_text_source():
+    """hf-text with model.source: a text source without scenario.options.tokenizer gets the model's own."""
+    from types import SimpleNamespace
+
+    from clmerge.config import parse_config
+    from clmerge.engine.run import _data_options
+
+    model = SimpleNamespace(backbone=SimpleNamespace(tokenizer_source="/models/my-bert"))
+    cfg = parse_config({"scenario": {"dataset": "wordnet_supersense"}, "model": {"name": "hf-text"}})
+    assert _data_options(cfg, model)["tokenizer"] == "/models/my-bert"
+    given = parse_config({"scenario": {"dataset": "wordnet_supersense", "options": {"tokenizer": "t"}},
+                          "model": {"name": "hf-text"}})
+    assert _data_options(given, model)["tokenizer"] == "t"
+    image = parse_config({"scenario": {"dataset": "mnist5k"}, "model": {"name": "hf-text"}})
+    assert "tokenizer" not in _data_options(image, model)

@@ -81,7 +81,8 @@ def prepare(cfg: ExperimentConfig) -> tuple[Scenario, ContinualClassifier, Conti
     s = cfg.scenario
     model = build_classifier(cfg)
     image_size = s.image_size or getattr(model.backbone, "image_size", None)
-    splits = build_dataset(s.dataset, data_root=s.data_root, image_size=image_size, seed=s.seed, **s.options)
+    splits = build_dataset(s.dataset, data_root=s.data_root, image_size=image_size, seed=s.seed,
+                           **_data_options(cfg, model))
     scenario = build_scenario(
         splits, kind=s.kind, n_tasks=s.n_tasks, seed=s.seed, shuffle_classes=s.shuffle_classes,
         class_order=s.class_order, classes_per_task=s.classes_per_task, transform=s.transform, rotations=s.rotations,
@@ -100,6 +101,23 @@ def prepare(cfg: ExperimentConfig) -> tuple[Scenario, ContinualClassifier, Conti
         "trainable_params_after_setup": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
     return scenario, model, method, manifest
+
+
+def _data_options(cfg: ExperimentConfig, model: ContinualClassifier) -> dict:
+    """``scenario.options``, plus the text backbone's own tokenizer for a text source that was not given one
+    (``hf-text`` with ``model.source``: its tokenizer folder or hub id; the ``minilm-l6`` preset is the
+    sources' default already)."""
+    import inspect
+
+    from ..data.base import DATASETS
+
+    opts = dict(cfg.scenario.options)
+    source = getattr(model.backbone, "tokenizer_source", None)
+    fn = DATASETS.get(cfg.scenario.dataset, (None,))[0]
+    if (source and "tokenizer" not in opts and cfg.model.name != "minilm-l6" and fn is not None
+            and "tokenizer" in inspect.signature(fn).parameters):
+        opts["tokenizer"] = source
+    return opts
 
 
 def build_heads(cfg: ExperimentConfig, model: ContinualClassifier, method: ContinualMethod) -> HeadSuite:

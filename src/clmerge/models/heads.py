@@ -49,6 +49,7 @@ class ClassFeatureStats:
         self.dim, self.cov, self.rank, self.shrink = dim, cov, rank, shrink
         self.counts: dict[int, int] = {}
         self.tensors: dict[str, torch.Tensor] = {}  # "mean.{c}", "cov.{c}" | "U.{c}", "s.{c}", "diag.{c}"
+        self._cholesky: dict[int, torch.Tensor] = {}  # factors of the full covariances, kept while sampling
 
     @property
     def classes(self) -> list[int]:
@@ -88,7 +89,9 @@ class ClassFeatureStats:
         mu = self.mean(c)
         if self.cov == "full":
             z = torch.randn(n, self.dim, generator=generator, dtype=torch.float64)
-            return mu + z @ torch.linalg.cholesky(self.tensors[f"cov.{c}"]).T
+            if c not in self._cholesky:  # a class's covariance never changes once stored
+                self._cholesky[c] = torch.linalg.cholesky(self.tensors[f"cov.{c}"])
+            return mu + z @ self._cholesky[c].T
         if self.cov == "diag":
             z = torch.randn(n, self.dim, generator=generator, dtype=torch.float64)
             return mu + z * self.tensors[f"diag.{c}"].sqrt()
@@ -99,6 +102,10 @@ class ClassFeatureStats:
             return mu + (z1 * s.sqrt()) @ U.T + z2 * d.sqrt()
         raise ValueError("pseudo-features need class covariances (head.align_cov is none)")
 
+    def release_factors(self) -> None:
+        """Drop the Cholesky factors cached by :meth:`sample` (as large as the covariances themselves)."""
+        self._cholesky = {}
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
@@ -107,6 +114,7 @@ class ClassFeatureStats:
 
     def load(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         self.tensors = {k: v.double() for k, v in tensors.items()}
+        self._cholesky = {}
         self.counts = {int(c): int(n) for c, n in meta["counts"].items()}
 
 
@@ -289,4 +297,5 @@ def align_linear_head(head: IncrementalHead, stats: ClassFeatureStats, ranges: l
     for p, g in zip(params, was_grad):
         p.requires_grad_(g)
         p.grad = None
+    stats.release_factors()  # one factorisation per class and alignment, not one per epoch
     return losses

@@ -122,7 +122,7 @@ class HiDePrompt(_PromptMethod):
         with self.mechanism.using(pool.task_prompt(x.shape[0])):  # WTP: the true task's prompt, no query pass
             feats = model.forward_features(x)
         loss = classification_loss(model.forward_head(feats), y, ctx.task, ctx.head_loss)
-        if self.options.contrast_weight:
+        if self.options.contrast_weight and len(feats):  # an empty data-parallel share adds nothing
             protos = self._prototypes.to(feats.device)
             loss = loss + self.options.contrast_weight * contrastive_regulariser(
                 feats.float(), protos, self.options.contrast_temperature)

@@ -123,9 +123,9 @@ class HiDePrompt(_PromptMethod):
             feats = model.forward_features(x)
         loss = classification_loss(model.forward_head(feats), y, ctx.task, ctx.head_loss)
         if self.options.contrast_weight and len(feats):  # an empty data-parallel share adds nothing
-            protos = self._prototypes.to(feats.device)
+            self._prototypes = self._prototypes.to(feats.device)  # moved once per task
             loss = loss + self.options.contrast_weight * contrastive_regulariser(
-                feats.float(), protos, self.options.contrast_temperature)
+                feats.float(), self._prototypes, self.options.contrast_temperature)
         return loss
 
     def end_task(self, task, ctx) -> None:

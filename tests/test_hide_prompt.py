@@ -116,6 +116,8 @@ def test_contrastive_regulariser_transcription():
     m = torch.cat([protos, feats])
     want = -sum(float(m[i] @ m[i] / tau - torch.logsumexp(m @ m[i] / tau, 0)) for i in range(8)) / 8
     assert float(contrastive_regulariser(feats, protos, tau)) == pytest.approx(want, rel=1e-5)
+    batch_rows = -sum(float(m[i] @ m[i] / tau - torch.logsumexp(m @ m[i] / tau, 0)) for i in range(3, 8)) / 5
+    assert float(contrastive_regulariser(feats, protos, tau, "batch")) == pytest.approx(batch_rows, rel=1e-5)
     assert float(contrastive_regulariser(feats, torch.zeros(0, 8), tau)) == pytest.approx(
         float(F.cross_entropy(feats @ feats.t() / tau, torch.arange(5))), rel=1e-6)
 

@@ -127,19 +127,23 @@ class TaskIdentityHead(nn.Module):
         return self.classes(self.features(x))  # (B, seen classes)
 
 
-def contrastive_regulariser(feats: torch.Tensor, prototypes: torch.Tensor, temperature: float) -> torch.Tensor:
+def contrastive_regulariser(feats: torch.Tensor, prototypes: torch.Tensor, temperature: float,
+                            rows: str = "all") -> torch.Tensor:
     """HiDe-Prompt's contrastive regularisation of WTP: the current task's prompted features are pushed away
     from each other and from the old classes' prototypes (means of the prompted features of old tasks).
 
     Transcribes the official ``orth_loss``: ``M = [prototypes; feats]`` (P + B, D), logits ``M M^T / tau`` and
     the cross-entropy of each row against its own index (the diagonal is the positive, every other prototype
-    and feature a negative), averaged over all rows.
+    and feature a negative), averaged over all rows (``rows="all"``, code) or over the batch's rows only
+    (``rows="batch"``: a sum over the current task's representations h, as the paper's L_CR is written).
 
     Args:
         feats: prompted [CLS] features of the batch (B, D).
         prototypes: old classes' prototypes (P, D); P may be 0 (first task).
         temperature: tau (code: 0.8).
+        rows: ``all`` or ``batch``, the rows whose cross-entropy is averaged.
     """
     m = torch.cat([prototypes.to(feats.dtype), feats], dim=0)
     sim = m @ m.t() / temperature
-    return F.cross_entropy(sim, torch.arange(len(m), device=m.device))
+    first = len(prototypes) if rows == "batch" else 0
+    return F.cross_entropy(sim[first:], torch.arange(first, len(m), device=m.device))

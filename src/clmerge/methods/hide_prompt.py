@@ -50,6 +50,9 @@ class HiDePromptOptions(PromptMethodOptions):
     contrast_weight: float = Field(0.01, ge=0, description="lambda of WTP's contrastive regulariser (code reg: "
                                    "0.01 default, 0.5 in the ImageNet-R script)")
     contrast_temperature: float = Field(0.8, gt=0, description="tau of the contrastive regulariser (code 0.8)")
+    contrast_rows: Literal["all", "batch"] = Field(
+        "all", description="rows of [prototypes; batch] whose cross-entropy is averaged: all (code orth_loss) or "
+        "the batch's only (the paper's L_CR sums over the current task's representations)")
     prompt_momentum: float = Field(0.0, ge=0, le=1, description="code only (prompt_momentum, 0.01 in the "
                                    "ImageNet-R script): task t trains and keeps (1-m) e_t + m mean(e_<t); paper: 0")
     init_from_previous: bool = Field(True, description="prompt t starts as the trained prompt t-1 (code "
@@ -125,7 +128,7 @@ class HiDePrompt(_PromptMethod):
         if self.options.contrast_weight and len(feats):  # an empty data-parallel share adds nothing
             self._prototypes = self._prototypes.to(feats.device)  # moved once per task
             loss = loss + self.options.contrast_weight * contrastive_regulariser(
-                feats.float(), self._prototypes, self.options.contrast_temperature)
+                feats.float(), self._prototypes, self.options.contrast_temperature, self.options.contrast_rows)
         return loss
 
     def end_task(self, task, ctx) -> None:

@@ -167,11 +167,13 @@ def test_too_few_prompts_is_a_clear_error():
         meth.begin_task(scenario.tasks[0], _ctx(scenario.tasks[0], scenario.tasks))
 
 
-def test_resume_after_crash_gives_identical_metrics(tmp_path, monkeypatch):
+@pytest.mark.parametrize("stats", ["full", "multi_centroid"])
+def test_resume_after_crash_gives_identical_metrics(tmp_path, monkeypatch, stats):
     from clmerge.methods.hide_prompt import HiDePrompt
 
+    method = FAST | {"prompt_momentum": 0.1, "stats": stats, "n_centroids": 3}
     cfg = parse_config(tiny_config(**{"scenario.n_tasks": 3, "scenario.classes_per_task": [2, 2, 2],
-                                      "method": FAST | {"prompt_momentum": 0.1}, "model.config": VIT3}))
+                                      "method": method, "model.config": VIT3}))
     full = run_experiment(cfg, tmp_path / "full")
     original = HiDePrompt.end_task
 
@@ -189,3 +191,36 @@ def test_resume_after_crash_gives_identical_metrics(tmp_path, monkeypatch):
     assert resumed["method_metrics"] == full["method_metrics"]
     events = lambda d: [json.loads(x)["event"] for x in (d / "events.jsonl").read_text().splitlines()]  # noqa: E731
     assert events(tmp_path / "full") == events(tmp_path / "crashed")
+
+
+def test_multi_centroid_statistics_and_draws():
+    """The code's multi-centroid store: k-means clusters' means and np.var; n draws per non-singleton cluster."""
+    from sklearn.cluster import KMeans
+
+    from clmerge.methods.hide_parts import MultiCentroidStats
+
+    torch.manual_seed(0)
+    feats = torch.cat([torch.randn(30, 4), torch.randn(30, 4) + 8.0, torch.randn(1, 4) - 20.0])
+    labels = torch.zeros(61, dtype=torch.long)
+    st = MultiCentroidStats(4, n_centroids=3, seed=5)
+    st.update(feats, labels)
+    km = KMeans(n_clusters=3, n_init=10, random_state=5 * 7919).fit(feats.double().numpy())
+    want = sorted(feats.double()[torch.as_tensor(km.labels_) == j].mean(0)[0].item() for j in range(3))
+    assert sorted(st.centroids(0)[:, 0].tolist()) == pytest.approx(want)
+    singleton = st.tensors["vars.0"].mean(1) == 0
+    assert int(singleton.sum()) == 1  # the far-away point is its own cluster
+    draw = st.sample(0, 7, torch.Generator().manual_seed(0))
+    assert draw.shape == (14, 4)  # 7 per cluster, the one-sample cluster skipped (code)
+    far = st.centroids(0)[singleton][0]
+    assert float((draw - far).norm(dim=1).min()) > 5.0
+
+
+def test_multi_centroid_run_uses_centroids_as_prototypes(tmp_path):
+    cfg = parse_config(tiny_config(**{"method": FAST | {"stats": "multi_centroid", "n_centroids": 3},
+                                      "model.config": VIT3}))
+    scenario, model, meth, _ = prepare(cfg)
+    _run_task(model, meth, scenario.tasks[0], scenario.tasks)
+    meth.begin_task(scenario.tasks[1], _ctx(scenario.tasks[1], scenario.tasks))
+    assert meth._prototypes.shape == (6, 32)  # 2 old classes x 3 centroids
+    _run_task(model, meth, scenario.tasks[1], scenario.tasks)
+    assert len(meth.metrics()["hide"][-1]["tap_losses"]) == 2

@@ -19,7 +19,7 @@ from ..adapters.prompt import PromptInput
 from ..models.classifier import IncrementalHead
 from .prompt_pools import _Pool, _uniform
 
-__all__ = ["HiDePromptPool", "TaskIdentityHead", "contrastive_regulariser"]
+__all__ = ["HiDePromptPool", "MultiCentroidStats", "TaskIdentityHead", "contrastive_regulariser"]
 
 
 class HiDePromptPool(_Pool):
@@ -147,3 +147,75 @@ def contrastive_regulariser(feats: torch.Tensor, prototypes: torch.Tensor, tempe
     sim = m @ m.t() / temperature
     first = len(prototypes) if rows == "batch" else 0
     return F.cross_entropy(sim[first:], torch.arange(first, len(m), device=m.device))
+
+
+class MultiCentroidStats:
+    """The official code's storage-efficient class statistics (``ca_storage_efficient_method='multi-centroid'``):
+    per class, k-means into ``n_centroids`` clusters, each kept as its mean and per-dimension variance.
+
+    ``sample(c, n)`` draws ``n`` features from N(m_k, diag(v_k) + shrink I) for every cluster k of class c whose
+    variance is not all zero (the code skips one-sample clusters; here only while another cluster remains), so it
+    returns ``n x (clusters used)`` rows, as the code does. Same interface as
+    :class:`~clmerge.models.heads.ClassFeatureStats` where :func:`~clmerge.models.heads.align_linear_head` and
+    HiDe-Prompt use it.
+
+    Args:
+        dim: feature dimension D.
+        n_centroids: clusters per class (code ``n_centroids`` 10); fewer when a class has fewer samples.
+        seed: k-means seed (sklearn ``KMeans``, k-means++ init, 10 restarts as the sklearn of the code's time).
+        shrink: added to the variances when sampling (code 1e-4).
+    """
+
+    def __init__(self, dim: int, n_centroids: int, seed: int, shrink: float = 1e-4) -> None:
+        self.dim, self.n_centroids, self.seed, self.shrink = dim, n_centroids, seed, shrink
+        self.counts: dict[int, int] = {}
+        self.tensors: dict[str, torch.Tensor] = {}  # "mean.{c}", "centroids.{c}" (k, D), "vars.{c}" (k, D)
+
+    @property
+    def classes(self) -> list[int]:
+        return sorted(self.counts)
+
+    def mean(self, c: int) -> torch.Tensor:
+        return self.tensors[f"mean.{c}"]
+
+    def centroids(self, c: int) -> torch.Tensor:
+        return self.tensors[f"centroids.{c}"]
+
+    def update(self, feats: torch.Tensor, labels: torch.Tensor) -> None:
+        from sklearn.cluster import KMeans
+
+        feats = feats.detach().double().cpu()
+        for c in sorted(int(v) for v in labels.unique()):
+            if c in self.counts:
+                raise ValueError(f"class {c} was already seen: class statistics need each class in one task")
+            x = feats[labels.cpu() == c]
+            k = min(self.n_centroids, len(x))
+            assign = KMeans(n_clusters=k, n_init=10, random_state=(self.seed * 7919 + c) % 2**31).fit(x.numpy())
+            assign = torch.as_tensor(assign.labels_)
+            groups = [x[assign == j] for j in range(k) if (assign == j).any()]
+            self.counts[c] = len(x)
+            self.tensors[f"mean.{c}"] = x.mean(0)
+            self.tensors[f"centroids.{c}"] = torch.stack([g.mean(0) for g in groups])
+            self.tensors[f"vars.{c}"] = torch.stack([g.var(0, unbiased=False) for g in groups])  # np.var
+
+    def sample(self, c: int, n: int, generator: torch.Generator) -> torch.Tensor:
+        means, var = self.centroids(c), self.tensors[f"vars.{c}"]
+        used = var.mean(1) > 0
+        if not bool(used.any()):
+            used = torch.ones_like(used)
+        means, std = means[used], (var[used] + self.shrink).sqrt()
+        z = torch.randn(len(means), n, self.dim, generator=generator, dtype=torch.float64)
+        return (means[:, None] + z * std[:, None]).reshape(-1, self.dim)
+
+    def release_factors(self) -> None:
+        """Nothing cached (diagonal covariances)."""
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        return dict(self.tensors), {"counts": {str(c): n for c, n in self.counts.items()}}
+
+    def load(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        self.tensors = {k: v.double() for k, v in tensors.items()}
+        self.counts = {int(c): int(n) for c, n in meta["counts"].items()}

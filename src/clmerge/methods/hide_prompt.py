@@ -31,7 +31,7 @@ from pydantic import Field
 from ..engine.losses import classification_loss
 from ..models.heads import ClassFeatureStats, align_linear_head
 from .base import register_method
-from .hide_parts import HiDePromptPool, TaskIdentityHead, contrastive_regulariser
+from .hide_parts import HiDePromptPool, MultiCentroidStats, TaskIdentityHead, contrastive_regulariser
 from .prompt_methods import PromptMethodOptions, _PromptMethod
 
 __all__ = ["HiDePrompt", "HiDePromptOptions"]
@@ -57,11 +57,12 @@ class HiDePromptOptions(PromptMethodOptions):
                                    "ImageNet-R script): task t trains and keeps (1-m) e_t + m mean(e_<t); paper: 0")
     init_from_previous: bool = Field(True, description="prompt t starts as the trained prompt t-1 (code "
                                      "shared_prompt_pool=True); false: its own U(-1, 1) init")
-    stats: Literal["full", "diag", "lowrank"] = Field(
+    stats: Literal["full", "diag", "lowrank", "multi_centroid"] = Field(
         "full", description="class statistics of both representations: mean + full covariance (paper; code "
-        "'covariance'), diagonal (code 'variance') or low-rank + diagonal (memory). The code's default "
-        "'multi-centroid' (k-means) is not implemented")
+        "'covariance'), diagonal (code 'variance'), low-rank + diagonal (memory), or k-means centroids with "
+        "per-centroid variances (code default 'multi-centroid'; its centroids are also the prototypes)")
     stats_rank: int = Field(16, ge=1, description="eigenpairs kept for stats=lowrank")
+    n_centroids: int = Field(10, ge=1, description="clusters per class for stats=multi_centroid (code 10)")
     tii_hidden: int = Field(2, ge=0, description="TII's residual MLP width multiplier (code "
                             "original_model_mlp_structure=[2]); 0: a linear classifier")
     tii_epochs: int = Field(20, ge=1, description="TII training epochs on the current task's features (code 20)")
@@ -99,11 +100,17 @@ class HiDePrompt(_PromptMethod):
         o, dim = self.options, model.backbone.feature_dim
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + 7717)
         self.tii = TaskIdentityHead(dim, o.tii_hidden, gen)
-        self.tii_stats = ClassFeatureStats(dim, cov=o.stats, rank=o.stats_rank)  # uninstructed (frozen [CLS])
-        self.tap_stats = ClassFeatureStats(dim, cov=o.stats, rank=o.stats_rank)  # instructed (own prompt)
+        self.tii_stats = self._new_stats(dim, 0)  # uninstructed (frozen [CLS])
+        self.tap_stats = self._new_stats(dim, 1)  # instructed (each class under its task's prompt)
         self.ranges: list[tuple[int, int]] = []
         self._prototypes: torch.Tensor | None = None
         self.pool.chooser = self.infer_task
+
+    def _new_stats(self, dim: int, which: int) -> ClassFeatureStats | MultiCentroidStats:
+        o = self.options
+        if o.stats == "multi_centroid":
+            return MultiCentroidStats(dim, o.n_centroids, seed=self.seed * 2 + which)
+        return ClassFeatureStats(dim, cov=o.stats, rank=o.stats_rank)
 
     def _generator(self, task: int, stream: int) -> torch.Generator:
         """A private RNG per (seed, task, phase): TII and TAP draws never touch the training RNG."""
@@ -116,8 +123,14 @@ class HiDePrompt(_PromptMethod):
         if len(self.ranges) == task.index:
             self.ranges.append(task.class_range)
         self.tii.classes.ensure_classes(task.offset + task.n_classes, generator=self._generator(task.index, 0))
-        means = [self.tap_stats.mean(c) for c in self.tap_stats.classes]  # old classes' prototypes
-        self._prototypes = torch.stack(means).float() if means else torch.zeros(0, self.model.backbone.feature_dim)
+        self._prototypes = self._old_prototypes()
+
+    def _old_prototypes(self) -> torch.Tensor:
+        """The old classes' prototypes of the contrastive regulariser: class means of the prompted features, or
+        every centroid with multi-centroid statistics (code) (P, D)."""
+        st = self.tap_stats
+        rows = [st.centroids(c) if isinstance(st, MultiCentroidStats) else st.mean(c)[None] for c in st.classes]
+        return torch.cat(rows).float() if rows else torch.zeros(0, self.model.backbone.feature_dim)
 
     def loss(self, model, x, y, ctx) -> torch.Tensor:
         pool = self.pool

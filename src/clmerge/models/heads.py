@@ -243,7 +243,8 @@ def align_linear_head(head: IncrementalHead, stats: ClassFeatureStats, ranges: l
                       generator: torch.Generator) -> list[float]:
     """SLCA classifier alignment: retrain ``head`` on pseudo-features of every seen class (in place).
 
-    Per epoch, draw ``samples_per_class`` features from N(μ_c, Σ_c) for each class c, shuffle them, and take
+    Per epoch, draw ``samples_per_class`` features from N(μ_c, Σ_c) for each class c (``stats.sample`` may
+    return more rows, e.g. that many per centroid of a multi-centroid store), shuffle them, and take
     one SGD step (momentum 0.9, cosine schedule over the epochs) per batch of ``samples_per_class``, on the
     cross-entropy over all seen classes (optionally of SLCA's normalised logits).
 
@@ -278,8 +279,8 @@ def align_linear_head(head: IncrementalHead, stats: ClassFeatureStats, ranges: l
             scale = 0.9 + 0.1 * (task_of[c] + 1) / len(ranges) if mean_decay else 1.0
             draw = stats.sample(c, samples_per_class, generator)
             xs.append(draw + (scale - 1.0) * stats.mean(c))
-            ys.append(torch.full((samples_per_class,), c, dtype=torch.long))
-        perm = torch.randperm(len(classes) * samples_per_class, generator=generator)
+            ys.append(torch.full((len(draw),), c, dtype=torch.long))  # a multi-centroid store draws per centroid
+        perm = torch.randperm(sum(len(v) for v in ys), generator=generator)
         x = torch.cat(xs)[perm].to(ref.device, ref.dtype)
         y = torch.cat(ys)[perm].to(ref.device)
         total = 0.0

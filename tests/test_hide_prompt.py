@@ -224,3 +224,11 @@ def test_multi_centroid_run_uses_centroids_as_prototypes(tmp_path):
     assert meth._prototypes.shape == (6, 32)  # 2 old classes x 3 centroids
     _run_task(model, meth, scenario.tasks[1], scenario.tasks)
     assert len(meth.metrics()["hide"][-1]["tap_losses"]) == 2
+
+
+def test_overlapping_class_ranges_are_a_clear_error():
+    scenario, model, meth = _setup(FAST)
+    _run_task(model, meth, scenario.tasks[0], scenario.tasks)
+    again = dataclasses.replace(scenario.tasks[1], offset=0)  # a domain-incremental task: same outputs
+    with pytest.raises(ValueError, match="needs tasks with disjoint classes"):
+        meth.begin_task(again, _ctx(again, scenario.tasks))

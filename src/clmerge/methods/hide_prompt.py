@@ -119,6 +119,10 @@ class HiDePrompt(_PromptMethod):
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def begin_task(self, task, ctx) -> None:
+        if self.ranges[: task.index] and task.offset < self.ranges[task.index - 1][1]:
+            raise ValueError("method.name: hide_prompt infers the task from its classes, so it needs tasks with "
+                             f"disjoint classes (class-incremental); task {task.index} reuses outputs from "
+                             f"{task.offset}")
         super().begin_task(task, ctx)
         if len(self.ranges) == task.index:
             self.ranges.append(task.class_range)

@@ -57,6 +57,10 @@ def _same(one: Path, two: Path) -> None:
 @pytest.mark.parametrize("method,extra", [
     ({"name": "pm", "rank": 2}, {"head.align": True}),  # alpha from Fisher sums; alignment statistics
     ({"name": "inflora", "rank": 2}, {}),  # DualGPM bases from covariances, computed once and broadcast
+    ({"name": "hide_prompt", "pool_size": 2, "length": 2, "layers": [0], "tii_epochs": 2, "tii_align_epochs": 2,
+      "tap_epochs": 2, "tap_samples": 8, "tii_align_samples": 8, "contrast_weight": 0.0}, {}),  # TII, TAP state
+    # (HiDe's contrastive regulariser couples the batch's samples: each process takes it over its own share, as
+    # the official code under DDP, so it is off here)
 ])
 def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, method, extra):
     cfg = _config(tmp_path, method, **extra)

@@ -15,6 +15,7 @@ from . import inflora, pm, sd_lora  # noqa: E402,F401
 from . import merge_baselines  # noqa: E402,F401
 from . import magmax  # noqa: E402,F401
 from . import prompt_methods  # noqa: E402,F401
+from . import hide_prompt  # noqa: E402,F401
 
 __all__ = [
     "METHODS",

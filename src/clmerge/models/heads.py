@@ -49,6 +49,7 @@ class ClassFeatureStats:
         self.dim, self.cov, self.rank, self.shrink = dim, cov, rank, shrink
         self.counts: dict[int, int] = {}
         self.tensors: dict[str, torch.Tensor] = {}  # "mean.{c}", "cov.{c}" | "U.{c}", "s.{c}", "diag.{c}"
+        self._cholesky: dict[int, torch.Tensor] = {}  # factors of the full covariances, kept while sampling
 
     @property
     def classes(self) -> list[int]:
@@ -88,7 +89,9 @@ class ClassFeatureStats:
         mu = self.mean(c)
         if self.cov == "full":
             z = torch.randn(n, self.dim, generator=generator, dtype=torch.float64)
-            return mu + z @ torch.linalg.cholesky(self.tensors[f"cov.{c}"]).T
+            if c not in self._cholesky:  # a class's covariance never changes once stored
+                self._cholesky[c] = torch.linalg.cholesky(self.tensors[f"cov.{c}"])
+            return mu + z @ self._cholesky[c].T
         if self.cov == "diag":
             z = torch.randn(n, self.dim, generator=generator, dtype=torch.float64)
             return mu + z * self.tensors[f"diag.{c}"].sqrt()
@@ -99,6 +102,10 @@ class ClassFeatureStats:
             return mu + (z1 * s.sqrt()) @ U.T + z2 * d.sqrt()
         raise ValueError("pseudo-features need class covariances (head.align_cov is none)")
 
+    def release_factors(self) -> None:
+        """Drop the Cholesky factors cached by :meth:`sample` (as large as the covariances themselves)."""
+        self._cholesky = {}
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
@@ -107,6 +114,7 @@ class ClassFeatureStats:
 
     def load(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         self.tensors = {k: v.double() for k, v in tensors.items()}
+        self._cholesky = {}
         self.counts = {int(c): int(n) for c, n in meta["counts"].items()}
 
 
@@ -235,7 +243,8 @@ def align_linear_head(head: IncrementalHead, stats: ClassFeatureStats, ranges: l
                       generator: torch.Generator) -> list[float]:
     """SLCA classifier alignment: retrain ``head`` on pseudo-features of every seen class (in place).
 
-    Per epoch, draw ``samples_per_class`` features from N(μ_c, Σ_c) for each class c, shuffle them, and take
+    Per epoch, draw ``samples_per_class`` features from N(μ_c, Σ_c) for each class c (``stats.sample`` may
+    return more rows, e.g. that many per centroid of a multi-centroid store), shuffle them, and take
     one SGD step (momentum 0.9, cosine schedule over the epochs) per batch of ``samples_per_class``, on the
     cross-entropy over all seen classes (optionally of SLCA's normalised logits).
 
@@ -270,8 +279,8 @@ def align_linear_head(head: IncrementalHead, stats: ClassFeatureStats, ranges: l
             scale = 0.9 + 0.1 * (task_of[c] + 1) / len(ranges) if mean_decay else 1.0
             draw = stats.sample(c, samples_per_class, generator)
             xs.append(draw + (scale - 1.0) * stats.mean(c))
-            ys.append(torch.full((samples_per_class,), c, dtype=torch.long))
-        perm = torch.randperm(len(classes) * samples_per_class, generator=generator)
+            ys.append(torch.full((len(draw),), c, dtype=torch.long))  # a multi-centroid store draws per centroid
+        perm = torch.randperm(sum(len(v) for v in ys), generator=generator)
         x = torch.cat(xs)[perm].to(ref.device, ref.dtype)
         y = torch.cat(ys)[perm].to(ref.device)
         total = 0.0
@@ -289,4 +298,5 @@ def align_linear_head(head: IncrementalHead, stats: ClassFeatureStats, ranges: l
     for p, g in zip(params, was_grad):
         p.requires_grad_(g)
         p.grad = None
+    stats.release_factors()  # one factorisation per class and alignment, not one per epoch
     return losses

@@ -81,10 +81,10 @@ METHODS: dict[str, tuple[dict, list[float]]] = {
 # fine-tuning merged by maximum magnitude). Their learning rates are selected in phase 1 like the others'.
 PROMPT_LRS = [1e-3, 3e-3, 1e-2]
 METHODS.update({"l2p": ({"name": "l2p"}, PROMPT_LRS), "dualprompt": ({"name": "dualprompt"}, PROMPT_LRS),
-                "coda_prompt": ({"name": "coda_prompt"}, PROMPT_LRS),
+                "coda_prompt": ({"name": "coda_prompt"}, PROMPT_LRS), "hide_prompt": ({"name": "hide_prompt"}, PROMPT_LRS),
                 # full fine-tuning; its LoRA mode (finetune: lora) would adapt the same sites as the others
                 "magmax": ({"name": "magmax", "targets": ["key", "value"]}, FULL_LRS)})
-NO_LORA_SITES = {"finetune", "ewc", "l2p", "dualprompt", "coda_prompt", "magmax"}
+NO_LORA_SITES = {"finetune", "ewc", "l2p", "dualprompt", "coda_prompt", "hide_prompt", "magmax"}
 METHODS.update({"inflora_fsa": ({"name": "inflora"}, LORA_LRS), "seq_lora_fsa": ({"name": "seq_lora"}, LORA_LRS),
                 "frozen": ({"name": "seq_lora"}, LORA_LRS)})
 EXTRA_CONFIG = {"inflora_fsa": {"train": {"adapt_tasks": 1}}, "seq_lora_fsa": {"train": {"adapt_tasks": 1}},

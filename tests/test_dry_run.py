@@ -29,6 +29,7 @@ SLOW = {"halrp_tiny20_alexnet", "halrp_tiny40_alexnet", "halrp_omniglot_rotation
         # methods' end-to-end, mechanism and resume tests stay in the default tier (test_prompt_methods.py)
         "dualprompt_imagenet_r_10", "dualprompt_imagenet_r_20", "coda_prompt_imagenet_r_10",
         "coda_prompt_imagenet_r_20", "l2p_imagenet_r_20", "magmax_imagenet_r_20",
+        "l2p_imagenet_r_10", "magmax_imagenet_r_10",
         # HiDe-Prompt adds TII and TAP alignments over 768-d class covariances at each task end
         "hide_prompt_imagenet_r_10", "hide_prompt_imagenet_r_20"}
 PARAMS = [pytest.param(p, id=p.stem, marks=pytest.mark.slow if p.stem in SLOW else ()) for p in PAPER]

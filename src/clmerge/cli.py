@@ -6,10 +6,11 @@ import os
 import sys
 import time
 
-if sys.argv[1:2] == ["merge"]:
-    # idle OpenMP threads sleep instead of spinning: on a shared machine spinning threads steal the cores
-    # the merge's own threads wait for (read by libgomp when torch loads, so set before any torch import)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Idle OpenMP threads sleep instead of spinning: on a shared machine spinning threads steal the cores the
+# run's own threads wait for. Read by libgomp when torch loads, so set before any torch import; an explicit
+# OMP_WAIT_POLICY wins. Measured: the default run took 206 s with the default policy and 42 s with PASSIVE
+# on the same loaded 2-core machine (load average 3.6), with identical metrics.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from pathlib import Path
 
 import typer

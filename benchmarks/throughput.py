@@ -71,6 +71,12 @@ METHODS: dict[str, tuple[dict, str]] = {
     "ewc": ({"name": "ewc"}, "full"),
     "l2": ({"name": "l2"}, "full"),
     "gpm": ({"name": "gpm"}, "full"),
+    # issue 14: prompt methods (frozen backbone; prompts, keys and head train) and MagMax (full fine-tuning)
+    "l2p": ({"name": "l2p"}, "prompt"),
+    "dualprompt": ({"name": "dualprompt"}, "prompt"),
+    "coda_prompt": ({"name": "coda_prompt"}, "prompt"),
+    "hide_prompt": ({"name": "hide_prompt"}, "prompt"),
+    "magmax": ({"name": "magmax"}, "full"),
 }
 # Task 1's end-of-task statistics are computed on fewer samples than the methods' defaults: they only set up
 # the state task 2 carries (its size and per-step cost do not depend on the sample count), and the default
@@ -78,7 +84,8 @@ METHODS: dict[str, tuple[dict, str]] = {
 END_TASK_CAPS: dict[str, dict] = {"pm": {"fisher_samples": 64}, "cofima": {"fisher_samples": 64},
                                   "ewc": {"fisher_samples": 64}, "inflora": {"covariance_samples": 128}}
 # the default run: the methods of issue 15's brief (l2 and gpm on request: --methods)
-DEFAULT_METHODS = [m for m in METHODS if m not in ("l2", "gpm")] + ["halrp"]
+DEFAULT_METHODS = [m for m in METHODS if m not in ("l2", "gpm", "l2p", "dualprompt", "coda_prompt", "hide_prompt",
+                                                  "magmax")] + ["halrp"]
 HALRP = {"halrp": ({"name": "halrp", "warmup_epochs": 1, "grad_multiplier": 10.0, "prune": True}, "halrp"),
          "finetune": ({"name": "finetune"}, "full")}
 # network -> model + scenario sections, the methods it runs and the baseline of its ratios

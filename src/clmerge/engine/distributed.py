@@ -80,9 +80,6 @@ class DataParallel:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return float(t.item())
 
-    def barrier(self) -> None:
-        dist.barrier()
-
 
 _STATE: DataParallel | None = None
 _LOCAL = 0
@@ -138,13 +135,6 @@ def local() -> Iterator[None]:
         yield
     finally:
         _LOCAL -= 1
-
-
-def _teardown_for_tests() -> None:
-    global _STATE
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    _STATE = None
 
 
 def broadcast_json(dp: DataParallel, obj=None):

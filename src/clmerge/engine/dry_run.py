@@ -333,9 +333,9 @@ def dry_run(cfg: ExperimentConfig, *, tasks: int = 2, steps: int = 2, batch_size
     dp = distributed.setup(cfg.run.device)  # under torchrun (--nproc N): every process dry-runs; 0 prints
     if not distributed.is_main():
         echo = lambda line: None  # noqa: E731
-    batch = min(cfg.train.batch_size, batch_size)
-    if dp is not None:
+    if dp is not None:  # every process needs a sample of each batch
         batch_size = max(batch_size, dp.world)
+    batch = min(cfg.train.batch_size, batch_size)
     train_per_class = per_class_for_batches(cfg, train_per_class, batch)
     dcfg = dry_run_config(cfg, steps=steps, batch_size=batch_size, train_per_class=train_per_class)
     with tempfile.TemporaryDirectory(prefix="clmerge-dry-") as tmp:

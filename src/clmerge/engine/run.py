@@ -157,12 +157,8 @@ def _restore(out: Path, model: ContinualClassifier, method: ContinualMethod, dev
     model_state, method_tensors, meta = load_checkpoint(ck, sha256=sha)
     st = meta["state"]
     kept = verify_events(events, st["events_lines"], meta.get("events_sha256"))
-    rebuild_structure(model, meta["structure"])
-    model.load_state_dict(model_state, strict=True)
-    model.to(device)
-    method.load_state({k: v.to(device) for k, v in method_tensors.items()}, meta["method"])
-    if heads is not None and heads.needs_features:
-        heads.load_state(load_head_tensors(ck), meta["heads"])
+    _load_into(model, method, heads, meta, model_state, method_tensors,
+               load_head_tensors(ck) if heads is not None and heads.needs_features else {}, device)
     state = RunState(st["rows"], st["til_rows"], st["task_seconds"], st["initial"], st["events_lines"],
                      st.get("head_rows", {}), st.get("head_val", {}))
     if events.exists():  # drop events written by the interrupted task
@@ -251,15 +247,21 @@ def share_state(dp, cfg, model, method, heads, device, fresh=None):
         return model, method, heads
     part = lambda prefix: {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}  # noqa: E731
     model, method, new_heads = (fresh or (lambda: fresh_objects(cfg)))()
-    rebuild_structure(model, meta["structure"])
-    model.load_state_dict(part("model/"), strict=True)
-    model.to(device)
-    method.load_state({k: v.to(device) for k, v in part("method/").items()}, meta["method"])
-    if heads is None:
-        return model, method, None
-    if new_heads.needs_features:
-        new_heads.load_state(part("heads/"), meta["heads"])
+    new_heads = new_heads if heads is not None else None
+    _load_into(model, method, new_heads, meta, part("model/"), part("method/"), part("heads/"), device)
     return model, method, new_heads
+
+
+def _load_into(model, method, heads, meta: dict, model_state: dict, method_tensors: dict, head_tensors: dict,
+               device) -> None:
+    """Load a checkpoint's state (from a file on --resume, or broadcast by process 0) into model, method and
+    head suite: the structure first, then the weights, the method's state and the heads' statistics."""
+    rebuild_structure(model, meta["structure"])
+    model.load_state_dict(model_state, strict=True)
+    model.to(device)
+    method.load_state({k: v.to(device) for k, v in method_tensors.items()}, meta["method"])
+    if heads is not None and heads.needs_features:
+        heads.load_state(head_tensors, meta["heads"])
 
 
 def _adapted_groups(cfg, t: int, groups: list[dict]) -> tuple[list[dict], list]:

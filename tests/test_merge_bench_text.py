@@ -180,3 +180,16 @@ def test_looped_per_sample_gradients_equal_the_vectorised_ones():
     want, got = per_sample_grads(model, names, x, y), _looped_per_sample_grads(model, names, x, y)
     for n in names:
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6)
+
+
+def test_study_text_yaml_has_the_size_its_header_states():
+    from pathlib import Path
+
+    from clmerge.harness.merge_bench_experts import expert_digest
+    from clmerge.theory.spec import expand_points, load_study
+
+    spec = load_study(Path(__file__).parents[1] / "benchmarks" / "study_text.yaml")
+    assert spec.base.backbone == "minilm-l6" and spec.suite == "text6"
+    points = expand_points(spec)
+    experts = {(t.spec, expert_digest(t, c)): c.steps for p in points for t, c in p.expert_configs(spec)}
+    assert (len(points), len(experts), sum(experts.values())) == (66, 48, 744)

@@ -118,7 +118,7 @@ def merge_bench_command(
                                          "none; text6: 768)"),
     max_eval: int | None = typer.Option(None, "--max-eval", help="cap on validation/test samples per task (default: "
                                         "none; text6: 400)"),
-    random_init: bool = typer.Option(False, "--random-init", help="start from a random-init ViT (dry runs)"),
+    random_init: bool = typer.Option(False, "--random-init", help="start from a random-init backbone (dry runs)"),
     method: list[str] = typer.Option([], "--method", help="only these methods (repeatable; default: all in the grid)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="write into an existing non-empty --out that holds "
                                    "no merge-bench result"),

@@ -1,4 +1,4 @@
-"""The merging benchmark's experts: one fine-tuned tiny ViT per task, under one of two head protocols.
+"""The merging benchmark's experts: one fine-tuned backbone per task, under one of two head protocols.
 
 - ``heads="frozen"`` (the benchmark's default): each task's head is fixed BEFORE fine-tuning, from the pretrained
   backbone's features of the task's training split, and the expert then trains only the backbone. This is the

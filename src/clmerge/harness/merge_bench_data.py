@@ -113,8 +113,9 @@ SUITES["text-tiny"] = [_t(s) for s in ("wordnet_supersense:identity:0-1", "wordn
                                        "wordnet_supersense:identity:0,3")]
 # The backbone a suite is meant for (``clmerge merge-bench --backbone`` overrides it; others: vit-tiny-fmnist)
 SUITE_BACKBONES: dict[str, str] = {"text6": "minilm-l6", "text-tiny": "minilm-l6"}
-# Default (max_train, max_eval) per task where a suite needs one: text6's cap keeps one full fine-tuning of
-# MiniLM (5 epochs at batch 64, ~1 s a step on one shared CPU core) near a minute: 768 x 5 / 64 = 60 steps.
+# Default (max_train, max_eval) per task where a suite needs one: text6's cap makes one full fine-tuning of
+# MiniLM 768 x 5 / 64 = 60 steps (5 epochs, batch 64): ~1 min on an idle core, 80-340 s measured on the loaded
+# shared 2-core machine (benchmarks/merging/README.md, text suite).
 SUITE_CAPS: dict[str, tuple[int | None, int | None]] = {"text6": (768, 400), "text-tiny": (64, 64)}
 
 

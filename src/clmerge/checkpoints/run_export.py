@@ -6,7 +6,9 @@ folded into its base weight (``W = W_0 + sum_k c_k U_k D_k``, :func:`clmerge.ada
 
 - ``hf``: the folded backbone (an HF ``ViTModel``/``CLIPVisionModel``) with ``save_pretrained``, the
   classifier head as ``head.safetensors`` (``weight`` ``(C, D)``, ``bias`` ``(C,)``: the per-task blocks
-  concatenated) and ``classes.json`` (class order, tasks, preprocessing, how features are taken);
+  concatenated) and ``classes.json`` (class order, tasks, preprocessing, how features are taken). A text
+  backbone's export records its tokenizer (name, SHA-256 of its definition), maximum length and pooling in
+  place of the image preprocessing, and holds the tokenizer's files beside the model;
 - ``peft``: ``Delta W = W_folded - W_pretrained`` of every adapted Linear as a PEFT adapter over the backbone's
   module names (exact at the default rank, the largest numerical rank of the updates; truncated SVD at
   ``rank``), so ``PeftModel.from_pretrained(base, out)``
@@ -63,6 +65,7 @@ def load_run_model(run_dir: Path) -> tuple[nn.Module, nn.Module, dict, dict]:
     model.load_state_dict(state, strict=True)
     manifest = read_json(run_dir / "manifest.json") if (run_dir / "manifest.json").exists() else {}
     manifest["method"] = cfg.method.name
+    manifest["scenario_options"] = dict(cfg.scenario.options or {})
     return folded_copy(model), pretrained, manifest, meta
 
 
@@ -74,20 +77,54 @@ def _hf_inner(backbone: nn.Module, run_dir: Path) -> nn.Module:
     return inner
 
 
-def _head_and_classes(model: nn.Module, manifest: dict, backbone: nn.Module) -> tuple[dict, dict]:
+def _is_text(backbone: nn.Module) -> bool:
+    return getattr(backbone, "info", {}).get("kind") == "text"
+
+
+def _text_preprocess(backbone: nn.Module, manifest: dict, options: dict) -> tuple[str, dict]:
+    """``(features note, preprocess)`` of a text backbone: the run's tokenizer, maximum length and pooling."""
+    data = manifest.get("data") or {}
+    pooling = backbone.pooling
+    features = ("attention-mask-weighted mean of last_hidden_state over the tokens (sentence-transformers' mean "
+                "pooling)" if pooling == "mean" else "last_hidden_state[:, 0] (the [CLS] token)")
+    preprocess = {"kind": "text", "tokenizer": data.get("tokenizer", options.get("tokenizer", "minilm-l6")),
+                  "tokenizer_sha256": data.get("tokenizer_sha256"),
+                  "max_length": data.get("max_length", options.get("max_length", 64)), "pooling": pooling,
+                  "padding": "right", "truncation": True,
+                  "inputs": "input_ids and attention_mask (the tokenizer files in this folder)"}
+    return features, preprocess
+
+
+def _head_and_classes(model: nn.Module, manifest: dict, backbone: nn.Module,
+                      options: dict | None = None) -> tuple[dict, dict]:
     blocks = list(model.head.blocks)
     head = {"weight": torch.cat([b.weight.detach() for b in blocks], dim=0)}
     if blocks and blocks[0].bias is not None:
         head["bias"] = torch.cat([b.bias.detach() for b in blocks], dim=0)
+    if _is_text(backbone):
+        features, preprocess = _text_preprocess(backbone, manifest, options or {})
+    else:
+        features = "last_hidden_state[:, 0] (ViT CLS token after the final LayerNorm); CLIP: pooler_output"
+        preprocess = {"image_size": backbone.image_size, "num_channels": backbone.num_channels,
+                      "mean": backbone.mean.flatten().tolist(), "std": backbone.std.flatten().tolist()}
     classes = {
         "method": manifest.get("method"), "kind": manifest.get("kind"), "dataset": manifest.get("dataset"),
         "class_order": manifest.get("class_order"), "tasks": manifest.get("tasks"),
-        "head_blocks": [b.out_features for b in blocks],
-        "features": "last_hidden_state[:, 0] (ViT CLS token after the final LayerNorm); CLIP: pooler_output",
-        "preprocess": {"image_size": backbone.image_size, "num_channels": backbone.num_channels,
-                       "mean": backbone.mean.flatten().tolist(), "std": backbone.std.flatten().tolist()},
+        "head_blocks": [b.out_features for b in blocks], "features": features, "preprocess": preprocess,
     }
     return head, classes
+
+
+def _save_tokenizer(tmp: Path, preprocess: dict, run_dir: Path) -> None:
+    """The run's tokenizer saved beside the model, checked against the digest the run recorded."""
+    from ..data.text_tokens import load_tokenizer, tokenizer_digest
+
+    tok = load_tokenizer(str(preprocess["tokenizer"]))
+    want = preprocess.get("tokenizer_sha256")
+    if want and tokenizer_digest(tok) != want:
+        raise MergeInputError(f"{run_dir}: tokenizer {preprocess['tokenizer']!r} is no longer the one the run used "
+                              "(its SHA-256 differs from the manifest's data.tokenizer_sha256)")
+    tok.save_pretrained(tmp)
 
 
 def _adapted_deltas(folded: nn.Module, pretrained: nn.Module, adapted: list[str], run_dir: Path) -> dict:
@@ -150,10 +187,12 @@ def export_run(run_dir: str | Path, *, format: str, out: str | Path, rank: int |
     report = {"out": str(out), "format": format, "run": str(run_dir), "method": manifest.get("method"),
               "task": meta["task"], "adapted_modules": adapted}
     if format == "hf":
-        head, classes = _head_and_classes(folded, manifest, folded.backbone)
+        head, classes = _head_and_classes(folded, manifest, folded.backbone, manifest.get("scenario_options"))
 
         def fill(tmp: Path) -> dict:
             inner.save_pretrained(tmp)
+            if _is_text(folded.backbone):
+                _save_tokenizer(tmp, classes["preprocess"], run_dir)
             save_tensors(tmp / "head.safetensors", head)
             (tmp / "classes.json").write_text(json.dumps(classes, indent=2) + "\n")
             return report

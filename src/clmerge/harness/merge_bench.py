@@ -1,7 +1,7 @@
-"""The merging benchmark: experts fine-tuned from one tiny ViT on offline tasks, every method evaluated.
+"""The merging benchmark: experts fine-tuned from one pretrained backbone on offline tasks, every method evaluated.
 
-Tasks (:mod:`.merge_bench_data`) are offline image sets under fixed transformations; each task has its own
-head. Experts (:mod:`.merge_bench_experts`) follow a head protocol: ``frozen`` (the default of ``clmerge
+Tasks (:mod:`.merge_bench_data`) are offline image sets under fixed transformations, or class subsets of a
+text source; each task has its own head. Experts (:mod:`.merge_bench_experts`) follow a head protocol: ``frozen`` (the default of ``clmerge
 merge-bench``: heads fitted on the pretrained backbone before fine-tuning, experts train only the backbone) or
 ``cotrained``. Every method's hyperparameters are chosen on a validation split carved from the training data,
 and each grid is extended until the chosen value is interior (:mod:`.merge_bench_grid`); test data is used only

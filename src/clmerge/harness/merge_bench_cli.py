@@ -42,13 +42,18 @@ def _done(out: Path, cfg, grids: dict, max_extensions: int) -> bool:
 def bench_command(out: Path, suite: str = "8", epochs: int = 5, lr: float = 1e-4, max_train: int | None = None,
                   max_eval: int | None = None, random_init: bool = False, methods: Sequence[str] | None = None,
                   heads: str = "frozen", head_init: str = "probe", seeds: Sequence[int] = (0,),
+                  backbone: str | None = None, arch: dict | None = None, data_options: dict | None = None,
                   log=print) -> dict:
     """What ``clmerge merge-bench`` runs (kept free of typer so tests can call it).
 
     One seed: results in ``out``. Several: one run per seed in ``out/seed<s>`` (a seed whose results there
     match this config is not rerun), experts shared in ``out/experts``, and the summary over seeds in ``out``.
+    ``backbone`` None: the suite's (``SUITE_BACKBONES``), else vit-tiny-fmnist; ``max_train`` / ``max_eval``
+    None: the suite's caps (``SUITE_CAPS``) where it has them. ``arch`` (random init only) and
+    ``data_options`` (the data source's keyword options) are for tests and dry runs.
     """
     from .merge_bench import DEFAULT_GRIDS, MAX_EXTENSIONS, SUITES, BenchConfig, run_benchmark
+    from .merge_bench_data import SUITE_BACKBONES, SUITE_CAPS
 
     from .merge_bench_experts import HEAD_INITS, HEAD_PROTOCOLS
 
@@ -62,8 +67,13 @@ def bench_command(out: Path, suite: str = "8", epochs: int = 5, lr: float = 1e-4
     if unknown:
         raise ValueError(f"--method {unknown[0]!r}: not in the benchmark's grids; known: {', '.join(DEFAULT_GRIDS)}")
     grids = DEFAULT_GRIDS if not methods else {m: DEFAULT_GRIDS[m] for m in methods}
-    cfgs = [BenchConfig(suite=suite, epochs=epochs, lr=lr, max_train=max_train, max_eval=max_eval,
-                        pretrained=not random_init, heads=heads, head_init=head_init, train_seed=s) for s in seeds]
+    backbone = _check_backbone(backbone or SUITE_BACKBONES.get(suite, "vit-tiny-fmnist"))
+    cap_train, cap_eval = SUITE_CAPS.get(suite, (None, None))
+    cfgs = [BenchConfig(suite=suite, backbone=backbone, epochs=epochs, lr=lr,
+                        max_train=cap_train if max_train is None else max_train,
+                        max_eval=cap_eval if max_eval is None else max_eval, pretrained=not random_init,
+                        arch=dict(arch or {}), heads=heads, head_init=head_init, train_seed=s,
+                        data_options=dict(data_options or {})) for s in seeds]
     if len(seeds) == 1:
         return run_benchmark(cfgs[0], out, grids=grids, log=log)
     from .merge_bench_seeds import summarise
@@ -78,10 +88,22 @@ def bench_command(out: Path, suite: str = "8", epochs: int = 5, lr: float = 1e-4
     return summarise(out, seeds)
 
 
+def _check_backbone(name: str) -> str:
+    from ..models import available_backbones
+
+    known = list(available_backbones())
+    if name not in known:
+        raise ValueError(f"--backbone {name!r}: unknown; known: {', '.join(known)}")
+    return name
+
+
 def merge_bench_command(
     out: Path | None = typer.Option(None, "--out", help="results directory (default: ./merge-bench-runs/suite<S>; "
                                     "a folder holding an earlier merge-bench result is reused)"),
-    suite: str = typer.Option("8", "--suite", help="task suite: 8, 14 or split8 (these two need Fashion-MNIST), or tiny"),
+    suite: str = typer.Option("8", "--suite", help="task suite: 8, 14 or split8 (these two need Fashion-MNIST), "
+                              "tiny, or text6 / text-tiny (WordNet supersenses on minilm-l6; docs/text.md)"),
+    backbone: str | None = typer.Option(None, "--backbone", help="the backbone to fine-tune (default: the suite's: "
+                                        "minilm-l6 for text suites, else vit-tiny-fmnist)"),
     heads: str = typer.Option("frozen", "--heads", help="head protocol: frozen (heads fitted on the pretrained "
                               "backbone before fine-tuning, then fixed) or cotrained (trained with each expert)"),
     head_init: str = typer.Option("probe", "--head-init", help="frozen heads: probe (linear probe) or prototypes "
@@ -92,9 +114,11 @@ def merge_bench_command(
                                "benchmarks/merging/lr_probe.md)"),
     lr: float = typer.Option(1e-4, "--lr", help="AdamW learning rate of the experts' fine-tuning (chosen on "
                              "validation: benchmarks/merging/lr_probe.md)"),
-    max_train: int | None = typer.Option(None, "--max-train", help="cap on training samples per task"),
-    max_eval: int | None = typer.Option(None, "--max-eval", help="cap on validation/test samples per task"),
-    random_init: bool = typer.Option(False, "--random-init", help="start from a random-init ViT (dry runs)"),
+    max_train: int | None = typer.Option(None, "--max-train", help="cap on training samples per task (default: "
+                                         "none; text6: 768)"),
+    max_eval: int | None = typer.Option(None, "--max-eval", help="cap on validation/test samples per task (default: "
+                                        "none; text6: 400)"),
+    random_init: bool = typer.Option(False, "--random-init", help="start from a random-init backbone (dry runs)"),
     method: list[str] = typer.Option([], "--method", help="only these methods (repeatable; default: all in the grid)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="write into an existing non-empty --out that holds "
                                    "no merge-bench result"),
@@ -109,7 +133,7 @@ def merge_bench_command(
     try:
         res = bench_command(out, suite=suite, epochs=epochs, lr=lr, max_train=max_train, max_eval=max_eval,
                             random_init=random_init, methods=method or None, heads=heads, head_init=head_init,
-                            seeds=parse_seeds(seeds))
+                            seeds=parse_seeds(seeds), backbone=backbone)
     except (ValueError, FileNotFoundError, KeyError) as exc:
         fail(exc)
     typer.echo((out / "results.md").read_text())

@@ -1,12 +1,15 @@
-"""The merging benchmark's tasks: offline image sets under fixed transformations, split train/val/test.
+"""The merging benchmark's tasks: offline image or text sets, optionally transformed, split train/val/test.
 
-Tasks are offline image sets (MNIST-5k, scikit-learn digits, Fashion-MNIST when installed) under fixed
-transformations (rotation, pixel permutation, inversion), optionally restricted to a subset of classes.
+Image tasks are offline image sets (MNIST-5k, scikit-learn digits, Fashion-MNIST when installed) under fixed
+transformations (rotation, pixel permutation, inversion). Text tasks are class subsets of a text source
+(``wordnet_supersense``) whose inputs are int64 token ids and attention masks ``(N, 2, L)``: they are kept as
+they are and allow only the ``identity`` transform. Either kind may be restricted to a subset of classes.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,7 +20,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from .merge_bench_experts import BenchConfig
 
-__all__ = ["BenchTask", "SUITES", "parse_task", "load_task"]
+__all__ = ["BenchTask", "SUITES", "SUITE_BACKBONES", "SUITE_CAPS", "TEXT6_GROUPS", "parse_task", "load_task"]
 
 
 @dataclass(frozen=True)
@@ -78,8 +81,48 @@ SUITES["split8"] = [_t(s) for s in ("mnist5k:identity:0-4", "mnist5k:identity:5-
                                     "fashion_mnist:identity:5-9", "mnist5k:rot90:0-4", "mnist5k:rot90:5-9")]
 SUITES["tiny"] = [_t(s) for s in ("digits:identity", "digits:rot90", "digits:invert")]
 
+# Text: the 40 supersenses of wordnet_supersense (class ids in text_wordnet.DEFAULT_CLASSES order: nouns 0-24,
+# verbs 25-39) cut into 6 tasks of semantically related supersenses, every class in exactly one task and no
+# task mixing nouns and verbs. Related classes make each task a fine distinction (an act vs. a cognition vs. a
+# communication) that a frozen sentence embedding separates less well than a coarse topic split, which leaves
+# fine-tuning room to gain over the frozen head; disjoint classes make the six experts' tasks distinct.
+TEXT6_GROUPS: dict[str, list[str]] = {
+    "concrete": ["noun.animal", "noun.artifact", "noun.body", "noun.food", "noun.object", "noun.plant",
+                 "noun.substance"],
+    "abstract": ["noun.act", "noun.attribute", "noun.cognition", "noun.communication", "noun.feeling",
+                 "noun.motive"],
+    "happenings": ["noun.event", "noun.phenomenon", "noun.process", "noun.shape", "noun.state", "noun.time"],
+    "social": ["noun.group", "noun.location", "noun.person", "noun.possession", "noun.quantity", "noun.relation"],
+    "physical_verbs": ["verb.body", "verb.change", "verb.consumption", "verb.contact", "verb.creation",
+                       "verb.motion", "verb.weather"],
+    "mental_social_verbs": ["verb.cognition", "verb.communication", "verb.competition", "verb.emotion",
+                            "verb.perception", "verb.possession", "verb.social", "verb.stative"],
+}
+
+
+def _text6() -> list[BenchTask]:
+    from ..data.text_wordnet import DEFAULT_CLASSES
+
+    return [BenchTask("wordnet_supersense", "identity", ",".join(str(DEFAULT_CLASSES.index(c)) for c in names))
+            for names in TEXT6_GROUPS.values()]
+
+
+SUITES["text6"] = _text6()
+# Three small tasks for tests and dry runs (classes 0-3 also exist in a 4-class generated WordNet)
+SUITES["text-tiny"] = [_t(s) for s in ("wordnet_supersense:identity:0-1", "wordnet_supersense:identity:2-3",
+                                       "wordnet_supersense:identity:0,3")]
+# The backbone a suite is meant for (``clmerge merge-bench --backbone`` overrides it; others: vit-tiny-fmnist)
+SUITE_BACKBONES: dict[str, str] = {"text6": "minilm-l6", "text-tiny": "minilm-l6"}
+# Default (max_train, max_eval) per task where a suite needs one: text6's cap makes one full fine-tuning of
+# MiniLM 768 x 5 / 64 = 60 steps (5 epochs, batch 64): ~1 min on an idle core, 80-340 s measured on the loaded
+# shared 2-core machine (benchmarks/merging/README.md, text suite).
+SUITE_CAPS: dict[str, tuple[int | None, int | None]] = {"text6": (768, 400), "text-tiny": (64, 64)}
+
 
 def _transform(spec: str, x: Tensor) -> Tensor:
+    if not x.is_floating_point():  # token ids (text): load_task allows only the identity
+        return x
+    x = x.float()
     if spec == "identity":
         return x
     if spec == "invert":
@@ -96,16 +139,26 @@ def _transform(spec: str, x: Tensor) -> Tensor:
 
 
 @functools.lru_cache(maxsize=8)
-def _splits(dataset: str):
-    """The data source's splits, built once per process (studies load the same tasks many times)."""
+def _splits(dataset: str, options_json: str = "{}"):
+    """The data source's splits, built once per process (studies load the same tasks many times).
+
+    ``options_json``: the source's keyword options as JSON (``BenchConfig.data_options``; ``{}``: its defaults,
+    e.g. wordnet_supersense's 40 classes tokenised with minilm-l6's tokenizer).
+    """
     from ..data import build_dataset
 
-    return build_dataset(dataset)
+    return build_dataset(dataset, **json.loads(options_json))
+
+
+def _check_transform(task: BenchTask, x: Tensor) -> None:
+    if not x.is_floating_point() and task.transform != "identity":
+        raise ValueError(f"task {task.spec!r}: {task.dataset} is a text source (token ids); only the 'identity' "
+                         f"transform applies, not {task.transform!r}")
 
 
 def load_task(task: BenchTask, cfg: BenchConfig) -> dict[str, tuple[Tensor, Tensor]]:
     """``{"train", "val", "test"}`` -> ``(x, y)`` tensors for ``task`` (val carved from train with a fixed seed)."""
-    splits = _splits(task.dataset)
+    splits = _splits(task.dataset, json.dumps(cfg.data_options, sort_keys=True))
     out = {}
     rng = np.random.default_rng(cfg.seed)
     tr = rng.permutation(len(splits.train))
@@ -131,6 +184,7 @@ def load_task(task: BenchTask, cfg: BenchConfig) -> dict[str, tuple[Tensor, Tens
             idx = idx.copy()
             idx[cfg.perturb % len(idx)] = parts["val"][0]
         x, y = src.get_batch(idx)
+        _check_transform(task, x)
         y = torch.as_tensor(y, dtype=torch.long)
-        out[name] = (_transform(task.transform, x.float()), y if lut is None else lut[y])
+        out[name] = (_transform(task.transform, x), y if lut is None else lut[y])
     return out

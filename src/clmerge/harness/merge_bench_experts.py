@@ -1,4 +1,4 @@
-"""The merging benchmark's experts: one fine-tuned tiny ViT per task, under one of two head protocols.
+"""The merging benchmark's experts: one fine-tuned backbone per task, under one of two head protocols.
 
 - ``heads="frozen"`` (the benchmark's default): each task's head is fixed BEFORE fine-tuning, from the pretrained
   backbone's features of the task's training split, and the expert then trains only the backbone. This is the
@@ -63,9 +63,12 @@ class BenchConfig:
     heads: str = "cotrained"
     head_init: str = "probe"  # frozen heads only
     train_seed: int | None = None  # the fine-tuning seed (batch order, co-trained head init); None: ``seed``
+    # keyword options of the tasks' data source (e.g. wordnet_supersense's data_root, tokenizer, max_length);
+    # empty: the source's defaults
+    data_options: dict = field(default_factory=dict)
 
     _NEW_DEFAULTS = {"steps": None, "optimizer": "adamw", "momentum": 0.0, "data_ratio": 1.0, "perturb": None,
-                     "heads": "cotrained", "train_seed": None}
+                     "heads": "cotrained", "train_seed": None, "data_options": {}}
 
     def __post_init__(self) -> None:
         if self.heads not in HEAD_PROTOCOLS:

@@ -61,7 +61,7 @@ def _task_data(task: str, cfg_json: str) -> dict[str, tuple[Tensor, Tensor]]:
     return load_task(parse_task(task), BenchConfig(**json.loads(cfg_json)))
 
 
-_DATA_FIELDS = ("max_train", "max_eval", "val_fraction", "seed", "data_ratio", "perturb")
+_DATA_FIELDS = ("max_train", "max_eval", "val_fraction", "seed", "data_ratio", "perturb", "data_options")
 
 
 def task_data(task: str, cfg: BenchConfig) -> dict[str, tuple[Tensor, Tensor]]:

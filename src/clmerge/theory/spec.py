@@ -54,6 +54,8 @@ class DataSpec(_Strict):
     max_train: int | None = Field(512, ge=1, description="cap on each task's training split (before data_ratio)")
     max_eval: int | None = Field(256, ge=1, description="cap on each task's validation and test split")
     val_fraction: float = Field(0.15, gt=0, lt=1)
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword options of the tasks' data source "
+                                    "(e.g. wordnet_supersense: data_root, max_length); empty: its defaults")
 
 
 class Defaults(_Strict):
@@ -164,7 +166,7 @@ def expert_config(spec: StudySpec, p: Point, steps: int, *, perturb: int | None 
                        arch=dict(spec.base.arch), epochs=1, lr=p.lr, batch_size=p.batch_size,
                        max_train=spec.data.max_train, val_fraction=spec.data.val_fraction, max_eval=spec.data.max_eval,
                        seed=p.seed, steps=steps, optimizer=p.optimizer, momentum=p.momentum,
-                       data_ratio=p.data_ratio, perturb=perturb)
+                       data_ratio=p.data_ratio, perturb=perturb, data_options=dict(spec.data.options))
 
 
 def point_id(p: Point) -> str:

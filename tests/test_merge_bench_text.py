@@ -171,7 +171,7 @@ def test_looped_per_sample_gradients_equal_the_vectorised_ones():
     from torch import nn
 
     from clmerge.params.fisher import per_sample_grads
-    from clmerge.theory.quantities import _looped_per_sample_grads
+    from clmerge.params.fisher import _looped_per_sample_grads
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
@@ -193,3 +193,27 @@ def test_study_text_yaml_has_the_size_its_header_states():
     points = expand_points(spec)
     experts = {(t.spec, expert_digest(t, c)): c.steps for p in points for t, c in p.expert_configs(spec)}
     assert (len(points), len(experts), sum(experts.values())) == (66, 48, 744)
+
+
+def test_per_sample_gradients_on_the_text_backbone_sum_to_the_batch_gradient():
+    """Fisher merging and the study take per-sample gradients; vmap cannot trace the text forward (padding cut,
+    transformers' mask checks), so token inputs loop. The per-sample gradients (each text alone, trimmed to its
+    own length) must sum to the gradient of the summed loss over the padded batch."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from clmerge.params.fisher import per_sample_grads
+
+    torch.manual_seed(0)
+    backbone = build_backbone("hf-text", pretrained=False, config=dict(TINY_BERT))
+    model = nn.Sequential(backbone, nn.Linear(backbone.feature_dim, 3))
+    ids = torch.randint(4, TINY_BERT["vocab_size"], (4, 8))
+    mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3, [1] * 3 + [0] * 5, [1] * 6 + [0] * 2])
+    x, y = torch.stack([ids * mask, mask], dim=1), torch.tensor([0, 1, 2, 1])
+    names = [n for n, _ in model.named_parameters()]
+    got = per_sample_grads(model, names, x, y)
+    params = dict(model.named_parameters())
+    batch = torch.autograd.grad(F.cross_entropy(model(x), y, reduction="sum"), [params[n] for n in names])
+    assert got[names[0]].shape[0] == 4
+    for n, g in zip(names, batch):
+        torch.testing.assert_close(got[n].sum(0), g, rtol=1e-4, atol=1e-5)

@@ -68,11 +68,18 @@ def _nll(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def per_sample_grads(model: nn.Module, names: list[str], x: torch.Tensor, y: torch.Tensor, *,
                      logits_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Gradients of the per-sample NLL w.r.t. the named parameters, shape (B, *param.shape) each."""
+    """Gradients of the per-sample NLL w.r.t. the named parameters, shape (B, *param.shape) each.
+
+    Vectorised (``vmap(grad)``) for float inputs. Token-id inputs (text backbones: their forward cuts padding
+    and transformers checks the attention mask, data-dependent control flow that vmap cannot trace) take one
+    backward pass per sample instead: the same gradients, slower.
+    """
     named = dict(model.named_parameters())
     missing = [n for n in names if n not in named]
     if missing:
         raise KeyError(f"per_sample_grads: model has no parameters {missing[:5]}")
+    if not x.is_floating_point():
+        return _looped_per_sample_grads(model, names, x, y, logits_fn=logits_fn)
     params = {n: named[n].detach() for n in names}
     frozen = {n: p.detach() for n, p in named.items() if n not in params}
     buffers = dict(model.named_buffers())
@@ -96,6 +103,28 @@ def per_sample_grads(model: nn.Module, names: list[str], x: torch.Tensor, y: tor
 
     with eager_attention(model):
         return vmap(grad(loss_one), in_dims=(None, 0, 0), randomness="different")(params, x, y)
+
+
+def _looped_per_sample_grads(model: nn.Module, names: list[str], x: torch.Tensor, y: torch.Tensor, *,
+                             logits_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+                             ) -> dict[str, torch.Tensor]:
+    """``{name: (B, *shape)}`` gradients of each sample's NLL, one backward pass per sample."""
+    named = dict(model.named_parameters())
+    call = logits_fn or (lambda m, inp: m(inp))
+    wanted = [named[n] for n in names]
+    saved = [p.requires_grad for p in wanted]
+    out: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    try:
+        for p in wanted:
+            p.requires_grad_(True)
+        for j in range(len(x)):
+            loss = _nll(call(model, x[j:j + 1]), y[j:j + 1])
+            for n, g in zip(names, torch.autograd.grad(loss, wanted, allow_unused=True)):
+                out[n].append(torch.zeros_like(named[n]) if g is None else g.detach())
+    finally:
+        for p, r in zip(wanted, saved):
+            p.requires_grad_(r)
+    return {n: torch.stack(gs) for n, gs in out.items()}
 
 
 def linear_param_modules(model: nn.Module, names: list[str]) -> dict[str, tuple[nn.Linear, str]] | None:

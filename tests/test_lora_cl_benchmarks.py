@@ -61,6 +61,29 @@ def test_evidence_config_holds_out_validation() -> None:
     assert sites == {("key", "value")}
 
 
+def test_text_benchmark_config_grid_and_stale_runs(tmp_path) -> None:
+    """wordnet10 (issue 12) runs MiniLM on the WordNet source with its own LoRA grid; a run directory trained
+    at another learning rate than the one now selected is moved aside (not reused, not counted as a seed)."""
+    from clmerge.config import parse_config
+
+    ev = _load("run_evidence")
+    cfg = parse_config(ev.make_config("wordnet10", "pm", 0, 1e-3, smoke=False))
+    assert (cfg.model.name, cfg.scenario.dataset, cfg.scenario.n_tasks) == ("minilm-l6", "wordnet_supersense", 10)
+    assert ev.lr_grid("wordnet10", "pm") == ev.TEXT_LORA_LRS != ev.lr_grid("split_mnist5k", "pm")
+    assert ev.lr_grid("wordnet10", "finetune") == ev.FULL_LRS
+    assert "wordnet10" not in ev.DEFAULT_BENCHMARKS
+    out = tmp_path / "seed0"
+    out.mkdir()
+    (out / "config.yaml").write_text("optim: {lr: 0.003}\n")
+    (out / "metrics.json").write_text("{}")
+    new = ev.make_config("split_mnist5k", "pm", 0, 1e-3, smoke=True)
+    import unittest.mock as mock
+
+    with mock.patch.object(ev.subprocess, "call", return_value=0) as call:
+        assert ev.run_one(new, out) == "done"
+    assert (tmp_path / "stale-lr0.003-seed0" / "metrics.json").exists() and call.call_count == 1
+
+
 @pytest.mark.slow  # the whole evidence pipeline, 9 short runs: 20-30 s on a loaded 2-core machine
 def test_evidence_smoke_runs_selects_on_val_and_resumes(tmp_path) -> None:
     ev = _load("run_evidence")

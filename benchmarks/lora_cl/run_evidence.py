@@ -154,7 +154,8 @@ def run_one(cfg: dict, out: Path) -> str:
     old_cfg = out / "config.yaml"
     if old_cfg.exists():
         old_lr = (yaml.safe_load(old_cfg.read_text()) or {}).get("optim", {}).get("lr")
-        if old_lr is not None and float(old_lr) != float(cfg["optim"]["lr"]):
+        new_lr = cfg.get("optim", {}).get("lr")
+        if old_lr is not None and new_lr is not None and float(old_lr) != float(new_lr):
             out.rename(out.with_name(f"stale-lr{float(old_lr):g}-{out.name}"))  # not matched by seed*
     if (out / "metrics.json").exists():
         return "skipped"

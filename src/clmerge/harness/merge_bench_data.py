@@ -120,9 +120,6 @@ SUITE_CAPS: dict[str, tuple[int | None, int | None]] = {"text6": (768, 400), "te
 
 
 def _transform(spec: str, x: Tensor) -> Tensor:
-    if not x.is_floating_point():  # token ids (text): load_task allows only the identity
-        return x
-    x = x.float()
     if spec == "identity":
         return x
     if spec == "invert":
@@ -184,7 +181,8 @@ def load_task(task: BenchTask, cfg: BenchConfig) -> dict[str, tuple[Tensor, Tens
             idx = idx.copy()
             idx[cfg.perturb % len(idx)] = parts["val"][0]
         x, y = src.get_batch(idx)
-        _check_transform(task, x)
+        _check_transform(task, x)  # token ids (text) are kept as they are: only the identity applies
+        x = _transform(task.transform, x.float()) if x.is_floating_point() else x
         y = torch.as_tensor(y, dtype=torch.long)
-        out[name] = (_transform(task.transform, x), y if lut is None else lut[y])
+        out[name] = (x, y if lut is None else lut[y])
     return out

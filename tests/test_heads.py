@@ -161,10 +161,17 @@ def test_lowrank_and_diag_statistics_sample_the_right_covariance():
 
 
 # -- engine: compare, resume, errors ------------------------------------------------------------------------
-def test_compare_mode_leaves_the_primary_metrics_unchanged_and_shadows_equal_primary_runs(tmp_path):
+def test_compare_mode_leaves_the_primary_metrics_unchanged_and_shadows_equal_primary_runs(tmp_path, monkeypatch):
     base = {"scenario.n_tasks": 3, "scenario.classes_per_task": [2, 2, 2], "scenario.val_fraction": 0.2}
     off = run_experiment(_cfg(**base), tmp_path / "off")
+    import clmerge.engine.run as engine_run
+
+    passes = []
+    plain = engine_run.evaluate_tasks
+    monkeypatch.setattr(engine_run, "evaluate_tasks", lambda *a, **k: passes.append(1) or plain(*a, **k))
     on = run_experiment(_cfg(**base, **{"head.compare": True}), tmp_path / "on")
+    monkeypatch.setattr(engine_run, "evaluate_tasks", plain)
+    assert passes == []  # the linear primary row is the linear shadow's: one backbone pass per batch, not two
     for key in ("accuracy_matrix", "til_accuracy_matrix", "acc", "aaa", "method_metrics"):
         assert on[key] == off[key], key
     assert set(on["heads"]) == {"linear", "linear+align", "ncm", "ranpac"}

@@ -291,7 +291,9 @@ def _evaluate_row_inner(cfg, t, scenario, method, state, device, heads: HeadSuit
     # task-incremental: the task id is known, so accuracy is the argmax within the task's own range
     key = "til_acc" if scenario.kind == "task_incremental" else "acc"
     shadows = _head_results(cfg, heads, model, tasks, n_out, device)
-    if heads is None or heads.primary == "linear":
+    if heads is not None and heads.primary == "linear" and "linear" in shadows and _plain_classifier(model):
+        res = shadows["linear"]  # the same logits (head of the same features): no second backbone pass
+    elif heads is None or heads.primary == "linear":
         # task-incremental rows keep only til_acc, so only each task's own logits are computed (one routed pass)
         res = evaluate_tasks(model, tasks, n_outputs=n_out, batch_size=cfg.train.eval_batch_size, device=device,
                              til_only=scenario.kind == "task_incremental")
@@ -306,6 +308,13 @@ def _evaluate_row_inner(cfg, t, scenario, method, state, device, heads: HeadSuit
             rows["til_rows"].append(_row(shadows[v], len(scenario), "til_acc"))
     if t == len(scenario) - 1 and all(x.val is not None and len(x.val) for x in scenario.tasks):
         _validation(cfg, heads, model, scenario, state, device)
+
+
+def _plain_classifier(model) -> bool:
+    """Whether ``model(x)`` is ``model.head(model.forward_features(x))`` (what the linear shadow head computes)."""
+    cls = type(model)
+    return (isinstance(model, ContinualClassifier) and cls.forward is ContinualClassifier.forward
+            and cls.forward_features is ContinualClassifier.forward_features)
 
 
 def _head_results(cfg, heads, model, tasks, n_out, device) -> dict:

@@ -75,6 +75,9 @@ TEXT_TRAIN = {"epochs": 1, "batch_size": 32}
 TEXT_SCENARIO = {"options": {"max_length": 32, "max_train_per_class": 200, "max_test_per_class": 50}}
 TEXT_METHOD = {"pm": {"fisher_samples": 256}}
 TEXT_LORA_LRS = [1e-3, 3e-3, 1e-2]
+# Budget: sequential LoRA and P&M found 1e-3 the worst of the three rates on validation, so SD-LoRA and InfLoRA
+# try only the upper two (an issue-12 run's selection table says which rates ran).
+TEXT_LRS_BY_METHOD = {"sd_lora": [3e-3, 1e-2], "inflora": [3e-3, 1e-2]}
 LORA_LRS, FULL_LRS = [2e-3, 5e-3, 1e-2], [1e-4, 3e-4, 1e-3]
 METHODS: dict[str, tuple[dict, list[float]]] = {
     "finetune": ({"name": "finetune"}, FULL_LRS),
@@ -225,7 +228,7 @@ def lr_grid(bench: str, label: str, smoke: bool = False) -> list[float]:
     """The learning rates phase 1 tries for ``label`` on ``bench`` (the text benchmark's LoRA grid is its own)."""
     grid = METHODS[label][1]
     if bench in TEXT_BENCHMARKS and grid is LORA_LRS:
-        grid = TEXT_LORA_LRS
+        grid = TEXT_LRS_BY_METHOD.get(label, TEXT_LORA_LRS)
     return grid[:1] if smoke else grid
 
 

@@ -71,7 +71,7 @@ def test_text_benchmark_config_grid_and_stale_runs(tmp_path) -> None:
     assert (cfg.model.name, cfg.scenario.dataset, cfg.scenario.n_tasks) == ("minilm-l6", "wordnet_supersense", 10)
     assert cfg.scenario.options["max_length"] == 32 and cfg.method_options().fisher_samples == 256
     assert parse_config(ev.make_config("split_mnist5k", "pm", 0, 1e-3, smoke=False)).method_options().fisher_samples is None
-    assert ev.lr_grid("wordnet10", "pm") == ev.TEXT_LORA_LRS != ev.lr_grid("split_mnist5k", "pm")
+    assert ev.lr_grid("wordnet10", "seq_lora") == ev.TEXT_LORA_LRS != ev.lr_grid("split_mnist5k", "seq_lora")
     assert ev.lr_grid("wordnet10", "finetune") == ev.FULL_LRS
     assert "wordnet10" not in ev.DEFAULT_BENCHMARKS
     out = tmp_path / "seed0"

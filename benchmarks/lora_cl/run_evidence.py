@@ -76,8 +76,8 @@ TEXT_SCENARIO = {"options": {"max_length": 32, "max_train_per_class": 200, "max_
 TEXT_METHOD = {"pm": {"fisher_samples": 256}}
 TEXT_LORA_LRS = [1e-3, 3e-3, 1e-2]
 # Budget: sequential LoRA and P&M found 1e-3 the worst of the three rates on validation, so SD-LoRA and InfLoRA
-# try only the upper two (an issue-12 run's selection table says which rates ran).
-TEXT_LRS_BY_METHOD = {"sd_lora": [3e-3, 1e-2], "inflora": [3e-3, 1e-2]}
+# try only the upper two. P&M chose 1e-2, the grid's top, so its grid goes one step past it.
+TEXT_LRS_BY_METHOD = {"sd_lora": [3e-3, 1e-2], "inflora": [3e-3, 1e-2], "pm": TEXT_LORA_LRS + [3e-2]}
 LORA_LRS, FULL_LRS = [2e-3, 5e-3, 1e-2], [1e-4, 3e-4, 1e-3]
 METHODS: dict[str, tuple[dict, list[float]]] = {
     "finetune": ({"name": "finetune"}, FULL_LRS),

@@ -257,6 +257,29 @@ def test_study_resume_refuses_a_missing_directory_and_names_a_changed_spec(tmp_p
     assert snapshot(tmp_path) == before
 
 
+def test_study_resume_may_add_seeds_and_nothing_else(tmp_path):
+    """Growing a study seed by seed keeps the finished points; dropping a seed, or adding one together with any
+    other change, is refused as before."""
+    from clmerge.sweep.study import _prepare
+    from clmerge.theory.spec import expand_points, load_study
+
+    spec = load_study(Path(__file__).resolve().parents[1] / "benchmarks" / "study_smoke.yaml", [])
+    out = tmp_path / "study"
+    out.mkdir()
+    (out / "study.yaml").write_text(yaml.safe_dump(spec.model_dump(), sort_keys=False))
+    first = expand_points(spec)[0]
+    (out / "results.jsonl").write_text(json.dumps({"point_id": first.id, "merged_loss": 1.0}) + "\n")
+    more = spec.model_copy(update={"seeds": [*spec.seeds, max(spec.seeds) + 1]})
+    assert _prepare(out, more, resume=True) == {first.id}
+    assert first.id in {p.id for p in expand_points(more)}  # a finished point keeps its id in the grown study
+    assert yaml.safe_load((out / "study.yaml").read_text())["seeds"] == more.seeds
+    with pytest.raises(RunStateError, match="it may only add seeds"):
+        _prepare(out, spec, resume=True)  # the grown study back to fewer seeds: a seed dropped
+    both = more.model_copy(update={"seeds": [*more.seeds, max(more.seeds) + 1], "name": "renamed"})
+    with pytest.raises(RunStateError, match=r"name: .* \(run\) != 'renamed' \(given\)"):
+        _prepare(out, both, resume=True)
+
+
 def test_a_run_from_before_a_key_existed_resumes_at_its_default(tmp_path):
     """run.precision, train.num_workers and train.pin_memory were added after runs existed: a stored config
     without them matches a given one that keeps their defaults, and not one that changes them."""

@@ -48,7 +48,8 @@ def study_command(
                                        "ray://...); default: start a local one"),
     workers: int = typer.Option(0, "--workers", help="local: process-pool size (0: in process)"),
     num_cpus: int | None = typer.Option(None, "--num-cpus", help="Ray local cluster: CPUs (default: all)"),
-    resume: bool = typer.Option(False, "--resume", help="keep finished points in --out, run the rest"),
+    resume: bool = typer.Option(False, "--resume", help="keep finished points in --out, run the rest (the spec "
+                                "may add seeds)"),
     cache: Path | None = typer.Option(None, "--cache", help="expert cache directory (default: OUT/experts)"),
     set_: list[str] = typer.Option([], "--set", help="override a spec key: dotted.key=value (repeatable)"),
     fit_only: bool = typer.Option(False, "--fit-only", help="only refit the laws and rebuild the report"),

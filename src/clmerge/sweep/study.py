@@ -137,15 +137,25 @@ def _prepare(out: Path, spec: StudySpec, resume: bool) -> set[str]:
         raise FileExistsError(f"{results} exists: use --resume to continue that study, or another --out")
     text = yaml.safe_dump(spec.model_dump(), sort_keys=False)
     if resume and saved.read_text() != text:
-        diffs = config_differences(yaml.safe_load(saved.read_text()) or {}, yaml.safe_load(text) or {})
-        if diffs:
-            raise ResumeError(f"{saved} differs from the spec given: --resume needs the same study\n"
-                                f"{summarize_differences(diffs)}")
+        stored = yaml.safe_load(saved.read_text()) or {}
+        given = yaml.safe_load(text) or {}
+        diffs = config_differences(stored, given)
+        if diffs and not _only_adds_seeds(stored, given):
+            raise ResumeError(f"{saved} differs from the spec given: --resume needs the same study (it may "
+                              f"only add seeds)\n{summarize_differences(diffs)}")
     atomic_write_text(saved, text)
     rows = read_results(out)
     # rewrite without a torn last line (a killed run), so appended records start on a fresh line
     atomic_write_text(results, "".join(json.dumps(r) + "\n" for r in rows))
     return {r["point_id"] for r in rows}
+
+
+def _only_adds_seeds(stored: dict, given: dict) -> bool:
+    """Whether ``given`` is ``stored`` with more seeds: every finished point keeps its id (``point_id`` holds the
+    point's own seed, not the list), so ``--resume`` can grow a study seed by seed."""
+    old, new = stored.get("seeds") or [], given.get("seeds") or []
+    same_rest = {k: v for k, v in stored.items() if k != "seeds"} == {k: v for k, v in given.items() if k != "seeds"}
+    return same_rest and set(old) <= set(new)
 
 
 def run_study(spec: StudySpec, out: str | Path, *, backend: str = "local", workers: int = 0,

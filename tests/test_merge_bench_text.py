@@ -192,7 +192,7 @@ def test_study_text_yaml_has_the_size_its_header_states():
     assert spec.base.backbone == "minilm-l6" and spec.suite == "text6"
     points = expand_points(spec)
     experts = {(t.spec, expert_digest(t, c)): c.steps for p in points for t, c in p.expert_configs(spec)}
-    assert (len(points), len(experts), sum(experts.values())) == (66, 48, 744)
+    assert (len(points), len(experts), sum(experts.values())) == (99, 72, 1116)
 
 
 def test_per_sample_gradients_on_the_text_backbone_sum_to_the_batch_gradient():

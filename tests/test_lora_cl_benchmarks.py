@@ -87,6 +87,19 @@ def test_text_benchmark_config_grid_and_stale_runs(tmp_path) -> None:
 
 
 @pytest.mark.slow  # the whole evidence pipeline, 9 short runs: 20-30 s on a loaded 2-core machine
+def test_reuse_selection_takes_the_stored_rate_and_never_the_image_rate_for_text(tmp_path) -> None:
+    ev = _load("run_evidence")
+    with pytest.raises(ValueError, match="no learning rate for seq_lora on wordnet10"):
+        ev.reused_selection(tmp_path, ["wordnet10"], ["seq_lora"])
+    got = ev.reused_selection(tmp_path, ["split_mnist5k"], ["seq_lora"])
+    assert got["split_mnist5k"]["seq_lora"] == {"lr": ev.ISSUE4_SELECTION["seq_lora"], "selected_on": "issue-4 selection"}
+    stored = {"wordnet10": {"seq_lora": {"lr": 0.003, "val_acc": {"0.003": 23.2}}},
+              "split_mnist5k": {"seq_lora": {"lr": 0.01, "val_acc": {"0.01": 50.0}}}}
+    (tmp_path / "selected.json").write_text(json.dumps(stored))
+    got = ev.reused_selection(tmp_path, ["wordnet10", "split_mnist5k"], ["seq_lora"])
+    assert got == stored
+
+
 def test_evidence_smoke_runs_selects_on_val_and_resumes(tmp_path) -> None:
     ev = _load("run_evidence")
     args = ["--smoke", "--methods", "sd_lora_kd,pm", "--seeds", "0",

@@ -131,7 +131,8 @@ LORA_TARGETS = ["key", "value"]
 # back into training, so the backbone trajectory is the one of the linear head).
 HEAD = {"compare": True}
 # Learning rates selected on validation in the issue-4 grid (linear head, split_mnist5k seed 0); with
-# --reuse-selection phase 1 is skipped and these are used (the CPU budget of issue 11 did not allow a re-run).
+# --reuse-selection phase 1 is skipped and these are used where OUT/selected.json has no rate (the CPU budget of
+# issue 11 did not allow a re-run); never for a text benchmark (reused_selection).
 ISSUE4_SELECTION = {**{m: 5e-3 for m in METHODS if m not in NO_LORA_SITES}, "finetune": 3e-4, "ewc": 3e-4}
 
 
@@ -259,6 +260,27 @@ def select(benches, labels, out_root: Path, *, jobs: int, smoke: bool) -> dict:
     return selected
 
 
+def reused_selection(out_root: Path, benches: list[str], labels: list[str]) -> dict:
+    """``--reuse-selection``: phase 1 skipped. Each (benchmark, method) takes the rate already in
+    ``out_root/selected.json`` where there is one (an earlier phase 1 of this --out), else issue 4's choice
+    (``ISSUE4_SELECTION``, selected on the image benchmarks). A text benchmark has no issue-4 choice: without its
+    own selection it is an error, not the image rate."""
+    sel_file = out_root / "selected.json"
+    stored = json.loads(sel_file.read_text()) if sel_file.exists() else {}
+    selected: dict = {}
+    for b in benches:
+        for m in labels:
+            if m in stored.get(b, {}):
+                selected.setdefault(b, {})[m] = stored[b][m]
+            elif b in TEXT_BENCHMARKS:
+                raise ValueError(f"--reuse-selection: {sel_file} has no learning rate for {m} on {b}, and issue 4's "
+                                 f"rates were chosen on the image benchmarks; run without --reuse-selection to "
+                                 f"select one on validation")
+            else:
+                selected.setdefault(b, {})[m] = {"lr": ISSUE4_SELECTION[m], "selected_on": "issue-4 selection"}
+    return selected
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated labels (default: all)")
@@ -278,7 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny setting (1 epoch of 2 steps, 8 images per class)")
     ap.add_argument("--report-only", action="store_true", help="only rebuild results.md and the figures")
     ap.add_argument("--reuse-selection", action="store_true",
-                    help="skip phase 1 and use the issue-4 validation-selected learning rates")
+                    help="skip phase 1: use the rates already in OUT/selected.json, else the issue-4 "
+                         "validation-selected ones (image benchmarks only)")
     a = ap.parse_args(argv)
     labels = [m for m in a.methods.split(",") if m]
     unknown = [m for m in labels if m not in METHODS]
@@ -291,8 +314,10 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"unknown --select-on benchmarks {sel_benches}; known: {list(BENCHMARKS)}")
     if not a.report_only:
         if a.reuse_selection:
-            selected = {b: {m: {"lr": ISSUE4_SELECTION[m], "selected_on": "issue-4 selection"} for m in labels}
-                        for b in sel_benches}
+            try:
+                selected = reused_selection(a.out, sel_benches, labels)
+            except ValueError as exc:
+                ap.error(str(exc))
             a.out.mkdir(parents=True, exist_ok=True)
         else:
             selected = select(sel_benches, labels, a.out, jobs=a.jobs, smoke=a.smoke)

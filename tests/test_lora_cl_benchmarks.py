@@ -86,7 +86,6 @@ def test_text_benchmark_config_grid_and_stale_runs(tmp_path) -> None:
     assert (tmp_path / "stale-lr0.003-seed0" / "metrics.json").exists() and call.call_count == 1
 
 
-@pytest.mark.slow  # the whole evidence pipeline, 9 short runs: 20-30 s on a loaded 2-core machine
 def test_reuse_selection_takes_the_stored_rate_and_never_the_image_rate_for_text(tmp_path) -> None:
     ev = _load("run_evidence")
     with pytest.raises(ValueError, match="no learning rate for seq_lora on wordnet10"):
@@ -100,6 +99,7 @@ def test_reuse_selection_takes_the_stored_rate_and_never_the_image_rate_for_text
     assert got == stored
 
 
+@pytest.mark.slow  # the whole evidence pipeline, 9 short runs: 20-30 s on a loaded 2-core machine
 def test_evidence_smoke_runs_selects_on_val_and_resumes(tmp_path) -> None:
     ev = _load("run_evidence")
     args = ["--smoke", "--methods", "sd_lora_kd,pm", "--seeds", "0",

@@ -10,20 +10,15 @@ over seeds, for split_mnist5k (the 1M-parameter ViT) and wordnet10 (all-MiniLM-L
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
+
+from clmerge.harness.merge_bench_seeds import mean_se
 
 HERE = Path(__file__).resolve().parent
 METHODS = ["frozen", "seq_lora", "pm", "pm_m", "pm_gauss", "lora_avg", "sd_lora", "sd_lora_rr", "inflora"]
 PANELS = [("split_mnist5k", "images: split_mnist5k on the 1M ViT"), ("wordnet10", "text: wordnet10 on MiniLM-L6")]
 BARS = [("linear CIL", lambda r: r["heads"]["linear"]["acc"]), ("RanPAC CIL", lambda r: r["heads"]["ranpac"]["acc"]),
         ("linear TIL", lambda r: r["til"]["acc"])]
-
-
-def _mean_se(values: list[float]) -> tuple[float, float]:
-    if len(values) < 2:
-        return (values[0] if values else float("nan")), 0.0
-    return statistics.mean(values), statistics.stdev(values) / len(values) ** 0.5
 
 
 def main(runs_path: Path = HERE / "runs.json", out: Path = HERE / "figures" / "regimes.png") -> Path:
@@ -38,7 +33,7 @@ def main(runs_path: Path = HERE / "runs.json", out: Path = HERE / "figures" / "r
     for ax, (bench, title) in zip(axes, PANELS):
         methods = [m for m in METHODS if m in runs.get(bench, {})]
         for j, (label, get) in enumerate(BARS):
-            stats = [_mean_se([get(r) for r in runs[bench][m].values()]) for m in methods]
+            stats = [mean_se([get(r) for r in runs[bench][m].values()]) for m in methods]
             xs = [i + (j - (len(BARS) - 1) / 2) * width for i in range(len(methods))]
             ax.bar(xs, [s[0] for s in stats], width, yerr=[s[1] for s in stats], label=label, capsize=2)
         ax.set_xticks(range(len(methods)), methods, rotation=35, ha="right")

@@ -316,8 +316,8 @@ def main(argv: list[str] | None = None) -> None:
         if a.reuse_selection:
             try:
                 selected = reused_selection(a.out, sel_benches, labels)
-            except ValueError as exc:
-                ap.error(str(exc))
+            except ValueError as exc:  # one line, no usage block: the arguments parsed fine
+                raise SystemExit(f"run_evidence.py: error: {exc}") from None
             a.out.mkdir(parents=True, exist_ok=True)
         else:
             selected = select(sel_benches, labels, a.out, jobs=a.jobs, smoke=a.smoke)

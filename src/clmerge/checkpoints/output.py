@@ -8,26 +8,36 @@ place only when the merge succeeded; on any failure the temporary folder is remo
 
 from __future__ import annotations
 
+import errno
+import glob
 import hashlib
 import json
 import os
+import re
 import shutil
+import signal
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import OutputError
+from ..utils.inpaths import inside
 from ..utils.outpaths import check_writable
 
-__all__ = ["TOKENIZER_FILES", "InputHashes", "OutputTarget", "check_out", "copy_model_files", "write_model_card"]
+__all__ = ["TOKENIZER_FILES", "InputHashes", "OutputTarget", "check_out", "copy_model_files", "model_files",
+           "write_model_card"]
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.txt", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
                    "chat_template.json", "preprocessor_config.json", "processor_config.json", "spiece.model"]
+
+
+# names that mean a weights file of another format; any other name but X.safetensors is a folder (merged-v1.5)
+OTHER_WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".gguf", ".h5", ".onnx", ".npz", ".pkl")
 
 
 def _input_paths(sources: Iterable[Any]) -> list[Path]:
@@ -51,7 +61,7 @@ def check_out(out: Path, sources: Iterable[Any], *, overwrite: bool = False) -> 
         if real == p or real.is_relative_to(p) or (p.is_relative_to(real) and real.exists()):
             raise OutputError(f"--out {out}: overlaps the input {p}; choose another path "
                               "(inputs are never overwritten)")
-    if out.suffix and out.suffix != ".safetensors" and not out.is_dir():
+    if out.suffix.lower() in OTHER_WEIGHT_SUFFIXES and not out.is_dir():
         raise OutputError(f"--out {out}: unsupported file suffix {out.suffix!r} (clmerge writes safetensors); give "
                           f"a folder or {out.with_suffix('.safetensors').name}")
     kind = "file" if out.suffix == ".safetensors" else "folder"
@@ -68,22 +78,40 @@ def check_out(out: Path, sources: Iterable[Any], *, overwrite: bool = False) -> 
 class OutputTarget:
     """A temporary sibling folder of ``out`` that becomes ``out`` (or yields ``out``'s file) on :meth:`commit`.
 
-    Use as a context manager: leaving it without ``commit`` (an exception) deletes the temporary folder.
+    Use as a context manager: leaving it without ``commit`` (an exception, Ctrl-C, or SIGTERM, which is turned
+    into ``SystemExit(143)`` while the target is open) deletes the temporary folder. The folder is named
+    ``.OUT.<pid>.<random>.tmp``; a later run removes such folders whose process is gone (a ``kill -9``).
+
+    ``out`` is replaced only if it already held something when the target was made (:func:`check_out` allowed
+    that with ``--overwrite``). If it appears meanwhile (a second merge into the same new ``--out``), the
+    final move refuses and leaves the other result as it is.
+
+    Args:
+        log: receives one line per stale temporary folder removed.
     """
 
-    def __init__(self, out: Path, kind: str) -> None:
+    def __init__(self, out: Path, kind: str, log: Callable[[str], None] = lambda s: None) -> None:
         self.out, self.kind = Path(out), kind
         parent = self.out.absolute().parent
         # the parent folders this creates, removed again on failure (deepest first)
         self._made = [p for p in [parent, *parent.parents] if not p.exists()]
         parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", suffix=".tmp", dir=self.out.parent))
+        for stale in remove_stale_temps(self.out):
+            log(f"removed {stale}: the temporary folder of an earlier clmerge process that no longer runs")
+        self._replace = self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir()))
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.{os.getpid()}.", suffix=".tmp",
+                                         dir=self.out.parent))
         self.committed = False
+        self._old_term = None
 
     def __enter__(self) -> OutputTarget:
+        if threading.current_thread() is threading.main_thread():
+            self._old_term = signal.signal(signal.SIGTERM, _terminated)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if self._old_term is not None:
+            signal.signal(signal.SIGTERM, self._old_term)
         if not self.committed:
             shutil.rmtree(self.tmp, ignore_errors=True)
             for p in self._made:
@@ -91,39 +119,121 @@ class OutputTarget:
                     p.rmdir()
                 except OSError:  # no longer empty: something else writes there
                     break
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OutputError(f"--out {self.out}: {exc.strerror or 'no space left'} while writing "
+                              f"{exc.filename or self.tmp} (nothing was left behind)") from None
 
     def commit(self) -> None:
-        """Move the result into place (an existing ``out`` is replaced only as :func:`check_out` allowed)."""
-        if self.kind == "file":
-            os.replace(self.tmp / self.out.name, self.out)
-            shutil.rmtree(self.tmp, ignore_errors=True)
-        else:
-            if self.out.exists():
-                shutil.rmtree(self.out)  # empty, or --overwrite
+        """Move the result into place; refuses (exit 5) if ``out`` appeared meanwhile and was not to be replaced."""
+        src = self.tmp / self.out.name if self.kind == "file" else self.tmp
+        if self.kind == "folder":
             os.chmod(self.tmp, 0o755)  # mkdtemp makes 0700; a model folder is meant to be shared
-            os.replace(self.tmp, self.out)
+        if self._replace:
+            _replace_existing(src, self.out)
+        else:
+            _move_no_clobber(src, self.out)
+        if self.kind == "file":
+            shutil.rmtree(self.tmp, ignore_errors=True)
         self.committed = True
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds like Ctrl-C, so the temporary folder is removed
+
+
+_TEMP_NAME = r"\.{name}\.(\d+)\.[A-Za-z0-9_]{{8}}\.(?:tmp|old)"
+
+
+def remove_stale_temps(out: Path) -> list[Path]:
+    """Remove the temporary folders of ``out`` (``.OUT.<pid>.*.tmp``) whose process no longer runs."""
+    pattern = re.compile(_TEMP_NAME.format(name=re.escape(out.name)))
+    removed = []
+    for p in out.absolute().parent.glob(f".{glob.escape(out.name)}.*"):
+        m = pattern.fullmatch(p.name)
+        if m and p.is_dir() and not p.is_symlink() and not _alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
+def _appeared(out: Path) -> OutputError:
+    return OutputError(f"--out {out}: appeared while this merge ran (another process wrote it); it was left as "
+                       "it is and this result discarded: choose another --out, or pass --overwrite")
+
+
+def _move_no_clobber(src: Path, out: Path) -> None:
+    """Rename ``src`` to ``out`` unless ``out`` holds something (a rename fails on a non-empty folder)."""
+    if src.is_dir():
+        try:
+            os.rename(src, out)  # replaces an empty folder atomically, fails on a non-empty one or a file
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise _appeared(out) from None
+            raise
+        return
+    try:
+        os.link(src, out)  # fails if out exists: no window between the check and the move
+    except FileExistsError:
+        raise _appeared(out) from None
+    except OSError:  # a file system without hard links
+        if out.exists():
+            raise _appeared(out) from None
+        os.replace(src, out)
+
+
+def _replace_existing(src: Path, out: Path) -> None:
+    """``--overwrite``: move the old ``out`` aside, move ``src`` in, then delete the old one."""
+    if not src.is_dir() or not out.exists():
+        os.replace(src, out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", suffix=".old", dir=out.absolute().parent))
+    os.replace(out, old / out.name)
+    os.rename(src, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def model_files(model_folder: Path | None, tokenizer_folder: Path | None) -> dict[str, Path]:
+    """``{name: source}`` of the config, generation config and tokenizer files a merge copies, each checked to
+    resolve inside its folder (a symlink to ``/etc/passwd`` is refused, before anything is read or merged:
+    :func:`clmerge.utils.inpaths.inside`)."""
+    wanted = [(model_folder, "config.json"), (model_folder, "generation_config.json")]
+    wanted += [(tokenizer_folder, name) for name in TOKENIZER_FILES]
+    found = {}
+    for folder, name in wanted:
+        if folder is not None and name not in found and ((folder / name).is_file() or (folder / name).is_symlink()):
+            found[name] = inside(folder, name, f"{folder}: model file")
+    return found
 
 
 def copy_model_files(dst: Path, model_folder: Path | None, tokenizer_folder: Path | None,
                      out_dtype: torch.dtype | None) -> list[str]:
     """Copy config / generation config from ``model_folder`` (recording ``out_dtype``) and the tokenizer files
-    from ``tokenizer_folder``; returns the names copied."""
+    from ``tokenizer_folder`` (:func:`model_files`); returns the names copied."""
     copied = []
-    if model_folder is not None and (model_folder / "config.json").is_file():
-        config = json.loads((model_folder / "config.json").read_text())
-        if out_dtype is not None:
-            config.pop("torch_dtype", None)  # transformers >= 4.56 reads "dtype" (older: torch_dtype)
-            config["dtype"] = str(out_dtype).removeprefix("torch.")
-        (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        copied.append("config.json")
-    if model_folder is not None and (model_folder / "generation_config.json").is_file():
-        shutil.copyfile(model_folder / "generation_config.json", dst / "generation_config.json")
-        copied.append("generation_config.json")
-    for name in TOKENIZER_FILES if tokenizer_folder is not None else []:
-        if (tokenizer_folder / name).is_file() and not (dst / name).exists():
-            shutil.copyfile(tokenizer_folder / name, dst / name)
-            copied.append(name)
+    for name, src in model_files(model_folder, tokenizer_folder).items():
+        if name == "config.json":
+            config = json.loads(src.read_text())
+            if out_dtype is not None and isinstance(config, dict):
+                config.pop("torch_dtype", None)  # transformers >= 4.56 reads "dtype" (older: torch_dtype)
+                config["dtype"] = str(out_dtype).removeprefix("torch.")
+            (dst / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        elif not (dst / name).exists():
+            shutil.copyfile(src, dst / name)
+        else:
+            continue
+        copied.append(name)
     return copied
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..utils.inpaths import inside
 from .sources import MergeInputError, ParamSource, torch_load_state_dict
 
 __all__ = ["ADAPTER_CONFIG", "is_peft_adapter", "AdapterSource", "LoraModule", "read_adapter",
@@ -97,10 +98,13 @@ def read_config(adapter_dir: str | Path) -> dict:
     path = Path(adapter_dir) / ADAPTER_CONFIG
     if not path.is_file():
         raise MergeInputError(f"{adapter_dir}: not a PEFT adapter folder (no {ADAPTER_CONFIG})")
+    inside(Path(adapter_dir), ADAPTER_CONFIG, f"{adapter_dir}: adapter config")
     try:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise MergeInputError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(cfg, dict):
+        raise MergeInputError(f"{path}: expected a JSON object (peft's LoraConfig fields), got {type(cfg).__name__}")
     _check_supported(cfg, path)
     return cfg
 
@@ -108,7 +112,7 @@ def read_config(adapter_dir: str | Path) -> dict:
 def _weights_file(adapter_dir: Path) -> Path:
     for name in _WEIGHT_FILES:
         if (adapter_dir / name).is_file():
-            return adapter_dir / name
+            return inside(adapter_dir, name, f"{adapter_dir}: adapter weights")
     raise MergeInputError(f"{adapter_dir}: no adapter weights ({' or '.join(_WEIGHT_FILES)})")
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import Tensor
 
+from ..utils.inpaths import inside
 from .sources import MergeInputError, ParamSource, torch_load_state_dict
 
 __all__ = ["HUB_PATTERNS", "BinShardedSource", "ShardedSource", "open_checkpoint", "resolve_hub_id"]
@@ -82,15 +83,20 @@ class BinShardedSource:
 
 
 def _weight_map(index: Path) -> dict[str, Path]:
+    """``{key: shard path}`` of a shard index; every shard must lie inside the index's folder (checked before
+    any shard is opened: :func:`clmerge.utils.inpaths.inside`)."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise MergeInputError(f"{index}: not a shard index (needs a 'weight_map'): {exc}") from None
-    files = {k: index.parent / f for k, f in weight_map.items()}
-    for f in dict.fromkeys(files.values()):
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise MergeInputError(f"{index}: 'weight_map' must map each tensor name to a shard file name, got "
+                              f"{type(weight_map).__name__}")
+    shards = {f: inside(index.parent, f, f"{index}: weight_map entry") for f in dict.fromkeys(weight_map.values())}
+    for f in shards.values():
         if not f.is_file():
             raise MergeInputError(f"{index}: shard {f.name} is listed but missing")
-    return files
+    return {k: shards[f] for k, f in weight_map.items()}
 
 
 def _open_folder(path: Path, base: Any, name: str | None) -> Any:
@@ -99,11 +105,12 @@ def _open_folder(path: Path, base: Any, name: str | None) -> Any:
     indexes = (("model.safetensors.index.json", ShardedSource), ("pytorch_model.bin.index.json", BinShardedSource))
     for index, cls in indexes:
         if (path / index).exists():
-            return cls(path / index, name)
+            return cls(inside(path, index, f"{path}: shard index"), name)
     singles = [path / "model.safetensors", path / "pytorch_model.bin"]
     singles += sorted(path.glob("*.safetensors")) if len(list(path.glob("*.safetensors"))) == 1 else []
     for f in singles:
-        if f.is_file():
+        if f.is_file() or f.is_symlink():
+            f = inside(path, f.name, f"{path}: weights file")
             src = ParamSource(f, name or str(path))
             src.folder = path
             return src

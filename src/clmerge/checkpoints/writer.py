@@ -15,7 +15,8 @@ import json
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,10 +100,21 @@ class ShardedWriter:
         start = 8 + len(raw)
         fd = os.open(self.folder / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         self._fds[name] = fd
-        _pwrite_all(fd, len(raw).to_bytes(8, "little") + raw, 0)
-        os.ftruncate(fd, start + pos)
+        with self._naming(name):
+            _pwrite_all(fd, len(raw).to_bytes(8, "little") + raw, 0)
+            os.ftruncate(fd, start + pos)
         for key, shape, dtype in group:
             self.plan[key] = TensorPlan(name, start + header[key]["data_offsets"][0], tuple(shape), dtype)
+
+    @contextmanager
+    def _naming(self, name: str) -> Iterator[None]:
+        """An ``OSError`` without a file name (``pwrite``, ``fsync`` on a full disk) gets the shard's path."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.filename is not None or exc.errno is None:
+                raise
+            raise OSError(exc.errno, exc.strerror, str(self.folder / name)) from None
 
     def write(self, key: str, tensor: Tensor) -> None:
         """Cast ``tensor`` to the planned dtype and write it to its place (again if already written)."""
@@ -113,7 +125,8 @@ class ShardedWriter:
             raise ValueError(f"output key {key!r}: shape {list(tensor.shape)}, planned {list(p.shape)}")
         data = tensor.detach().to(device="cpu", dtype=p.dtype).contiguous().reshape(-1)
         if p.nbytes:
-            _pwrite_all(self._fds[p.file], memoryview(data.view(torch.uint8).numpy()), p.offset)
+            with self._naming(p.file):
+                _pwrite_all(self._fds[p.file], memoryview(data.view(torch.uint8).numpy()), p.offset)
         self.written.add(key)
 
     def read(self, key: str) -> Tensor:
@@ -131,8 +144,9 @@ class ShardedWriter:
         missing = [k for k in self.plan if k not in self.written]
         if missing:
             raise RuntimeError(f"merge wrote no tensor for key {missing[0]!r} ({len(missing)} keys missing)")
-        for fd in self._fds.values():
-            os.fsync(fd)
+        for name, fd in self._fds.items():
+            with self._naming(name):
+                os.fsync(fd)  # a full disk may show only here
             os.close(fd)
         names = list(self._fds)
         self._fds = {}

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoints.output import InputHashes, OutputTarget, copy_model_files, write_model_card
+from ..checkpoints.output import InputHashes, OutputTarget, copy_model_files, model_files, write_model_card
 from ..checkpoints.readers import open_checkpoint, resolve_hub_id
 from ..checkpoints.writer import BackgroundWriter, ShardedWriter, parse_size
 from .hparams import DATA_HPARAMS, HParam, coerce_value, method_hparams, per_expert_name
@@ -187,7 +187,9 @@ def execute(prep: Prepared, out: Path, kind: str, *, io_threads: bool = False, h
     hashes = InputHashes(files, enabled=hash_inputs) if kind == "folder" else None
     recipe = prep.recipe
     meta = {"clmerge_method": prep.method.name}
-    with OutputTarget(out, kind) as target:
+    if kind == "folder":
+        model_files(*_model_folders(prep))  # refuse a config or tokenizer file that leads out, before any work
+    with OutputTarget(out, kind, log=log) as target:
         for task in prep.tasks:
             folder = target.tmp if len(prep.tasks) == 1 else target.tmp / f"task_{task}"
             folder.mkdir(exist_ok=True)
@@ -207,11 +209,16 @@ def execute(prep: Prepared, out: Path, kind: str, *, io_threads: bool = False, h
     return {"method": prep.method.name, "keys": len(prep.plan), "out": str(out), "tasks": prep.tasks}
 
 
-def _write_folder_files(prep: Prepared, folder: Path, recipe: Any, hashes: InputHashes, task: int | None) -> None:
+def _model_folders(prep: Prepared) -> tuple[Path | None, Path | None]:
+    """The folder whose config is copied (the base's, else the first expert's) and the tokenizer's folder."""
     ref = prep.models.base if prep.models.base is not None else prep.models.experts[0]
     model_folder = getattr(ref, "folder", None)
-    tok = _folder_of(recipe.tokenizer_from) if recipe.tokenizer_from else model_folder
-    copy_model_files(folder, model_folder, tok, _config_dtype(prep))
+    tok = prep.recipe.tokenizer_from
+    return model_folder, (_folder_of(tok) if tok else model_folder)
+
+
+def _write_folder_files(prep: Prepared, folder: Path, recipe: Any, hashes: InputHashes, task: int | None) -> None:
+    copy_model_files(folder, *_model_folders(prep), _config_dtype(prep))
     text = recipe.to_yaml() + (f"# this folder: task {task}\n" if task is not None else "")
     (folder / "clmerge_recipe.yaml").write_text(text)
     inputs = ([("base", prep.models.base.name, prep.models.base.files)] if prep.models.base is not None else [])

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..errors import UsageError
 from .sources import MergeInputError
+from ..utils.inpaths import inside
 from ..utils.io import read_json, save_tensors
 from .lora_svd import atomic_folder, check_out_dir, check_svd, error_summary, low_rank_factors, numerical_rank
 from .peft import adapter_config, write_adapter
@@ -47,9 +48,12 @@ def load_run_model(run_dir: Path) -> tuple[nn.Module, nn.Module, dict, dict]:
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise MergeInputError(f"{run_dir}: not a run directory (no config.yaml)")
+    for name in ("config.yaml", "manifest.json", "checkpoints"):  # nothing read from outside the run
+        inside(run_dir, name, f"{run_dir}: run file")
     ck, sha = resume_checkpoint(run_dir)  # the newest recorded checkpoint and its sha256
     if ck is None:
         raise MergeInputError(f"{run_dir}: no checkpoint (checkpoints/task_NNN.safetensors); finish a task first")
+    inside(run_dir, ck.relative_to(run_dir), f"{run_dir}: checkpoint")
     try:
         cfg = load_config(run_dir / "config.yaml")
         model = build_classifier(cfg)

@@ -184,11 +184,11 @@ def execute(prep: Prepared, out: Path, kind: str, *, io_threads: bool = False, h
     """
     prep.models.prefetch = io_threads
     files = [f for s in [prep.models.base, *prep.models.experts] if s is not None for f in getattr(s, "files", [])]
+    if kind == "folder":
+        model_files(*_model_folders(prep))  # refuse a config or tokenizer file that leads out, before any work
     hashes = InputHashes(files, enabled=hash_inputs) if kind == "folder" else None
     recipe = prep.recipe
     meta = {"clmerge_method": prep.method.name}
-    if kind == "folder":
-        model_files(*_model_folders(prep))  # refuse a config or tokenizer file that leads out, before any work
     with OutputTarget(out, kind, log=log) as target:
         for task in prep.tasks:
             folder = target.tmp if len(prep.tasks) == 1 else target.tmp / f"task_{task}"

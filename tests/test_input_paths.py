@@ -374,3 +374,22 @@ def test_full_disk_names_the_path_being_written(ws, monkeypatch):
     r = _merge()
     _refused(r, "--out m", "model.safetensors", os.strerror(errno.ENOSPC), code=5)
     assert _hidden(ws) == [] and not (ws / "m").exists()
+
+
+def test_extract_lora_keeps_an_output_that_appeared_meanwhile(ws, monkeypatch):
+    from clmerge.checkpoints import extract
+
+    save_file(_tensors(0), str(ws / "b.safetensors"))
+    save_file(_tensors(1), str(ws / "t.safetensors"))
+    real = extract.write_adapter
+
+    def other_writer_finishes_first(tmp, *a, **k):
+        real(tmp, *a, **k)
+        (ws / "x").mkdir()
+        (ws / "x" / "theirs").write_text("kept")
+
+    monkeypatch.setattr(extract, "write_adapter", other_writer_finishes_first)
+    r = CliRunner().invoke(app, ["extract-lora", "--base", "b.safetensors", "--tuned", "t.safetensors", "--rank",
+                                 "2", "--out", "x"])
+    _refused(r, "--out x", "appeared", code=5)
+    assert sorted(p.name for p in (ws / "x").iterdir()) == ["theirs"] and _hidden(ws) == []

@@ -15,7 +15,8 @@ import torch
 
 from ..errors import UsageError
 from .sources import MergeInputError
-from .lora_svd import atomic_folder, check_out_dir, check_svd, error_summary, low_rank_factors
+from .lora_svd import check_out_dir, check_svd, error_summary, low_rank_factors
+from .output import build_folder
 from .peft import adapter_config, write_adapter
 from .readers import open_checkpoint
 
@@ -101,4 +102,4 @@ def extract_lora(*, base: Any, tuned: Any, rank: int, out: str | Path, include: 
         write_adapter(tmp, factors, config, emb)
         return report
 
-    return atomic_folder(Path(out), fill, REPORT_FILE, replace=overwrite)
+    return build_folder(Path(out), fill, REPORT_FILE)

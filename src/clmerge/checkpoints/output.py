@@ -26,9 +26,10 @@ import torch
 
 from ..errors import OutputError
 from ..utils.inpaths import inside
+from ..utils.io import write_json
 from ..utils.outpaths import check_writable
 
-__all__ = ["TOKENIZER_FILES", "InputHashes", "OutputTarget", "check_out", "copy_model_files", "model_files",
+__all__ = ["TOKENIZER_FILES", "InputHashes", "OutputTarget", "build_folder", "check_out", "copy_model_files", "model_files",
            "write_model_card"]
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -135,6 +136,18 @@ class OutputTarget:
         if self.kind == "file":
             shutil.rmtree(self.tmp, ignore_errors=True)
         self.committed = True
+
+
+def build_folder(out: Path, fill: Callable[[Path], dict], report_name: str | None = None) -> dict:
+    """Build a folder with ``fill(tmp_dir) -> report`` in an :class:`OutputTarget` and move it to ``out``
+    (``report`` is also written as ``report_name`` there when given). An existing non-empty ``out`` is
+    replaced only if it was there when this began (``--overwrite`` let it through the checks)."""
+    with OutputTarget(Path(out), "folder") as target:
+        report = fill(target.tmp)
+        if report_name:
+            write_json(target.tmp / report_name, report)
+        target.commit()
+    return report
 
 
 def _terminated(signum: int, frame: Any) -> None:

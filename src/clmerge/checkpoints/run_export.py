@@ -28,7 +28,8 @@ from ..errors import UsageError
 from .sources import MergeInputError
 from ..utils.inpaths import inside
 from ..utils.io import read_json, save_tensors
-from .lora_svd import atomic_folder, check_out_dir, check_svd, error_summary, low_rank_factors, numerical_rank
+from .lora_svd import check_out_dir, check_svd, error_summary, low_rank_factors, numerical_rank
+from .output import build_folder
 from .peft import adapter_config, write_adapter
 
 __all__ = ["export_run", "load_run_model", "FORMATS"]
@@ -205,14 +206,13 @@ def export_run(run_dir: str | Path, *, format: str, out: str | Path, rank: int |
             (tmp / "classes.json").write_text(json.dumps(classes, indent=2) + "\n")
             return report
 
-        return atomic_folder(Path(out), fill, REPORT_FILE, replace=overwrite)
+        return build_folder(Path(out), fill, REPORT_FILE)
     if not adapted:
         raise MergeInputError(f"{run_dir}: method {manifest.get('method')!r} has no LoRA layers; export "
                               "--format hf (then clmerge extract-lora against the pretrained backbone)")
     deltas = _adapted_deltas(inner, inner0, adapted, run_dir)
     if base_out is not None:
-        atomic_folder(Path(base_out), lambda tmp: inner0.save_pretrained(tmp) or {}, replace=overwrite)
+        build_folder(Path(base_out), lambda tmp: inner0.save_pretrained(tmp) or {})
     info = pretrained.info
     base_ref = str(base_out) if base_out is not None else info.get("source") or info.get("weights")
-    return atomic_folder(Path(out), lambda tmp: report | _write_peft(tmp, deltas, rank, base_ref, svd), REPORT_FILE,
-                         replace=overwrite)
+    return build_folder(Path(out), lambda tmp: report | _write_peft(tmp, deltas, rank, base_ref, svd), REPORT_FILE)

@@ -7,6 +7,7 @@ in process on tiny tensors written here; nothing trains except the one divergenc
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -239,3 +240,70 @@ def test_consoles_are_120_wide_off_a_terminal_and_errors_never_hard_wrap(monkeyp
     assert capsys.readouterr().err == f"error: {long_message}\n"
     cli_support.print_error("\n".join(f"line {i}" for i in range(6)))
     assert capsys.readouterr().err.count("\n") == 3
+
+
+# -- input folders that name files outside themselves (docs/merging_checkpoints.md) ---------------------------
+
+def _model_dir(ws: Path, name: str, weight_map=None) -> Path:
+    """A one-shard model folder whose index maps every key to ``weight_map`` (default: its own shard)."""
+    folder = ws / name
+    folder.mkdir()
+    save_file({"lin.weight": torch.zeros(4, 4), "lin.bias": torch.zeros(4)}, str(folder / "shard.safetensors"))
+    wm = {"lin.weight": "shard.safetensors", "lin.bias": "shard.safetensors"} if weight_map is None else weight_map
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    return folder
+
+
+def _escape_relative(ws):
+    _model_dir(ws, "bad", {"lin.weight": "../e1.safetensors", "lin.bias": "shard.safetensors"})
+
+
+def _escape_absolute(ws):
+    _model_dir(ws, "bad", {"lin.weight": str(ws / "e1.safetensors"), "lin.bias": "shard.safetensors"})
+
+
+def _escape_symlink(ws):
+    folder = _model_dir(ws, "bad")
+    (folder / "shard.safetensors").unlink()
+    (folder / "shard.safetensors").symlink_to(ws / "e1.safetensors")
+
+
+def _weight_map_list(ws):
+    _model_dir(ws, "bad", ["shard.safetensors"])
+
+
+def _tokenizer_symlink(ws):
+    (_model_dir(ws, "bad") / "tokenizer.json").symlink_to(ws / "foreign.safetensors")
+
+
+def _adapter_config_list(ws):
+    (ws / "bad").mkdir()
+    (ws / "bad" / "adapter_config.json").write_text("[]")
+
+
+PATH_MERGE = ["merge", "--method", "task_arithmetic", "--expert", "e1.safetensors", "--expert",
+              "e2.safetensors", "--out", "m"]
+# (id, setup, argv, exit code, words in the message)
+PATH_CASES = [
+    ("index-entry-relative", _escape_relative, [*PATH_MERGE, "--base", "bad"], INPUT,
+     ["weight_map entry", "../e1.safetensors", "outside"]),
+    ("index-entry-absolute", _escape_absolute, [*PATH_MERGE, "--base", "bad"], INPUT,
+     ["weight_map entry", "e1.safetensors", "outside"]),
+    ("shard-symlink-out", _escape_symlink, [*PATH_MERGE, "--base", "bad"], INPUT, ["shard.safetensors", "outside"]),
+    ("weight-map-list", _weight_map_list, [*PATH_MERGE, "--base", "bad"], INPUT,
+     ["model.safetensors.index.json", "weight_map"]),
+    ("tokenizer-symlink-out", _tokenizer_symlink, [*PATH_MERGE, "--base", "bad"], INPUT,
+     ["tokenizer.json", "outside"]),
+    ("adapter-config-list", _adapter_config_list, ["merge", "--method", "task_arithmetic", "--base",
+                                                   "base.safetensors", "--expert", "bad", "--expert",
+                                                   "e1.safetensors", "--out", "m"], INPUT,
+     ["adapter_config.json", "JSON object"]),
+]
+
+
+@pytest.mark.parametrize("setup, argv, code, words", [c[1:] for c in PATH_CASES], ids=[c[0] for c in PATH_CASES])
+def test_input_folder_naming_files_outside_is_a_one_line_input_error(ws, setup, argv, code, words):
+    setup(ws)
+    before = _snapshot(ws)
+    result = CliRunner().invoke(app, argv)
+    _check(result, code, words, before, ws)

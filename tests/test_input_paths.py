@@ -349,6 +349,7 @@ main()
 """
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_merge_leaves_no_temporary_folder(ws):
     env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", _KILLABLE], env=env, stderr=subprocess.PIPE, text=True)

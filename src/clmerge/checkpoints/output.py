@@ -1,9 +1,12 @@
 """The output of a merge: a complete model folder (or one safetensors file), built aside and renamed at the end.
 
 :func:`check_out` refuses an unsafe ``--out`` before any work: one that names an input or lies inside one,
-an existing non-empty folder or an existing file (unless ``overwrite``), a file suffix other than
-``.safetensors``. :class:`OutputTarget` builds everything in a temporary sibling folder and renames it into
-place only when the merge succeeded; on any failure the temporary folder is removed, so nothing is left.
+an existing non-empty folder or an existing file (unless ``overwrite``), another weight format's suffix
+(``.pt``, ``.bin``, ...; any other name but ``X.safetensors`` is a folder, ``merged-v1.5`` included).
+:class:`OutputTarget` builds everything in a temporary sibling folder and renames it into place only when the
+merge succeeded, never over an output another process wrote meanwhile; on any failure (SIGTERM included) the
+temporary folder is removed, so nothing is left. :func:`model_files` lists the config and tokenizer files to
+copy, each checked to lie inside its folder.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ from ..utils.inpaths import inside
 from ..utils.io import write_json
 from ..utils.outpaths import check_writable
 
-__all__ = ["TOKENIZER_FILES", "InputHashes", "OutputTarget", "build_folder", "check_out", "copy_model_files", "model_files",
-           "write_model_card"]
+__all__ = ["TOKENIZER_FILES", "InputHashes", "OutputTarget", "build_folder", "check_out", "copy_model_files",
+           "model_files", "remove_stale_temps", "write_model_card"]
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.txt", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",

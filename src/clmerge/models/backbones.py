@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..registry import Registry
 
 __all__ = [
     "VisionBackbone",
@@ -21,36 +24,35 @@ __all__ = [
     "build_backbone",
     "available_backbones",
     "BACKBONES",
+    "BackboneEntry",
 ]
 
-BACKBONES: dict[str, tuple[Callable[..., "VisionBackbone"], str]] = {}
+class BackboneEntry(NamedTuple):
+    """A registered backbone: its builder and one-line description (indexable as ``(fn, description)``)."""
+
+    fn: Callable[..., "VisionBackbone"]
+    description: str
+
+
+BACKBONES: Registry = Registry("backbone", key="model.name")  # name -> BackboneEntry
 
 
 def register_backbone(name: str, description: str) -> Callable:
     """Register a backbone builder ``fn(**kwargs) -> VisionBackbone`` under ``name``."""
 
     def deco(fn: Callable[..., "VisionBackbone"]) -> Callable[..., "VisionBackbone"]:
-        if name in BACKBONES:
-            raise ValueError(f"backbone {name!r} registered twice")
-        BACKBONES[name] = (fn, description)
+        BACKBONES.register(name, BackboneEntry(fn, description), description=description, module=fn.__module__)
         return fn
 
     return deco
 
 
 def available_backbones() -> dict[str, str]:
-    return {k: d for k, (_, d) in sorted(BACKBONES.items())}
+    return BACKBONES.available()
 
 
 def build_backbone(name: str, **kwargs) -> "VisionBackbone":
-    if name not in BACKBONES:
-        from difflib import get_close_matches
-
-        near = get_close_matches(name, BACKBONES, n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise ValueError(f"model.name: unknown backbone {name!r}{hint}; known: {', '.join(sorted(BACKBONES))}")
-    fn, _ = BACKBONES[name]
-    return fn(**kwargs)
+    return BACKBONES.get(name).fn(**kwargs)
 
 
 class VisionBackbone(nn.Module):

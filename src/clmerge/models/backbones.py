@@ -24,6 +24,7 @@ __all__ = [
     "build_backbone",
     "available_backbones",
     "BACKBONES",
+    "hf_vit_backbone",
     "BackboneEntry",
 ]
 
@@ -129,7 +130,8 @@ def _clip_pooled_features(inner: nn.Module, pixels: torch.Tensor) -> torch.Tenso
     return inner(pixel_values=pixels).pooler_output  # CLS token after post_layernorm
 
 
-def _hf_vit(config, *, weights: dict | None, info: dict, mean, std) -> VisionBackbone:
+def hf_vit_backbone(config, *, weights: dict | None, info: dict, mean, std) -> VisionBackbone:
+    """An HF ``ViTModel`` built from ``config`` (weights loaded if given), its CLS token as the feature."""
     from transformers import ViTModel
 
     inner = ViTModel(config, add_pooling_layer=False)
@@ -192,7 +194,7 @@ def hf_vision_from_config(kind: str, config_kwargs: dict, *, mean, std) -> Visio
     if kind == "vit":
         from transformers import ViTConfig
 
-        return _hf_vit(ViTConfig(**config_kwargs), weights=None, info={"source": "config"}, mean=mean, std=std)
+        return hf_vit_backbone(ViTConfig(**config_kwargs), weights=None, info={"source": "config"}, mean=mean, std=std)
     if kind == "clip":
         from transformers import CLIPVisionConfig, CLIPVisionModel
 

@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 from matplotlib.ticker import NullFormatter
 
-from ..theory.laws import FORMS, evaluate_form
+from ..report.elements import img, page, section, table
+from ..report.plots import new_figure, to_png
 from ..utils.io import atomic_write_text
-from .elements import img, page, section, table
-from .plots import new_figure, to_png
+from .laws import FORMS, evaluate_form
 
 __all__ = ["law_plot", "stability_plot", "build_study_report"]
 

@@ -1,4 +1,5 @@
-"""Continual-learning methods, one file each, registered by name with ``@register_method``."""
+"""Continual-learning methods, one module or folder each (``halrp/``, ``prompts/``), registered by name with
+``@register_method``."""
 
 from .base import (
     METHODS,

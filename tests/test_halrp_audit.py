@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from clmerge.adapters.halrp import halrp_layers, wrap_halrp_layers
+from clmerge.methods.halrp.layers import halrp_layers, wrap_halrp_layers
 from clmerge.adapters.task_modules import TaskBatchNorm, wrap_batchnorms
 from clmerge.methods.halrp import HALRP, HALRPOptions
-from clmerge.params import low_rank_perturbation as lrp
+from clmerge.methods.halrp import low_rank_perturbation as lrp
 
 
 # -- column scalings s: Eq. 20 and the official code's broadcasting quirk --------------------------------------

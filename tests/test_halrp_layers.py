@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from clmerge.adapters.halrp import HALRPConv2d, HALRPLinear, wrap_halrp_layers
+from clmerge.methods.halrp.layers import HALRPConv2d, HALRPLinear, wrap_halrp_layers
 from clmerge.adapters.task_modules import TaskBatchNorm, set_active_task, wrap_batchnorms
 from clmerge.models import build_backbone
 

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clmerge.params import low_rank_perturbation as lrp
+from clmerge.methods.halrp import low_rank_perturbation as lrp
 
 
 def _lstsq_scalar(a: torch.Tensor, b: torch.Tensor) -> float:

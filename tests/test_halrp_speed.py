@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clmerge.adapters.halrp import halrp_layers
+from clmerge.methods.halrp.layers import halrp_layers
 from clmerge.adapters.structure import rebuild_structure
 from clmerge.adapters.task_modules import TaskBatchNorm, TaskRoutedModel
 from clmerge.config import parse_config
@@ -22,7 +22,7 @@ from clmerge.engine.checkpoint import load_checkpoint
 from clmerge.engine.evaluate import evaluate_tasks
 from clmerge.engine.run import run_experiment
 from clmerge.methods.halrp import HALRP
-from clmerge.params import low_rank_perturbation as lrp
+from clmerge.methods.halrp import low_rank_perturbation as lrp
 
 
 @pytest.mark.parametrize("shape", [(7, 3), (3, 7), (40, 160), (160, 40), (1, 5)])

@@ -1,4 +1,4 @@
-"""HiDe-Prompt (methods.hide_prompt, methods.hide_parts): TII, the statistics it replays, WTP's regulariser, runs."""
+"""HiDe-Prompt (methods.prompts.hide_prompt, methods.prompts.hide_parts): TII, the statistics it replays, WTP's regulariser, runs."""
 
 import dataclasses
 import json
@@ -11,7 +11,7 @@ from clmerge.adapters.prompt import PromptInput
 from clmerge.config import parse_config
 from clmerge.engine.run import prepare, run_experiment
 from clmerge.methods.base import TaskContext
-from clmerge.methods.hide_parts import contrastive_regulariser
+from clmerge.methods.prompts.hide_parts import contrastive_regulariser
 
 from conftest import tiny_config
 
@@ -169,7 +169,7 @@ def test_too_few_prompts_is_a_clear_error():
 
 @pytest.mark.parametrize("stats", ["full", "multi_centroid"])
 def test_resume_after_crash_gives_identical_metrics(tmp_path, monkeypatch, stats):
-    from clmerge.methods.hide_prompt import HiDePrompt
+    from clmerge.methods.prompts.hide_prompt import HiDePrompt
 
     method = FAST | {"prompt_momentum": 0.1, "stats": stats, "n_centroids": 3}
     cfg = parse_config(tiny_config(**{"scenario.n_tasks": 3, "scenario.classes_per_task": [2, 2, 2],
@@ -197,7 +197,7 @@ def test_multi_centroid_statistics_and_draws():
     """The code's multi-centroid store: k-means clusters' means and np.var; n draws per non-singleton cluster."""
     from sklearn.cluster import KMeans
 
-    from clmerge.methods.hide_parts import MultiCentroidStats
+    from clmerge.methods.prompts.hide_parts import MultiCentroidStats
 
     torch.manual_seed(0)
     feats = torch.cat([torch.randn(30, 4), torch.randn(30, 4) + 8.0, torch.randn(1, 4) - 20.0])

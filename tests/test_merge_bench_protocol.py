@@ -90,7 +90,7 @@ def test_reference_row_is_the_pretrained_backbone_with_the_task_heads(frozen_run
         d = bench.load_task(t, cfg)
         model = bench.build_base(cfg)
         head = ex.make_head(ex.fit_head(cfg, model, *d["train"], 10))
-        want.append(bench._accuracy(model, head, *d["test"]))
+        want.append(bench.head_accuracy(model, head, *d["test"]))
     assert res["rows"]["pretrained"]["test"] == pytest.approx(want)
     r = res["rows"]["weight_average"]
     ind = res["rows"]["individual"]["test"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from clmerge import merging
-from clmerge.merging.dare import _generator
+from clmerge.merging.dare import dare_generator
 from clmerge.merging.della import magprune_drop_probabilities, magprune_tensor
 
 from merging_helpers import float_keys, make_models
@@ -185,7 +185,7 @@ def test_della_elect_and_fuse_transcription():
     ref = {}
     for k in float_keys(base):
         pruned = torch.stack([magprune_tensor(e[k].float() - base[k].float(), 0.5, 0.4,
-                                              generator=_generator(1, k, t)) for t, e in enumerate(ex)]).double()
+                                              generator=dare_generator(1, k, t)) for t, e in enumerate(ex)]).double()
         gamma = torch.sign(pruned.sum(0))
         agree = (torch.sign(pruned) == gamma) & (pruned != 0)
         fused = (pruned * agree).sum(0) / agree.sum(0).clamp(min=1)

@@ -52,7 +52,7 @@ def test_registry_is_complete_and_rejects_duplicates():
 
 def test_unknown_method_and_hyperparameter_errors():
     base, ex = make_models(2)
-    with pytest.raises(KeyError, match="did you mean ties"):
+    with pytest.raises(KeyError, match="did you mean 'ties'"):
         merging.merge("tis", base=base, experts=ex)
     with pytest.raises(TypeError, match="did you mean density"):
         merging.merge("ties", base=base, experts=ex, densty=0.2)

@@ -1,4 +1,4 @@
-"""The prompt mechanism (adapters.prompt) and L2P / DualPrompt / CODA-Prompt (methods.prompt_methods)."""
+"""The prompt mechanism (adapters.prompt) and L2P / DualPrompt / CODA-Prompt (methods.prompts.methods)."""
 
 import json
 
@@ -219,7 +219,7 @@ def test_bad_layer_index_is_a_clear_error():
 
 
 def test_resume_after_crash_gives_identical_metrics(tmp_path, monkeypatch):
-    from clmerge.methods.prompt_methods import CodaPrompt
+    from clmerge.methods.prompts.methods import CodaPrompt
 
     cfg = parse_config(tiny_config(**{"scenario.n_tasks": 3, "scenario.classes_per_task": [2, 2, 2],
                                       "method": METHODS["coda_prompt"], "model.config": VIT3}))

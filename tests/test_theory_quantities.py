@@ -50,9 +50,9 @@ def test_data_ratio_and_steps():
     task = parse_task("digits:identity")
     assert len(load_task(task, _cfg(data_ratio=0.25))["train"][1]) == 12
     cfg = _cfg(steps=7, batch_size=100)  # 7 steps over a 48-sample set: 7 batches across several epochs
-    from clmerge.harness.merge_bench import _batches
+    from clmerge.harness.merge_bench import index_batches
 
-    assert len(list(_batches(48, cfg, torch.Generator().manual_seed(0)))) == 7
+    assert len(list(index_batches(48, cfg, torch.Generator().manual_seed(0)))) == 7
 
 
 def test_gradient_noise_and_heterogeneity():

@@ -25,7 +25,7 @@ from torch import nn
 
 from clmerge.data import build_dataset, build_scenario
 from clmerge.models import build_backbone
-from clmerge.params import low_rank_perturbation as lrp
+from clmerge.methods.halrp import low_rank_perturbation as lrp
 
 RANKS = [1, 2, 4, 8, 16, 32, 64]
 

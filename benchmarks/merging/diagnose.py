@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from clmerge.harness.merge_bench import SUITES, BenchConfig, _accuracy, build_base, expert_for_task, load_task
+from clmerge.harness.merge_bench import SUITES, BenchConfig, head_accuracy, build_base, expert_for_task, load_task
 
 HERE = Path(__file__).resolve().parent
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def acc(params: dict, i: int) -> float:
         model.load_state_dict(params)
-        return _accuracy(model, heads[i], *data[i]["val"])
+        return head_accuracy(model, heads[i], *data[i]["val"])
 
     scales = [0.0, 0.25, 0.5, 0.75, 1.0]
     scaled = [[acc({**base, **{k: base[k] + s * taus[i][k] for k in keys}}, i) for s in scales]

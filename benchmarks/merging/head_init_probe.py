@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from clmerge.harness.merge_bench import SUITES, BenchConfig, _accuracy, build_base, load_task
+from clmerge.harness.merge_bench import SUITES, BenchConfig, head_accuracy, build_base, load_task
 from clmerge.harness.merge_bench_experts import fit_head, make_head
 from clmerge.utils.io import write_json
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
         for t in SUITES[a.suite]:
             d = load_task(t, cfg)
             head = make_head(fit_head(cfg, model, *d["train"], int(d["train"][1].max()) + 1))
-            accs[t.name] = _accuracy(model, head, *d["val"])
+            accs[t.name] = head_accuracy(model, head, *d["val"])
         rows[init] = {"val": accs, "mean": float(np.mean(list(accs.values())))}
         print(f"{init}: mean val {rows[init]['mean']:.1f} " + " ".join(f"{v:.1f}" for v in accs.values()), flush=True)
     write_json(a.out, {"suite": a.suite, "max_train": a.max_train, "max_eval": a.max_eval, "heads": rows})

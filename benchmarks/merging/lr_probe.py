@@ -18,7 +18,8 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from clmerge.harness.merge_bench import BenchConfig, _accuracy, _batches, _optimizer, init_expert, load_task, parse_task
+from clmerge.harness.merge_bench import (BenchConfig, head_accuracy, index_batches, init_expert, load_task,
+                                          make_optimizer, parse_task)
 
 
 def probe(task: str, lr: float, epochs: int, max_train: int | None) -> dict:
@@ -26,18 +27,18 @@ def probe(task: str, lr: float, epochs: int, max_train: int | None) -> dict:
     data = load_task(parse_task(task), cfg)
     x, y = data["train"]
     backbone, head = init_expert(cfg, int(y.max()) + 1)
-    opt = _optimizer(cfg, list(backbone.parameters()) + list(head.parameters()))
+    opt = make_optimizer(cfg, list(backbone.parameters()) + list(head.parameters()))
     g = torch.Generator().manual_seed(cfg.seed)
     curve, t0 = [], time.perf_counter()
     for ep in range(epochs):
         backbone.train()
-        for idx in _batches(len(x), replace(cfg, epochs=1), g):
+        for idx in index_batches(len(x), replace(cfg, epochs=1), g):
             loss = F.cross_entropy(head(backbone(x[idx])), y[idx])
             opt.zero_grad()
             loss.backward()
             opt.step()
         backbone.eval()
-        curve.append(_accuracy(backbone, head, *data["val"]))
+        curve.append(head_accuracy(backbone, head, *data["val"]))
         print(f"{task} lr={lr:g} epoch {ep + 1}: val {curve[-1]:.1f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     return {"task": task, "lr": lr, "n_train": len(x), "n_val": len(data["val"][0]), "val_by_epoch": curve,
             "seconds": time.perf_counter() - t0}

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from .data.idx import find_idx_files, read_idx
 from .models.classifier import ContinualClassifier, IncrementalHead
 from .models.presets import VIT_TINY_FMNIST, vit_tiny_fmnist
+from .registry import Registry
 from .utils.io import save_tensors, sha256_file, write_json
 from .utils.progress import Progress
 
@@ -147,4 +148,5 @@ def pretrain_vit_tiny_fmnist(
     return provenance
 
 
-PRESETS = {"vit-tiny-fmnist": pretrain_vit_tiny_fmnist}
+PRESETS: Registry = Registry("pretrain preset", key="--preset")  # name -> pretrain function
+PRESETS.register("vit-tiny-fmnist", pretrain_vit_tiny_fmnist)

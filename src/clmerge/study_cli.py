@@ -23,7 +23,7 @@ console = make_console()
 
 def finish_study(out: Path, rows: list[dict] | None = None, *, n_boot: int = 200) -> dict[str, Any]:
     """Fit the laws of the study in ``out`` and write ``fits.json``, ``advice.txt`` and ``report.html``."""
-    from .report.study import build_study_report
+    from .theory.report import build_study_report
     from .sweep import read_results
     from .theory.advise import advise
     from .theory.analysis import fit_study

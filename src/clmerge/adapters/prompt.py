@@ -1,6 +1,6 @@
 """One prompt mechanism for frozen HF transformer backbones: prompt tokens and key/value prefixes, via hooks.
 
-Two ways a learned prompt enters a frozen transformer (the methods in ``methods/prompt_methods.py`` compose them):
+Two ways a learned prompt enters a frozen transformer (the methods in ``methods/prompts/`` compose them):
 
 (a) **prompt tokens** (prompt-tuning, L2P Eq. 2: ``x_p = [P_s1; ...; P_sN; x_e]``): tokens ``P`` (B, Lp, D) join
     the token sequence after the embedding layer (patch + position embeddings). They are placed right after the

@@ -2,34 +2,21 @@
 
 A checkpoint holds tensors; to load them after a restart, the model must first have the same modules. Every
 module that changes shape during a run implements ``get_structure() -> dict`` and ``set_structure(dict)``;
-wrapper classes that replace a layer register here so they can be re-created around the original layer.
+wrapper classes that replace a layer register in :mod:`.wrappers` (when their module is imported, i.e. with the
+method that uses them) so they can be re-created around the original layer.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from .lora import LoRALinear
+from .wrappers import WRAPPERS, register_wrapper
 
 __all__ = ["register_wrapper", "model_structure", "rebuild_structure", "WRAPPERS"]
 
-# class name -> (class, function that wraps a freshly built base module)
-WRAPPERS: dict[str, tuple[type, Callable[[nn.Module], nn.Module]]] = {}
-
-
-def register_wrapper(cls: type, wrap: Callable[[nn.Module], nn.Module]) -> None:
-    WRAPPERS[cls.__name__] = (cls, wrap)
-
-
 register_wrapper(LoRALinear, LoRALinear)
-
-
-def _register_task_wrappers() -> None:
-    """Per-task wrappers of HALRP/STL live in their own modules; importing them registers them."""
-    from . import halrp, task_modules  # noqa: F401
 
 
 def model_structure(model: nn.Module) -> dict:
@@ -50,10 +37,10 @@ def rebuild_structure(model: nn.Module, structure: dict) -> None:
     for key, shape in structure.get("magnitudes", {}).items():
         if key not in mags:
             mags[key] = nn.Parameter(torch.zeros(shape))
-    _register_task_wrappers()
     for name, cls_name in structure.get("wrapped", {}).items():
         if cls_name not in WRAPPERS:
-            raise ValueError(f"checkpoint needs wrapper {cls_name!r} at {name!r}, which is not registered")
+            raise ValueError(f"checkpoint needs wrapper {cls_name!r} at {name!r}, which is not registered "
+                             "(import the method that uses it, e.g. `import clmerge.methods`)")
         current = model.get_submodule(name)
         if type(current).__name__ == cls_name:
             continue

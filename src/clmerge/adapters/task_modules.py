@@ -14,7 +14,7 @@ import copy
 import torch
 from torch import nn
 
-from .structure import register_wrapper
+from .wrappers import register_wrapper
 
 __all__ = ["TaskBatchNorm", "PerTaskCopies", "set_active_task", "TaskRoutedModel", "wrap_batchnorms"]
 

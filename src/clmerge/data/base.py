@@ -15,9 +15,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
+
+from ..registry import Registry
 
 __all__ = [
     "ClassificationData",
@@ -28,6 +31,7 @@ __all__ = [
     "build_dataset",
     "available_datasets",
     "DATASETS",
+    "DatasetEntry",
 ]
 
 
@@ -168,31 +172,29 @@ class DataSplits:
         return max(self.train.num_classes, self.test.num_classes)
 
 
-DATASETS: dict[str, tuple[Callable[..., DataSplits], str]] = {}
+class DatasetEntry(NamedTuple):
+    """A registered dataset: its builder and one-line description (indexable as ``(fn, description)``)."""
+
+    fn: Callable[..., DataSplits]
+    description: str
+
+
+DATASETS: Registry = Registry("dataset", key="scenario.dataset")  # name -> DatasetEntry
 
 
 def register_dataset(name: str, description: str) -> Callable:
     """Register ``fn(*, data_root, image_size, seed, **options) -> DataSplits`` under ``name``."""
 
     def deco(fn):
-        if name in DATASETS:
-            raise ValueError(f"dataset {name!r} registered twice")
-        DATASETS[name] = (fn, description)
+        DATASETS.register(name, DatasetEntry(fn, description), description=description, module=fn.__module__)
         return fn
 
     return deco
 
 
 def available_datasets() -> dict[str, str]:
-    return {k: d for k, (_, d) in sorted(DATASETS.items())}
+    return DATASETS.available()
 
 
 def build_dataset(name: str, **kwargs) -> DataSplits:
-    if name not in DATASETS:
-        from difflib import get_close_matches
-
-        near = get_close_matches(name, DATASETS, n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise ValueError(f"scenario.dataset: unknown dataset {name!r}{hint}; known: {', '.join(sorted(DATASETS))}")
-    fn, _ = DATASETS[name]
-    return fn(**kwargs)
+    return DATASETS.get(name).fn(**kwargs)

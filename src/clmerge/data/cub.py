@@ -8,12 +8,12 @@ from typing import Any
 from clmerge.data.base import DataSplits, register_dataset
 from clmerge.data.folders import (
     CUB_HOWTO,
-    _check_first_exists,
-    _names_from_parents,
-    _read_table,
-    _reject_unknown,
-    _split_fingerprint,
-    _splits_from_lists,
+    check_first_exists,
+    names_from_parents,
+    read_table,
+    reject_unknown,
+    split_fingerprint,
+    splits_from_lists,
     missing_data_error,
     resolve_data_root,
 )
@@ -36,17 +36,17 @@ def _cub_tables(folder: Path) -> tuple[dict[int, str], dict[int, int], dict[int,
         return value
 
     images = {
-        i: p for _, i, p in _read_table(folder / "images.txt", (int, str), expected="<image_id> <path>")
+        i: p for _, i, p in read_table(folder / "images.txt", (int, str), expected="<image_id> <path>")
     }
     labels = {
         i: c
-        for _, i, c in _read_table(
+        for _, i, c in read_table(
             folder / "image_class_labels.txt", (int, label), expected="<image_id> <class_id>"
         )
     }
     split = {
         i: t
-        for _, i, t in _read_table(
+        for _, i, t in read_table(
             folder / "train_test_split.txt", (int, is_train), expected="<image_id> <0|1>"
         )
     }
@@ -63,10 +63,10 @@ def _cub_class_names(folder: Path, labels: dict[int, int], images: dict[int, str
     """Names from ``classes.txt`` if present, else image folders; the ``001.`` prefix is dropped."""
     path = folder / "classes.txt"
     if path.is_file():
-        rows = _read_table(path, (int, str), expected="<class_id> <name>")
+        rows = read_table(path, (int, str), expected="<class_id> <name>")
         raw = [name for _, _, name in sorted(rows, key=lambda r: r[1])]
     else:
-        raw = _names_from_parents([Path(images[i]) for i in images], [labels[i] - 1 for i in images])
+        raw = names_from_parents([Path(images[i]) for i in images], [labels[i] - 1 for i in images])
     return [n.split(".", 1)[1] if n[:3].isdigit() and "." in n else n for n in raw]
 
 
@@ -85,7 +85,7 @@ def cub200(
     Returns:
         The splits, with the 200 species names as ``class_names``.
     """
-    _reject_unknown("cub200", options, [])
+    reject_unknown("cub200", options, [])
     root = resolve_data_root(data_root)
     folder = root / "CUB_200_2011"
     needed = [folder / n for n in ("images.txt", "image_class_labels.txt", "train_test_split.txt")]
@@ -100,12 +100,12 @@ def cub200(
     for i in sorted(images):
         lists[split[i]][0].append(folder / "images" / images[i])
         lists[split[i]][1].append(labels[i] - 1)
-    _check_first_exists("cub200", lists[1][0], needed[0], folder / "images")
+    check_first_exists("cub200", lists[1][0], needed[0], folder / "images")
     fp = {
         "root": str(folder),
         "layout": "CUB_200_2011 official split",
-        "split_files": _split_fingerprint(needed),
+        "split_files": split_fingerprint(needed),
     }
-    out = _splits_from_lists("cub200", lists[1], lists[0], image_size=image_size, fingerprint=fp)
+    out = splits_from_lists("cub200", lists[1], lists[0], image_size=image_size, fingerprint=fp)
     out.class_names = _cub_class_names(folder, labels, images)
     return out

@@ -10,12 +10,12 @@ from clmerge.data.base import DataSplits, register_dataset
 from clmerge.data.folders import (
     DOMAINNET_DOMAINS,
     DOMAINNET_HOWTO,
-    _check_first_exists,
-    _nonneg_int,
-    _read_table,
-    _reject_unknown,
-    _split_fingerprint,
-    _splits_from_lists,
+    check_first_exists,
+    nonneg_int,
+    read_table,
+    reject_unknown,
+    split_fingerprint,
+    splits_from_lists,
     missing_data_error,
     resolve_data_root,
 )
@@ -53,9 +53,9 @@ def _domain_list(domains: str | Sequence[str] | None) -> list[str]:
 def _read_domainnet_split(folder: Path, domain: str, split: str) -> tuple[Path, list[Path], list[int]]:
     """Read ``<domain>_<split>.txt``: lines ``<relative/path.jpg> <label>``, paths relative to ``folder``."""
     path = folder / f"{domain}_{split}.txt"
-    rows = _read_table(path, (str, _nonneg_int), expected="<relative/path.jpg> <label>", right=True)
+    rows = read_table(path, (str, nonneg_int), expected="<relative/path.jpg> <label>", right=True)
     paths = [folder / rel for _, rel, _ in rows]
-    _check_first_exists("domainnet", paths, path, folder)
+    check_first_exists("domainnet", paths, path, folder)
     return path, paths, [label for _, _, label in rows]
 
 
@@ -82,7 +82,7 @@ def domainnet(
     Returns:
         The splits, domains concatenated in the order given; labels are those of the split files.
     """
-    _reject_unknown("domainnet", options, ["domains"])
+    reject_unknown("domainnet", options, ["domains"])
     names = _domain_list(domains)
     folder = _domainnet_dir(resolve_data_root(data_root))
     missing = [folder / f"{d}_{sp}.txt" for d in names for sp in ("train", "test")]
@@ -105,9 +105,9 @@ def domainnet(
         "root": str(folder),
         "layout": "domainnet split files",
         "domains": names,
-        "split_files": _split_fingerprint(split_files),
+        "split_files": split_fingerprint(split_files),
     }
-    return _splits_from_lists(
+    return splits_from_lists(
         "domainnet", lists["train"], lists["test"], image_size=image_size, fingerprint=fp
     )
 

@@ -31,6 +31,20 @@ __all__ = [
     "missing_data_error",
     "split_per_class",
     "image_folder",
+    # the building blocks of the folder-based sources (cub, domainnet, imagenet, omniglot, tinyimagenet)
+    "reject_unknown",
+    "subdirs",
+    "images_in",
+    "scan_classes",
+    "check_same_classes",
+    "splits_from_classes",
+    "splits_from_lists",
+    "names_from_parents",
+    "read_utf8_text",
+    "nonneg_int",
+    "read_table",
+    "check_first_exists",
+    "split_fingerprint",
 ]
 
 DATA_ENV_VAR = "CLMERGE_DATA"
@@ -104,7 +118,7 @@ def missing_data_error(
     )
 
 
-def _reject_unknown(dataset: str, options: dict[str, Any], accepted: Iterable[str]) -> None:
+def reject_unknown(dataset: str, options: dict[str, Any], accepted: Iterable[str]) -> None:
     """Raise ``ValueError`` if ``options`` holds keys the builder does not understand."""
     if options:
         known = ", ".join(sorted(accepted)) or "none"
@@ -115,27 +129,27 @@ def _is_image(path: Path) -> bool:
     return path.is_file() and path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith(".")
 
 
-def _subdirs(folder: Path) -> list[Path]:
+def subdirs(folder: Path) -> list[Path]:
     """Visible sub-folders of ``folder``, sorted by name."""
     return sorted(
         (p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")), key=lambda p: p.name
     )
 
 
-def _images_in(folder: Path) -> list[Path]:
+def images_in(folder: Path) -> list[Path]:
     """Image files anywhere below ``folder`` (hidden entries skipped), sorted by relative path."""
     found = [p for p in folder.rglob("*") if _is_image(p)]
     found = [p for p in found if not any(part.startswith(".") for part in p.relative_to(folder).parts)]
     return sorted(found, key=lambda p: p.relative_to(folder).as_posix())
 
 
-def _scan_classes(folder: Path, *, exclude: Iterable[str] = ()) -> ByClass:
+def scan_classes(folder: Path, *, exclude: Iterable[str] = ()) -> ByClass:
     """Map each class sub-folder name of ``folder`` (sorted) to its sorted image files."""
     skip = set(exclude)
-    return {d.name: _images_in(d) for d in _subdirs(folder) if d.name not in skip}
+    return {d.name: images_in(d) for d in subdirs(folder) if d.name not in skip}
 
 
-def _check_same_classes(dataset: str, train: ByClass, test: ByClass, root: Path) -> None:
+def check_same_classes(dataset: str, train: ByClass, test: ByClass, root: Path) -> None:
     """Raise ``ValueError`` if the train and test class-folder sets differ."""
     only_train, only_test = sorted(set(train) - set(test)), sorted(set(test) - set(train))
     if only_train or only_test:
@@ -185,7 +199,7 @@ def _flatten(by_class: ByClass, class_ids: dict[str, int]) -> tuple[list[Path], 
     return paths, labels
 
 
-def _splits_from_classes(
+def splits_from_classes(
     dataset: str, train: ByClass, test: ByClass, *, image_size: int | None, fingerprint: dict[str, Any]
 ) -> DataSplits:
     """Turn per-class file lists (same keys) into :class:`DataSplits`; class ids follow the sorted names."""
@@ -207,7 +221,7 @@ def _splits_from_classes(
     )
 
 
-def _splits_from_lists(
+def splits_from_lists(
     dataset: str,
     train: tuple[list[Path], list[int]],
     test: tuple[list[Path], list[int]],
@@ -218,7 +232,7 @@ def _splits_from_lists(
     """Turn ``(paths, labels)`` lists into :class:`DataSplits`; class names come from parent folders."""
     if not train[0] or not test[0]:
         raise ValueError(f"{dataset}: split lists hold {len(train[0])} train and {len(test[0])} test entries")
-    names = _names_from_parents(train[0] + test[0], train[1] + test[1])
+    names = names_from_parents(train[0] + test[0], train[1] + test[1])
     fp = {
         **fingerprint,
         "num_classes": max(train[1] + test[1]) + 1,
@@ -233,7 +247,7 @@ def _splits_from_lists(
     )
 
 
-def _names_from_parents(paths: Sequence[Path], labels: Sequence[int]) -> list[str]:
+def names_from_parents(paths: Sequence[Path], labels: Sequence[int]) -> list[str]:
     """Class names from the files' parent folders; ``[]`` if a label maps to several folders or to none."""
     by_label: dict[int, str] = {}
     for path, label in zip(paths, labels, strict=True):
@@ -244,7 +258,7 @@ def _names_from_parents(paths: Sequence[Path], labels: Sequence[int]) -> list[st
     return [by_label[i] for i in range(len(by_label))]
 
 
-def _read_text(path: Path) -> str:
+def read_utf8_text(path: Path) -> str:
     """Read a UTF-8 text file; raise ``ValueError`` naming it if it is not text."""
     try:
         return path.read_text(encoding="utf-8")
@@ -252,14 +266,15 @@ def _read_text(path: Path) -> str:
         raise ValueError(f"{path}: not a UTF-8 text file ({exc})") from exc
 
 
-def _nonneg_int(text: str) -> int:
+def nonneg_int(text: str) -> int:
+    """``text`` as an int >= 0; raise ``ValueError`` otherwise."""
     value = int(text)
     if value < 0:
         raise ValueError(f"negative value {value}")
     return value
 
 
-def _read_table(
+def read_table(
     path: Path,
     convert: tuple[Callable[[str], Any], Callable[[str], Any]],
     *,
@@ -278,7 +293,7 @@ def _read_table(
         ``(line_number, first, second)`` for each non-blank line.
     """
     rows: list[tuple[int, Any, Any]] = []
-    for lineno, line in enumerate(_read_text(path).splitlines(), 1):
+    for lineno, line in enumerate(read_utf8_text(path).splitlines(), 1):
         stripped = line.strip()
         if not stripped:
             continue
@@ -294,7 +309,7 @@ def _read_table(
     return rows
 
 
-def _check_first_exists(dataset: str, paths: Sequence[Path], split_file: Path, base: Path) -> None:
+def check_first_exists(dataset: str, paths: Sequence[Path], split_file: Path, base: Path) -> None:
     """Fail early, with a clear message, if the first file named by a split file is missing."""
     if paths and not paths[0].exists():
         raise FileNotFoundError(
@@ -303,7 +318,7 @@ def _check_first_exists(dataset: str, paths: Sequence[Path], split_file: Path, b
         )
 
 
-def _split_fingerprint(files: Sequence[Path]) -> dict[str, str]:
+def split_fingerprint(files: Sequence[Path]) -> dict[str, str]:
     """``{file name: sha256}`` for the split files used."""
     return {f.name: sha256_file(f) for f in files}
 
@@ -317,8 +332,8 @@ def _folder_layout(
     """Read ``root/{train,test}/<class>/`` or ``root/<class>/`` (then split); return the splits and layout."""
     has_train, has_test = (root / "train").is_dir(), (root / "test").is_dir()
     if has_train and has_test:
-        train, test = _scan_classes(root / "train"), _scan_classes(root / "test")
-        _check_same_classes(dataset, train, test, root)
+        train, test = scan_classes(root / "train"), scan_classes(root / "test")
+        check_same_classes(dataset, train, test, root)
         return train, test, {"layout": "train/test class folders"}
     if has_train or has_test:
         present, absent = ("train", "test") if has_train else ("test", "train")
@@ -326,7 +341,7 @@ def _folder_layout(
             f"{dataset}: found {root / present} but not {root / absent}; a pre-split folder needs both "
             f"(or put the class folders directly under {root} for a seeded per-class split)"
         )
-    by_class = {k: v for k, v in _scan_classes(root).items() if v}
+    by_class = {k: v for k, v in scan_classes(root).items() if v}
     train, test = split_per_class(by_class, test_fraction, seed)
     fp = {
         "layout": "class folders, seeded per-class split",
@@ -364,7 +379,7 @@ def image_folder(
     Returns:
         The train / test splits, with the class-folder names as ``class_names``.
     """
-    _reject_unknown("image_folder", options, ["test_fraction", "split_seed", "subdir"])
+    reject_unknown("image_folder", options, ["test_fraction", "split_seed", "subdir"])
     seed = seed if split_seed is None else split_seed
     root = resolve_data_root(data_root) / subdir if subdir else resolve_data_root(data_root)
     layouts = [
@@ -372,14 +387,14 @@ def image_folder(
         f"{root}/<class>/*.jpg (seeded split)",
     ]
     howto = f"Point data_root at the folder (image extensions: {', '.join(IMAGE_EXTENSIONS)})."
-    if not root.is_dir() or not _subdirs(root):
+    if not root.is_dir() or not subdirs(root):
         raise missing_data_error("image_folder", f"class folders under {root}", layouts, howto)
     train, test, fp = _folder_layout("image_folder", root, test_fraction, seed)
     if not train:
         raise missing_data_error(
             "image_folder", f"image files in the class folders under {root}", layouts, howto
         )
-    return _splits_from_classes(
+    return splits_from_classes(
         "image_folder", train, test, image_size=image_size, fingerprint={"root": str(root), **fp}
     )
 

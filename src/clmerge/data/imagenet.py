@@ -9,14 +9,14 @@ from clmerge.data.base import DataSplits, register_dataset
 from clmerge.data.folders import (
     IMAGENET_A_HOWTO,
     IMAGENET_R_HOWTO,
-    _check_first_exists,
-    _check_same_classes,
-    _read_text,
-    _reject_unknown,
-    _scan_classes,
-    _split_fingerprint,
-    _splits_from_classes,
-    _splits_from_lists,
+    check_first_exists,
+    check_same_classes,
+    read_utf8_text,
+    reject_unknown,
+    scan_classes,
+    split_fingerprint,
+    splits_from_classes,
+    splits_from_lists,
     missing_data_error,
     resolve_data_root,
     split_per_class,
@@ -55,7 +55,7 @@ def _read_coda_yaml(path: Path, folder: Path) -> tuple[list[Path], list[int]]:
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     try:
-        cfg = yaml.load(_read_text(path), Loader=loader)
+        cfg = yaml.load(read_utf8_text(path), Loader=loader)
     except yaml.YAMLError as exc:
         raise ValueError(f"{path}: not valid YAML ({exc})") from exc
     if (
@@ -85,13 +85,13 @@ def _imagenet_r_coda(folder: Path, files: tuple[Path, Path], image_size: int | N
     train = _read_coda_yaml(files[0], folder)
     test = _read_coda_yaml(files[1], folder)
     for split, f in zip((train, test), files, strict=True):
-        _check_first_exists("imagenet_r", split[0], f, folder)
+        check_first_exists("imagenet_r", split[0], f, folder)
     fp = {
         "root": str(folder),
         "layout": "raw folder + CODA-Prompt yaml split",
-        "split_files": _split_fingerprint(files),
+        "split_files": split_fingerprint(files),
     }
-    return _splits_from_lists("imagenet_r", train, test, image_size=image_size, fingerprint=fp)
+    return splits_from_lists("imagenet_r", train, test, image_size=image_size, fingerprint=fp)
 
 
 def _berkeley_folder(
@@ -104,11 +104,11 @@ def _berkeley_folder(
     if not folder.is_dir():
         return None
     if (folder / "train").is_dir() and (folder / "test").is_dir():
-        train, test = _scan_classes(folder / "train"), _scan_classes(folder / "test")
-        _check_same_classes(dataset, train, test, folder)
+        train, test = scan_classes(folder / "train"), scan_classes(folder / "test")
+        check_same_classes(dataset, train, test, folder)
         fp = {"root": str(folder), "layout": "pre-split train/test (PILOT / SD-LoRA)"}
-        return _splits_from_classes(dataset, train, test, image_size=image_size, fingerprint=fp)
-    by_class = {k: v for k, v in _scan_classes(folder, exclude=("train", "test")).items() if v}
+        return splits_from_classes(dataset, train, test, image_size=image_size, fingerprint=fp)
+    by_class = {k: v for k, v in scan_classes(folder, exclude=("train", "test")).items() if v}
     if not by_class:
         return None
     train, test = split_per_class(by_class, test_fraction, seed)
@@ -118,7 +118,7 @@ def _berkeley_folder(
         "seed": int(seed),
         "test_fraction": test_fraction,
     }
-    return _splits_from_classes(dataset, train, test, image_size=image_size, fingerprint=fp)
+    return splits_from_classes(dataset, train, test, image_size=image_size, fingerprint=fp)
 
 
 @register_dataset(
@@ -150,7 +150,7 @@ def imagenet_r(
     Returns:
         The splits; ``fingerprint["layout"]`` says which layout was used.
     """
-    _reject_unknown("imagenet_r", options, ["test_fraction", "split_seed"])
+    reject_unknown("imagenet_r", options, ["test_fraction", "split_seed"])
     seed = seed if split_seed is None else split_seed
     root = resolve_data_root(data_root)
     folder = root / "imagenet-r"
@@ -200,7 +200,7 @@ def imagenet_a(
     Returns:
         The splits; ``fingerprint["layout"]`` says which layout was used.
     """
-    _reject_unknown("imagenet_a", options, ["test_fraction", "split_seed"])
+    reject_unknown("imagenet_a", options, ["test_fraction", "split_seed"])
     seed = seed if split_seed is None else split_seed
     root = resolve_data_root(data_root)
     folder = root / "imagenet-a"

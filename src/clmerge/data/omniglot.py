@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import DataSplits, FileListData, register_dataset
-from .folders import _images_in, _reject_unknown, _subdirs, missing_data_error, resolve_data_root, split_per_class
+from .folders import images_in, reject_unknown, subdirs, missing_data_error, resolve_data_root, split_per_class
 
 __all__ = ["RotatedFileData", "omniglot", "OMNIGLOT_SETS"]
 
@@ -77,9 +77,9 @@ def _characters(folder: Path, sets: list[str]) -> dict[str, list[Path]]:
     for s in sets:
         if not (folder / s).is_dir():
             continue
-        for alphabet in _subdirs(folder / s):
-            for char in _subdirs(alphabet):
-                files = _images_in(char)
+        for alphabet in subdirs(folder / s):
+            for char in subdirs(alphabet):
+                files = images_in(char)
                 if files:
                     out[f"{s}/{alphabet.name}/{char.name}"] = files
     return out
@@ -115,7 +115,7 @@ def omniglot(*, data_root: str | None = None, image_size: int | None = 28, seed:
     Returns:
         The splits, class names ``<set>/<Alphabet>/<character>``.
     """
-    _reject_unknown("omniglot", options, ["n_classes", "test_fraction", "split_seed", "rotations", "invert", "sets"])
+    reject_unknown("omniglot", options, ["n_classes", "test_fraction", "split_seed", "rotations", "invert", "sets"])
     angles = [0, 90, 180, 270] if rotations is None else [int(a) for a in rotations]
     if not angles or any(a % 90 for a in angles):
         raise ValueError(f"omniglot: rotations must be multiples of 90 degrees, got {angles}")

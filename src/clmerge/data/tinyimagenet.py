@@ -20,12 +20,12 @@ from typing import Any
 
 from .base import DataSplits, register_dataset
 from .folders import (
-    _images_in,
-    _read_table,
-    _reject_unknown,
-    _split_fingerprint,
-    _splits_from_lists,
-    _subdirs,
+    images_in,
+    read_table,
+    reject_unknown,
+    split_fingerprint,
+    splits_from_lists,
+    subdirs,
     missing_data_error,
     resolve_data_root,
 )
@@ -50,7 +50,7 @@ def _wnids(folder: Path) -> list[str]:
     if path.is_file():
         ids = sorted({line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()})
     else:
-        ids = [d.name for d in _subdirs(folder / "train")]
+        ids = [d.name for d in subdirs(folder / "train")]
     if not ids:
         raise ValueError(f"tinyimagenet: no classes found in {path if path.is_file() else folder / 'train'}")
     return ids
@@ -69,7 +69,7 @@ def _val_annotations(folder: Path, ids: dict[str, int]) -> tuple[list[Path], lis
             raise ValueError(f"unknown wnid {name!r}")
         return name
 
-    rows = _read_table(path, (str, wnid), expected="<file> <wnid> <box...>")
+    rows = read_table(path, (str, wnid), expected="<file> <wnid> <box...>")
     paths = [folder / "val" / "images" / f for _, f, _ in rows]
     if paths and not paths[0].exists():
         raise FileNotFoundError(f"tinyimagenet: {path} names {paths[0]}, which does not exist")
@@ -102,7 +102,7 @@ def tinyimagenet(*, data_root: str | None = None, image_size: int | None = 64, s
     Returns:
         The splits (train = ``train/``, test = labelled ``val/``), class names from ``words.txt`` if present.
     """
-    _reject_unknown("tinyimagenet", options, [])
+    reject_unknown("tinyimagenet", options, [])
     root = resolve_data_root(data_root)
     folder = _tiny_dir(root)
     if folder is None:
@@ -114,7 +114,7 @@ def tinyimagenet(*, data_root: str | None = None, image_size: int | None = 64, s
     tr_paths, tr_labels = [], []
     for w in wnids:
         d = folder / "train" / w
-        files = _images_in(d / "images" if (d / "images").is_dir() else d)
+        files = images_in(d / "images" if (d / "images").is_dir() else d)
         if not files:
             raise FileNotFoundError(f"tinyimagenet: no images for class {w} under {d}")
         tr_paths += files
@@ -123,8 +123,8 @@ def tinyimagenet(*, data_root: str | None = None, image_size: int | None = 64, s
     size = None if image_size in (None, 64) else image_size
     split_files = [p for p in (folder / "wnids.txt", folder / "val" / "val_annotations.txt") if p.is_file()]
     fp = {"root": str(folder), "layout": "tiny-imagenet-200 release (val as test)",
-          "split_files": _split_fingerprint(split_files)}
-    out = _splits_from_lists("tinyimagenet", (tr_paths, tr_labels), (te_paths, te_labels), image_size=size,
+          "split_files": split_fingerprint(split_files)}
+    out = splits_from_lists("tinyimagenet", (tr_paths, tr_labels), (te_paths, te_labels), image_size=size,
                              fingerprint=fp)
     out.class_names = _words(folder, wnids)
     return out

@@ -20,13 +20,14 @@ from torch import Tensor, nn
 from ..merging.registry import merge
 from ..utils.io import atomic_write_text, write_json
 from .merge_bench_data import SUITES, BenchTask, load_task, parse_task
-from .merge_bench_experts import (BenchConfig, _batches, _optimizer, build_base, expert_digest, expert_for_task,
-                                  expert_path, init_expert, loss_and_accuracy, make_head, split_expert, train_expert)
+from .merge_bench_experts import (BenchConfig, build_base, expert_digest, expert_for_task, expert_path, index_batches,
+                                  init_expert, loss_and_accuracy, make_head, make_optimizer, split_expert, train_expert)
 from .merge_bench_grid import search
 
 __all__ = ["BenchTask", "BenchConfig", "SUITES", "DEFAULT_GRIDS", "run_benchmark", "expert_for_task", "train_expert",
            "init_expert", "expert_digest", "MAX_EXTENSIONS", "expert_path", "loss_and_accuracy", "parse_task", "split_expert",
-           "load_task", "build_base", "results_markdown", "ROW_LABELS", "_batches", "_optimizer", "_accuracy"]
+           "load_task", "build_base", "results_markdown", "ROW_LABELS", "index_batches", "make_optimizer",
+           "head_accuracy", "protocol_line"]
 
 # Start grids; run_benchmark extends each one until its chosen value is interior, so a start grid may be coarse
 # (each grid point costs one validation pass over all tasks: on a shared 2-core CPU that is the bottleneck).
@@ -48,14 +49,15 @@ MAX_EXTENSIONS = 12
 ROW_LABELS = {"pretrained": "pretrained backbone + task heads", "individual": "individual experts"}
 
 
-def _accuracy(backbone: nn.Module, head: nn.Module, x: Tensor, y: Tensor, bs: int = 256) -> float:
+def head_accuracy(backbone: nn.Module, head: nn.Module, x: Tensor, y: Tensor, bs: int = 256) -> float:
+    """Accuracy in percent of ``head`` on ``backbone``'s features of ``x``."""
     return 100.0 * loss_and_accuracy(backbone, head, x, y, bs)[1] / max(1, len(x))
 
 
 def _evaluate(backbone: nn.Module, params: dict[str, Tensor], heads: list[nn.Module], data: list[dict],
               split: str) -> list[float]:
     backbone.load_state_dict(params)
-    return [_accuracy(backbone, h, *d[split]) for h, d in zip(heads, data)]
+    return [head_accuracy(backbone, h, *d[split]) for h, d in zip(heads, data)]
 
 
 def _experts(cfg: BenchConfig, tasks: list[BenchTask], data: list[dict], cache: Path,
@@ -123,7 +125,8 @@ def run_benchmark(cfg: BenchConfig, out: Path, *, grids: dict[str, dict[str, lis
     return results
 
 
-def _protocol_line(cfg: dict) -> str:
+def protocol_line(cfg: dict) -> str:
+    """The results' sentence that names the head protocol of the config ``cfg`` (a dict of BenchConfig)."""
     if cfg.get("heads", "cotrained") == "frozen":
         init = {"probe": "a linear probe", "prototypes": "class prototypes"}[cfg.get("head_init", "probe")]
         return (f"Head protocol: **frozen** ({init} fitted on the pretrained backbone's features of each task's "
@@ -136,7 +139,7 @@ def results_markdown(results: dict) -> str:
     then the final grids (where each chosen value ended up)."""
     tasks, cfg = results["tasks"], results["config"]
     seed = cfg["seed"] if cfg.get("train_seed") is None else cfg["train_seed"]
-    lines = [_protocol_line(cfg) + f" Fine-tuning seed {seed}.", "",
+    lines = [protocol_line(cfg) + f" Fine-tuning seed {seed}.", "",
              "| method | " + " | ".join(tasks) + " | avg | normalized | hyperparameters (val-selected) |",
              "|" + "---|" * (len(tasks) + 4)]
     for name, r in results["rows"].items():

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from ..report.plots import _new_figure, _to_png
+from ..report.plots import new_figure, to_png
 from ..merging.analysis import interference_curves, task_vector_spectra
 from ..merging.lowrank import is_lowrank_param
 from ..merging.registry import merge
@@ -80,7 +80,7 @@ def write_plots(analysis: dict[str, Any], rows: dict[str, Any], out: Path) -> li
     """``rank_ratio.png``, ``spectra.png``, ``interference.png`` in ``out``; returns the file names."""
     out.mkdir(parents=True, exist_ok=True)
     c = analysis["rank_ratio"]
-    fig = _new_figure(6.0, 4.0)
+    fig = new_figure(6.0, 4.0)
     ax = fig.add_subplot(1, 1, 1)
     ax.plot(c["ratios"], c["cart"], "o-", label=f"CART (centered), scaling {c['cart_scaling']}")
     ax.plot(c["ratios"], c["low_rank_ta"], "s--", label=f"low-rank TA (uncentered), scaling {c['low_rank_ta_scaling']}")
@@ -95,7 +95,7 @@ def write_plots(analysis: dict[str, Any], rows: dict[str, Any], out: Path) -> li
     ax.set_ylabel("mean test accuracy (%)")
     ax.legend(fontsize=7)
     files = {"rank_ratio.png": fig}
-    fig = _new_figure(5.0, 3.6)
+    fig = new_figure(5.0, 3.6)
     ax = fig.add_subplot(1, 1, 1)
     for name in ("centered", "original"):
         s = analysis["spectra"][name]
@@ -105,7 +105,7 @@ def write_plots(analysis: dict[str, Any], rows: dict[str, Any], out: Path) -> li
     ax.legend()
     files["spectra.png"] = fig
     i = analysis["interference"]
-    fig = _new_figure(9.0, 3.6)
+    fig = new_figure(9.0, 3.6)
     for j, (q, title) in enumerate((("I", "row-space interference I(k), Eq. 5"),
                                     ("R", "reconstruction error R(k), Eq. 7"))):
         ax = fig.add_subplot(1, 2, j + 1)
@@ -116,7 +116,7 @@ def write_plots(analysis: dict[str, Any], rows: dict[str, Any], out: Path) -> li
         ax.legend()
     files["interference.png"] = fig
     for name, f in files.items():
-        (out / name).write_bytes(_to_png(f))
+        (out / name).write_bytes(to_png(f))
     return list(files)
 
 

@@ -10,50 +10,14 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from .merge_bench_experts import BenchConfig
+from .merge_bench_config import BenchConfig, BenchTask
 
 __all__ = ["BenchTask", "SUITES", "SUITE_BACKBONES", "SUITE_CAPS", "TEXT6_GROUPS", "parse_task", "load_task"]
-
-
-@dataclass(frozen=True)
-class BenchTask:
-    """One task: a data source, a fixed transformation (``identity``, ``rot<deg>``, ``perm<seed>``, ``invert``)
-    and optionally a subset of its classes (``"0-4"`` or ``"0,2,4"``; labels renumbered from 0 in that order)."""
-
-    dataset: str
-    transform: str = "identity"
-    classes: str | None = None
-
-    @property
-    def name(self) -> str:
-        return f"{self.dataset}-{self.transform}" + (f"-c{self.classes}" if self.classes else "")
-
-    @property
-    def spec(self) -> str:
-        """The ``dataset:transform[:classes]`` string that :func:`parse_task` reads back."""
-        return f"{self.dataset}:{self.transform}" + (f":{self.classes}" if self.classes else "")
-
-    def class_list(self) -> list[int] | None:
-        if not self.classes:
-            return None
-        out: list[int] = []
-        try:
-            for part in self.classes.split(","):
-                lo, _, hi = part.partition("-")
-                out += list(range(int(lo), int(hi) + 1)) if hi else [int(lo)]
-        except ValueError:
-            raise ValueError(f"task {self.spec!r}: classes must look like '0-4' or '0,2,4'") from None
-        if len(set(out)) != len(out) or len(out) < 2:
-            raise ValueError(f"task {self.spec!r}: need at least 2 distinct classes, got {out}")
-        return out
 
 
 def parse_task(spec: str) -> BenchTask:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,75 +22,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..utils.io import load_tensors, save_tensors, write_json
-from .merge_bench_data import BenchTask
+from .merge_bench_config import HEAD_INITS, HEAD_PROTOCOLS, PROBE_STEPS, PROBE_WEIGHT_DECAY, BenchConfig, BenchTask
 
 __all__ = ["BenchConfig", "HEAD_PROTOCOLS", "HEAD_INITS", "build_base", "features", "fit_probe", "prototype_head",
            "fit_head", "init_expert", "train_expert", "split_expert", "expert_digest", "expert_path",
-           "load_cached_expert",
+           "load_cached_expert", "make_optimizer", "index_batches",
            "expert_for_task", "loss_and_accuracy", "make_head"]
-
-HEAD_PROTOCOLS = ("frozen", "cotrained")
-HEAD_INITS = ("probe", "prototypes")
-PROBE_WEIGHT_DECAY = 1e-3  # L2 on the probe's weights (mean cross-entropy scale); part of the expert's identity
-PROBE_STEPS = 100  # L-BFGS iterations on the full (feature) training set
-
-
-@dataclass
-class BenchConfig:
-    """Everything that makes an expert (hashed into its cache name) plus evaluation settings."""
-
-    suite: str = "8"
-    backbone: str = "vit-tiny-fmnist"
-    pretrained: bool = True
-    arch: dict = field(default_factory=dict)  # architecture overrides (random init only)
-    epochs: int = 3
-    lr: float = 1e-3
-    batch_size: int = 64
-    max_train: int | None = None
-    val_fraction: float = 0.15
-    max_eval: int | None = None
-    seed: int = 0  # the data split, a random-init backbone, and (unless train_seed is set) the fine-tuning
-    # Added for the expert studies of clmerge.theory. They enter the expert's cache key only when they differ
-    # from these defaults, so experts cached before these fields existed keep their names.
-    steps: int | None = None  # a fixed number of optimizer steps (overrides ``epochs``)
-    optimizer: str = "adamw"  # "sgd" (plain mini-batch SGD, the theory's setting), "adam" or "adamw"
-    momentum: float = 0.0  # SGD only
-    data_ratio: float = 1.0  # fraction of the (capped) training split used, the paper's alpha_i
-    perturb: int | None = None  # replace training sample ``perturb`` by a held-out one (L2-stability twin)
-    # The head protocol (module docstring). A key without "heads" is a co-trained expert: every expert cached
-    # before the frozen protocol existed was co-trained, so those names stay valid and never alias a frozen one.
-    heads: str = "cotrained"
-    head_init: str = "probe"  # frozen heads only
-    train_seed: int | None = None  # the fine-tuning seed (batch order, co-trained head init); None: ``seed``
-    # keyword options of the tasks' data source (e.g. wordnet_supersense's data_root, tokenizer, max_length);
-    # empty: the source's defaults
-    data_options: dict = field(default_factory=dict)
-
-    _NEW_DEFAULTS = {"steps": None, "optimizer": "adamw", "momentum": 0.0, "data_ratio": 1.0, "perturb": None,
-                     "heads": "cotrained", "train_seed": None, "data_options": {}}
-
-    def __post_init__(self) -> None:
-        if self.heads not in HEAD_PROTOCOLS:
-            raise ValueError(f"heads {self.heads!r}: expected one of {', '.join(HEAD_PROTOCOLS)}")
-        if self.head_init not in HEAD_INITS:
-            raise ValueError(f"head_init {self.head_init!r}: expected one of {', '.join(HEAD_INITS)}")
-        if self.train_seed == self.seed:  # the same expert as no train_seed: one cache name for it
-            self.train_seed = None
-
-    @property
-    def fine_tune_seed(self) -> int:
-        return self.seed if self.train_seed is None else self.train_seed
-
-    def expert_key(self, task: BenchTask) -> dict:
-        keep = {k: v for k, v in asdict(self).items() if k not in ("suite", "max_eval")}
-        keep = {k: v for k, v in keep.items() if k not in self._NEW_DEFAULTS or v != self._NEW_DEFAULTS[k]}
-        if self.heads == "frozen":  # how the head was fitted is part of the expert
-            keep |= {"head_fit": {"probe_weight_decay": PROBE_WEIGHT_DECAY, "probe_steps": PROBE_STEPS}}
-        else:
-            keep.pop("head_init")
-        task_d = {k: v for k, v in asdict(task).items() if k != "classes" or v is not None}
-        return {"task": task_d, **keep}
-
 
 def build_base(cfg: BenchConfig) -> nn.Module:
     """The shared starting backbone (shipped weights, or a seeded random init)."""
@@ -179,7 +115,7 @@ def init_expert(cfg: BenchConfig, num_classes: int, data: dict | None = None) ->
     return backbone, nn.Linear(backbone.feature_dim, num_classes)
 
 
-def _optimizer(cfg: BenchConfig, params: list) -> torch.optim.Optimizer:
+def make_optimizer(cfg: BenchConfig, params: list) -> torch.optim.Optimizer:
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     if cfg.optimizer == "adam":
@@ -189,7 +125,7 @@ def _optimizer(cfg: BenchConfig, params: list) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer {cfg.optimizer!r} (expected sgd, adam or adamw)")
 
 
-def _batches(n: int, cfg: BenchConfig, g: torch.Generator):
+def index_batches(n: int, cfg: BenchConfig, g: torch.Generator):
     """Index batches: ``epochs`` passes, or exactly ``steps`` batches over repeated seeded permutations."""
     if cfg.steps is None:
         for _ in range(cfg.epochs):
@@ -213,10 +149,10 @@ def train_expert(cfg: BenchConfig, data: dict) -> dict[str, Tensor]:
     backbone, head = init_expert(cfg, int(y.max()) + 1, data)
     frozen = cfg.heads == "frozen"
     head.requires_grad_(not frozen)
-    opt = _optimizer(cfg, list(backbone.parameters()) + ([] if frozen else list(head.parameters())))
+    opt = make_optimizer(cfg, list(backbone.parameters()) + ([] if frozen else list(head.parameters())))
     g = torch.Generator().manual_seed(cfg.fine_tune_seed)
     backbone.train()
-    for idx in _batches(len(x), cfg, g):
+    for idx in index_batches(len(x), cfg, g):
         loss = F.cross_entropy(head(backbone(x[idx])), y[idx])
         opt.zero_grad()
         loss.backward()

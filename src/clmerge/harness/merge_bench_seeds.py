@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..utils.io import atomic_write_text, write_json
-from .merge_bench import ROW_LABELS, _protocol_line
+from .merge_bench import ROW_LABELS, protocol_line
 
 __all__ = ["mean_se", "summarise", "summary_markdown"]
 
@@ -100,7 +100,7 @@ def _verdict(m_se: tuple[float, float]) -> str:
 
 def summary_markdown(summary: dict[str, Any]) -> str:
     """Mean ± standard error over seeds of every row, then CART's claims with their standard errors."""
-    lines = [_protocol_line(summary["config"]) + f" Fine-tuning seeds {summary['seeds']}; each cell is the mean ± "
+    lines = [protocol_line(summary["config"]) + f" Fine-tuning seeds {summary['seeds']}; each cell is the mean ± "
              "standard error over seeds (n = the number of seeds of that row) of the mean over tasks. Per-seed "
              "tables: " + ", ".join(f"[seed {s}](seed{s}/results.md)" for s in summary["seeds"]) + ".", "",
              "| method | n | mean test accuracy | normalized (merged / expert, %) | hyperparameters per seed |",

@@ -14,7 +14,7 @@ from .registry import register_merge
 from .sources import open_models
 from .ties import ties_from_task_vectors
 
-__all__ = ["dare", "dare_tensor"]
+__all__ = ["dare", "dare_tensor", "dare_generator"]
 
 
 def dare_tensor(tv: Tensor, drop_rate: float, *, rescale: bool, generator: torch.Generator,
@@ -28,7 +28,8 @@ def dare_tensor(tv: Tensor, drop_rate: float, *, rescale: bool, generator: torch
     return out.div_(1.0 - drop_rate) if rescale else out
 
 
-def _generator(seed: int, key: str, t: int) -> torch.Generator:
+def dare_generator(seed: int, key: str, t: int) -> torch.Generator:
+    """The random generator of the drop mask of parameter ``key`` of expert ``t`` under ``seed``."""
     # The mask of (key, expert) depends only on the seed, the key and the expert index: the same numbers in
     # any key order and in every pass (DARE+TIES reads each key twice).
     return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode()) * 131 + t) % (2**63))
@@ -61,7 +62,7 @@ def dare(*, base: Any, experts: Sequence[Any], drop_rate: float = 0.5, rescale: 
         out, fb = torch.empty((len(xs), *b.shape)), b.float()
         for row, x, t in zip(out, xs, idx):
             dare_tensor(torch.sub(x.float(), fb, out=row), drop_rate, rescale=rescale,
-                        generator=_generator(seed, key, t), out=row)
+                        generator=dare_generator(seed, key, t), out=row)
         return out
 
     if combine == "task_arithmetic":
@@ -69,7 +70,7 @@ def dare(*, base: Any, experts: Sequence[Any], drop_rate: float = 0.5, rescale: 
             # sum_t m_t * tau_t accumulated in place in float64; the 1/(1-p) rescale applied once at the end
             acc = torch.zeros(b.shape, dtype=torch.promote_types(b.dtype, torch.float32))
             for t, x in enumerate(xs):
-                keep = torch.rand(x.shape, generator=_generator(seed, key, t)) >= drop_rate
+                keep = torch.rand(x.shape, generator=dare_generator(seed, key, t)) >= drop_rate
                 acc.add_((x.float() - b.float()).mul_(keep))
             factor = scaling / (1.0 - drop_rate) if rescale else scaling
             return acc.mul_(factor).add_(b)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .dare import _generator
+from .dare import dare_generator
 from .registry import register_merge
 from .sources import open_models
 from .ties import ties_from_task_vectors
@@ -74,7 +74,7 @@ def della(*, base: Any, experts: Sequence[Any], density: float = 0.5, epsilon: f
 
     def pruned(key: str, b: Tensor, xs: list[Tensor], idx: list[int]) -> Tensor:
         return torch.stack([magprune_tensor(x.float() - b.float(), density, epsilon,
-                                            generator=_generator(seed, key, t)) for x, t in zip(xs, idx)])
+                                            generator=dare_generator(seed, key, t)) for x, t in zip(xs, idx)])
 
     return ties_from_task_vectors(models, pruned, density=1.0, scaling=scaling, trim_scope="per_tensor",
                                   merge_fn="mean")

@@ -14,6 +14,8 @@ from typing import Any
 
 from torch import Tensor
 
+from ..registry import Registry
+
 __all__ = ["MergeMethod", "MERGES", "register_merge", "available", "merge", "get_method"]
 
 MergeFn = Callable[..., dict[str, Tensor]]
@@ -34,7 +36,7 @@ class MergeMethod:
         return {n: p.default for n, p in sig.parameters.items() if n not in ("base", "experts")}
 
 
-MERGES: dict[str, MergeMethod] = {}
+MERGES: Registry = Registry("merge method")  # name -> MergeMethod
 
 
 def register_merge(name: str, description: str, *, needs_base: bool = True) -> Callable[[MergeFn], MergeFn]:
@@ -50,9 +52,8 @@ def register_merge(name: str, description: str, *, needs_base: bool = True) -> C
     """
 
     def deco(fn: MergeFn) -> MergeFn:
-        if name in MERGES:
-            raise ValueError(f"merge method {name!r} is already registered (by {MERGES[name].fn.__module__})")
-        MERGES[name] = MergeMethod(name, description, fn, needs_base)
+        MERGES.register(name, MergeMethod(name, description, fn, needs_base), description=description,
+                        module=fn.__module__)
         return fn
 
     return deco
@@ -60,16 +61,13 @@ def register_merge(name: str, description: str, *, needs_base: bool = True) -> C
 
 def available() -> dict[str, str]:
     """Registered method names, each with its one-line description."""
-    return {n: m.description for n, m in sorted(MERGES.items())}
+    return MERGES.available()
 
 
 def get_method(name: str) -> MergeMethod:
-    """The registered method ``name``; an unknown name is an error naming the nearest known ones."""
-    if name not in MERGES:
-        near = difflib.get_close_matches(name, MERGES, n=3)
-        hint = f" (did you mean {', '.join(near)}?)" if near else ""
-        raise KeyError(f"unknown merge method {name!r}{hint}; known: {', '.join(sorted(MERGES))}")
-    return MERGES[name]
+    """The registered method ``name``; an unknown name is a :class:`~clmerge.registry.UnknownNameError` (a
+    ``UsageError`` and ``KeyError``) naming the nearest known ones."""
+    return MERGES.get(name)
 
 
 def merge(name: str, *, base: Any = None, experts: Sequence[Any], **hyperparameters: Any) -> dict[str, Tensor]:
@@ -82,7 +80,7 @@ def merge(name: str, *, base: Any = None, experts: Sequence[Any], **hyperparamet
         **hyperparameters: the method's keyword hyperparameters (see its function's docstring).
 
     Raises:
-        KeyError: unknown method. TypeError: unknown hyperparameter (with the nearest valid names).
+        UnknownNameError (a KeyError): unknown method. TypeError: unknown hyperparameter (with the nearest valid names).
     """
     method = get_method(name)
     valid = method.hyperparameters()

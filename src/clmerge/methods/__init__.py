@@ -1,4 +1,5 @@
-"""Continual-learning methods, one file each, registered by name with ``@register_method``."""
+"""Continual-learning methods, one module or folder each (``halrp/``, ``prompts/``), registered by name with
+``@register_method``."""
 
 from .base import (
     METHODS,
@@ -14,8 +15,7 @@ from . import finetune, gpm, halrp, regularized, seq_lora, stl  # noqa: E402,F40
 from . import inflora, pm, sd_lora  # noqa: E402,F401
 from . import merge_baselines  # noqa: E402,F401
 from . import magmax  # noqa: E402,F401
-from . import prompt_methods  # noqa: E402,F401
-from . import hide_prompt  # noqa: E402,F401
+from . import prompts  # noqa: E402,F401  (L2P, DualPrompt, CODA-Prompt, HiDe-Prompt)
 
 __all__ = [
     "METHODS",

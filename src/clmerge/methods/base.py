@@ -24,6 +24,7 @@ from ..data.scenarios import Task
 from ..engine.losses import classification_loss
 from ..models.classifier import ContinualClassifier
 from ..engine.precision import full_precision
+from ..registry import Registry
 
 __all__ = [
     "MethodOptions",
@@ -137,31 +138,23 @@ class ContinualMethod:
         self._metrics.setdefault(key, []).append(value)
 
 
-METHODS: dict[str, type[ContinualMethod]] = {}
+METHODS: Registry = Registry("method", key="method.name")  # name -> ContinualMethod subclass
 
 
 def register_method(cls: type[ContinualMethod]) -> type[ContinualMethod]:
     """Class decorator: register ``cls`` under ``cls.name`` (duplicate names are an error)."""
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no name")
-    if cls.name in METHODS:
-        raise ValueError(f"method {cls.name!r} registered twice")
-    METHODS[cls.name] = cls
-    return cls
+    return METHODS.register(cls.name, cls, description=cls.description)
 
 
 def available_methods() -> dict[str, str]:
-    return {k: METHODS[k].description for k in sorted(METHODS)}
+    return METHODS.available()
 
 
 def method_options_model(name: str) -> type[MethodOptions]:
-    if name not in METHODS:
-        from difflib import get_close_matches
-
-        near = get_close_matches(name, METHODS, n=1)
-        raise ValueError(f"method.name: unknown method {name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
-    return METHODS[name].Options
+    return METHODS.get(name).Options
 
 
 def build_method(name: str, options: MethodOptions, *, seed: int = 0) -> ContinualMethod:
-    return METHODS[name](options, seed=seed)
+    return METHODS.get(name)(options, seed=seed)

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..registry import Registry
 
 __all__ = [
     "VisionBackbone",
@@ -21,36 +24,36 @@ __all__ = [
     "build_backbone",
     "available_backbones",
     "BACKBONES",
+    "hf_vit_backbone",
+    "BackboneEntry",
 ]
 
-BACKBONES: dict[str, tuple[Callable[..., "VisionBackbone"], str]] = {}
+class BackboneEntry(NamedTuple):
+    """A registered backbone: its builder and one-line description (indexable as ``(fn, description)``)."""
+
+    fn: Callable[..., "VisionBackbone"]
+    description: str
+
+
+BACKBONES: Registry = Registry("backbone", key="model.name")  # name -> BackboneEntry
 
 
 def register_backbone(name: str, description: str) -> Callable:
     """Register a backbone builder ``fn(**kwargs) -> VisionBackbone`` under ``name``."""
 
     def deco(fn: Callable[..., "VisionBackbone"]) -> Callable[..., "VisionBackbone"]:
-        if name in BACKBONES:
-            raise ValueError(f"backbone {name!r} registered twice")
-        BACKBONES[name] = (fn, description)
+        BACKBONES.register(name, BackboneEntry(fn, description), description=description, module=fn.__module__)
         return fn
 
     return deco
 
 
 def available_backbones() -> dict[str, str]:
-    return {k: d for k, (_, d) in sorted(BACKBONES.items())}
+    return BACKBONES.available()
 
 
 def build_backbone(name: str, **kwargs) -> "VisionBackbone":
-    if name not in BACKBONES:
-        from difflib import get_close_matches
-
-        near = get_close_matches(name, BACKBONES, n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise ValueError(f"model.name: unknown backbone {name!r}{hint}; known: {', '.join(sorted(BACKBONES))}")
-    fn, _ = BACKBONES[name]
-    return fn(**kwargs)
+    return BACKBONES.get(name).fn(**kwargs)
 
 
 class VisionBackbone(nn.Module):
@@ -127,7 +130,8 @@ def _clip_pooled_features(inner: nn.Module, pixels: torch.Tensor) -> torch.Tenso
     return inner(pixel_values=pixels).pooler_output  # CLS token after post_layernorm
 
 
-def _hf_vit(config, *, weights: dict | None, info: dict, mean, std) -> VisionBackbone:
+def hf_vit_backbone(config, *, weights: dict | None, info: dict, mean, std) -> VisionBackbone:
+    """An HF ``ViTModel`` built from ``config`` (weights loaded if given), its CLS token as the feature."""
     from transformers import ViTModel
 
     inner = ViTModel(config, add_pooling_layer=False)
@@ -190,7 +194,7 @@ def hf_vision_from_config(kind: str, config_kwargs: dict, *, mean, std) -> Visio
     if kind == "vit":
         from transformers import ViTConfig
 
-        return _hf_vit(ViTConfig(**config_kwargs), weights=None, info={"source": "config"}, mean=mean, std=std)
+        return hf_vit_backbone(ViTConfig(**config_kwargs), weights=None, info={"source": "config"}, mean=mean, std=std)
     if kind == "clip":
         from transformers import CLIPVisionConfig, CLIPVisionModel
 

@@ -14,7 +14,8 @@ from importlib import resources
 from pathlib import Path
 
 from ..utils.io import load_tensors, read_json
-from .backbones import VisionBackbone, _hf_vit, hf_vision_from_config, hf_vision_from_pretrained, register_backbone
+from .backbones import (VisionBackbone, hf_vision_from_config, hf_vision_from_pretrained, hf_vit_backbone,
+                        register_backbone)
 
 __all__ = ["VIT_TINY_FMNIST", "tiny_vit_config", "asset_dir"]
 
@@ -66,7 +67,8 @@ def vit_tiny_fmnist(*, pretrained: bool = True, source: str | None = None, confi
         prov = d / "provenance.json"
         if prov.exists():
             info["sha256"] = read_json(prov).get("sha256")
-    return _hf_vit(tiny_vit_config(**(config or {})), weights=weights, info=info, mean=FMNIST_MEAN, std=FMNIST_STD)
+    return hf_vit_backbone(tiny_vit_config(**(config or {})), weights=weights, info=info, mean=FMNIST_MEAN,
+                           std=FMNIST_STD)
 
 
 @register_backbone("vit-b16", "ViT-B/16, 224x224 (HF google/vit-base-patch16-224, or model.source); random init with pretrained: false")

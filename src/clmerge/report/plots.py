@@ -21,6 +21,8 @@ from matplotlib.ticker import MaxNLocator
 
 __all__ = [
     "PNG_SIGNATURE",
+    "new_figure",
+    "to_png",
     "matrix_to_array",
     "accuracy_heatmap",
     "accuracy_curves",
@@ -38,13 +40,15 @@ _DPI = 100
 MAX_LEGEND = 12  # series per panel that still get a readable legend
 
 
-def _new_figure(width: float, height: float) -> Figure:
+def new_figure(width: float, height: float) -> Figure:
+    """A matplotlib figure of ``width`` x ``height`` inches on an Agg canvas (no pyplot, no global state)."""
     fig = Figure(figsize=(width, height), dpi=_DPI)
     FigureCanvasAgg(fig)
     return fig
 
 
-def _to_png(fig: Figure) -> bytes:
+def to_png(fig: Figure) -> bytes:
+    """``fig`` as PNG bytes, free of the matplotlib version (the same bytes on every run)."""
     buf = io.BytesIO()
     # No "Software" tEXt chunk: keeps the bytes free of the matplotlib URL and version.
     fig.savefig(buf, format="png", dpi=_DPI, bbox_inches="tight", metadata={"Software": None})
@@ -104,7 +108,7 @@ def accuracy_heatmap(
     A = matrix_to_array(R)
     T = A.shape[0]
     side = min(2.0 + 0.55 * T, 12.0)
-    fig = _new_figure(side + 1.2, side)
+    fig = new_figure(side + 1.2, side)
     ax = fig.add_subplot()
     im = ax.imshow(np.ma.masked_invalid(A), cmap="viridis", vmin=0.0, vmax=100.0)
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="accuracy (%)")
@@ -120,7 +124,7 @@ def accuracy_heatmap(
     ax.set_xlabel("evaluated on task j")
     ax.set_ylabel("after training task i")
     ax.set_title(title)
-    return _to_png(fig)
+    return to_png(fig)
 
 
 def _average_curve(A: np.ndarray) -> list[float]:
@@ -147,7 +151,7 @@ def accuracy_curves(R: Sequence[Sequence[float | None]], task_names: Sequence[st
     """
     A = matrix_to_array(R)
     T = A.shape[0]
-    fig = _new_figure(6.4, 4.0)
+    fig = new_figure(6.4, 4.0)
     ax = fig.add_subplot()
     steps = np.arange(T)
     for j in range(T):
@@ -163,7 +167,7 @@ def accuracy_curves(R: Sequence[Sequence[float | None]], task_names: Sequence[st
     ax.set_title("Accuracy over tasks")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=max(1, (T + 1) // 12), loc="center left", bbox_to_anchor=(1.01, 0.5))
-    return _to_png(fig)
+    return to_png(fig)
 
 
 def forgetting_bars(
@@ -180,7 +184,7 @@ def forgetting_bars(
     """
     values = np.array([np.nan if v is None else float(v) for v in forgetting_per_task], dtype=float)
     n = len(values)
-    fig = _new_figure(min(2.5 + 0.45 * max(n, 1), 12.0), 3.6)
+    fig = new_figure(min(2.5 + 0.45 * max(n, 1), 12.0), 3.6)
     ax = fig.add_subplot()
     xs = np.arange(n)
     ax.bar(xs, np.nan_to_num(values), color=np.where(values >= 0, "tab:red", "tab:green"))
@@ -193,7 +197,7 @@ def forgetting_bars(
     ax.set_ylabel("forgetting (points)")
     ax.set_title("Forgetting per task")
     ax.grid(axis="y", alpha=0.3)
-    return _to_png(fig)
+    return to_png(fig)
 
 
 def epoch_losses(events: Sequence[Mapping[str, Any]]) -> list[tuple[Any, float]]:
@@ -245,7 +249,7 @@ def loss_curve(events: Sequence[Mapping[str, Any]]) -> bytes:
     else:
         epochs = epoch_losses(events)
         points, xlabel = [(task, float(k), loss) for k, (task, loss) in enumerate(epochs, 1)], "epoch (all tasks)"
-    fig = _new_figure(6.4, 3.6)
+    fig = new_figure(6.4, 3.6)
     ax = fig.add_subplot()
     segments: list[list[tuple[float, float]]] = []  # one per run of consecutive points of the same task
     previous, last_x = object(), 0.0
@@ -267,7 +271,7 @@ def loss_curve(events: Sequence[Mapping[str, Any]]) -> bytes:
     ax.set_ylabel("training loss")
     ax.set_title("Training loss", pad=14)
     ax.grid(alpha=0.3)
-    return _to_png(fig)
+    return to_png(fig)
 
 
 def value_panels(panels: Mapping[str, Mapping[str, Sequence[float | None]]], xlabel: str = "task") -> bytes:
@@ -286,7 +290,7 @@ def value_panels(panels: Mapping[str, Mapping[str, Sequence[float | None]]], xla
     n = max(len(panels), 1)
     cols = min(3, n)
     rows = (n + cols - 1) // cols
-    fig = _new_figure(4.2 * cols, 3.0 * rows)
+    fig = new_figure(4.2 * cols, 3.0 * rows)
     for k, (title, series) in enumerate(panels.items()):
         ax = fig.add_subplot(rows, cols, k + 1)
         arrays = {str(lbl): np.array([np.nan if not _is_number(v) else float(v) for v in vs], dtype=float)
@@ -314,7 +318,7 @@ def value_panels(panels: Mapping[str, Mapping[str, Sequence[float | None]]], xla
             handles = ax.get_legend_handles_labels()
             ax.legend(handles[0][-1:] if many else handles[0], handles[1][-1:] if many else handles[1], fontsize=7)
     fig.tight_layout()
-    return _to_png(fig)
+    return to_png(fig)
 
 
 def multi_order_curves(curves: Mapping[str, Sequence[float | None]]) -> bytes:
@@ -326,7 +330,7 @@ def multi_order_curves(curves: Mapping[str, Sequence[float | None]]) -> bytes:
     Returns:
         The PNG image as bytes.
     """
-    fig = _new_figure(6.4, 4.0)
+    fig = new_figure(6.4, 4.0)
     ax = fig.add_subplot()
     for label, curve in curves.items():
         ys = np.array([np.nan if v is None else float(v) for v in curve], dtype=float)
@@ -339,7 +343,7 @@ def multi_order_curves(curves: Mapping[str, Sequence[float | None]]) -> bytes:
     ax.grid(alpha=0.3)
     if curves:
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    return _to_png(fig)
+    return to_png(fig)
 
 
 def metric_bars(values: Mapping[str, Mapping[str, float | None]], metrics: Sequence[str]) -> bytes:
@@ -354,7 +358,7 @@ def metric_bars(values: Mapping[str, Mapping[str, float | None]], metrics: Seque
     """
     labels = list(values)
     n, m = len(labels), max(len(metrics), 1)
-    fig = _new_figure(min(3.0 + 0.9 * max(n, 1) * m / 3, 14.0), 4.0)
+    fig = new_figure(min(3.0 + 0.9 * max(n, 1) * m / 3, 14.0), 4.0)
     ax = fig.add_subplot()
     width = 0.8 / m
     xs = np.arange(n)
@@ -367,4 +371,4 @@ def metric_bars(values: Mapping[str, Mapping[str, float | None]], metrics: Seque
     ax.set_title("Runs compared")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    return _to_png(fig)
+    return to_png(fig)

@@ -3,7 +3,7 @@
 * :mod:`.spec`: the study spec and its grid points; :mod:`.jobs`: expert fine-tuning and merge jobs;
 * :mod:`.quantities`: sigma_i^2, zeta_i^2, task-vector heterogeneity, L2 stability, implicit weights;
 * :mod:`.laws`: the one-variable forms of spec section 4.C, fitted with bootstrap intervals; ``predict``;
-* :mod:`.advise`: plain-words advice from a study's fits.
+* :mod:`.advise`: plain-words advice from a study's fits; :mod:`.report`: the study's HTML page.
 
 Running a study (many jobs, local or Ray) is :func:`clmerge.sweep.run_study`.
 """

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..merging.dare import _generator as dare_generator
+from ..merging.dare import dare_generator
 from ..merging.dare import dare_tensor
 from ..merging.ties import magnitude_threshold
 from ..params.fisher import per_sample_grads

@@ -19,13 +19,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..adapters.halrp import halrp_layers, wrap_halrp_layers
-from ..adapters.task_modules import TaskBatchNorm, TaskRoutedModel, set_active_task, wrap_batchnorms
-from ..engine.losses import classification_loss
-from ..params import low_rank_perturbation as lrp
-from .base import ContinualMethod, register_method
-from .halrp_options import HALRPOptions
-from ..engine.precision import full_precision
+from ...adapters.task_modules import TaskBatchNorm, TaskRoutedModel, set_active_task, wrap_batchnorms
+from ...engine.losses import classification_loss
+from ...engine.precision import full_precision
+from ..base import ContinualMethod, register_method
+from . import low_rank_perturbation as lrp
+from .layers import halrp_layers, wrap_halrp_layers
+from .options import HALRPOptions
 
 __all__ = ["HALRP", "HALRPOptions", "official_growth", "task_parameter_count"]
 

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..adapters.prompt import PromptInput
+from ...adapters.prompt import PromptInput
 
-__all__ = ["L2PPool", "DualPromptPool", "CodaPool", "cosine_similarity_matrix", "orthonormal_rows",
-           "batchwise_majority"]
+__all__ = ["PromptPool", "L2PPool", "DualPromptPool", "CodaPool", "cosine_similarity_matrix", "orthonormal_rows",
+           "batchwise_majority", "uniform_tensor"]
 
 
 def cosine_similarity_matrix(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -48,11 +48,12 @@ def orthonormal_rows(old: torch.Tensor, n: int, generator: torch.Generator) -> t
     return torch.linalg.qr(m).Q.t().contiguous()  # (n, d)
 
 
-def _uniform(shape, low: float, high: float, generator: torch.Generator) -> torch.Tensor:
+def uniform_tensor(shape, low: float, high: float, generator: torch.Generator) -> torch.Tensor:
+    """A tensor of ``shape`` drawn uniformly from ``[low, high)`` with ``generator`` (prompt and key inits)."""
     return torch.rand(shape, generator=generator) * (high - low) + low
 
 
-class _Pool(nn.Module):
+class PromptPool(nn.Module):
     """Shared bookkeeping: the current task (a buffer, so it is checkpointed), training selection counts, the
     matching loss of the last pass."""
 
@@ -85,7 +86,7 @@ class _Pool(nn.Module):
         """After each optimizer step (CODA-Prompt restores its frozen components)."""
 
 
-class L2PPool(_Pool):
+class L2PPool(PromptPool):
     """L2P's pool: M prompts (L_p, D) with keys (D); top-N keys by cosine to the query (Eq. 3-4)."""
 
     def __init__(self, dim: int, pool_size: int, length: int, top_n: int, *, pull_weight: float, batchwise: bool,
@@ -93,7 +94,7 @@ class L2PPool(_Pool):
         super().__init__()
         self.n_choices, self.top_n, self.length = pool_size, top_n, length
         self.pull_weight, self.batchwise, self.task_mask = pull_weight, batchwise, task_mask
-        make = (lambda s: _uniform(s, 0.0, 1.0, generator)) if init == "uniform" else torch.zeros
+        make = (lambda s: uniform_tensor(s, 0.0, 1.0, generator)) if init == "uniform" else torch.zeros
         self.prompts = nn.Parameter(make((pool_size, length, dim)))  # code: nn.init.uniform_ = U(0, 1)
         self.keys = nn.Parameter(make((pool_size, dim)))
 
@@ -126,7 +127,7 @@ class L2PPool(_Pool):
         return self.usage(q)[:, top] > 0
 
 
-class DualPromptPool(_Pool):
+class DualPromptPool(PromptPool):
     """DualPrompt: G-prompt prefixes shared by all tasks, E-prompt prefixes chosen by key match (Eq. 3-5)."""
 
     def __init__(self, dim: int, *, g_layers: list[int], g_length: int, e_layers: list[int], e_length: int,
@@ -137,10 +138,10 @@ class DualPromptPool(_Pool):
         self.g_layers, self.e_layers, self.n_choices = list(g_layers), list(e_layers), pool_size
         self.pull_weight, self.train_true_task, self.batchwise = pull_weight, train_true_task, batchwise
         # [layer, key|value, (pool,) token, D], U(-1, 1) as the code
-        self.g_prompts = nn.Parameter(_uniform((len(g_layers), 2, half(g_length), dim), -1.0, 1.0, generator))
-        self.e_prompts = nn.Parameter(_uniform((len(e_layers), 2, pool_size, half(e_length), dim), -1.0, 1.0,
+        self.g_prompts = nn.Parameter(uniform_tensor((len(g_layers), 2, half(g_length), dim), -1.0, 1.0, generator))
+        self.e_prompts = nn.Parameter(uniform_tensor((len(e_layers), 2, pool_size, half(e_length), dim), -1.0, 1.0,
                                                generator))
-        self.keys = nn.Parameter(_uniform((pool_size, dim), -1.0, 1.0, generator))
+        self.keys = nn.Parameter(uniform_tensor((pool_size, dim), -1.0, 1.0, generator))
         self.prefix_layers = sorted(set(g_layers) | set(e_layers))
         self.layer_options = {"g_layers": self.g_layers, "e_layers": self.e_layers}
 
@@ -186,7 +187,7 @@ class DualPromptPool(_Pool):
         return self.usage(q).argmax(dim=1) == task
 
 
-class CodaPool(_Pool):
+class CodaPool(PromptPool):
     """CODA-Prompt: per layer, components P_m (L_p, D), keys K_m and attention vectors A_m (D).
 
     alpha_m = cos(q ⊙ A_m, K_m) (Eq. 5-6), prompt p = sum_m alpha_m P_m (Eq. 4), split into key/value halves.

@@ -18,12 +18,13 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from ..adapters.prompt import attach_prompts
-from ..engine.losses import classification_loss
-from .base import ContinualMethod, MethodOptions, register_method
-from .prompt_pools import CodaPool, DualPromptPool, L2PPool
+from ...adapters.prompt import attach_prompts
+from ...engine.losses import classification_loss
+from ..base import ContinualMethod, MethodOptions, register_method
+from .pools import CodaPool, DualPromptPool, L2PPool
 
-__all__ = ["L2P", "DualPrompt", "CodaPrompt", "L2POptions", "DualPromptOptions", "CodaPromptOptions"]
+__all__ = ["PromptMethod", "PromptMethodOptions", "L2P", "DualPrompt", "CodaPrompt", "L2POptions", "DualPromptOptions",
+           "CodaPromptOptions"]
 
 
 class PromptMethodOptions(MethodOptions):
@@ -31,7 +32,7 @@ class PromptMethodOptions(MethodOptions):
                                  "test data and record the selection histogram and the task-id accuracy")
 
 
-class _PromptMethod(ContinualMethod):
+class PromptMethod(ContinualMethod):
     """Shared hooks: frozen backbone, a pool on ``model.prompts``, the mechanism, the loss, the records."""
 
     feature = "cls"
@@ -116,7 +117,7 @@ class L2POptions(PromptMethodOptions):
 
 
 @register_method
-class L2P(_PromptMethod):
+class L2P(PromptMethod):
     name = "l2p"
     description = "L2P: a pool of prompts with learnable keys, top-N matched to the frozen [CLS] query, prompt-tuning"
     Options = L2POptions
@@ -153,7 +154,7 @@ class DualPromptOptions(PromptMethodOptions):
 
 
 @register_method
-class DualPrompt(_PromptMethod):
+class DualPrompt(PromptMethod):
     name = "dualprompt"
     description = "DualPrompt: shared G-prompt (layers 0-1) and task E-prompts (layers 2-4) by key match, prefix-tuning"
     Options = DualPromptOptions
@@ -185,7 +186,7 @@ class CodaPromptOptions(PromptMethodOptions):
 
 
 @register_method
-class CodaPrompt(_PromptMethod):
+class CodaPrompt(PromptMethod):
     name = "coda_prompt"
     description = "CODA-Prompt: prompts as query-attention-weighted sums of components, earlier components frozen"
     Options = CodaPromptOptions

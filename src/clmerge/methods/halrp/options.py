@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from .base import MethodOptions
+from ..base import MethodOptions
 
 __all__ = ["HALRPOptions"]
 

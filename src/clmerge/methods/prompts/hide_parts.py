@@ -15,14 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..adapters.prompt import PromptInput
-from ..models.classifier import IncrementalHead
-from .prompt_pools import _Pool, _uniform
+from ...adapters.prompt import PromptInput
+from ...models.classifier import IncrementalHead
+from .pools import PromptPool, uniform_tensor
 
 __all__ = ["HiDePromptPool", "MultiCentroidStats", "TaskIdentityHead", "contrastive_regulariser"]
 
 
-class HiDePromptPool(_Pool):
+class HiDePromptPool(PromptPool):
     """One prefix prompt per task: ``e[l, k|v, t]`` (L, D) for every prefix layer l (the code's E-prompt with
     ``top_k=1``, prefix-tuning, separate key and value prefixes of L tokens each, U(-1, 1) init).
 
@@ -35,7 +35,7 @@ class HiDePromptPool(_Pool):
         super().__init__()
         self.layers, self.n_choices, self.length = list(layers), pool_size, length
         self.momentum, self.init_from_previous = momentum, init_from_previous
-        self.e_prompts = nn.Parameter(_uniform((len(layers), 2, pool_size, length, dim), -1.0, 1.0, generator))
+        self.e_prompts = nn.Parameter(uniform_tensor((len(layers), 2, pool_size, length, dim), -1.0, 1.0, generator))
         self.prefix_layers = sorted(set(layers))
         self.layer_options = {"layers": self.layers}
         self.chooser: Callable[[torch.Tensor], torch.Tensor] | None = None  # q (B, D) -> task ids (B,)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .structure import register_wrapper
+from ...adapters.wrappers import register_wrapper
 
 __all__ = ["TaskFactors", "HALRPLayer", "HALRPLinear", "HALRPConv2d", "halrp_layers", "wrap_halrp_layers"]
 

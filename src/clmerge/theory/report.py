@@ -10,17 +10,17 @@ from typing import Any
 import numpy as np
 from matplotlib.ticker import NullFormatter
 
-from ..theory.laws import FORMS, evaluate_form
+from ..report.elements import img, page, section, table
+from ..report.plots import new_figure, to_png
 from ..utils.io import atomic_write_text
-from .html import _img, _page, _section, _table
-from .plots import _new_figure, _to_png
+from .laws import FORMS, evaluate_form
 
 __all__ = ["law_plot", "stability_plot", "build_study_report"]
 
 
 def law_plot(name: str, per_method: dict[str, dict]) -> bytes:
     """Merged loss against one hyperparameter: the points of each method and its fitted curve, 95% band."""
-    fig = _new_figure(5.0, 3.4)
+    fig = new_figure(5.0, 3.4)
     ax = fig.add_subplot(1, 1, 1)
     form = FORMS[name]
     for i, (method, fit) in enumerate(per_method.items()):
@@ -40,13 +40,13 @@ def law_plot(name: str, per_method: dict[str, dict]) -> bytes:
     ax.set_xlabel(f"{name}   [{form.equation}]")
     ax.set_ylabel("merged test loss")
     ax.legend(fontsize=7)
-    return _to_png(fig)
+    return to_png(fig)
 
 
 def stability_plot(stab: dict[str, Any]) -> bytes:
     """``||x - x~||^2`` against each varied quantity on log-log axes with the fitted slope."""
     fits = {k: v for k, v in stab.items() if isinstance(v, dict) and "slope" in v}
-    fig = _new_figure(3.4 * max(1, len(fits)), 3.0)
+    fig = new_figure(3.4 * max(1, len(fits)), 3.0)
     for i, (var, f) in enumerate(fits.items()):
         ax = fig.add_subplot(1, len(fits), i + 1)
         x, y = np.array(f["x"]), np.array(f["y"])
@@ -61,7 +61,7 @@ def stability_plot(stab: dict[str, Any]) -> bytes:
         ax.set_xlabel(var)
         ax.set_ylabel("||x - x~||²" if i == 0 else "")
         ax.legend(fontsize=7)
-    return _to_png(fig)
+    return to_png(fig)
 
 
 def _fits_table(laws: dict[str, dict[str, dict]]) -> str:
@@ -73,7 +73,7 @@ def _fits_table(laws: dict[str, dict[str, dict]]) -> str:
             rows.append([name, method, f["equation"], coef, "—" if f["r2"] is None else f"{f['r2']:.3f}",
                          "—" if f["optimum"] is None else f"{f['optimum']:.3g}", f["paper_trend"],
                          f["observed_trend"], "yes" if f["agrees"] else "no"])
-    return _table(["law", "method", "form", "coefficients [95% CI]", "R²", "optimum", "paper", "observed", "agrees"],
+    return table(["law", "method", "form", "coefficients [95% CI]", "R²", "optimum", "paper", "observed", "agrees"],
                   rows, numeric_from=4)
 
 
@@ -82,24 +82,24 @@ def _stability_table(stab: dict[str, Any]) -> str:
     enter each row's mean; a row whose every pair is 0 cannot enter the log-log fit and is counted apart."""
     rows = [[var, f"{f['slope']:.2f}", f"{f['expected']:g}", str(f.get("pairs", "—")), str(f.get("zero_pairs", "—")),
              str(f.get("zero_rows", "—"))] for var, f in stab.items() if isinstance(f, dict) and "slope" in f]
-    return _table(["variable", "slope", "theory", "twin pairs", "exact zeros", "all-zero rows (not fitted)"],
+    return table(["variable", "slope", "theory", "twin pairs", "exact zeros", "all-zero rows (not fitted)"],
                   rows, numeric_from=1)
 
 
 def build_study_report(out: str | Path, rows: list[dict], fits: dict[str, Any], advice: str) -> Path:
     """Write ``out/report.html`` and return its path."""
     out = Path(out)
-    sections = [_section("Advice", f"<pre>{escape(advice)}</pre>"),
-                _section("Fitted laws (spec 004 section 4.C)", _fits_table(fits.get("laws", {})))]
-    plots = [_img(law_plot(n, per), f"law {n}") for n, per in fits.get("laws", {}).items()]
-    sections.append(_section("Data against fits", "\n".join(plots) or '<p class="note">no law could be fitted</p>'))
+    sections = [section("Advice", f"<pre>{escape(advice)}</pre>"),
+                section("Fitted laws (spec 004 section 4.C)", _fits_table(fits.get("laws", {})))]
+    plots = [img(law_plot(n, per), f"law {n}") for n, per in fits.get("laws", {}).items()]
+    sections.append(section("Data against fits", "\n".join(plots) or '<p class="note">no law could be fitted</p>'))
     stab = fits.get("stability") or {}
     if any(isinstance(v, dict) and "slope" in v for v in stab.values()):
-        sections.append(_section("L2 stability (Theorem 1)",
-                                 _img(stability_plot(stab), "stability") + _stability_table(stab)))
+        sections.append(section("L2 stability (Theorem 1)",
+                                 img(stability_plot(stab), "stability") + _stability_table(stab)))
     n_grid = sum(r["kind"] == "grid" for r in rows)
     header = (f"<h1>Study: {escape(out.name)}</h1><p class=\"meta\"><span>{n_grid} merged grid points</span>"
               f"<span>{len(rows) - n_grid} weighting points</span></p>")
     path = out / "report.html"
-    atomic_write_text(path, _page(f"clmerge study {out.name}", header, sections))
+    atomic_write_text(path, page(f"clmerge study {out.name}", header, sections))
     return path

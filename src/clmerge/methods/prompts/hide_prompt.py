@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from ..engine.losses import classification_loss
-from ..models.heads import ClassFeatureStats, align_linear_head
-from .base import register_method
+from ...engine.losses import classification_loss
+from ...models.heads import ClassFeatureStats, align_linear_head
+from ..base import register_method
 from .hide_parts import HiDePromptPool, MultiCentroidStats, TaskIdentityHead, contrastive_regulariser
-from .prompt_methods import PromptMethodOptions, _PromptMethod
+from .methods import PromptMethod, PromptMethodOptions
 
 __all__ = ["HiDePrompt", "HiDePromptOptions"]
 
@@ -83,7 +83,7 @@ class HiDePromptOptions(PromptMethodOptions):
 
 
 @register_method
-class HiDePrompt(_PromptMethod):
+class HiDePrompt(PromptMethod):
     name = "hide_prompt"
     description = ("HiDe-Prompt: a prompt per task (prefix-tuning) chosen by task-identity inference on the frozen "
                    "[CLS] feature, contrastive regulariser, head realigned on replayed class statistics")

@@ -69,7 +69,7 @@ class _KeyView(ParamSource):
     def get(self, key: str) -> Tensor:
         w = self.base.get(key).to(torch.float64, copy=True)  # a copy: the sum below must not touch the base
         if self.adapter is not None and key in self.adapter.delta_keys:
-            w += self.adapter.delta(key).to(torch.float64)
+            w += self.adapter.delta(key, torch.float64)  # B A formed in float64, not float32 then widened
         return w
 
 

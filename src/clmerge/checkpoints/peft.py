@@ -67,9 +67,10 @@ class LoraModule:
     def rank(self) -> int:
         return self.lora_a.shape[0]
 
-    def delta(self) -> Tensor:
-        """``Delta W`` in float32, in the base weight's layout."""
-        d = (self.lora_b.float() @ self.lora_a.float()).mul_(self.scale)
+    def delta(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """``Delta W`` in ``dtype`` (float32: what peft applies; float64 for a merge that must recover the
+        merged update to float64 rounding), in the base weight's layout."""
+        d = (self.lora_b.to(dtype) @ self.lora_a.to(dtype)).mul_(self.scale)
         return d.t().contiguous() if self.transpose else d
 
 
@@ -246,9 +247,9 @@ class AdapterSource(ParamSource):
         shape, dtype = self.base.meta(key)
         return (tuple(shape), torch.float32) if key in self.modules else (tuple(shape), dtype)
 
-    def delta(self, key: str) -> Tensor:
-        """``Delta W`` of base key ``key`` alone (float32)."""
-        return self.modules[key].delta()
+    def delta(self, key: str, dtype: torch.dtype = torch.float32) -> Tensor:
+        """``Delta W`` of base key ``key`` alone (float32 unless ``dtype`` says otherwise)."""
+        return self.modules[key].delta(dtype)
 
     def get(self, key: str) -> Tensor:
         if key not in self.modules:

@@ -298,3 +298,60 @@ def test_sources_never_modify_the_base(two_adapters, base_dir):
     with pytest.raises(TypeError, match="unknown hyperparameter 'density'"):
         merge_adapters(method="task_arithmetic", base=base, adapters=[p for p, _ in two_adapters],
                        hyperparameters={"density": 0.2}, out=base_dir.parent / "x", form="factored")
+
+
+def test_rank_above_min_out_in_is_clamped_not_zero_padded(tmp_path, two_adapters, base_dir):
+    """--adapter-rank 64 on modules of 16 x 32 to 32 x 48: each written at rank min(out, in) (exact), named
+    in rank_pattern and in a note; the old code wrote 64 rows and columns, the rest zeros."""
+    base = open_checkpoint(base_dir)
+    res = merge_adapters(method="task_arithmetic", base=base, adapters=[p for p, _ in two_adapters],
+                         hyperparameters={"scaling": 1.0}, out=tmp_path / "m", form="peft", rank=64)
+    assert res["max_rel_error"] < 1e-12
+    assert any("rank 64 is above min(out, in)" in w for w in res["warnings"])
+    got = AdapterSource(tmp_path / "m", base)
+    for key, m in got.modules.items():
+        assert m.rank == min(base.meta(key)[0]) == res["ranks"][m.name] < 64, key
+    cfg = json.loads((tmp_path / "m" / "adapter_config.json").read_text())
+    assert cfg["r"] == 64 and len(cfg["rank_pattern"]) == len(got.modules)
+    assert cfg["alpha_pattern"] == cfg["rank_pattern"]
+    peft_deltas(peft.PeftModel.from_pretrained(_llama(), tmp_path / "m"))  # loads
+
+
+def test_extract_lora_rank_above_min_out_in_is_clamped(tmp_path):
+    from clmerge import merging
+    from clmerge.checkpoints.extract import extract_lora
+
+    g = torch.Generator().manual_seed(0)
+    base = {"lin.weight": torch.randn(4, 6, generator=g), "big.weight": torch.randn(12, 12, generator=g)}
+    tuned = {k: v + torch.randn(v.shape, generator=g) for k, v in base.items()}
+    res = extract_lora(base=merging.ParamSource(base, "b"), tuned=merging.ParamSource(tuned, "t"), rank=8,
+                       out=tmp_path / "x")
+    assert res["ranks_clamped"] == {"lin": 4} and "lin: rank 4" in res["note"]
+    from safetensors.torch import load_file
+
+    w = load_file(str(tmp_path / "x" / "adapter_model.safetensors"))
+    assert w["base_model.model.lin.lora_A.weight"].shape == (4, 6)
+    assert w["base_model.model.big.lora_A.weight"].shape == (8, 12)
+    cfg = json.loads((tmp_path / "x" / "adapter_config.json").read_text())
+    assert cfg["rank_pattern"] == {"lin": 4} and cfg["alpha_pattern"] == {"lin": 4}
+
+
+def test_adapter_naming_another_base_model_warns_naming_both(tmp_path, two_adapters, base_dir):
+    import shutil
+
+    from clmerge.checkpoints.peft import _same_model
+
+    base = open_checkpoint(base_dir)
+    (p1, _), _ = two_adapters
+    shutil.copytree(p1, tmp_path / "a")
+    cfg_path = tmp_path / "a" / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps({**cfg, "base_model_name_or_path": "someone/other-model"}))
+    src = AdapterSource(tmp_path / "a", base)
+    assert "'someone/other-model'" in src.warning and repr(str(base.name)) in src.warning
+    res = merge_adapters(method="task_arithmetic", base=base, adapters=[tmp_path / "a", p1],
+                         out=tmp_path / "m", form="factored")
+    assert res["warnings"] == [src.warning]
+    assert AdapterSource(p1, base).warning is None  # names no base model, or this one
+    assert _same_model("sentence-transformers/all-MiniLM-L6-v2", "/models/all-MiniLM-L6-v2")
+    assert not _same_model("sentence-transformers/all-MiniLM-L6-v2", "/models/bert-base-uncased")

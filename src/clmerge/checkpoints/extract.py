@@ -16,7 +16,8 @@ import torch
 from ..errors import UsageError
 from .checks import check_dtype, source_get, source_meta
 from .sources import MergeInputError
-from .lora_svd import atomic_folder, check_out_dir, check_svd, clamped_note, error_summary, low_rank_factors, rank_pattern
+from .lora_svd import (atomic_folder, check_out_dir, check_svd, clamped_note, error_summary, low_rank_factors,
+                       rank_pattern)
 from .peft import adapter_config, write_adapter
 from .readers import open_checkpoint
 

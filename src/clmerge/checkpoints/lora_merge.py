@@ -142,8 +142,9 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
 
     Returns:
         ``{"out", "form", "method", "keys", "rank", "max_rel_error", "overall_rel_error",
-        "per_module_rel_error", "warnings", ...}`` (``warnings``: an adapter whose config names another base
-        model; modules whose ``min(out, in)`` is below ``rank``, written at that rank) (also written to ``out/merge_report.json``).
+        "per_module_rel_error", "warnings", ...}`` (``warnings``: an adapter whose config names another
+        base model; modules whose ``min(out, in)`` is below ``rank``, written at that rank), also written to
+        ``out/merge_report.json``.
 
     Raises:
         MergeInputError: unreadable / unsupported adapters, keys that match no base key, or

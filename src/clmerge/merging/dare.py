@@ -69,7 +69,8 @@ def dare(*, base: Any, experts: Sequence[Any], drop_rate: float = 0.5, rescale: 
 
     if combine == "task_arithmetic":
         def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
-            # sum_t m_t * tau_t accumulated in place (float32, float64 for float64 inputs); the 1/(1-p) rescale applied once at the end
+            # sum_t m_t * tau_t accumulated in place (float32, float64 for float64 inputs); the 1/(1-p)
+            # rescale applied once at the end
             dt = work_dtype(b.dtype, *(x.dtype for x in xs))
             acc, fb = torch.zeros(b.shape, dtype=dt), b.to(dt)
             for t, x in enumerate(xs):

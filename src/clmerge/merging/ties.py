@@ -105,8 +105,10 @@ def global_trim(models: ModelSet, density: float, tv_fn: TaskVectorFn,
     # the k-th smallest: exact rule, the kept-th largest; threshold rule, as the TIES code
     k = total - kept + (1 if trim_rule == "exact" else 0)
     want_ties = trim_rule == "exact"
-    out, above, ties = _streamed_thresholds(models, keys, total, k, want_ties, dt) if tv_fn is plain_task_vectors \
-        else (torch.full((num,), math.nan, dtype=dt), [0] * num, [[] for _ in range(num)])
+    if tv_fn is plain_task_vectors:
+        out, above, ties = _streamed_thresholds(models, keys, total, k, want_ties, dt)
+    else:
+        out, above, ties = torch.full((num,), math.nan, dtype=dt), [0] * num, [[] for _ in range(num)]
     buf = None
     for t in range(num):
         if not math.isnan(float(out[t])):
@@ -135,7 +137,8 @@ def model_work_dtype(models: ModelSet, keys: list[str]) -> torch.dtype:
 
 
 def _streamed_thresholds(models: ModelSet, keys: list[str], total: int, k: int, want_ties: bool = False,
-                         dt: torch.dtype = torch.float32, sample: int = 1 << 18, chunk: int = 1 << 15) -> tuple[Tensor, list[int], list[list[int]]]:
+                         dt: torch.dtype = torch.float32, sample: int = 1 << 18,
+                         chunk: int = 1 << 15) -> tuple[Tensor, list[int], list[list[int]]]:
     """Exact k-th smallest ``|theta_t - theta_0|`` of every expert from one streamed read of the models.
 
     A strided sample brackets each expert's answer; one pass over all keys (in cache-sized slices) counts the

@@ -40,7 +40,9 @@ def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int
     """:func:`.ties._ties_core` with zero sums given the sign +1, on one key of plain task vectors, slice by slice in
     the buffers ``w`` (same arithmetic, in ``w.dtype``: float32, or float64 for float64 inputs). The task vectors
     are ``x - b`` computed in ``w.dtype``, the very numbers the thresholds ``thr`` were found on (see
-    :func:`.ties.per_tensor_trim_spec`, :func:`.ties.global_trim`). Returns ``(theta_0 + scaling * tau_m, sign sum, fix)``;
+    :func:`.ties.per_tensor_trim_spec`, :func:`.ties.global_trim`).
+
+    Returns ``(theta_0 + scaling * tau_m, sign sum, fix)``;
     ``fix`` (see :func:`fix_values`) covers the ambiguous entries, or is ``None``. ``quotas`` as in
     :func:`.ties.trim`."""
     out = torch.empty(b.shape, dtype=xs[0].dtype)

@@ -355,3 +355,21 @@ def test_adapter_naming_another_base_model_warns_naming_both(tmp_path, two_adapt
     assert AdapterSource(p1, base).warning is None  # names no base model, or this one
     assert _same_model("sentence-transformers/all-MiniLM-L6-v2", "/models/all-MiniLM-L6-v2")
     assert not _same_model("sentence-transformers/all-MiniLM-L6-v2", "/models/bert-base-uncased")
+
+
+@pytest.mark.parametrize("adapter_out", ["peft", "full"])
+def test_cli_prints_the_base_model_warning_and_the_rank_note(tmp_path, two_adapters, base_dir, adapter_out):
+    import shutil
+
+    from checkpoint_helpers import invoke
+
+    (p1, _), (p2, _) = two_adapters
+    shutil.copytree(p1, tmp_path / "a")
+    cfg_path = tmp_path / "a" / "adapter_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "base_model_name_or_path": "org/other"}))
+    extra = ["--adapter-rank", "64"] if adapter_out == "peft" else []
+    res = invoke("--method", "task_arithmetic", "--base", base_dir, "--expert", tmp_path / "a", "--expert", p2,
+                 "--adapter-out", adapter_out, *extra, "--out", tmp_path / "m")
+    assert res.exit_code == 0, res.output
+    assert "warning:" in res.stderr and "'org/other'" in res.stderr and str(base_dir) in res.stderr
+    assert ("note: rank 64 is above min(out, in)" in res.stderr) == (adapter_out == "peft")

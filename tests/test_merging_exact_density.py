@@ -271,3 +271,15 @@ def test_della_on_float64_computes_in_float64():
     out = merging.della(base=base, experts=ex, density=1.0, epsilon=0.0, scaling=1.0)
     for k in base:
         assert torch.allclose(out[k], ex[0][k], rtol=0, atol=1e-15), k
+
+
+def test_global_trim_on_a_model_mixing_float64_and_float32_keys_compares_exactly():
+    """Model-wide thresholds found in float64 (one float64 key) are compared with a float32 key's task vector
+    in float64 (DARE+TIES, the generic path): the threshold here lies just above 1.0, and rounded to float32
+    (1.0) it kept the float32 key's entries equal to 1.0, which are below it."""
+    g = torch.Generator().manual_seed(7)
+    base = {"a": torch.zeros(400, dtype=torch.float64), "b": torch.zeros(100, dtype=torch.float32)}
+    ex = [{"a": 1.0 + 1e-9 * (1.0 + torch.rand(400, generator=g, dtype=torch.float64)), "b": torch.ones(100)}]
+    out = merging.dare(base=base, experts=ex, drop_rate=0.0, combine="ties", density=0.5, scaling=1.0)
+    assert int((out["b"] != 0).sum()) == 0  # every entry of "a" is above 1.0: the top 250 are all there
+    assert sum(int((out[k] != base[k]).sum()) for k in base) == keep_count(0.5, 500)

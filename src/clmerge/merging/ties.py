@@ -222,6 +222,9 @@ def trim(tvs: Tensor, thresholds: Tensor, quotas: list[int] | None = None) -> Te
     ``hardshrink`` (keeps ``|x| > lambda``) at the largest float below the threshold: the same set as
     ``|x| >= threshold``, without a boolean mask.
     """
+    if torch.promote_types(tvs.dtype, thresholds.dtype) != tvs.dtype:
+        # model-wide float64 thresholds (a float64 key elsewhere) on a float32 key: compare exactly, in float64
+        tvs = tvs.to(thresholds.dtype)
     if quotas is not None and any(q != TIE_ALL for q in quotas):
         thr = thresholds.to(tvs.dtype)
         out = []

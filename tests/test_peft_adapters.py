@@ -373,3 +373,28 @@ def test_cli_prints_the_base_model_warning_and_the_rank_note(tmp_path, two_adapt
     assert res.exit_code == 0, res.output
     assert "warning:" in res.stderr and "'org/other'" in res.stderr and str(base_dir) in res.stderr
     assert ("note: rank 64 is above min(out, in)" in res.stderr) == (adapter_out == "peft")
+
+
+def test_per_tensor_ties_on_float64_updates_equals_peft_ties():
+    """The route of TIES adapter merges: float64 ``theta_0 + Delta W`` inputs, per-tensor trim. On 384 x 384
+    updates (int(0.2 n) = round(0.2 n) = 29,491, no ties at the cut) it is peft's ``ties`` on the same task
+    vectors: the same kept entries, equal to float64 rounding. Before, the trim threshold was found on the
+    inputs rounded to float32 and 29,490 entries were kept in some tensors."""
+    from peft.utils.merge_utils import ties as peft_ties
+
+    from clmerge import merging
+
+    g = torch.Generator().manual_seed(0)
+    base = {f"m{i}.weight": torch.randn(384, 384, generator=g, dtype=torch.float64) * 0.05 for i in range(3)}
+
+    def lora_delta():  # float32 factors, Delta W = B A formed in float64, as merge_adapters forms it
+        b, a = torch.randn(384, 8, generator=g) * 0.02, torch.randn(8, 384, generator=g) * 0.02
+        return b.double() @ a.double()
+
+    experts = [{k: v + lora_delta() for k, v in base.items()} for _ in range(2)]
+    out = merging.ties(base=base, experts=experts, density=0.2, trim_scope="per_tensor", scaling=1.0)
+    for k, b in base.items():
+        ref = peft_ties([e[k] - b for e in experts], torch.ones(2, dtype=torch.float64), 0.2)
+        got = out[k] - b
+        assert torch.equal(got.abs() > 1e-12, ref != 0), k
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-15)

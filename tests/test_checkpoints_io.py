@@ -256,3 +256,53 @@ def test_sink_view_writes_back_a_tensor_patched_in_place(tmp_path):
     w.close()
     got = folder_state(tmp_path)
     assert got["a"].tolist() == [0.0, 5.0, 0.0] and got["b"].tolist() == [7.0, 0.0]
+
+
+def test_writer_refuses_nonfinite_tensors_by_name_and_a_rewrite_clears_one(tmp_path):
+    from clmerge.merging.sources import MergeInputError
+
+    plan = [("a", (3,), torch.float32), ("b", (2,), torch.float16), ("c", (2,), torch.int64)]
+    w = ShardedWriter(tmp_path, plan)
+    w.write("a", torch.tensor([1.0, float("nan"), 2.0]))
+    w.write("b", torch.tensor([1e5, 1.0]))  # finite in float32, Inf once cast to the planned float16
+    w.write("c", torch.tensor([1, 2]))
+    with pytest.raises(MergeInputError, match=r"2 output tensors came out NaN or Inf \('a', 'b'\)"):
+        w.close()
+    w.abort()
+    w = ShardedWriter(tmp_path, plan)
+    w.write("a", torch.tensor([1.0, float("inf"), 2.0]))
+    w.write("a", torch.tensor([1.0, 3.0, 2.0]))  # rewritten finite (as TIES's sign fix rewrites keys)
+    w.write("b", torch.tensor([1.0, 1.0]))
+    w.write("c", torch.tensor([1, 2]))
+    w.close()
+
+
+def test_unsupported_dtype_and_key_listed_but_absent_name_file_and_key(tmp_path):
+    from clmerge.checkpoints.checks import source_get, source_meta
+    from clmerge.merging.sources import MergeInputError
+
+    base = {"w": torch.zeros(2, 2)}
+    f8 = {"w": torch.ones(2, 2).to(torch.float8_e4m3fn)}
+    with pytest.raises(MergeInputError, match=r"expert 0: key 'w' has dtype float8_e4m3fn.*expected F64, F32"):
+        ModelSet(base, [f8])
+
+    class Listed(merging.ParamSource):  # lists a key its files do not hold (a stale shard index)
+        name = "folder/x"
+
+        def __init__(self):
+            pass
+
+        def keys(self):
+            return ["w"]
+
+        def meta(self, key):
+            raise KeyError(key)
+
+        def get(self, key):
+            raise KeyError(key)
+
+    for fn in (source_meta, source_get):
+        with pytest.raises(MergeInputError, match=r"^folder/x: key 'w' is listed .* no weights file"):
+            fn(Listed(), "w")
+    with pytest.raises(MergeInputError, match="folder/x: key 'w'"):
+        ModelSet(base, [Listed()])

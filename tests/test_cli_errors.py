@@ -307,3 +307,45 @@ def test_input_folder_naming_files_outside_is_a_one_line_input_error(ws, setup, 
     before = _snapshot(ws)
     result = CliRunner().invoke(app, argv)
     _check(result, code, words, before, ws)
+# --- merge numerics and checkpoint contents: non-finite outputs, unsupported dtypes, keys listed but absent ---
+
+@pytest.fixture()
+def ws_numerics(ws):
+    """``ws`` plus a float8 expert, an expert with values beyond float16, and a sharded folder whose index
+    lists a key that no shard holds."""
+    import json
+
+    g = torch.Generator().manual_seed(1)
+    save_file({"lin.weight": torch.randn(4, 4, generator=g).to(torch.float8_e4m3fn),
+               "lin.bias": torch.randn(4, generator=g)}, str(ws / "f8.safetensors"))
+    save_file({"lin.weight": torch.full((4, 4), 1e6), "lin.bias": torch.randn(4, generator=g)},
+              str(ws / "big.safetensors"))
+    (ws / "shd").mkdir()
+    save_file({"lin.weight": torch.randn(4, 4, generator=g)}, str(ws / "shd" / "a.safetensors"))
+    save_file({"other": torch.randn(4, generator=g)}, str(ws / "shd" / "b.safetensors"))
+    (ws / "shd" / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"lin.weight": "a.safetensors", "lin.bias": "b.safetensors"}}))
+    return ws
+
+
+TA = ["merge", "--method", "task_arithmetic", "--base", "base.safetensors", "--expert", "e1.safetensors"]
+NUMERICS_CASES = [
+    ("merge-output-inf", [*TA, "--expert", "e2.safetensors", "--set", "scaling=1e39", "--out", "m"], INPUT,
+     ["NaN or Inf", "'lin.weight'", "'lin.bias'", "scaling"]),
+    ("merge-output-overflows-out-dtype", [*TA, "--expert", "big.safetensors", "--set", "scaling=1.0",
+                                          "--out-dtype", "float16", "--out", "m.safetensors"], INPUT,
+     ["NaN or Inf", "'lin.weight'", "float16"]),
+    ("merge-float8-expert", [*MERGE[:-2], "--expert", "f8.safetensors", "--out", "m"], INPUT,
+     ["f8.safetensors", "'lin.weight'", "F8_E4M3", "BF16"]),
+    ("merge-key-listed-not-stored", [*MERGE[:-2], "--expert", "shd", "--out", "m"], INPUT,
+     ["shd", "'lin.bias'", "index"]),
+    ("extract-float8", ["extract-lora", "--base", "base.safetensors", "--tuned", "f8.safetensors", "--rank", "2",
+                        "--out", "x"], INPUT, ["f8.safetensors", "F8_E4M3"]),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in NUMERICS_CASES], ids=[c[0] for c in NUMERICS_CASES])
+def test_merge_numerics_and_contents_errors(ws_numerics, argv, code, words):
+    before = _snapshot(ws_numerics)
+    result = CliRunner().invoke(app, argv)
+    _check(result, code, words, before, ws_numerics)

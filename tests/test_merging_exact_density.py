@@ -184,3 +184,102 @@ def test_generic_ties_election_in_column_blocks_equals_one_block(density, monkey
     got = merging.dare(base=base, experts=ex, **kw)
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+# --- float64 inputs: counts and thresholds on the numbers they are applied to, float64 precision out ---------
+
+def fine_float64(n_experts: int, seed: int, shapes=SHAPES):
+    """float64 base near 1 and experts that differ from it by ~1e-9: below float32's resolution at 1 (6e-8),
+    so ``x.float() - b.float()`` is mostly 0 or one ulp, while ``x - b`` in float64 is all distinct values."""
+    g = torch.Generator().manual_seed(seed)
+    base = {k: 1.0 + torch.rand(s, generator=g, dtype=torch.float64) for k, s in shapes.items()}
+    ex = [{k: v + 1e-9 * torch.randn(v.shape, generator=g, dtype=torch.float64) for k, v in base.items()}
+          for _ in range(n_experts)]
+    return base, ex
+
+
+def float64_ties_reference(base, experts, density, scope):
+    """TIES (mean, majority sign over the model) computed entirely in float64 with the exact trim."""
+    keys = list(base)
+    tvs = {k: torch.stack([e[k] - base[k] for e in experts]) for k in keys}
+    if scope == "per_tensor":
+        trimmed = {k: torch.stack([v * top_magnitude_mask(v.abs(), keep_count(density, v.numel())) for v in t])
+                   for k, t in tvs.items()}
+    else:
+        flat = torch.cat([t.reshape(len(experts), -1) for t in tvs.values()], 1)
+        masks = torch.stack([top_magnitude_mask(r.abs(), keep_count(density, r.numel())) for r in flat])
+        trimmed, pos = {}, 0
+        for k, t in tvs.items():
+            n = t[0].numel()
+            trimmed[k] = t * masks[:, pos:pos + n].reshape(t.shape)
+            pos += n
+    out = {}
+    for k, t in trimmed.items():
+        sign = torch.sign(t.sum(0))
+        sign[sign == 0] = 1.0
+        agree = (t * sign).clamp(min=0)
+        out[k] = base[k] + sign * agree.sum(0) / agree.sign().sum(0).clamp(min=1)
+    return out, trimmed
+
+
+@pytest.mark.parametrize("scope", ["per_tensor", "global"])
+def test_ties_on_float64_keeps_round_density_n_found_in_float64(scope):
+    base, ex = fine_float64(1, 3)
+    out = merging.ties(base=base, experts=ex, density=0.2, trim_scope=scope)
+    ref, trimmed = float64_ties_reference(base, ex, 0.2, scope)
+    kept = sum(int((v != 0).sum()) for v in trimmed.values())
+    if scope == "per_tensor":
+        for k, v in base.items():
+            assert int((out[k] != v).sum()) == keep_count(0.2, v.numel()), k
+    else:
+        assert sum(int((out[k] != v).sum()) for k, v in base.items()) == kept == keep_count(0.2, 1200 + 30 + 221 + 5)
+    for k in base:
+        assert out[k].dtype == torch.float64
+        assert torch.equal(out[k] != base[k], trimmed[k][0] != 0), k  # the very entries float64 ranks on top
+
+
+@pytest.mark.parametrize("scope", ["per_tensor", "global"])
+def test_ties_float64_in_float64_out_at_float64_precision(scope):
+    base, ex = fine_float64(3, 4)
+    out = merging.ties(base=base, experts=ex, density=0.5, trim_scope=scope)
+    ref, _ = float64_ties_reference(base, ex, 0.5, scope)
+    for k in base:
+        assert out[k].dtype == torch.float64
+        # float32 arithmetic is ~1e-7 off on values near 1; float64 agrees to a few ulps
+        assert torch.allclose(out[k], ref[k], rtol=0, atol=1e-15), (k, float((out[k] - ref[k]).abs().max()))
+
+
+@pytest.mark.parametrize("combine", ["task_arithmetic", "ties"])
+def test_dare_on_float64_computes_in_float64(combine):
+    base, ex = fine_float64(2, 5)
+    out = merging.dare(base=base, experts=ex, drop_rate=0.0, combine=combine, scaling=1.0,
+                       **({"density": 1.0} if combine == "ties" else {}))
+    for k in base:
+        tvs = torch.stack([e[k] - base[k] for e in ex])
+        if combine == "task_arithmetic":
+            ref = base[k] + tvs.sum(0)
+        else:
+            sign = torch.sign(tvs.sum(0))
+            agree = (tvs * sign).clamp(min=0)
+            ref = base[k] + sign * agree.sum(0) / agree.sign().sum(0).clamp(min=1)
+        assert out[k].dtype == torch.float64
+        assert torch.allclose(out[k], ref, rtol=0, atol=1e-15), (k, float((out[k] - ref).abs().max()))
+
+
+def test_della_on_float64_computes_in_float64():
+    base, ex = fine_float64(1, 6)
+    out = merging.della(base=base, experts=ex, density=1.0, epsilon=0.0, scaling=1.0)
+    for k in base:
+        assert torch.allclose(out[k], ex[0][k], rtol=0, atol=1e-15), k
+
+
+def test_global_trim_on_a_model_mixing_float64_and_float32_keys_compares_exactly():
+    """Model-wide thresholds found in float64 (one float64 key) are compared with a float32 key's task vector
+    in float64 (DARE+TIES, the generic path): the threshold here lies just above 1.0, and rounded to float32
+    (1.0) it kept the float32 key's entries equal to 1.0, which are below it."""
+    g = torch.Generator().manual_seed(7)
+    base = {"a": torch.zeros(400, dtype=torch.float64), "b": torch.zeros(100, dtype=torch.float32)}
+    ex = [{"a": 1.0 + 1e-9 * (1.0 + torch.rand(400, generator=g, dtype=torch.float64)), "b": torch.ones(100)}]
+    out = merging.dare(base=base, experts=ex, drop_rate=0.0, combine="ties", density=0.5, scaling=1.0)
+    assert int((out["b"] != 0).sum()) == 0  # every entry of "a" is above 1.0: the top 250 are all there
+    assert sum(int((out[k] != base[k]).sum()) for k in base) == keep_count(0.5, 500)

@@ -47,6 +47,8 @@ def extract_lora_command(
                            embeddings=embeddings, svd=svd, overwrite=overwrite)
     except (MergeInputError, FileNotFoundError, ValueError) as exc:
         fail(exc)
+    if res.get("note"):  # modules whose min(out, in) is below --rank
+        typer.echo(res["note"], err=True)
     console.print(f"wrote {out}: {_summary(res)}")
 
 

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 
 from ..errors import UsageError
+from .checks import check_dtype, source_get, source_meta
 from .sources import MergeInputError
-from .lora_svd import check_out_dir, check_svd, error_summary, low_rank_factors
+from .lora_svd import (check_out_dir, check_svd, clamped_note, error_summary, low_rank_factors,
+                       rank_pattern)
 from .output import build_folder
 from .peft import adapter_config, write_adapter
 from .readers import open_checkpoint
@@ -34,7 +36,8 @@ def _candidates(base: Any, tuned: Any, include: re.Pattern | None, exclude: re.P
     tuned_keys = set(tuned.keys())
     keys = []
     for k in base.keys():
-        shape, dtype = base.meta(k)
+        shape, dtype = source_meta(base, k)
+        check_dtype(base, k, dtype)
         if not k.endswith(".weight") or len(shape) != 2 or not dtype.is_floating_point:
             continue
         is_embedding = bool(EMBEDDING_NAMES.search(k[: -len(".weight")]))
@@ -44,9 +47,11 @@ def _candidates(base: Any, tuned: Any, include: re.Pattern | None, exclude: re.P
             continue
         if k not in tuned_keys:
             raise MergeInputError(f"key {k!r} is in {base.name} but missing from {tuned.name}")
-        if tuple(tuned.meta(k)[0]) != tuple(shape):
+        tshape, tdtype = source_meta(tuned, k)
+        check_dtype(tuned, k, tdtype)
+        if tuple(tshape) != tuple(shape):
             raise MergeInputError(f"key {k!r}: shape {list(shape)} in {base.name} but "
-                                  f"{list(tuned.meta(k)[0])} in {tuned.name}")
+                                  f"{list(tshape)} in {tuned.name}")
         keys.append((k, is_embedding))
     return keys
 
@@ -59,7 +64,8 @@ def extract_lora(*, base: Any, tuned: Any, rank: int, out: str | Path, include: 
     Args:
         base: the pretrained model (path for ``open_checkpoint``, or a lazy source).
         tuned: the fine-tuned model with the same keys.
-        rank: the LoRA rank ``r``.
+        rank: the LoRA rank ``r``; a module with ``min(out, in) < r`` gets rank ``min(out, in)`` (exact; in
+            ``rank_pattern``, and named in the report's ``note``), never zero-padded factors.
         out: the new adapter folder (written atomically; must not exist or be empty).
         include: optional regex: only keys that match are considered.
         exclude: optional regex: keys that match are skipped.
@@ -69,8 +75,8 @@ def extract_lora(*, base: Any, tuned: Any, rank: int, out: str | Path, include: 
         overwrite: replace an existing non-empty ``out`` (``--overwrite``).
 
     Returns:
-        ``{"out", "rank", "modules", "skipped_unchanged", "per_module_rel_error", "overall_rel_error",
-        "max_rel_error"}`` (also ``out/extract_report.json``).
+        ``{"out", "rank", "modules", "skipped_unchanged", "ranks_clamped", "note", "per_module_rel_error",
+        "overall_rel_error", "max_rel_error"}`` (also ``out/extract_report.json``).
     """
     if rank < 1:
         raise UsageError(f"--rank must be >= 1, got {rank}")
@@ -82,7 +88,7 @@ def extract_lora(*, base: Any, tuned: Any, rank: int, out: str | Path, include: 
     inc, exc = (re.compile(include) if include else None), (re.compile(exclude) if exclude else None)
     factors, errors, unchanged, emb = {}, {}, [], set()
     for key, is_embedding in _candidates(base, tuned, inc, exc, embeddings):
-        delta = tuned.get(key).to(torch.float64) - base.get(key).to(torch.float64)
+        delta = source_get(tuned, key).to(torch.float64) - source_get(base, key).to(torch.float64)
         if not delta.any():
             unchanged.append(key)
             continue
@@ -93,10 +99,13 @@ def extract_lora(*, base: Any, tuned: Any, rank: int, out: str | Path, include: 
         factors[mod], errors[mod] = (low.a, low.b), low
     if not factors:
         raise MergeInputError(f"{tuned.name}: no Linear weight differs from {base.name}; nothing to extract")
-    config = adapter_config(r=rank, alpha=rank, targets=list(factors), base_model=str(base.name))
+    # a module whose min(out, in) is below rank is written at that rank (exact), named in rank_pattern
+    pattern = rank_pattern(factors, rank)
+    config = adapter_config(r=rank, alpha=rank, targets=list(factors), base_model=str(base.name),
+                            rank_pattern=pattern, alpha_pattern=pattern)
     report = {"out": str(out), "rank": rank, "base": str(base.name), "tuned": str(tuned.name),
               "modules": sorted(factors), "embeddings": sorted(emb), "skipped_unchanged": unchanged,
-              **error_summary(errors)}
+              "ranks_clamped": pattern, "note": clamped_note(pattern, rank), **error_summary(errors)}
 
     def fill(tmp: Path) -> dict:
         write_adapter(tmp, factors, config, emb)

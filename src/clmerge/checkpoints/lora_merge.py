@@ -26,8 +26,10 @@ from torch import Tensor
 
 from ..errors import UsageError
 from ..merging.registry import get_method, merge
+from .checks import source_get, source_meta
 from .sources import MergeInputError, ParamSource
-from .lora_svd import atomic_folder, check_out_dir, check_svd, error_summary, low_rank_factors
+from .output import build_folder
+from .lora_svd import check_out_dir, check_svd, clamped_note, error_summary, low_rank_factors
 from .peft import AdapterSource, LoraModule, adapter_config, write_adapter
 
 __all__ = ["merge_adapters", "REPORT_FILE", "LINEAR_METHODS"]
@@ -64,12 +66,12 @@ class _KeyView(ParamSource):
         return list(self._keys)
 
     def meta(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
-        return tuple(self.base.meta(key)[0]), torch.float64
+        return tuple(source_meta(self.base, key)[0]), torch.float64
 
     def get(self, key: str) -> Tensor:
-        w = self.base.get(key).to(torch.float64, copy=True)  # a copy: the sum below must not touch the base
+        w = source_get(self.base, key).to(torch.float64, copy=True)  # a copy: the sum below must not touch the base
         if self.adapter is not None and key in self.adapter.delta_keys:
-            w += self.adapter.delta(key).to(torch.float64)
+            w += self.adapter.delta(key, torch.float64)  # B A formed in float64, not float32 then widened
         return w
 
 
@@ -103,7 +105,7 @@ def _refactorise(base, srcs, modules, method, hp, rank, svd) -> tuple[dict, dict
     rank = rank or max(m.rank for s in srcs for m in s.modules.values())
     factors, errors = {}, {}
     for key, m in modules.items():
-        delta = merged.pop(key).to(torch.float64) - base.get(key).to(torch.float64)
+        delta = merged.pop(key).to(torch.float64) - source_get(base, key).to(torch.float64)
         low = low_rank_factors(delta.t() if m.transpose else delta, rank, svd)  # in LoRA layout (B A)
         factors[m.name], errors[m.name] = (low.a, low.b), low
     return factors, errors, rank
@@ -141,7 +143,9 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
 
     Returns:
         ``{"out", "form", "method", "keys", "rank", "max_rel_error", "overall_rel_error",
-        "per_module_rel_error", ...}`` (also written to ``out/merge_report.json``).
+        "per_module_rel_error", "warnings", ...}`` (``warnings``: an adapter whose config names another
+        base model; modules whose ``min(out, in)`` is below ``rank``, written at that rank), also written to
+        ``out/merge_report.json``.
 
     Raises:
         MergeInputError: unreadable / unsupported adapters, keys that match no base key, or
@@ -177,7 +181,8 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
                             base_model=cfg0.get("base_model_name_or_path"), task_type=cfg0.get("task_type"))
     report = {"out": str(out), "form": form, "method": method, "hyperparameters": hp,
               "adapters": [s.name for s in srcs], "keys": list(modules), "rank": out_rank,
-              "ranks": ranks, **error_summary(errors)}
+              "ranks": ranks, **error_summary(errors),
+              "warnings": [w for w in [*(s.warning for s in srcs), clamped_note(pattern, out_rank)] if w]}
     if form == "factored":
         report.update(max_rel_error=0.0, overall_rel_error=0.0, per_module_rel_error={m: 0.0 for m in ranks})
 
@@ -185,4 +190,4 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
         write_adapter(tmp, factors, config, {m.name for m in modules.values() if m.embedding})
         return report
 
-    return atomic_folder(Path(out), fill, REPORT_FILE, replace=overwrite)
+    return build_folder(Path(out), fill, REPORT_FILE)

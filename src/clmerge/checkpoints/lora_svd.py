@@ -18,9 +18,6 @@ on the test matrices it is within 0.5 % of the optimum.
 from __future__ import annotations
 
 import math
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -30,10 +27,9 @@ from torch import Tensor
 
 from ..errors import OutputError, UsageError
 from ..utils.outpaths import check_writable
-from ..utils.io import write_json
 
-__all__ = ["low_rank_factors", "LowRank", "SVD_MODES", "check_svd", "numerical_rank", "atomic_folder", "check_out_dir",
-           "error_summary"]
+__all__ = ["low_rank_factors", "LowRank", "SVD_MODES", "check_svd", "numerical_rank", "check_out_dir",
+           "error_summary", "rank_pattern", "clamped_note"]
 
 SVD_MODES = ("auto", "full", "randomized")
 # Above this many entries the full SVD runs in float32 (float64 doubles its time on LLM-sized matrices);
@@ -80,7 +76,8 @@ def low_rank_factors(delta: Tensor, rank: int, svd: str = "auto") -> LowRank:
 
     Args:
         delta: the dense update (2-D).
-        rank: ``k``; factors are zero-padded to ``k`` columns/rows when ``min(out, in) < k`` (exact there).
+        rank: ``k``; clamped to ``min(out, in)`` (exact there): the factors have ``min(k, out, in)``
+            rows/columns, never zero padding (a rank above the matrix's sides only adds zeros to the file).
         svd: ``"full"`` (exact optimum), ``"randomized"``, or ``"auto"`` (randomized for sides of at least
             1024 when ``k`` plus oversampling is at most a quarter of the smaller side).
 
@@ -102,13 +99,27 @@ def low_rank_factors(delta: Tensor, rank: int, svd: str = "auto") -> LowRank:
     else:
         u, s, vh = _randomized_svd(x, k)
     root = s[:k].sqrt()
-    b = torch.zeros(m, rank, dtype=torch.float32)
-    a = torch.zeros(rank, n, dtype=torch.float32)
-    b[:, :k] = (u * root).float()
-    a[:k] = (root[:, None] * vh).float()
+    b = (u[:, :k] * root).float()
+    a = (root[:, None] * vh[:k]).float()
     total = float(x.double().square().sum()) if used == "randomized" else float(s.double().square().sum())
     tail = float(s.double()[k:].square().sum()) if used == "full" else float((x - (u * s) @ vh).double().square().sum())
     return LowRank(a, b, tail, total, used)
+
+
+def rank_pattern(factors: dict[str, tuple[Tensor, Tensor]], rank: int) -> dict[str, int]:
+    """``{module: its rank}`` for the modules of ``{module: (A, B)}`` whose rank is not ``rank`` (clamped to
+    ``min(out, in)``): the ``rank_pattern`` / ``alpha_pattern`` of the adapter config."""
+    return {mod: a.shape[0] for mod, (a, _) in factors.items() if a.shape[0] != rank}
+
+
+def clamped_note(pattern: dict[str, int], rank: int) -> str | None:
+    """A one-line note naming the modules whose rank was clamped below ``rank`` (``None`` if none)."""
+    low = {m: r for m, r in pattern.items() if r < rank}
+    if not low:
+        return None
+    first = next(iter(low))
+    return (f"note: rank {rank} is above min(out, in) for {len(low)} module{'s' if len(low) > 1 else ''} "
+            f"(e.g. {first}: rank {low[first]}); written at that rank there (exact), not zero-padded")
 
 
 def numerical_rank(delta: Tensor) -> int:
@@ -151,34 +162,3 @@ def check_out_dir(out: Path, inputs: list[Path] = (), overwrite: bool = False) -
         raise OutputError(f"--out {out}: already exists and is not an empty folder; choose a new one "
                           "(or pass --overwrite to replace it)")
     check_writable(out)
-
-
-def atomic_folder(out: Path, fill: Callable[[Path], dict], report_name: str | None = None,
-                  replace: bool = False) -> dict:
-    """Build a folder with ``fill(tmp_dir) -> report`` in a temporary sibling, then rename it to ``out``.
-
-    Nothing is left at ``out`` (or beside it) when ``fill`` fails. ``report`` is also written as
-    ``report_name`` in the folder when given. An existing non-empty ``out`` is replaced only with
-    ``replace`` (``--overwrite``, allowed by :func:`check_out_dir`); it is removed after the new one is ready.
-    """
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
-        report = fill(tmp)
-        if report_name:
-            write_json(tmp / report_name, report)
-        os.chmod(tmp, 0o755)  # mkdtemp makes 0700; outputs are meant to be shared
-        old = None
-        if out.exists() and replace and any(out.iterdir()):
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            os.replace(out, old / out.name)
-        elif out.exists():  # an empty folder (check_out_dir refused anything else)
-            out.rmdir()
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return report

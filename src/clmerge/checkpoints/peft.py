@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from ..utils.inpaths import inside
+from .checks import check_dtype, check_finite_output, is_finite, source_meta
 from .sources import MergeInputError, ParamSource, torch_load_state_dict
 
 __all__ = ["ADAPTER_CONFIG", "is_peft_adapter", "AdapterSource", "LoraModule", "read_adapter",
@@ -68,9 +69,10 @@ class LoraModule:
     def rank(self) -> int:
         return self.lora_a.shape[0]
 
-    def delta(self) -> Tensor:
-        """``Delta W`` in float32, in the base weight's layout."""
-        d = (self.lora_b.float() @ self.lora_a.float()).mul_(self.scale)
+    def delta(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """``Delta W`` in ``dtype`` (float32: what peft applies; float64 for a merge that must recover the
+        merged update to float64 rounding), in the base weight's layout."""
+        d = (self.lora_b.to(dtype) @ self.lora_a.to(dtype)).mul_(self.scale)
         return d.t().contiguous() if self.transpose else d
 
 
@@ -192,6 +194,34 @@ def match_base_key(module: str, base_keys: set[str] | dict, where: str) -> str:
                           f"{'; several keys end with it' if tail else ''})")
 
 
+def _same_model(named: str, given: str) -> bool:
+    """Whether ``given`` (a path or hub id) plausibly is the model ``named`` (a hub id or path): the same
+    string, path, last path component (a local copy of a hub model), or hub cache folder."""
+    named, given = named.rstrip("/"), given.rstrip("/")
+    if named == given or named.split("/")[-1] == given.split("/")[-1]:
+        return True
+    try:
+        if Path(named).exists() and Path(named).resolve() == Path(given).resolve():
+            return True
+    except OSError:
+        pass
+    return f"models--{named.replace('/', '--')}" in str(Path(given).resolve())
+
+
+def base_model_mismatch(adapter: str, config: dict, base: Any) -> str | None:
+    """A warning when ``adapter_config.json`` names a base model other than ``base``, else ``None``.
+
+    A warning, not an error: the name is often a hub id where the base is a local copy, and the shapes of
+    every adapted module are checked against the base anyway (a different architecture is refused there).
+    """
+    named = config.get("base_model_name_or_path")
+    given = str(getattr(base, "name", "") or "")
+    if not named or not given or _same_model(str(named), given):
+        return None
+    return (f"warning: {adapter}: adapter_config.json names base model {named!r} but the base given is "
+            f"{given!r}; merged anyway (the shapes match): check that it is the model the adapter was trained on")
+
+
 class AdapterSource(ParamSource):
     """A PEFT LoRA adapter on top of ``base``, seen as a lazy parameter source over the base's keys.
 
@@ -210,6 +240,7 @@ class AdapterSource(ParamSource):
         delta_keys: the base keys the adapter changes.
         modules: ``{base key: LoraModule}``.
         config: the adapter's ``adapter_config.json``.
+        warning: a one-line warning when the config names another base model than ``base`` (else ``None``).
 
     Raises:
         MergeInputError: as :func:`read_adapter`, a module that matches no base key, or a Delta W whose
@@ -225,7 +256,9 @@ class AdapterSource(ParamSource):
         self.modules: dict[str, LoraModule] = {}
         for mod, lm in by_module.items():
             key = match_base_key(mod, base_keys, self.name)
-            shape = tuple(base.meta(key)[0])
+            shape, dtype = source_meta(base, key)
+            check_dtype(base, key, dtype)
+            shape = tuple(shape)
             dshape = (lm.lora_b.shape[0], lm.lora_a.shape[1])
             dshape = dshape[::-1] if lm.transpose else dshape
             if shape != dshape:
@@ -234,6 +267,7 @@ class AdapterSource(ParamSource):
             self.modules[key] = lm
         self.delta_keys = set(self.modules)
         self._check_saved_base(saved_base, base_keys)
+        self.warning = base_model_mismatch(self.name, self.config, base)
 
     def _check_saved_base(self, saved: dict[str, Tensor], base_keys: set[str]) -> None:
         """The base weights peft saved beside an adapted embedding must be the base's own (no resized vocab)."""
@@ -250,9 +284,9 @@ class AdapterSource(ParamSource):
         shape, dtype = self.base.meta(key)
         return (tuple(shape), torch.float32) if key in self.modules else (tuple(shape), dtype)
 
-    def delta(self, key: str) -> Tensor:
-        """``Delta W`` of base key ``key`` alone (float32)."""
-        return self.modules[key].delta()
+    def delta(self, key: str, dtype: torch.dtype = torch.float32) -> Tensor:
+        """``Delta W`` of base key ``key`` alone (float32 unless ``dtype`` says otherwise)."""
+        return self.modules[key].delta(dtype)
 
     def get(self, key: str) -> Tensor:
         if key not in self.modules:
@@ -274,6 +308,8 @@ def write_adapter(out_dir: Path, modules: dict[str, tuple[Tensor, Tensor]], conf
     """
     from safetensors.torch import save_file
 
+    check_finite_output([f"{mod}.lora_{ab}" for mod, pair in modules.items() for ab, t in zip("AB", pair)
+                         if not is_finite(t)], "the adapter")
     tensors = {}
     for mod, (a, b) in modules.items():
         names = ("lora_embedding_A", "lora_embedding_B") if mod in embeddings else ("lora_A.weight", "lora_B.weight")

@@ -28,7 +28,8 @@ from ..errors import UsageError
 from .sources import MergeInputError
 from ..utils.inpaths import inside
 from ..utils.io import read_json, save_tensors
-from .lora_svd import check_out_dir, check_svd, error_summary, low_rank_factors, numerical_rank
+from .lora_svd import (check_out_dir, check_svd, error_summary, low_rank_factors, numerical_rank,
+                       rank_pattern)
 from .output import build_folder
 from .peft import adapter_config, write_adapter
 
@@ -156,7 +157,9 @@ def _write_peft(tmp: Path, deltas: dict, rank: int | None, base_ref: str | None,
     for mod, d in deltas.items():
         low = low_rank_factors(d, r, svd)
         factors[mod], errors[mod] = (low.a, low.b), low
-    write_adapter(tmp, factors, adapter_config(r=r, alpha=r, targets=list(factors), base_model=base_ref))
+    pattern = rank_pattern(factors, r)  # modules smaller than r: written at min(out, in), exact
+    write_adapter(tmp, factors, adapter_config(r=r, alpha=r, targets=list(factors), base_model=base_ref,
+                                               rank_pattern=pattern, alpha_pattern=pattern))
     return {"rank": r, **error_summary(errors)}
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .checks import check_finite_output, is_finite
 from .sources import ST_DTYPES
 
 __all__ = ["DEFAULT_SHARD_SIZE", "BackgroundWriter", "ShardedWriter", "TensorPlan", "parse_size"]
@@ -87,6 +88,7 @@ class ShardedWriter:
         for name, group in zip(names, groups):
             self._open_shard(name, group, meta)
         self.written: set[str] = set()
+        self.nonfinite: dict[str, None] = {}  # keys written with NaN or Inf (in write order)
 
     def _open_shard(self, name: str, group: list, meta: dict[str, str]) -> None:
         header: dict = {"__metadata__": meta}
@@ -124,6 +126,11 @@ class ShardedWriter:
         if tuple(tensor.shape) != p.shape:
             raise ValueError(f"output key {key!r}: shape {list(tensor.shape)}, planned {list(p.shape)}")
         data = tensor.detach().to(device="cpu", dtype=p.dtype).contiguous().reshape(-1)
+        # checked after the cast: a finite float32 value beyond float16's range is written as Inf
+        if is_finite(data):
+            self.nonfinite.pop(key, None)  # a rewrite (TIES's sign fix) may replace a bad tensor
+        else:
+            self.nonfinite[key] = None
         if p.nbytes:
             with self._naming(p.file):
                 _pwrite_all(self._fds[p.file], memoryview(data.view(torch.uint8).numpy()), p.offset)
@@ -140,10 +147,15 @@ class ShardedWriter:
             torch.empty(p.shape, dtype=p.dtype)
 
     def close(self) -> list[str]:
-        """Check every key was written, flush the shards, write the index; returns the file names."""
+        """Check every key was written and finite, flush the shards, write the index; returns the file names.
+
+        Raises:
+            MergeInputError: a tensor holds NaN or Inf (names them; the caller removes the folder).
+        """
         missing = [k for k in self.plan if k not in self.written]
         if missing:
             raise RuntimeError(f"merge wrote no tensor for key {missing[0]!r} ({len(missing)} keys missing)")
+        check_finite_output(list(self.nonfinite))
         for name, fd in self._fds.items():
             with self._naming(name):
                 os.fsync(fd)  # a full disk may show only here

@@ -86,6 +86,9 @@ def run_merge(recipe: Any, out: Path | None, *, task: str | None = None, dry_run
     if adapter_out != "full":
         return _adapter_merge(recipe, out, adapter_out, adapter_rank, overwrite)
     prep = pipeline.prepare(recipe, task=task, where=where)
+    for src in prep.models.experts:  # an adapter whose config names another base model
+        if getattr(src, "warning", None):
+            log(src.warning)
     if prep.models.mixed:
         log(f"note: the inputs mix floating dtypes on {len(prep.models.mixed)} keys; they are upcast to "
             f"{recipe.compute_dtype} for the merge")
@@ -168,6 +171,8 @@ def merge_command(
     if "plan" in info:
         typer.echo(info["plan"])
         return
+    for line in info.get("warnings", []):  # adapter merges: another base model named, ranks clamped
+        typer.echo(line, err=True)
     typer.echo(f"wrote {info['out']} ({info['keys']} tensors, {spec.method} {spec.parameters})")
     if "overall_rel_error" in info:  # an adapter re-factorised by truncated SVD
         typer.echo(f"rank {info.get('rank')}: relative error of the merged delta W {info['overall_rel_error']:.3g} "

@@ -13,6 +13,7 @@ from .driver import map_keys
 from .registry import register_merge
 from .sources import open_models
 from .ties import ties_from_task_vectors
+from .trim import work_dtype
 
 __all__ = ["dare", "dare_tensor", "dare_generator"]
 
@@ -58,20 +59,24 @@ def dare(*, base: Any, experts: Sequence[Any], drop_rate: float = 0.5, rescale: 
     models = open_models(base, experts)
 
     def dropped(key: str, b: Tensor, xs: list[Tensor], idx: list[int]) -> Tensor:
-        # written into one preallocated stack, each row in place (no per-expert full-size temporaries)
-        out, fb = torch.empty((len(xs), *b.shape)), b.float()
+        # written into one preallocated stack, each row in place (no per-expert full-size temporaries); float32,
+        # or float64 for float64 inputs (TIES's trim then counts on these very numbers)
+        dt = work_dtype(b.dtype, *(x.dtype for x in xs))
+        out, fb = torch.empty((len(xs), *b.shape), dtype=dt), b.to(dt)
         for row, x, t in zip(out, xs, idx):
-            dare_tensor(torch.sub(x.float(), fb, out=row), drop_rate, rescale=rescale,
+            dare_tensor(torch.sub(x.to(dt), fb, out=row), drop_rate, rescale=rescale,
                         generator=dare_generator(seed, key, t), out=row)
         return out
 
     if combine == "task_arithmetic":
         def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
-            # sum_t m_t * tau_t accumulated in place in float64; the 1/(1-p) rescale applied once at the end
-            acc = torch.zeros(b.shape, dtype=torch.promote_types(b.dtype, torch.float32))
+            # sum_t m_t * tau_t accumulated in place (float32, float64 for float64 inputs); the 1/(1-p)
+            # rescale applied once at the end
+            dt = work_dtype(b.dtype, *(x.dtype for x in xs))
+            acc, fb = torch.zeros(b.shape, dtype=dt), b.to(dt)
             for t, x in enumerate(xs):
                 keep = torch.rand(x.shape, generator=dare_generator(seed, key, t)) >= drop_rate
-                acc.add_((x.float() - b.float()).mul_(keep))
+                acc.add_((x.to(dt) - fb).mul_(keep))
             factor = scaling / (1.0 - drop_rate) if rescale else scaling
             return acc.mul_(factor).add_(b)
 

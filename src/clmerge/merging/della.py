@@ -13,6 +13,7 @@ from .dare import dare_generator
 from .registry import register_merge
 from .sources import open_models
 from .ties import ties_from_task_vectors
+from .trim import work_dtype
 
 __all__ = ["della", "magprune_tensor", "magprune_drop_probabilities"]
 
@@ -73,7 +74,8 @@ def della(*, base: Any, experts: Sequence[Any], density: float = 0.5, epsilon: f
     models = open_models(base, experts)
 
     def pruned(key: str, b: Tensor, xs: list[Tensor], idx: list[int]) -> Tensor:
-        return torch.stack([magprune_tensor(x.float() - b.float(), density, epsilon,
+        dt = work_dtype(b.dtype, *(x.dtype for x in xs))  # float32; float64 for float64 inputs
+        return torch.stack([magprune_tensor(x.to(dt) - b.to(dt), density, epsilon,
                                             generator=dare_generator(seed, key, t)) for x, t in zip(xs, idx)])
 
     return ties_from_task_vectors(models, pruned, density=1.0, scaling=scaling, trim_scope="per_tensor",

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..checkpoints.checks import check_dtype, source_get, source_meta
 from ..checkpoints.sources import MergeInputError, ParamSource, as_source
 from ..checkpoints.sources import torch_load_state_dict as _torch_load  # noqa: F401 (the old private name)
 
@@ -74,6 +75,8 @@ class ModelSet:
 
     def _validate(self) -> None:
         ref = self._ref
+        for k in ref.keys():  # every key the reference lists: readable, and of a dtype clmerge merges
+            check_dtype(ref, k, source_meta(ref, k)[1])
         keys = set(ref.keys())
         for other in [s for s in [self.base, *self.experts] if s is not None and s is not ref]:
             okeys = set(other.keys())
@@ -83,7 +86,8 @@ class ModelSet:
                     (extra[0], f"present in {other.name} but missing from {ref.name}")
                 raise MergeInputError(f"key {key!r} is {where}")
             for k in ref.keys():
-                (s1, d1), (s2, d2) = ref.meta(k), other.meta(k)
+                (s1, d1), (s2, d2) = ref.meta(k), source_meta(other, k)
+                check_dtype(other, k, d2)
                 if s1 != s2 or (d1 != d2 and not (d1.is_floating_point and d2.is_floating_point)):
                     what = "shape" if s1 != s2 else "dtype"
                     raise MergeInputError(f"key {k!r}: {what} mismatch: {ref.name} has {list(s1)} {d1}, "
@@ -120,8 +124,8 @@ class ModelSet:
         Args:
             check: override ``check_finite`` for this read (a caller that checks its output instead).
         """
-        base = self.base.get(key) if self.base is not None else None
-        experts = [e.get(key) for e in self.experts]
+        base = source_get(self.base, key) if self.base is not None else None
+        experts = [source_get(e, key) for e in self.experts]
         if (self.check_finite if check is None else check) and self.is_float(key):
             for src, t in zip(([self.base] if base is not None else []) + self.experts,
                               ([base] if base is not None else []) + experts):

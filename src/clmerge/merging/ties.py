@@ -22,7 +22,7 @@ from .registry import register_merge
 from .sources import ModelSet, open_models
 from .ties_kernels import Work, fix_values, negative_choice, ties_key_streamed
 from .trim import (TIE_ALL, add_ties, allocate_tie_quotas, check_trim_rule, exact_trim_rows, keep_count,
-                   tensor_trim_spec)
+                   tensor_trim_spec, work_dtype)
 
 __all__ = ["ties", "ties_tensor", "global_magnitude_thresholds", "global_trim", "magnitude_threshold",
            "kth_smallest", "TaskVectorFn"]
@@ -34,8 +34,10 @@ TaskVectorFn = Callable[[str, Tensor, list[Tensor], list[int]], Tensor]
 
 
 def plain_task_vectors(key: str, base: Tensor, experts: list[Tensor], idx: list[int]) -> Tensor:
-    """``theta_t - theta_0`` in float32, shape ``(T, *shape)`` (float32, as the TIES reference code)."""
-    return torch.stack([e.float() for e in experts]) - base.float()
+    """``theta_t - theta_0``, shape ``(T, *shape)``, in float32 as the TIES reference code (float64 for float64
+    inputs: :func:`.trim.work_dtype`)."""
+    dt = work_dtype(base.dtype, *(e.dtype for e in experts))
+    return torch.stack([e.to(dt) for e in experts]) - base.to(dt)
 
 
 def kth_smallest(x: Tensor, k: int, *, sample: int = 1 << 16) -> Tensor:
@@ -94,25 +96,30 @@ def global_trim(models: ModelSet, density: float, tv_fn: TaskVectorFn,
     keys = [k for k in models.keys() if models.is_float(k)]
     num = models.num_experts
     total = sum(int(torch.Size(models.meta(k)[0]).numel()) for k in keys)
+    dt = model_work_dtype(models, keys)
     kept = keep_count(density, total) if trim_rule == "exact" else int(total * density)
     if density >= 1.0 or kept >= total:
-        return torch.zeros(num, dtype=torch.float32), None
+        return torch.zeros(num, dtype=dt), None
     if trim_rule == "exact" and kept == 0:
-        return torch.full((num,), math.inf), {key: [0] * num for key in keys}
+        return torch.full((num,), math.inf, dtype=dt), {key: [0] * num for key in keys}
     # the k-th smallest: exact rule, the kept-th largest; threshold rule, as the TIES code
     k = total - kept + (1 if trim_rule == "exact" else 0)
     want_ties = trim_rule == "exact"
-    out, above, ties = _streamed_thresholds(models, keys, total, k, want_ties) if tv_fn is plain_task_vectors \
-        else (torch.full((num,), math.nan), [0] * num, [[] for _ in range(num)])
+    if tv_fn is plain_task_vectors:
+        out, above, ties = _streamed_thresholds(models, keys, total, k, want_ties, dt)
+    else:
+        out, above, ties = torch.full((num,), math.nan, dtype=dt), [0] * num, [[] for _ in range(num)]
     buf = None
     for t in range(num):
         if not math.isnan(float(out[t])):
             continue
-        buf = torch.empty(total, dtype=torch.float32) if buf is None else buf
+        buf = torch.empty(total, dtype=dt) if buf is None else buf
         pos, bounds = 0, [0]
         for key in keys:
-            base = models.base.get(key)
-            buf[pos:pos + base.numel()] = tv_fn(key, base, [models.experts[t].get(key)], [t])[0].reshape(-1)
+            base, x = models.base.get(key), models.experts[t].get(key)
+            # plain task vectors in the dtype of the streamed kernel, which computes x - b in ``dt``
+            tv = x.to(dt) - base.to(dt) if tv_fn is plain_task_vectors else tv_fn(key, base, [x], [t])[0]
+            buf[pos:pos + base.numel()] = tv.reshape(-1)
             pos += base.numel()
             bounds.append(pos)
         out[t] = kth_smallest(buf.abs_(), k)
@@ -124,12 +131,19 @@ def global_trim(models: ModelSet, density: float, tv_fn: TaskVectorFn,
     return out, allocate_tie_quotas(keys, ties, [kept - a for a in above])
 
 
+def model_work_dtype(models: ModelSet, keys: list[str]) -> torch.dtype:
+    """The dtype of a model-wide trim: :func:`.trim.work_dtype` over every key (float64 if any key is)."""
+    return work_dtype(*(models.meta(k)[1] for k in keys))
+
+
 def _streamed_thresholds(models: ModelSet, keys: list[str], total: int, k: int, want_ties: bool = False,
-                         sample: int = 1 << 18, chunk: int = 1 << 15) -> tuple[Tensor, list[int], list[list[int]]]:
+                         dt: torch.dtype = torch.float32, sample: int = 1 << 18,
+                         chunk: int = 1 << 15) -> tuple[Tensor, list[int], list[list[int]]]:
     """Exact k-th smallest ``|theta_t - theta_0|`` of every expert from one streamed read of the models.
 
     A strided sample brackets each expert's answer; one pass over all keys (in cache-sized slices) counts the
     magnitudes below the bracket and keeps the few inside it; ``kthvalue`` on those gives the exact value.
+    Magnitudes are ``|x - b|`` computed in ``dt``, as the streamed kernel computes them.
     Experts whose bracket misses the answer get NaN (the caller falls back to the exact full selection).
 
     Returns ``(thresholds, above, ties)``; with ``want_ties``, ``above[t]`` counts the magnitudes ``> thr_t``
@@ -138,10 +152,10 @@ def _streamed_thresholds(models: ModelSet, keys: list[str], total: int, k: int, 
     num, step = models.num_experts, max(1, total // sample)
     parts: list[list[Tensor]] = [[] for _ in range(num)]
     for key in keys:
-        b = models.base.get(key).reshape(-1)[::step].float()
+        b = models.base.get(key).reshape(-1)[::step].to(dt)
         for t, src in enumerate(models.experts):
-            parts[t].append((src.get(key).reshape(-1)[::step].float() - b).abs())
-    lo, hi = torch.empty(num), torch.empty(num)
+            parts[t].append((src.get(key).reshape(-1)[::step].to(dt) - b).abs())
+    lo, hi = torch.empty(num, dtype=dt), torch.empty(num, dtype=dt)
     inside: list[Tensor] = []  # the magnitudes inside each bracket, written into one buffer per expert
     for t in range(num):
         s = torch.cat(parts[t])
@@ -151,17 +165,17 @@ def _streamed_thresholds(models: ModelSet, keys: list[str], total: int, k: int, 
         lo[t] = s.kthvalue(lo_i).values if lo_i >= 1 else -math.inf
         hi[t] = s.kthvalue(hi_i).values if hi_i <= n else math.inf
         # capacity: the sample's share of the bracket, with slack (grown in the rare case it is exceeded)
-        inside.append(torch.empty(int(1.25 * total * (min(hi_i, n) - max(lo_i, 1) + 1) / n) + chunk))
+        inside.append(torch.empty(int(1.25 * total * (min(hi_i, n) - max(lo_i, 1) + 1) / n) + chunk, dtype=dt))
     del parts, s
     below = torch.zeros(num, dtype=torch.int64)
     fill = [0] * num
     lo_c, hi_c = lo[:, None], hi[:, None]
     # work buffers allocated once: per-slice temporaries would churn (and grow) the malloc heap
-    mag_buf, lt_buf, keep_buf = torch.empty(num, chunk), torch.empty(num, chunk, dtype=torch.bool), \
+    mag_buf, lt_buf, keep_buf = torch.empty(num, chunk, dtype=dt), torch.empty(num, chunk, dtype=torch.bool), \
         torch.empty(num, chunk, dtype=torch.bool)
     starts: list[list[int]] = [[] for _ in range(num)]  # where each key's bracket entries begin
     for key in keys:
-        b = models.base.get(key).reshape(-1).float()
+        b = models.base.get(key).reshape(-1).to(dt)
         xs = [src.get(key).reshape(-1) for src in models.experts]
         for t in range(num):
             starts[t].append(fill[t])
@@ -182,7 +196,7 @@ def _streamed_thresholds(models: ModelSet, keys: list[str], total: int, k: int, 
                         inside[t] = _grown(inside[t], fill[t], fill[t] + c)
                     torch.masked_select(mag[t], keep[t], out=inside[t][fill[t]:fill[t] + c])
                     fill[t] += c
-    out, above, ties = torch.full((num,), math.nan), [0] * num, [[] for _ in range(num)]
+    out, above, ties = torch.full((num,), math.nan, dtype=dt), [0] * num, [[] for _ in range(num)]
     for t in range(num):
         vals = inside[t][:fill[t]]
         if int(below[t]) < k <= int(below[t]) + vals.numel():
@@ -208,6 +222,9 @@ def trim(tvs: Tensor, thresholds: Tensor, quotas: list[int] | None = None) -> Te
     ``hardshrink`` (keeps ``|x| > lambda``) at the largest float below the threshold: the same set as
     ``|x| >= threshold``, without a boolean mask.
     """
+    if torch.promote_types(tvs.dtype, thresholds.dtype) != tvs.dtype:
+        # model-wide float64 thresholds (a float64 key elsewhere) on a float32 key: compare exactly, in float64
+        tvs = tvs.to(thresholds.dtype)
     if quotas is not None and any(q != TIE_ALL for q in quotas):
         thr = thresholds.to(tvs.dtype)
         out = []
@@ -286,18 +303,20 @@ def _trim_fns(models: ModelSet, tv_fn: TaskVectorFn, density: float, trim_scope:
 
 def per_tensor_trim_spec(b: Tensor, xs: list[Tensor], density: float, trim_rule: str) -> tuple[Tensor, list[int]]:
     """Per-expert trim thresholds ``(T,)`` and tie quotas of one key (``trim_scope="per_tensor"``), from one
-    expert's float32 magnitudes at a time: the same kept set as :func:`.trim.exact_trim_rows` (exact) or
-    ``|tau| >= magnitude_threshold`` (threshold)."""
-    fb = b.float()
+    expert's magnitudes at a time, computed as the streamed kernel computes them (``x - b`` in
+    :func:`.trim.work_dtype`, not ``x`` rounded first): the same kept set as :func:`.trim.exact_trim_rows`
+    (exact) or ``|tau| >= magnitude_threshold`` (threshold)."""
+    dt = work_dtype(b.dtype, *(x.dtype for x in xs))
+    fb = b.to(dt)
     thr, quotas = [], []
     for x in xs:
-        mag = (x.float() - fb).abs_()  # a new tensor: x.float() is x itself for float32 inputs
+        mag = torch.sub(x.to(dt), fb).abs_()  # a new tensor: x.to(dt) is x itself when x has dtype dt
         if trim_rule == "exact":
             v, q = tensor_trim_spec(mag[None], density)
-            thr.append(v[0].float())
+            thr.append(v[0])
             quotas.append(q[0])
         else:
-            thr.append(magnitude_threshold(mag, density).float())
+            thr.append(magnitude_threshold(mag, density))
             quotas.append(TIE_ALL)
         del mag
     return torch.stack(thr), quotas
@@ -345,15 +364,18 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
     if tv_fn is plain_task_vectors and merge_fn in ("mean", "sum", "max"):
         # elementwise once each expert's threshold is known (model-wide, or this key's, found one expert at a
         # time): cache-sized slices in preallocated buffers, never a (T, *shape) stack of a large tensor
-        work = Work(models.num_experts, CHUNK)
+        works: dict[torch.dtype, Work] = {}  # one set of buffers per work dtype (float32; float64 inputs)
         all_ties = [TIE_ALL] * models.num_experts
 
         def merged(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:  # noqa: F811
             if glob is None:
                 thr, quotas = per_tensor_trim_spec(b, xs, density, trim_rule)
-            else:
+            else:  # the model-wide thresholds were found in glob's dtype: compare in it
                 thr, quotas = glob, (all_ties if gq is None else gq[key])
-            res, sign_sum, fix = ties_key_streamed(b, xs, thr, quotas, scaling, merge_fn, work)
+            dt = work_dtype(thr.dtype, b.dtype, *(x.dtype for x in xs))
+            if dt not in works:
+                works[dt] = Work(models.num_experts, CHUNK, dt)
+            res, sign_sum, fix = ties_key_streamed(b, xs, thr, quotas, scaling, merge_fn, works[dt])
             total[0] += sign_sum
             if fix is not None:
                 fixes[key] = fix

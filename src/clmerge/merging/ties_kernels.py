@@ -27,23 +27,28 @@ class Work:
     """Work buffers of the streamed TIES merge, allocated once per merge: per-slice temporaries would be
     allocated and freed ~10 times per slice, between kept outputs, and the malloc heap keeps growing."""
 
-    def __init__(self, num: int, chunk: int) -> None:
-        self.tv, self.tmp = torch.empty(num, chunk), torch.empty(num, chunk)
+    def __init__(self, num: int, chunk: int, dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype
+        self.tv, self.tmp = torch.empty(num, chunk, dtype=dtype), torch.empty(num, chunk, dtype=dtype)
         self.mask = torch.empty(num, chunk, dtype=torch.bool)
-        self.total, self.sign, self.pick, self.count, self.res = (torch.empty(chunk) for _ in range(5))
+        self.total, self.sign, self.pick, self.count, self.res = (torch.empty(chunk, dtype=dtype) for _ in range(5))
         self.zero, self.flag = torch.empty(chunk, dtype=torch.bool), torch.empty(chunk, dtype=torch.bool)
 
 
 def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int], scaling: float,
                        merge_fn: str, w: Work) -> tuple[Tensor, float, tuple[Tensor, ...] | None]:
     """:func:`.ties._ties_core` with zero sums given the sign +1, on one key of plain task vectors, slice by slice in
-    the buffers ``w`` (same arithmetic in float32). Returns ``(theta_0 + scaling * tau_m, sign sum, fix)``;
+    the buffers ``w`` (same arithmetic, in ``w.dtype``: float32, or float64 for float64 inputs). The task vectors
+    are ``x - b`` computed in ``w.dtype``, the very numbers the thresholds ``thr`` were found on (see
+    :func:`.ties.per_tensor_trim_spec`, :func:`.ties.global_trim`).
+
+    Returns ``(theta_0 + scaling * tau_m, sign sum, fix)``;
     ``fix`` (see :func:`fix_values`) covers the ambiguous entries, or is ``None``. ``quotas`` as in
     :func:`.ties.trim`."""
     out = torch.empty(b.shape, dtype=xs[0].dtype)
-    # float32 base: bf16 - bf16 into a float32 buffer would round the difference to bf16 first
-    fb, fo, fx = b.reshape(-1).float(), out.view(-1), [x.reshape(-1) for x in xs]
-    thr32 = thr.to(torch.float32)
+    # base in the work dtype: bf16 - bf16 into a float32 buffer would round the difference to bf16 first
+    fb, fo, fx = b.reshape(-1).to(w.dtype), out.view(-1), [x.reshape(-1) for x in xs]
+    thr32 = thr.to(w.dtype)
     # ">= v" keeps all ties; ">= next float above v" is "> v" (ties added below, up to the quota)
     up = torch.nextafter(thr32, thr32.new_tensor(math.inf))
     thr_c = torch.where(torch.tensor([q == TIE_ALL for q in quotas]), thr32, up)[:, None]
@@ -73,7 +78,7 @@ def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int
             # zero sum over nonzero entries: the value depends on the model-wide majority, known at the end;
             # the trimmed columns are formed again from the inputs (the buffer now holds only positives)
             pos = flag.nonzero().squeeze(1)
-            cols = torch.stack([x[i:i + n][pos].float() for x in fx]).sub_(fb[i:i + n][pos]).mul_(mask[:, pos])
+            cols = torch.stack([x[i:i + n][pos].to(w.dtype) for x in fx]).sub_(fb[i:i + n][pos]).mul_(mask[:, pos])
             fixes.append(fix_values(pos + i, negative_choice(cols, merge_fn), fb[i:i + n][pos], scaling,
                                      merge_fn, out.dtype))
         if merge_fn == "max":

@@ -26,12 +26,25 @@ import torch
 from torch import Tensor
 
 __all__ = ["TRIM_RULES", "TIE_ALL", "keep_count", "check_trim_rule", "add_ties", "top_magnitude_mask",
-           "exact_trim_rows", "tensor_trim_spec", "allocate_tie_quotas"]
+           "exact_trim_rows", "tensor_trim_spec", "allocate_tie_quotas", "work_dtype"]
 
 TRIM_RULES = ("exact", "threshold")
 # A tie quota meaning "every entry equal to the threshold is kept" (the threshold rule; or an exact quota
 # that covers all of a key's ties).
 TIE_ALL = -1
+
+
+def work_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype a trim computes task vectors in: float32, or float64 when an input is float64.
+
+    A count or threshold must be found on the same numbers it is applied to: a threshold found on
+    ``x.float() - b.float()`` but applied to ``x - b`` rounded afterwards keeps a different number of entries
+    on float64 inputs.
+    """
+    out = torch.float32
+    for d in dtypes:
+        out = torch.promote_types(out, d)
+    return out
 
 
 def check_trim_rule(trim_rule: str) -> None:

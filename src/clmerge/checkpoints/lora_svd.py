@@ -18,7 +18,6 @@ on the test matrices it is within 0.5 % of the optimum.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 

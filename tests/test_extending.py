@@ -120,3 +120,28 @@ def test_without_the_plugin_the_method_is_unknown(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(app, ["run", "tiny.yaml", "--out", "r"])
     assert result.exit_code == 2 and "plugin_not_loaded" in result.stderr
+
+
+def _image_tree(root, classes: list[str], n: int = 6) -> None:
+    import numpy as np
+    from PIL import Image
+
+    for c, name in enumerate(classes):
+        (root / name).mkdir(parents=True)
+        for i in range(n):
+            arr = np.full((12, 14, 3), 20 * c + i, dtype=np.uint8)
+            Image.fromarray(arr).save(root / name / f"{i}.{'png' if i % 2 else 'bmp'}")
+
+
+def test_image_folder_class_names_reach_the_manifest_and_the_report(tmp_path):
+    classes = ["ant", "bee", "cat", "dog<b>"]
+    _image_tree(tmp_path / "data", classes)
+    cfg = tiny_config(**{"scenario.dataset": "image_folder", "scenario.data_root": str(tmp_path / "data"),
+                         "scenario.train_per_class": None, "scenario.test_per_class": None,
+                         "scenario.shuffle_classes": False, "run.report": True})
+    run_experiment(parse_config(cfg), tmp_path / "run")
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["class_names"] == classes
+    html = (tmp_path / "run" / "report.html").read_text()
+    assert "<th>class names</th>" in html
+    assert "<td>ant, bee</td>" in html and "<td>cat, dog&lt;b&gt;</td>" in html

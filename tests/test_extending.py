@@ -145,3 +145,19 @@ def test_image_folder_class_names_reach_the_manifest_and_the_report(tmp_path):
     html = (tmp_path / "run" / "report.html").read_text()
     assert "<th>class names</th>" in html
     assert "<td>ant, bee</td>" in html and "<td>cat, dog&lt;b&gt;</td>" in html
+
+
+def test_image_folder_reads_tiff_gif_and_netpbm(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from clmerge.data.folders import image_folder
+
+    for c, name in enumerate(["a", "b"]):
+        (tmp_path / name).mkdir()
+        for i, ext in enumerate(["tif", "gif", "ppm", "tga", "png"]):
+            Image.fromarray(np.full((9, 11, 3), 40 * c + i, dtype=np.uint8)).save(tmp_path / name / f"{i}.{ext}")
+    splits = image_folder(data_root=tmp_path, image_size=8, test_fraction=0.2)
+    assert splits.class_names == ["a", "b"] and len(splits.train) + len(splits.test) == 10
+    x, _ = splits.train.get_batch(np.arange(len(splits.train)))
+    assert x.shape[1:] == (3, 8, 8)

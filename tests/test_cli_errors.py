@@ -349,3 +349,23 @@ def test_merge_numerics_and_contents_errors(ws_numerics, argv, code, words):
     before = _snapshot(ws_numerics)
     result = CliRunner().invoke(app, argv)
     _check(result, code, words, before, ws_numerics)
+# run --plugin: a missing file, an unknown module name, a module that fails on import (its own block)
+PLUGIN_CASES = [
+    ("plugin-missing-file", [*RUN, "--plugin", "./nope_plugin.py", "--out", "r"], INPUT,
+     ["--plugin ./nope_plugin.py", "no such file"]),
+    ("plugin-unknown-module", [*RUN, "--plugin", "clmerge_no_such_plugin_mod", "--out", "r"], INPUT,
+     ["--plugin clmerge_no_such_plugin_mod", "no module named"]),
+    ("plugin-raises", [*RUN, "--plugin", "broken_plugin.py", "--out", "r"], INPUT,
+     ["--plugin broken_plugin.py", "importing it failed", "ZeroDivisionError"]),
+    ("plugin-syntax", [*RUN, "--plugin", "syntax_plugin.py", "--out", "r"], INPUT,
+     ["--plugin syntax_plugin.py", "SyntaxError"]),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in PLUGIN_CASES], ids=[c[0] for c in PLUGIN_CASES])
+def test_plugin_error_is_short_typed_and_leaves_nothing(ws, argv, code, words):
+    (ws / "broken_plugin.py").write_text("x = 1 / 0\n")
+    (ws / "syntax_plugin.py").write_text("def (:\n")
+    before = _snapshot(ws)
+    result = CliRunner().invoke(app, argv)
+    _check(result, code, words, before, ws)

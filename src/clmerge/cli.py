@@ -110,12 +110,17 @@ def run(
                                    "that holds no run (files of the same names are replaced)"),
     nproc: int = typer.Option(1, "--nproc", min=1, help="data-parallel processes on this machine: relaunches this "
                               "command under torchrun (docs/scaling.md); the batch size stays the global one"),
+    plugin: list[str] = typer.Option([], "--plugin", help="import a Python module (a name or a .py file path) "
+                                     "before the config is read, so its @register_... methods, datasets and "
+                                     "backbones can be named (repeatable; docs/extending.md)"),
 ) -> None:
     """Run a continual-learning experiment and write a run directory."""
     from .config import ConfigError, load_config
     from .engine import distributed
     from .engine.run import run_experiment
+    from .plugins import load_plugins
 
+    load_plugins(plugin)
     try:
         cfg = load_config(config, set_)
     except (ConfigError, ValueError) as exc:

@@ -91,6 +91,10 @@ class Registry:
         prefix = f"{self.key}: " if self.key else ""
         return f"{prefix}unknown {self.kind} {name!r}{hint}; known: {', '.join(sorted(self._entries)) or 'none'}"
 
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` if registered (tests and plugins that clean up after themselves)."""
+        self._entries.pop(name, None)
+
     def available(self) -> dict[str, str]:
         """Registered names, sorted, each with its one-line description."""
         return {n: self._entries[n].description for n in sorted(self._entries)}

@@ -48,7 +48,9 @@ __all__ = [
 ]
 
 DATA_ENV_VAR = "CLMERGE_DATA"
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+# raster formats Pillow reads without extra libraries; images are converted to RGB (or L) on load
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff", ".ppm", ".pgm", ".pbm",
+                    ".pnm", ".tga")
 DOMAINNET_DOMAINS = ("clipart", "infograph", "painting", "quickdraw", "real", "sketch")
 
 IMAGENET_R_HOWTO = (

@@ -96,7 +96,8 @@ def prepare(cfg: ExperimentConfig) -> tuple[Scenario, ContinualClassifier, Conti
     manifest = {
         "clmerge_version": __version__, "python": sys.version.split()[0], "torch": torch.__version__,
         "platform": platform.platform(), "seed": cfg.seed, "scenario_seed": s.seed, "kind": scenario.kind,
-        "dataset": s.dataset, "class_order": scenario.class_order, "tasks": [t.describe() for t in scenario.tasks],
+        "dataset": s.dataset, "class_order": scenario.class_order, "class_names": list(scenario.class_names),
+        "tasks": [t.describe() for t in scenario.tasks],
         "data": splits.fingerprint, "backbone": dict(getattr(model.backbone, "info", {})), "method": cfg.method.name,
         "trainable_params_after_setup": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }

@@ -12,6 +12,7 @@ the task, because a resumed run rebuilds the structure from the checkpoint (see 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -71,7 +72,11 @@ class ContinualMethod:
     def __init_subclass__(cls, **kwargs) -> None:
         """Every method's ``begin_task`` and ``end_task`` run with autocast off: the statistics they compute
         (Fisher, alpha sums, covariances, SVD bases, importance, task-vector folds) stay fp32 whatever
-        ``run.precision`` is and whoever calls them (:mod:`clmerge.engine.precision`)."""
+        ``run.precision`` is and whoever calls them (:mod:`clmerge.engine.precision`).
+
+        What the base hooks guarantee does not depend on a subclass calling ``super()``: an overriding
+        ``setup`` finds ``self.model`` set already, and after an overriding ``begin_task`` the head covers the
+        task's outputs (both no-ops for a subclass that does call ``super()``)."""
         super().__init_subclass__(**kwargs)
         for hook in ("begin_task", "end_task"):
             fn = cls.__dict__.get(hook)
@@ -79,6 +84,7 @@ class ContinualMethod:
                 wrapped = full_precision(fn)
                 wrapped._full_precision = True
                 setattr(cls, hook, wrapped)
+        _wrap_base_duties(cls)
 
     def __init__(self, options: MethodOptions, *, seed: int = 0) -> None:
         self.options = options
@@ -93,7 +99,7 @@ class ContinualMethod:
 
     def begin_task(self, task: Task, ctx: TaskContext) -> None:
         """Default: grow the head to cover the task's outputs."""
-        self.model.head.ensure_classes(task.offset + task.n_classes, generator=ctx.generator)
+        _grow_head(self, task, ctx)
 
     # -- training ----------------------------------------------------------------------------------------
     def parameter_groups(self, model: nn.Module) -> list[dict]:
@@ -138,6 +144,35 @@ class ContinualMethod:
         self._metrics.setdefault(key, []).append(value)
 
 
+def _wrap_base_duties(cls: type[ContinualMethod]) -> None:
+    """Wrap ``cls``'s own ``setup`` (bind the model first) and ``begin_task`` (grow the head after)."""
+    setup, begin = cls.__dict__.get("setup"), cls.__dict__.get("begin_task")
+    if setup is not None and not getattr(setup, "_binds_model", False):
+        @functools.wraps(setup)
+        def bound_setup(self, model, *args, **kwargs):
+            self.model = model
+            return setup(self, model, *args, **kwargs)
+
+        bound_setup._binds_model = True
+        cls.setup = bound_setup
+    if begin is not None and not getattr(begin, "_grows_head", False):
+        @functools.wraps(begin)
+        def growing_begin(self, task, ctx, *args, **kwargs):
+            out = begin(self, task, ctx, *args, **kwargs)
+            _grow_head(self, task, ctx)
+            return out
+
+        growing_begin._grows_head = growing_begin._full_precision = True
+        cls.begin_task = growing_begin
+
+
+def _grow_head(method: ContinualMethod, task: Task, ctx: TaskContext) -> None:
+    """The base ``begin_task``'s duty: the head covers ``task``'s outputs (idempotent)."""
+    if getattr(method, "model", None) is None:
+        raise RuntimeError(f"method {method.name!r}: no model; the engine calls setup(model) before begin_task")
+    method.model.head.ensure_classes(task.offset + task.n_classes, generator=ctx.generator)
+
+
 METHODS: Registry = Registry("method", key="method.name")  # name -> ContinualMethod subclass
 
 
@@ -157,4 +192,8 @@ def method_options_model(name: str) -> type[MethodOptions]:
 
 
 def build_method(name: str, options: MethodOptions, *, seed: int = 0) -> ContinualMethod:
-    return METHODS.get(name)(options, seed=seed)
+    method = METHODS.get(name)(options, seed=seed)
+    if not hasattr(method, "_metrics"):
+        raise TypeError(f"method {name!r}: {type(method).__name__}.__init__ must call "
+                        "super().__init__(options, seed=seed)")
+    return method

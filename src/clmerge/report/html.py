@@ -230,6 +230,7 @@ def _tasks_section(manifest: Mapping[str, Any], metrics: Mapping[str, Any]) -> s
         return ""
     timings = metrics.get("timings") if isinstance(metrics.get("timings"), dict) else {}
     per_task = timings.get("per_task_s") if isinstance(timings.get("per_task_s"), list) else []
+    names = manifest.get("class_names") if isinstance(manifest.get("class_names"), list) else []
     rows = []
     for j, task in enumerate(tasks):
         task = task if isinstance(task, dict) else {}
@@ -239,11 +240,13 @@ def _tasks_section(manifest: Mapping[str, Any], metrics: Mapping[str, Any]) -> s
             str(j),
             format_number(task.get("name")),
             MISSING if classes is None else _format_free(classes),
+            *([_class_names(classes, names)] if names else []),
             _format_free(task.get("n_train")),
             _format_free(task.get("n_test")),
             format_number(seconds, ".1f"),
         ])
-    table = _table(["#", "name", "classes", "n_train", "n_test", "train time (s)"], rows, numeric_from=3)
+    header = ["#", "name", "classes", *(["class names"] if names else []), "n_train", "n_test", "train time (s)"]
+    table = _table(header, rows, numeric_from=len(header) - 3)
     extra = []
     if manifest.get("class_order") is not None:
         extra.append(f"<p><b>class order:</b> {escape(_format_free(manifest['class_order']))}</p>")
@@ -252,6 +255,13 @@ def _tasks_section(manifest: Mapping[str, Any], metrics: Mapping[str, Any]) -> s
         extra.append(f"<p><b>backbone:</b> {escape(format_number(backbone.get('preset')))} "
                      f"(sha256 <code>{escape(format_number(backbone.get('sha256')))}</code>)</p>")
     return _section("Tasks", table + "".join(extra))
+
+
+def _class_names(classes: Any, names: list) -> str:
+    """The names of a task's class ids (the manifest's ``class_names``, indexed by class id), comma-separated."""
+    if not isinstance(classes, list):
+        return MISSING
+    return ", ".join(str(names[c]) if isinstance(c, int) and 0 <= c < len(names) else str(c) for c in classes)
 
 
 def build_report(run_dir: str | Path) -> Path:

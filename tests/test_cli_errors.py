@@ -239,3 +239,21 @@ def test_consoles_are_120_wide_off_a_terminal_and_errors_never_hard_wrap(monkeyp
     assert capsys.readouterr().err == f"error: {long_message}\n"
     cli_support.print_error("\n".join(f"line {i}" for i in range(6)))
     assert capsys.readouterr().err.count("\n") == 3
+
+
+# `clmerge run NAME`: a shipped config by name; a bare unknown name is a usage error with the nearest name,
+# a missing path an input error that names the shipped config of the same stem
+CONFIG_NAME_CASES = [
+    ("run-unknown-config-name", ["run", "sd_lora_imagenet_r_11", "--out", "r"], USAGE,
+     ["sd_lora_imagenet_r_11", "did you mean 'sd_lora_imagenet_r_10'?"]),
+    ("run-unknown-config-word", ["run", "zzzz", "--out", "r"], USAGE, ["zzzz", "clmerge configs"]),
+    ("run-old-config-path", ["run", "configs/paper/pm_cifar100_10.yaml", "--out", "r"], INPUT,
+     ["configs/paper/pm_cifar100_10.yaml", "clmerge run pm_cifar100_10"]),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in CONFIG_NAME_CASES],
+                         ids=[c[0] for c in CONFIG_NAME_CASES])
+def test_config_name_errors_are_short_typed_and_leave_nothing(ws, argv, code, words):
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, argv), code, words, before, ws)

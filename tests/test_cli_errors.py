@@ -257,3 +257,12 @@ CONFIG_NAME_CASES = [
 def test_config_name_errors_are_short_typed_and_leave_nothing(ws, argv, code, words):
     before = _snapshot(ws)
     _check(CliRunner().invoke(app, argv), code, words, before, ws)
+
+
+def test_a_run_on_a_bundled_dataset_without_its_extra_names_pip_install(ws, monkeypatch):
+    """tiny.yaml uses the scikit-learn digits: without the data extra, one input-error line naming it."""
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    monkeypatch.delitem(sys.modules, "sklearn.datasets", raising=False)
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, [*RUN, "--out", "r"]), INPUT, ["digits", "scikit-learn", 'pip install "clmerge[data]"'],
+           before, ws)

@@ -58,9 +58,12 @@ def study_command(
     from .config import ConfigError
     from .sweep import StudyError, run_study
     from .theory.spec import load_study
+    from .utils.extras import require_extra
     from .utils.outpaths import check_writable
 
     try:
+        for module in ("scipy", "matplotlib"):  # the fits and the report, checked before any job runs
+            require_extra(module, "study", what="clmerge study")
         if not fit_only:
             check_writable(out)
             study = load_study(spec, set_)

@@ -185,9 +185,12 @@ def _check_run_out(out: Path, resume: bool, overwrite: bool) -> None:
 
 def _dry_run(cfg) -> None:
     from .engine.dry_run import dry_run
+    from .utils.extras import MissingExtraError
 
     try:
         dry_run(cfg, echo=lambda line: console.print(line, markup=False, highlight=False))
+    except MissingExtraError:
+        raise  # an install to do, not a failed check: its own line and exit code
     except Exception as exc:  # noqa: BLE001  (a dry run reports any failure as a failed check)
         _fail(f"dry run failed: {type(exc).__name__}: {exc}", code=1)
 

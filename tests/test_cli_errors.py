@@ -264,5 +264,5 @@ def test_a_run_on_a_bundled_dataset_without_its_extra_names_pip_install(ws, monk
     monkeypatch.setitem(sys.modules, "sklearn", None)
     monkeypatch.delitem(sys.modules, "sklearn.datasets", raising=False)
     before = _snapshot(ws)
-    _check(CliRunner().invoke(app, [*RUN, "--out", "r"]), INPUT, ["digits", "scikit-learn", 'pip install "clmerge[data]"'],
-           before, ws)
+    words = ["digits", "scikit-learn", 'pip install "clmerge[data]"']
+    _check(CliRunner().invoke(app, [*RUN, "--out", "r"]), INPUT, words, before, ws)

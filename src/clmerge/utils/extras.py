@@ -39,5 +39,5 @@ def require_extra(module: str, extra: str | None = None, *, what: str | None = N
         top = module.split(".")[0]
         dist, default_extra = EXTRAS.get(top, (top, "all"))
         extra = extra or default_extra
-        raise MissingExtraError(f"{what or module} needs the package {dist}, which is not installed: "
-                                f'pip install "clmerge[{extra}]" (from a checkout: pip install ".[{extra}]")') from None
+        fix = f'pip install "clmerge[{extra}]" (from a checkout: pip install ".[{extra}]")'
+        raise MissingExtraError(f"{what or module} needs the package {dist}, which is not installed: {fix}") from None

@@ -122,3 +122,13 @@ def test_merge_and_a_paper_dry_run_import_no_optional_package(tmp_path):
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert dry.returncode == 0, dry.stderr
     assert "dry run ok" in dry.stdout
+
+
+def test_hide_prompt_k_means_statistics_without_scikit_learn_fail_at_set_up(monkeypatch):
+    """Checked when the method is built, not after the first task has trained."""
+    from clmerge.methods.hide_parts import MultiCentroidStats
+
+    monkeypatch.delitem(sys.modules, "sklearn.cluster", raising=False)
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    with pytest.raises(MissingExtraError, match=r'multi_centroid.*clmerge\[data\]'):
+        MultiCentroidStats(8, 2, seed=0)

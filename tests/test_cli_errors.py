@@ -369,3 +369,28 @@ def test_plugin_error_is_short_typed_and_leaves_nothing(ws, argv, code, words):
     before = _snapshot(ws)
     result = CliRunner().invoke(app, argv)
     _check(result, code, words, before, ws)
+# `clmerge run NAME`: a shipped config by name; a bare unknown name is a usage error with the nearest name,
+# a missing path an input error that names the shipped config of the same stem
+CONFIG_NAME_CASES = [
+    ("run-unknown-config-name", ["run", "sd_lora_imagenet_r_11", "--out", "r"], USAGE,
+     ["sd_lora_imagenet_r_11", "did you mean 'sd_lora_imagenet_r_10'?"]),
+    ("run-unknown-config-word", ["run", "zzzz", "--out", "r"], USAGE, ["zzzz", "clmerge configs"]),
+    ("run-old-config-path", ["run", "configs/paper/pm_cifar100_10.yaml", "--out", "r"], INPUT,
+     ["configs/paper/pm_cifar100_10.yaml", "clmerge run pm_cifar100_10"]),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in CONFIG_NAME_CASES],
+                         ids=[c[0] for c in CONFIG_NAME_CASES])
+def test_config_name_errors_are_short_typed_and_leave_nothing(ws, argv, code, words):
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, argv), code, words, before, ws)
+
+
+def test_a_run_on_a_bundled_dataset_without_its_extra_names_pip_install(ws, monkeypatch):
+    """tiny.yaml uses the scikit-learn digits: without the data extra, one input-error line naming it."""
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    monkeypatch.delitem(sys.modules, "sklearn.datasets", raising=False)
+    before = _snapshot(ws)
+    words = ["digits", "scikit-learn", 'pip install "clmerge[data]"']
+    _check(CliRunner().invoke(app, [*RUN, "--out", "r"]), INPUT, words, before, ws)

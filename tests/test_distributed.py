@@ -11,6 +11,7 @@ import yaml
 
 from clmerge.config import parse_config
 from clmerge.engine.run import run_experiment
+from clmerge.paper_configs import PAPER_DIR
 from conftest import tiny_config
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -100,7 +101,7 @@ def test_a_one_process_crash_resumes_in_two_processes(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_paper_config_dry_run_in_two_processes(tmp_path):
     """A ViT-B/16 paper config dry-runs data-parallel (random init, look-alike data, 2 steps per task)."""
-    cfg = Path(__file__).parents[1] / "configs" / "paper" / "sd_lora_imagenet_r_10.yaml"
+    cfg = PAPER_DIR / "sd_lora_imagenet_r_10.yaml"
     res = subprocess.run([sys.executable, "-m", "clmerge", "run", str(cfg), "--dry-run", "--nproc", "2"],
                          env=ENV, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

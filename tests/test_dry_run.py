@@ -14,8 +14,9 @@ from typer.testing import CliRunner
 from clmerge.cli import app
 from clmerge.config import load_config
 from clmerge.engine.dry_run import dry_run, lookalike_classes
+from clmerge.paper_configs import PAPER_DIR
 
-PAPER = sorted((Path(__file__).resolve().parents[1] / "configs" / "paper").glob("*.yaml"))
+PAPER = sorted(PAPER_DIR.glob("*.yaml"))
 # Slow tier (`make test-all`): HALRP with AlexNet on Tiny-ImageNet (the method's own rank selection at the
 # second task, SVDs of the large layers, takes ~100 s on this CPU) and the dry runs that took 8-30 s each on
 # a loaded 2-core machine (DomainNet's 345 classes, Omniglot's 1200, 200-class ImageNet-R/A and CUB sets).

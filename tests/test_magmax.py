@@ -5,7 +5,6 @@ the CLI and the paper configs."""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,11 +18,12 @@ from clmerge.engine.checkpoint import load_checkpoint
 from clmerge.engine.run import prepare, run_experiment
 from clmerge.merging.magmax import max_magnitude_fold
 from clmerge.methods.base import TaskContext
+from clmerge.paper_configs import PAPER_DIR
 
 from _lora_cl_helpers import assert_same_run, uncommit_checkpoint
 from conftest import tiny_config
 
-PAPER = Path(__file__).resolve().parents[1] / "configs" / "paper"
+PAPER = PAPER_DIR
 
 
 def transcribe(base: list[float], taus: list[list[float]], lam: float, tie_break: str) -> list[float]:

@@ -1,16 +1,16 @@
-"""configs/paper: every HALRP paper setting parses, has 5 valid task orders, and builds its network."""
+"""clmerge/configs/paper: every HALRP paper setting parses, has 5 valid task orders, and builds its network."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
 from clmerge.config import load_config
 from clmerge.models import build_backbone
+from clmerge.paper_configs import PAPER_DIR
 
-CONFIGS = sorted((Path(__file__).parents[1] / "configs" / "paper").glob("halrp_*.yaml"))
+CONFIGS = sorted(PAPER_DIR.glob("halrp_*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
@@ -27,6 +27,6 @@ def test_paper_config_parses_and_builds(path):
 
 
 def test_superclass_groups_are_the_cifar100_superclasses():
-    cfg = load_config(Path(__file__).parents[1] / "configs" / "paper" / "halrp_cifar100_superclass_lenet.yaml")
+    cfg = load_config(PAPER_DIR / "halrp_cifar100_superclass_lenet.yaml")
     groups = [cfg.scenario.class_order[5 * k: 5 * k + 5] for k in range(20)]
     assert groups[0] == [4, 30, 55, 72, 95]  # aquatic mammals: beaver, dolphin, otter, seal, whale

@@ -1,4 +1,4 @@
-"""configs/paper halrp_{omniglot,five_dataset,tiny}: the real configs build their scenario and network on look-alike
+"""clmerge/configs/paper halrp_{omniglot,five_dataset,tiny}: the real configs build their scenario and network on look-alike
 data (generated files with the release layouts; random-init networks) and a batch of the first and last task
 goes through the routed model."""
 
@@ -14,10 +14,11 @@ from PIL import Image
 
 from clmerge.config import load_config
 from clmerge.engine.run import prepare
+from clmerge.paper_configs import PAPER_DIR
 
 from test_data_omniglot_tiny import make_omniglot, make_tiny
 
-PAPER = Path(__file__).parents[1] / "configs" / "paper"
+PAPER = PAPER_DIR
 
 
 def _idx(path: Path, arr: np.ndarray) -> None:

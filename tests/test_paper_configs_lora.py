@@ -1,4 +1,4 @@
-"""Every paper config under configs/paper parses and validates (keys, method options)."""
+"""Every paper config under clmerge/configs/paper parses and validates (keys, method options)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from clmerge.config import load_config
+from clmerge.paper_configs import PAPER_DIR
 
-_DIR = Path(__file__).resolve().parents[1] / "configs" / "paper"
+_DIR = PAPER_DIR
 PAPER = sorted([*_DIR.glob("sd_lora_*.yaml"), *_DIR.glob("pm_*.yaml")])
 
 

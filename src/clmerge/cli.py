@@ -98,7 +98,8 @@ def print_results(metrics: dict) -> None:
 
 @app.command()
 def run(
-    config: Path | None = typer.Argument(None, help="YAML config (default: the embedded default experiment)"),
+    config: Path | None = typer.Argument(None, help="YAML config file, or the name of a shipped config (`clmerge "
+                                         "configs` lists them; default: the embedded default experiment)"),
     set_: list[str] = typer.Option([], "--set", help="override a key: dotted.key=value (repeatable)"),
     out: Path | None = typer.Option(None, "--out", help="run directory (default: runs/<method>-<dataset>-<time>)"),
     resume: bool = typer.Option(False, "--resume", help="continue a stopped run in --out from its last finished task"),
@@ -189,9 +190,12 @@ def _check_run_out(out: Path, resume: bool, overwrite: bool) -> None:
 
 def _dry_run(cfg) -> None:
     from .engine.dry_run import dry_run
+    from .utils.extras import MissingExtraError
 
     try:
         dry_run(cfg, echo=lambda line: console.print(line, markup=False, highlight=False))
+    except MissingExtraError:
+        raise  # an install to do, not a failed check: its own line and exit code
     except Exception as exc:  # noqa: BLE001  (a dry run reports any failure as a failed check)
         _fail(f"dry run failed: {type(exc).__name__}: {exc}", code=1)
 
@@ -246,6 +250,15 @@ def models() -> None:
 
     for name, desc in available_backbones().items():
         typer.echo(f"{name:<16} {desc}")
+
+
+@app.command()
+def configs() -> None:
+    """List the papers' configs shipped with clmerge (run one by name: clmerge run NAME)."""
+    from .paper_configs import available_configs, describe_config
+
+    for name, path in available_configs().items():
+        typer.echo(f"{name:<36} {describe_config(path)}")
 
 
 @app.command()

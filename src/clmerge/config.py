@@ -345,10 +345,14 @@ EMBEDDED_DEFAULT: dict[str, Any] = {"method": {"name": "seq_lora", "targets": ["
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Read a YAML config (or the embedded default when ``path`` is None) and apply ``--set`` overrides."""
+    """Read a YAML config (or the embedded default when ``path`` is None) and apply ``--set`` overrides.
+
+    ``path`` is a file, or the name of a config shipped with clmerge (``clmerge configs`` lists them)."""
     import copy
 
-    data = read_yaml_mapping(path) if path is not None else copy.deepcopy(EMBEDDED_DEFAULT)
+    from .paper_configs import resolve_config_arg
+
+    data = read_yaml_mapping(resolve_config_arg(path)) if path is not None else copy.deepcopy(EMBEDDED_DEFAULT)
     data = apply_overrides(data, overrides or [])
     return parse_config(data)
 

@@ -1,7 +1,7 @@
 """``clmerge study``, ``clmerge predict`` and ``clmerge advise`` (seed 004), registered by ``cli.py``.
 
 The commands are thin: the work is in :func:`clmerge.sweep.run_study` (jobs), :mod:`clmerge.theory`
-(fits, predictions, advice) and :mod:`clmerge.report.study` (the HTML page). :func:`finish_study` is the
+(fits, predictions, advice) and :mod:`clmerge.theory.report` (the HTML page). :func:`finish_study` is the
 step after the jobs (fits.json, report.html, advice.txt), also run alone by ``clmerge study --fit-only``.
 """
 
@@ -58,9 +58,12 @@ def study_command(
     from .config import ConfigError
     from .sweep import StudyError, run_study
     from .theory.spec import load_study
+    from .utils.extras import require_extra
     from .utils.outpaths import check_writable
 
     try:
+        for module in ("scipy", "matplotlib"):  # the fits and the report, checked before any job runs
+            require_extra(module, "study", what="clmerge study")
         if not fit_only:
             check_writable(out)
             study = load_study(spec, set_)

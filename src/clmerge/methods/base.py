@@ -33,6 +33,7 @@ __all__ = [
     "available_methods",
     "method_options_model",
     "build_method",
+    "method_class",
     "METHODS",
 ]
 
@@ -66,6 +67,10 @@ class ContinualMethod:
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     Options: ClassVar[type[MethodOptions]] = MethodOptions
+    # ``head:`` keys this method sets unless the user sets them (a method owns its head; see config.parse_config)
+    head_defaults: ClassVar[dict[str, Any]] = {}
+    # False: a statistics method; the model's linear head is never trained, so it cannot be the evaluated head
+    trains_linear_head: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs) -> None:
         """Every method's ``begin_task`` and ``end_task`` run with autocast off: the statistics they compute
@@ -154,13 +159,18 @@ def available_methods() -> dict[str, str]:
     return {k: METHODS[k].description for k in sorted(METHODS)}
 
 
-def method_options_model(name: str) -> type[MethodOptions]:
+def method_class(name: str) -> type[ContinualMethod]:
+    """The registered class of method ``name`` (an unknown name raises ValueError naming the nearest)."""
     if name not in METHODS:
         from difflib import get_close_matches
 
         near = get_close_matches(name, METHODS, n=1)
         raise ValueError(f"method.name: unknown method {name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
-    return METHODS[name].Options
+    return METHODS[name]
+
+
+def method_options_model(name: str) -> type[MethodOptions]:
+    return method_class(name).Options
 
 
 def build_method(name: str, options: MethodOptions, *, seed: int = 0) -> ContinualMethod:

@@ -239,3 +239,19 @@ def test_consoles_are_120_wide_off_a_terminal_and_errors_never_hard_wrap(monkeyp
     assert capsys.readouterr().err == f"error: {long_message}\n"
     cli_support.print_error("\n".join(f"line {i}" for i in range(6)))
     assert capsys.readouterr().err.count("\n") == 3
+
+
+# -- a method owns its head: the statistics methods (simplecil, ranpac) refuse the linear head they never train
+METHOD_HEAD_CASES = [
+    ("run: the ranpac default with the linear head", ["run", "--set", "head.classifier=linear", "--out", "r"],
+     USAGE, ["head.classifier=linear", "'ranpac' trains no linear head", "ncm or ranpac"]),
+    ("run: simplecil with head.compare", ["run", "--set", "method.name=simplecil", "--set", "head.compare=true",
+                                          "--out", "r"], USAGE, ["head.compare=true", "'simplecil'"]),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in METHOD_HEAD_CASES],
+                         ids=[c[0] for c in METHOD_HEAD_CASES])
+def test_a_method_head_error_is_short_typed_and_leaves_nothing(ws, argv, code, words):
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, argv), code, words, before, ws)

@@ -241,12 +241,13 @@ def test_consoles_are_120_wide_off_a_terminal_and_errors_never_hard_wrap(monkeyp
     assert capsys.readouterr().err.count("\n") == 3
 
 
-# -- a method owns its head: the statistics methods (simplecil, ranpac) refuse the linear head they never train
+# -- a method owns its head: the statistics methods (simplecil, ranpac) refuse the linear head
 METHOD_HEAD_CASES = [
     ("run: the ranpac default with the linear head", ["run", "--set", "head.classifier=linear", "--out", "r"],
      USAGE, ["head.classifier=linear", "'ranpac' trains no linear head", "ncm or ranpac"]),
-    ("run: simplecil with head.compare", ["run", "--set", "method.name=simplecil", "--set", "head.compare=true",
-                                          "--out", "r"], USAGE, ["head.compare=true", "'simplecil'"]),
+    ("run: simplecil with head.compare",
+     ["run", "--set", "method.name=simplecil", "--set", "head.compare=true", "--out", "r"],
+     USAGE, ["head.compare=true", "'simplecil'"]),
 ]
 
 

@@ -1,9 +1,9 @@
 """A method owns its defaults (options, head, frozen backbone); the embedded default names what it runs.
 
-Every registered method is covered (parametrised over the registry, so a new method is checked as it lands):
-switching ``method.name`` on the embedded default gives that method's own defaults and a passing dry run, and a
-2-task run on digits changes what the method trains (simplecil / ranpac: nothing, backbone unchanged, head
-statistics kept).
+Every registered method is covered (parametrised over the registry, so a new method is checked as it
+lands): switching ``method.name`` on the embedded default gives that method's own defaults and a passing
+dry run, and a 2-task run on digits changes what the method trains (simplecil / ranpac: nothing, backbone
+unchanged, head statistics kept).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch
 from typer.testing import CliRunner
 
 from clmerge.cli import app
-from clmerge.config import EMBEDDED_DEFAULT, ConfigError, HeadConfig, default_config, load_config, parse_config
+from clmerge.config import (EMBEDDED_DEFAULT, ConfigError, HeadConfig, default_config, load_config,
+                            parse_config)
 from clmerge.engine import run as run_mod
 from clmerge.engine.checkpoint import load_checkpoint, load_head_tensors
 from clmerge.engine.run import build_classifier, fresh_objects, run_experiment
@@ -55,8 +56,10 @@ def test_switching_the_method_takes_only_that_methods_defaults(name):
 def test_a_head_key_the_user_sets_overrides_the_methods_head():
     assert load_config(None, ["method.name=simplecil"]).head.classifier == "ncm"
     assert load_config(None, ["method.name=simplecil", "head.classifier=ranpac"]).head.classifier == "ranpac"
-    assert load_config(None, ["head.classifier=ncm", "head.ncm_metric=euclidean"]).head.ncm_metric == "euclidean"
-    assert parse_config({"method": {"name": "ranpac"}, "head": {"ranpac_dim": 64}}).head.classifier == "ranpac"
+    ncm = load_config(None, ["head.classifier=ncm", "head.ncm_metric=euclidean"]).head
+    assert (ncm.classifier, ncm.ncm_metric) == ("ncm", "euclidean")
+    head = parse_config({"method": {"name": "ranpac"}, "head": {"ranpac_dim": 64}}).head
+    assert (head.classifier, head.ranpac_dim) == ("ranpac", 64)
     assert parse_config({"method": {"name": "inflora"}}).head.classifier == "linear"
 
 
@@ -148,7 +151,8 @@ def test_a_method_that_trains_none_of_its_parameters_says_so_once(tmp_path, capl
     with caplog.at_level(logging.WARNING, logger="clmerge.engine"):
         run_experiment(_tiny("seq_lora", **{"train.adapt_tasks": 0}), tmp_path / "run")
     lines = _adapt_warnings(caplog)
-    assert len(lines) == 1 and lines[0].startswith("warning: train.adapt_tasks=0: method 'seq_lora' trains none")
+    assert len(lines) == 1
+    assert lines[0].startswith("warning: train.adapt_tasks=0: method 'seq_lora' trains none of its")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="clmerge.engine"):
         run_experiment(_tiny("seq_lora", **{"train.adapt_tasks": 1}), tmp_path / "fsa")

@@ -363,11 +363,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 # The embedded default experiment (``clmerge run`` without a config file) is the (method, head) pair that
-# scored best on validation data in the head grid (benchmarks/lora_cl/results.md, validation ranking, 3 seeds):
-# the pretrained backbone kept frozen with RanPAC's random-projection ridge head on its features, which is the
-# ``ranpac`` method (it owns its head and its frozen backbone, so ``--set method.name=...`` switches to another
-# method with that method's own defaults). A config file keeps the section defaults (InfLoRA, the linear head
-# of the papers' code), so paper configs reproduce the papers.
+# scored best on validation data in the head grid (benchmarks/lora_cl/results.md, validation ranking,
+# 3 seeds): the pretrained backbone kept frozen with RanPAC's random-projection ridge head on its features,
+# which is the ``ranpac`` method. It owns its head and its frozen backbone, so ``--set method.name=...``
+# switches to another method with that method's own defaults. A config file keeps the section defaults
+# (InfLoRA, the linear head of the papers' code), so paper configs reproduce the papers.
 EMBEDDED_DEFAULT: dict[str, Any] = {"method": {"name": "ranpac"}}
 
 

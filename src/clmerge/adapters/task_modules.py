@@ -140,7 +140,7 @@ class PerTaskCopies(nn.Module):
         self.copies.append(new)
         return new
 
-    def forward(self, *args, **kwargs):  # as the wrapped network is called (a Hugging Face ViT: pixel_values=)
+    def forward(self, *args, **kwargs):  # as the wrapped network (a Hugging Face ViT: pixel_values=)
         return self.copies[self.active_task](*args, **kwargs)
 
     def get_structure(self) -> dict:

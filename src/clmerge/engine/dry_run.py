@@ -302,7 +302,8 @@ def _run_tasks(cfg: ExperimentConfig, out: Path, tasks: int, echo: Callable[[str
     fresh = lambda: _capped(fresh_objects(cfg), cfg.train.max_steps_per_epoch)  # noqa: E731
     heads = build_heads(cfg, model, method)  # the configured head's statistics, as a run keeps them
     for t in range(n):
-        model, method, heads = _train_task(cfg, t, scenario, model, method, state, out, device, heads, fresh=fresh)
+        model, method, heads = _train_task(cfg, t, scenario, model, method, state, out, device, heads,
+                                           fresh=fresh)
         meta = {"task": t, "structure": model_structure(model), "method": method.state_meta(),
                 "state": state.to_meta()}
         save_checkpoint(out, t, model.state_dict(), method.state_tensors(), meta, keep=1)

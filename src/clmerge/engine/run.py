@@ -8,11 +8,11 @@ exactly the same numbers as an uninterrupted one.
 from __future__ import annotations
 
 import contextlib
+import logging
 import platform
 import sys
 import time
 from dataclasses import dataclass, field
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -210,7 +210,7 @@ def _train_task(cfg, t, scenario, model, method, state, out, device, heads: Head
         log_warning(f"warning: train.adapt_tasks=0: method {cfg.method.name!r} trains none of its "
                     f"{sum(p.numel() for p in frozen)} own parameters in any task (only the linear head); a "
                     "frozen-backbone method is method.name=ranpac or simplecil")
-    if groups or method.trains_linear_head:  # a statistics method in a task without adaptation: nothing to fit
+    if groups or method.trains_linear_head:  # else a statistics method in a task without adaptation
         fit(model, task.train, groups=groups, loss_fn=lambda m, x, y: method.loss(m, x, y, ctx),
             optim=cfg.optim, epochs=cfg.train.epochs, batch_size=cfg.train.batch_size, generator=gen,
             device=device, lr=lr, before_step=lambda m: method.before_step(m, ctx),

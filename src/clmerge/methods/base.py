@@ -67,7 +67,7 @@ class ContinualMethod:
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     Options: ClassVar[type[MethodOptions]] = MethodOptions
-    # ``head:`` keys this method sets unless the user sets them (a method owns its head; see config.parse_config)
+    # ``head:`` keys this method sets unless the user sets them (a method owns its head: config.parse_config)
     head_defaults: ClassVar[dict[str, Any]] = {}
     # False: a statistics method; the model's linear head is never trained, so it cannot be the evaluated head
     trains_linear_head: ClassVar[bool] = True

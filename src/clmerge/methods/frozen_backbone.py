@@ -51,16 +51,16 @@ class FrozenBackboneMethod(ContinualMethod):
 @register_method
 class SimpleCIL(FrozenBackboneMethod):
     name = "simplecil"
-    description = ("SimpleCIL (Zhou et al.): class prototypes (mean features) of the frozen pretrained backbone, "
-                   "cosine classifier")
+    description = ("SimpleCIL (Zhou et al.): class prototypes (mean features) of the frozen pretrained "
+                   "backbone, cosine classifier")
     head_defaults: ClassVar[dict[str, Any]] = {"classifier": "ncm", "ncm_metric": "cosine"}
     Options = MethodOptions
 
 
 class RanPACOptions(LoRAMethodOptions):
     first_session_adapt: bool = Field(
-        False, description="RanPAC's Phase 1: train a LoRA (rank, targets) and the linear head on the first task, "
-        "fold it into the backbone, then keep the backbone frozen (the paper adapts with AdaptFormer/SSF/VPT)")
+        False, description="RanPAC's Phase 1: train a LoRA (rank, targets) and the linear head on the first "
+        "task, fold it into the backbone, then keep the backbone frozen (the paper: AdaptFormer/SSF/VPT)")
 
 
 @register_method

@@ -394,3 +394,18 @@ def test_a_run_on_a_bundled_dataset_without_its_extra_names_pip_install(ws, monk
     before = _snapshot(ws)
     words = ["digits", "scikit-learn", 'pip install "clmerge[data]"']
     _check(CliRunner().invoke(app, [*RUN, "--out", "r"]), INPUT, words, before, ws)
+# -- a method owns its head: the statistics methods (simplecil, ranpac) refuse the linear head
+METHOD_HEAD_CASES = [
+    ("run: the ranpac default with the linear head", ["run", "--set", "head.classifier=linear", "--out", "r"],
+     USAGE, ["head.classifier=linear", "'ranpac' trains no linear head", "ncm or ranpac"]),
+    ("run: simplecil with head.compare",
+     ["run", "--set", "method.name=simplecil", "--set", "head.compare=true", "--out", "r"],
+     USAGE, ["head.compare=true", "'simplecil'"]),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in METHOD_HEAD_CASES],
+                         ids=[c[0] for c in METHOD_HEAD_CASES])
+def test_a_method_head_error_is_short_typed_and_leaves_nothing(ws, argv, code, words):
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, argv), code, words, before, ws)

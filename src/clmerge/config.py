@@ -293,13 +293,40 @@ def read_yaml_mapping(path: str | Path, what: str = "config file") -> dict:
 
 
 def parse_config(data: dict | None) -> ExperimentConfig:
-    """Validate a plain dict into an :class:`ExperimentConfig` (unknown keys and bad values -> ConfigError)."""
-    cfg = validate_strict(ExperimentConfig, data)
+    """Validate a plain dict into an :class:`ExperimentConfig` (unknown keys and bad values -> ConfigError).
+
+    The configured method's own head defaults fill the ``head:`` keys that ``data`` leaves out."""
+    cfg = validate_strict(ExperimentConfig, _with_method_head(data or {}))
     try:
         cfg.method_options()
     except ValidationError as exc:
         raise ConfigError(_format_validation(exc, prefix="method.")) from None
+    _check_method_head(cfg)
     return cfg
+
+
+def _with_method_head(data: dict) -> dict:
+    """``data`` with the method's ``head_defaults`` under the ``head:`` keys it sets itself (they win)."""
+    from .methods import METHODS
+
+    method, head = data.get("method"), data.get("head", {})
+    name = method.get("name", MethodConfig().name) if isinstance(method, dict) else MethodConfig().name
+    cls = METHODS.get(name, None) if isinstance(name, str) else None
+    if cls is None or not cls.head_defaults or not isinstance(head, dict):
+        return data  # an unknown method or a malformed head: reported by the validation
+    return {**data, "head": {**cls.head_defaults, **head}}
+
+
+def _check_method_head(cfg: ExperimentConfig) -> None:
+    """A statistics method never trains the linear head: evaluating it (or aligning it) is refused."""
+    from .methods import method_class
+
+    h, name = cfg.head, cfg.method.name
+    if method_class(name).trains_linear_head or (h.classifier != "linear" and not h.compare):
+        return
+    key = "head.compare=true" if h.compare else "head.classifier=linear"
+    raise ConfigError(f"{key}: method {name!r} trains no linear head (it predicts from feature statistics of "
+                      "a frozen backbone); use head.classifier=ncm or ranpac with head.compare=false")
 
 
 def _parse_value(text: str) -> Any:
@@ -336,12 +363,12 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 # The embedded default experiment (``clmerge run`` without a config file) is the (method, head) pair that
-# scored best on validation data in the issue-11 grid (benchmarks/lora_cl/results.md, validation ranking,
-# 3 seeds): ``frozen + ranpac``, the pretrained backbone kept fixed (seq_lora's LoRA is never trained:
-# train.adapt_tasks 0) with RanPAC's random-projection ridge head on its features. A config file keeps the
-# section defaults (InfLoRA, the linear head of the papers' code), so paper configs reproduce the papers.
-EMBEDDED_DEFAULT: dict[str, Any] = {"method": {"name": "seq_lora", "targets": ["key", "value"]},
-                                    "train": {"adapt_tasks": 0}, "head": {"classifier": "ranpac"}}
+# scored best on validation data in the head grid (benchmarks/lora_cl/results.md, validation ranking,
+# 3 seeds): the pretrained backbone kept frozen with RanPAC's random-projection ridge head on its features,
+# which is the ``ranpac`` method. It owns its head and its frozen backbone, so ``--set method.name=...``
+# switches to another method with that method's own defaults. A config file keeps the section defaults
+# (InfLoRA, the linear head of the papers' code), so paper configs reproduce the papers.
+EMBEDDED_DEFAULT: dict[str, Any] = {"method": {"name": "ranpac"}}
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:

@@ -140,8 +140,8 @@ class PerTaskCopies(nn.Module):
         self.copies.append(new)
         return new
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.copies[self.active_task](x)
+    def forward(self, *args, **kwargs):  # as the wrapped network (a Hugging Face ViT: pixel_values=)
+        return self.copies[self.active_task](*args, **kwargs)
 
     def get_structure(self) -> dict:
         return {"n_tasks": len(self.copies)}

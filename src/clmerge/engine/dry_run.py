@@ -34,7 +34,8 @@ from ..config import ExperimentConfig
 from ..data.folders import DOMAINNET_DOMAINS
 from .checkpoint import save_checkpoint
 from . import distributed
-from .run import RunState, _evaluate_row, _restore, _train_task, fresh_objects, prepare, resolve_device
+from .run import (RunState, _evaluate_row, _restore, _train_task, build_heads, fresh_objects, prepare,
+                  resolve_device)
 
 __all__ = ["dry_run", "dry_run_config", "write_lookalike", "lookalike_classes", "FOLDER_CLASSES"]
 
@@ -299,14 +300,18 @@ def _run_tasks(cfg: ExperimentConfig, out: Path, tasks: int, echo: Callable[[str
     echo(f"backbone {cfg.model.name} (random init): {params / 1e6:.2f}M parameters; "
          f"{len(scenario)} tasks of {[t.n_classes for t in scenario.tasks[:3]]}... classes ({scenario.kind})")
     fresh = lambda: _capped(fresh_objects(cfg), cfg.train.max_steps_per_epoch)  # noqa: E731
+    heads = build_heads(cfg, model, method)  # the configured head's statistics, as a run keeps them
     for t in range(n):
-        model, method, _ = _train_task(cfg, t, scenario, model, method, state, out, device, fresh=fresh)
+        model, method, heads = _train_task(cfg, t, scenario, model, method, state, out, device, heads,
+                                           fresh=fresh)
         meta = {"task": t, "structure": model_structure(model), "method": method.state_meta(),
                 "state": state.to_meta()}
         save_checkpoint(out, t, model.state_dict(), method.state_tensors(), meta, keep=1)
-        echo(f"task {t}: {cfg.train.max_steps_per_epoch} steps, loss {_task_losses(out).get(t, float('nan')):.4f}, "
-             f"{state.task_seconds[-1]:.1f}s")
-    _evaluate_row(cfg, n - 1, scenario, method, state, device)
+        loss = _task_losses(out).get(t)
+        trained = (f"{cfg.train.max_steps_per_epoch} steps, loss {loss:.4f}" if loss is not None
+                   else "nothing trained (feature statistics only)")
+        echo(f"task {t}: {trained}, {state.task_seconds[-1]:.1f}s")
+    _evaluate_row(cfg, n - 1, scenario, method, state, device, heads)
     row = [round(v, 2) for v in state.rows[-1][:n] if v is not None]
     echo(f"evaluation after task {n - 1}: accuracy per task {row}")
     _check_resume(cfg, out, device)

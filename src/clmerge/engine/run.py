@@ -8,6 +8,7 @@ exactly the same numbers as an uninterrupted one.
 from __future__ import annotations
 
 import contextlib
+import logging
 import platform
 import sys
 import time
@@ -39,6 +40,8 @@ from .training import fit
 __all__ = ["run_experiment", "prepare", "build_heads", "RunState", "task_generator", "resolve_device",
            "fresh_objects", "share_state"]
 
+log_warning = logging.getLogger("clmerge.engine").warning  # one line on stderr ("warning: ...")
+
 
 @dataclass
 class RunState:
@@ -49,6 +52,7 @@ class RunState:
     events_lines: int = 0
     head_rows: dict[str, dict[str, list]] = field(default_factory=dict)  # shadow heads: {variant: rows, til_rows}
     head_val: dict[str, float] = field(default_factory=dict)  # final validation CIL accuracy per head variant
+    warned_untrained: bool = False  # the train.adapt_tasks=0 warning was printed in this process (not saved)
 
     def to_meta(self) -> dict:
         return {"rows": self.rows, "til_rows": self.til_rows, "task_seconds": self.task_seconds,
@@ -202,11 +206,18 @@ def _train_task(cfg, t, scenario, model, method, state, out, device, heads: Head
         state.initial = [r["acc"] for r in res]
     lr = cfg.optim.first_task_lr if (t == 0 and cfg.optim.first_task_lr) else cfg.optim.lr
     groups, frozen = _adapted_groups(cfg, t, method.parameter_groups(model))
-    fit(model, task.train, groups=groups, loss_fn=lambda m, x, y: method.loss(m, x, y, ctx),
-        optim=cfg.optim, epochs=cfg.train.epochs, batch_size=cfg.train.batch_size, generator=gen, device=device,
-        lr=lr, before_step=lambda m: method.before_step(m, ctx), after_step=lambda m: method.after_step(m, ctx),
-        max_steps_per_epoch=cfg.train.max_steps_per_epoch, log=log, desc=f"task {t + 1}/{len(scenario)}",
-        progress=cfg.run.progress and main, task_index=t, log_every=cfg.run.log_every_steps, precision=precision)
+    if main and frozen and cfg.train.adapt_tasks == 0 and not state.warned_untrained:
+        state.warned_untrained = True
+        log_warning(f"warning: train.adapt_tasks=0: method {cfg.method.name!r} trains none of its "
+                    f"{sum(p.numel() for p in frozen)} own parameters in any task (only the linear head); a "
+                    "frozen-backbone method is method.name=ranpac or simplecil")
+    if groups or method.trains_linear_head:  # else a statistics method in a task without adaptation
+        fit(model, task.train, groups=groups, loss_fn=lambda m, x, y: method.loss(m, x, y, ctx),
+            optim=cfg.optim, epochs=cfg.train.epochs, batch_size=cfg.train.batch_size, generator=gen,
+            device=device, lr=lr, before_step=lambda m: method.before_step(m, ctx),
+            after_step=lambda m: method.after_step(m, ctx), max_steps_per_epoch=cfg.train.max_steps_per_epoch,
+            log=log, desc=f"task {t + 1}/{len(scenario)}", progress=cfg.run.progress and main, task_index=t,
+            log_every=cfg.run.log_every_steps, precision=precision)
     for p in frozen:
         p.requires_grad_(True)
     dp = distributed.active()

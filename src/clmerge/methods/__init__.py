@@ -8,6 +8,7 @@ from .base import (
     TaskContext,
     available_methods,
     build_method,
+    method_class,
     method_options_model,
     register_method,
 )
@@ -16,6 +17,7 @@ from . import inflora, pm, sd_lora  # noqa: E402,F401
 from . import merge_baselines  # noqa: E402,F401
 from . import magmax  # noqa: E402,F401
 from . import prompts  # noqa: E402,F401  (L2P, DualPrompt, CODA-Prompt, HiDe-Prompt)
+from . import frozen_backbone  # noqa: E402,F401  (SimpleCIL, RanPAC)
 
 __all__ = [
     "METHODS",
@@ -24,6 +26,7 @@ __all__ = [
     "TaskContext",
     "available_methods",
     "build_method",
+    "method_class",
     "method_options_model",
     "register_method",
 ]

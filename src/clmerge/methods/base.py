@@ -35,6 +35,7 @@ __all__ = [
     "available_methods",
     "method_options_model",
     "build_method",
+    "method_class",
     "METHODS",
 ]
 
@@ -68,6 +69,10 @@ class ContinualMethod:
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     Options: ClassVar[type[MethodOptions]] = MethodOptions
+    # ``head:`` keys this method sets unless the user sets them (a method owns its head: config.parse_config)
+    head_defaults: ClassVar[dict[str, Any]] = {}
+    # False: a statistics method; the model's linear head is never trained, so it cannot be the evaluated head
+    trains_linear_head: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs) -> None:
         """Every method's ``begin_task`` and ``end_task`` run with autocast off: the statistics they compute
@@ -187,8 +192,13 @@ def available_methods() -> dict[str, str]:
     return METHODS.available()
 
 
+def method_class(name: str) -> type[ContinualMethod]:
+    """The registered class of method ``name`` (an unknown name is a usage error naming the nearest)."""
+    return METHODS.get(name)
+
+
 def method_options_model(name: str) -> type[MethodOptions]:
-    return METHODS.get(name).Options
+    return method_class(name).Options
 
 
 def build_method(name: str, options: MethodOptions, *, seed: int = 0) -> ContinualMethod:

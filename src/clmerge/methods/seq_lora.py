@@ -35,7 +35,8 @@ class SeqLoRAOptions(LoRAMethodOptions):
 @register_method
 class SeqLoRA(ContinualMethod):
     name = "seq_lora"
-    description = "sequential LoRA: a new LoRA on query/value per task, folded into the backbone after the task"
+    description = (f"sequential LoRA: a new LoRA on {'/'.join(SeqLoRAOptions().targets)} (method.targets) "
+                   "per task, folded into the backbone after the task")
     Options = SeqLoRAOptions
 
     def setup(self, model) -> None:

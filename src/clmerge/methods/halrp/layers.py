@@ -49,6 +49,11 @@ class HALRPLayer(nn.Module):
         self.active_task = 0
 
     @property
+    def weight(self) -> torch.Tensor:
+        """The base weight (read by callers that ask a layer for its dtype, as Hugging Face's ViT does)."""
+        return self.base_layer.weight
+
+    @property
     def matrix_shape(self) -> tuple[int, int]:
         w = self.base_layer.weight
         return int(w.shape[0]), int(w.shape[1])

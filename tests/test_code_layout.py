@@ -49,6 +49,9 @@ def _imports_module(path: Path, target: str) -> bool:
     ("adapters/task_modules.py", "clmerge.adapters.structure"),
     ("harness/merge_bench_data.py", "clmerge.harness.merge_bench_experts"),
     ("harness/merge_bench_config.py", "clmerge.harness"),
+    ("merging/trim.py", "clmerge.merging.ties"),  # kth_smallest lives in trim, the lowest of ties/kernels/trim
+    ("merging/trim.py", "clmerge.merging.ties_kernels"),
+    ("merging/ties_kernels.py", "clmerge.merging.ties"),
 ])
 def test_imports_run_one_way(importer, target):
     assert not _imports_module(PKG / importer, target)

@@ -12,8 +12,8 @@ from checkpoint_helpers import folder_state, invoke, llama_config, save_variants
 from safetensors.torch import load_file, save_file
 
 from clmerge import merging
-from clmerge.checkpoints import open_checkpoint
-from clmerge.checkpoints.writer import ShardedWriter
+from clmerge.merging.io import open_checkpoint
+from clmerge.merging.io.writer import ShardedWriter
 from clmerge.merging.sources import ModelSet
 
 
@@ -169,7 +169,7 @@ def test_vit_and_bert_merge_to_loadable_folders(tmp_path):
 
 
 class _FakeAdapter:
-    """Stands in for clmerge.checkpoints.peft.AdapterSource (written on another branch): base + 1 on one key."""
+    """Stands in for clmerge.merging.io.peft.AdapterSource (written on another branch): base + 1 on one key."""
 
     def __init__(self, path, base):
         self.base, self.name, self.files, self.folder = base, str(path), [], path
@@ -195,13 +195,13 @@ def test_adapter_folders_open_over_the_base_and_merge_in_full(tmp_path, monkeypa
     for name in ("ad1", "ad2"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "adapter_config.json").write_text("{}")
-    monkeypatch.setitem(sys.modules, "clmerge.checkpoints.peft", None)  # as if the module were missing
+    monkeypatch.setitem(sys.modules, "clmerge.merging.io.peft", None)  # as if the module were missing
     r = invoke("--method", "task_arithmetic", "--base", tmp_path / "base.safetensors", "--expert", tmp_path / "ad1",
                "--out", tmp_path / "never")
     assert r.exit_code == 3 and "adapter" in r.output and r.output.count("\n") == 1, r.output  # InputError
-    fake = types.ModuleType("clmerge.checkpoints.peft")
+    fake = types.ModuleType("clmerge.merging.io.peft")
     fake.AdapterSource = _FakeAdapter
-    monkeypatch.setitem(sys.modules, "clmerge.checkpoints.peft", fake)
+    monkeypatch.setitem(sys.modules, "clmerge.merging.io.peft", fake)
     out = tmp_path / "m.safetensors"
     r = invoke("--method", "task_arithmetic", "--base", tmp_path / "base.safetensors", "--expert", tmp_path / "ad1",
                "--expert", tmp_path / "ad2", "--set", "scaling=0.5", "--out", out)

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from clmerge import merging
 from clmerge.cli import app
-from clmerge.recipes import key_groups, layer_index, load_recipe
+from clmerge.merging.recipes import key_groups, layer_index, load_recipe
 
 
 @pytest.fixture()

@@ -10,9 +10,9 @@ import torch
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from clmerge.checkpoints import open_checkpoint  # noqa: E402
-from clmerge.checkpoints.lora_merge import merge_adapters  # noqa: E402
-from clmerge.checkpoints.peft import AdapterSource, is_peft_adapter  # noqa: E402
+from clmerge.merging.io import open_checkpoint  # noqa: E402
+from clmerge.merging.lora_merge import merge_adapters  # noqa: E402
+from clmerge.merging.io.peft import AdapterSource, is_peft_adapter  # noqa: E402
 from clmerge.merging import MergeInputError, merge  # noqa: E402
 from clmerge.errors import OutputError  # noqa: E402
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ..errors import UsageError
-from .sources import MergeInputError
+from ...errors import UsageError
+from .base import MergeInputError
 from .lora_svd import check_out_dir, check_svd, error_summary, low_rank_factors
 from .output import build_folder
 from .peft import adapter_config, write_adapter

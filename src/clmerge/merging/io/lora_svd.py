@@ -28,9 +28,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..errors import OutputError, UsageError
-from ..utils.outpaths import check_writable
-from ..utils.io import write_json
+from ...errors import OutputError, UsageError
+from ...utils.outpaths import check_writable
+from ...utils.io import write_json
 
 __all__ = ["low_rank_factors", "LowRank", "SVD_MODES", "check_svd", "numerical_rank", "atomic_folder", "check_out_dir",
            "error_summary"]

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from ..errors import OutputError
-from ..utils.inpaths import inside
-from ..utils.io import write_json
-from ..utils.outpaths import check_writable
+from ...errors import OutputError
+from ...utils.inpaths import inside
+from ...utils.io import write_json
+from ...utils.outpaths import check_writable
 
 __all__ = ["TOKENIZER_FILES", "InputHashes", "OutputTarget", "build_folder", "check_out", "copy_model_files",
            "model_files", "remove_stale_temps", "write_model_card"]
@@ -292,7 +292,7 @@ def write_model_card(dst: Path, *, recipe_yaml: str, inputs: list[tuple[str, str
     Args:
         inputs: ``(role, name, files)`` per input (role: ``base`` or ``model``).
     """
-    from .. import __version__
+    from ... import __version__
 
     front = ["---", "library_name: transformers", "tags:", "- merge", "- clmerge"]
     front += [f"base_model: {base_model}"] if base_model else []

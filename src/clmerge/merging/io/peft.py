@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..utils.inpaths import inside
-from .sources import MergeInputError, ParamSource, torch_load_state_dict
+from ...utils.inpaths import inside
+from .base import MergeInputError, ParamSource, torch_load_state_dict
 
 __all__ = ["ADAPTER_CONFIG", "is_peft_adapter", "AdapterSource", "LoraModule", "read_adapter",
            "write_adapter", "PREFIX"]

@@ -256,3 +256,38 @@ def test_sink_view_writes_back_a_tensor_patched_in_place(tmp_path):
     w.close()
     got = folder_state(tmp_path)
     assert got["a"].tolist() == [0.0, 5.0, 0.0] and got["b"].tolist() == [7.0, 0.0]
+
+
+def test_an_input_that_cannot_be_hashed_is_an_error_not_a_card_without_its_hash(tmp_path):
+    # the hashing thread used to die with a stray traceback and the card then said "--no-hash-inputs"
+    from clmerge.merging.io import MergeInputError
+    from clmerge.merging.io.output import InputHashes
+
+    (tmp_path / "a.safetensors").write_bytes(b"x")
+    with pytest.raises(MergeInputError, match="gone.safetensors: cannot read"):
+        InputHashes([tmp_path / "a.safetensors", tmp_path / "gone.safetensors"]).get()
+    assert list(InputHashes([tmp_path / "a.safetensors"]).get()) == [str(tmp_path / "a.safetensors")]
+
+
+def test_relative_inputs_are_hashed_from_the_folder_they_were_given_in(tmp_path, monkeypatch):
+    import hashlib
+    from pathlib import Path
+
+    from clmerge.merging.io import output
+
+    class LateThread:  # runs its target only when joined: the process has moved on by then
+        def __init__(self, target, daemon):
+            self.target = target
+
+        def start(self):
+            pass
+
+        def join(self):
+            self.target()
+
+    monkeypatch.setattr(output.threading, "Thread", LateThread)
+    (tmp_path / "w.safetensors").write_bytes(b"abc")
+    monkeypatch.chdir(tmp_path)
+    hashes = output.InputHashes([Path("w.safetensors")])
+    os.chdir(tmp_path.parent)
+    assert hashes.get() == {"w.safetensors": hashlib.sha256(b"abc").hexdigest()}

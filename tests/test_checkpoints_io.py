@@ -12,8 +12,8 @@ from checkpoint_helpers import folder_state, invoke, llama_config, save_variants
 from safetensors.torch import load_file, save_file
 
 from clmerge import merging
-from clmerge.checkpoints import open_checkpoint
-from clmerge.checkpoints.writer import ShardedWriter
+from clmerge.merging.io import open_checkpoint
+from clmerge.merging.io.writer import ShardedWriter
 from clmerge.merging.sources import ModelSet
 
 
@@ -169,7 +169,7 @@ def test_vit_and_bert_merge_to_loadable_folders(tmp_path):
 
 
 class _FakeAdapter:
-    """Stands in for clmerge.checkpoints.peft.AdapterSource (written on another branch): base + 1 on one key."""
+    """Stands in for clmerge.merging.io.peft.AdapterSource (written on another branch): base + 1 on one key."""
 
     def __init__(self, path, base):
         self.base, self.name, self.files, self.folder = base, str(path), [], path
@@ -195,13 +195,13 @@ def test_adapter_folders_open_over_the_base_and_merge_in_full(tmp_path, monkeypa
     for name in ("ad1", "ad2"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "adapter_config.json").write_text("{}")
-    monkeypatch.setitem(sys.modules, "clmerge.checkpoints.peft", None)  # as if the module were missing
+    monkeypatch.setitem(sys.modules, "clmerge.merging.io.peft", None)  # as if the module were missing
     r = invoke("--method", "task_arithmetic", "--base", tmp_path / "base.safetensors", "--expert", tmp_path / "ad1",
                "--out", tmp_path / "never")
     assert r.exit_code == 3 and "adapter" in r.output and r.output.count("\n") == 1, r.output  # InputError
-    fake = types.ModuleType("clmerge.checkpoints.peft")
+    fake = types.ModuleType("clmerge.merging.io.peft")
     fake.AdapterSource = _FakeAdapter
-    monkeypatch.setitem(sys.modules, "clmerge.checkpoints.peft", fake)
+    monkeypatch.setitem(sys.modules, "clmerge.merging.io.peft", fake)
     out = tmp_path / "m.safetensors"
     r = invoke("--method", "task_arithmetic", "--base", tmp_path / "base.safetensors", "--expert", tmp_path / "ad1",
                "--expert", tmp_path / "ad2", "--set", "scaling=0.5", "--out", out)
@@ -278,7 +278,7 @@ def test_writer_refuses_nonfinite_tensors_by_name_and_a_rewrite_clears_one(tmp_p
 
 
 def test_unsupported_dtype_and_key_listed_but_absent_name_file_and_key(tmp_path):
-    from clmerge.checkpoints.checks import source_get, source_meta
+    from clmerge.merging.io.checks import source_get, source_meta
     from clmerge.merging.sources import MergeInputError
 
     base = {"w": torch.zeros(2, 2)}
@@ -306,3 +306,38 @@ def test_unsupported_dtype_and_key_listed_but_absent_name_file_and_key(tmp_path)
             fn(Listed(), "w")
     with pytest.raises(MergeInputError, match="folder/x: key 'w'"):
         ModelSet(base, [Listed()])
+
+
+def test_an_input_that_cannot_be_hashed_is_an_error_not_a_card_without_its_hash(tmp_path):
+    # the hashing thread used to die with a stray traceback and the card then said "--no-hash-inputs"
+    from clmerge.merging.io import MergeInputError
+    from clmerge.merging.io.output import InputHashes
+
+    (tmp_path / "a.safetensors").write_bytes(b"x")
+    with pytest.raises(MergeInputError, match="gone.safetensors: cannot read"):
+        InputHashes([tmp_path / "a.safetensors", tmp_path / "gone.safetensors"]).get()
+    assert list(InputHashes([tmp_path / "a.safetensors"]).get()) == [str(tmp_path / "a.safetensors")]
+
+
+def test_relative_inputs_are_hashed_from_the_folder_they_were_given_in(tmp_path, monkeypatch):
+    import hashlib
+    from pathlib import Path
+
+    from clmerge.merging.io import output
+
+    class LateThread:  # runs its target only when joined: the process has moved on by then
+        def __init__(self, target, daemon):
+            self.target = target
+
+        def start(self):
+            pass
+
+        def join(self):
+            self.target()
+
+    monkeypatch.setattr(output.threading, "Thread", LateThread)
+    (tmp_path / "w.safetensors").write_bytes(b"abc")
+    monkeypatch.chdir(tmp_path)
+    hashes = output.InputHashes([Path("w.safetensors")])
+    os.chdir(tmp_path.parent)
+    assert hashes.get() == {"w.safetensors": hashlib.sha256(b"abc").hexdigest()}

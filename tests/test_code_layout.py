@@ -13,7 +13,8 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "src" / "clmerge"
 
 # The packages checked for private imports, and one that remains there (a helper of config.py, which other
-# work is reshaping; config, engine, checkpoints and recipes are checked when they are done).
+# work is reshaping; config and engine are checked when they are done; checkpoint I/O and recipes now live
+# under merging/, which is scanned).
 SCANNED = ("adapters", "data", "harness", "merging", "methods", "models", "params", "report", "theory")
 ELSEWHERE = {("clmerge.theory.spec", "clmerge.config", "_nearest")}
 
@@ -49,6 +50,9 @@ def _imports_module(path: Path, target: str) -> bool:
     ("adapters/task_modules.py", "clmerge.adapters.structure"),
     ("harness/merge_bench_data.py", "clmerge.harness.merge_bench_experts"),
     ("harness/merge_bench_config.py", "clmerge.harness"),
+    ("merging/trim.py", "clmerge.merging.ties"),  # kth_smallest lives in trim, the lowest of ties/kernels/trim
+    ("merging/trim.py", "clmerge.merging.ties_kernels"),
+    ("merging/ties_kernels.py", "clmerge.merging.ties"),
 ])
 def test_imports_run_one_way(importer, target):
     assert not _imports_module(PKG / importer, target)
@@ -79,3 +83,65 @@ def test_halrp_and_prompt_methods_are_folders():
                 "clmerge.methods.hide_prompt", "clmerge.report.study"):
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(old)
+
+
+# -- the merge library: checkpoint I/O under merging/io, export in engine, only commands in merging/cli.py --
+
+def test_checkpoint_io_lives_under_merging_io_and_export_in_engine():
+    from clmerge import merging
+    from clmerge.engine.export import export_run, load_run_model
+    from clmerge.merging.io import MergeInputError, ParamSource, ShardedWriter, as_source, open_checkpoint
+    from clmerge.merging.lora_merge import merge_adapters
+    from clmerge.merging.recipes import load_recipe
+
+    assert merging.MergeInputError is MergeInputError and merging.ParamSource is ParamSource
+    assert all(callable(f) for f in (export_run, load_run_model, as_source, open_checkpoint, merge_adapters,
+                                     load_recipe, ShardedWriter))
+    for old in ("clmerge.checkpoints", "clmerge.recipes", "clmerge.merging.io.sources"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
+
+
+@pytest.mark.parametrize("importer, target", [
+    ("merging/io/base.py", "clmerge.merging.io.readers"),  # the base types import nothing back
+    ("merging/io/base.py", "clmerge.merging.io.peft"),
+    ("merging/io/peft.py", "clmerge.merging.io.readers"),
+    ("merging/io/readers.py", "clmerge.merging.registry"),
+    ("merging/run.py", "clmerge.merging.cli"),
+])
+def test_merge_io_imports_run_one_way(importer, target):
+    assert not _imports_module(PKG / importer, target)
+
+
+def test_base_io_module_imports_no_other_merging_module():
+    assert [m for m, _ in _imports(PKG / "merging/io/base.py") if m.startswith("clmerge.merging")] == []
+
+
+def test_merging_cli_holds_only_the_typer_commands():
+    tree = ast.parse((PKG / "merging/cli.py").read_text())
+    defs = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    assert defs == {"merge_command", "list_methods"}
+    assert not [n for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) and
+                not any(getattr(t, "id", "") == "__all__" for t in getattr(n, "targets", []))]  # no module state
+
+
+def test_export_and_recipes_import_no_private_names():
+    for path in (PKG / "engine/export.py", PKG / "merging/recipes.py"):
+        assert [n for m, n in _imports(path) if m.startswith("clmerge") and n.startswith("_")] == [], path
+
+
+def test_thread_setting_is_process_wide_with_a_public_api():
+    import torch
+
+    from clmerge.utils.threads import default_threads, io_threads, set_threads
+
+    before = torch.get_num_threads()
+    try:
+        set_threads(3)
+        assert io_threads() and torch.get_num_threads() == 2
+        set_threads(1)
+        assert not io_threads() and torch.get_num_threads() == 1
+        assert 1 <= default_threads() <= 4
+    finally:
+        torch.set_num_threads(before)
+        set_threads(1)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save
 
 from clmerge import merging
-from clmerge.checkpoints import MergeInputError, open_checkpoint
+from clmerge.merging.io import MergeInputError, open_checkpoint
 from clmerge.config import ConfigError
 from clmerge.errors import ClmergeError, InputError, UsageError
 

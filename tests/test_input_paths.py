@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from clmerge.checkpoints import readers
-from clmerge.checkpoints.output import OutputTarget
-from clmerge.checkpoints.peft import adapter_config
+from clmerge.merging.io import readers
+from clmerge.merging.io.output import OutputTarget
+from clmerge.merging.io.peft import adapter_config
 from clmerge.cli import app
 from clmerge.errors import OutputError
 
@@ -366,7 +366,7 @@ def test_sigterm_during_a_merge_leaves_no_temporary_folder(ws):
 
 
 def test_full_disk_names_the_path_being_written(ws, monkeypatch):
-    from clmerge.checkpoints import writer
+    from clmerge.merging.io import writer
 
     def full(*a):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -378,7 +378,7 @@ def test_full_disk_names_the_path_being_written(ws, monkeypatch):
 
 
 def test_extract_lora_keeps_an_output_that_appeared_meanwhile(ws, monkeypatch):
-    from clmerge.checkpoints import extract
+    from clmerge.merging.io import extract
 
     save_file(_tensors(0), str(ws / "b.safetensors"))
     save_file(_tensors(1), str(ws / "t.safetensors"))

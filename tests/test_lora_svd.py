@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clmerge.checkpoints import lora_svd
-from clmerge.checkpoints.lora_svd import low_rank_factors, numerical_rank
+from clmerge.merging.io import lora_svd
+from clmerge.merging.io.lora_svd import low_rank_factors, numerical_rank
 from clmerge.errors import UsageError
 
 

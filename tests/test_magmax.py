@@ -171,7 +171,7 @@ def test_run_checkpoints_hold_the_merge_and_resume_is_identical(tmp_path) -> Non
     again = load_checkpoint(b / "checkpoints" / "task_001.safetensors")[1]
     assert all(torch.equal(v, again[k]) for k, v in states[1][1].items())
     # `clmerge export` writes the model the run evaluated: theta_0 + tau_MagMax, not the last task's weights
-    from clmerge.checkpoints.run_export import load_run_model
+    from clmerge.engine.export import load_run_model
 
     exported, lam = load_run_model(a)[0].backbone.state_dict(), cfg.method_options().scaling  # paper: 0.5
     assert all(torch.equal(exported[k], theta0[k] + lam * running[k]) for k in theta0)

@@ -140,7 +140,7 @@ def test_study_runs_on_the_text_backbone(text_env, tmp_path):
 def test_export_of_a_text_run_records_tokenizer_max_length_and_pooling(text_env, tmp_path):
     from transformers import AutoModel, AutoTokenizer
 
-    from clmerge.checkpoints.run_export import export_run, load_run_model
+    from clmerge.engine.export import export_run, load_run_model
     from clmerge.config import parse_config
     from clmerge.engine.run import run_experiment
     from clmerge.models.text import pool_hidden_states

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from clmerge import merging
 from clmerge.cli import app
-from clmerge.recipes import key_groups, layer_index, load_recipe
+from clmerge.merging.recipes import key_groups, layer_index, load_recipe
 
 
 @pytest.fixture()
@@ -158,3 +158,18 @@ def test_load_recipe_accepts_plain_model_strings(tmp_path):
     p.write_text("method: task_arithmetic\nbase: b\nmodels: [x, y]\nparameters: {scaling: 0.4}\n")
     rec = load_recipe(str(p))
     assert [m.model for m in rec.models] == ["x", "y"] and rec.parameters == {"scaling": 0.4}
+
+
+def test_a_merge_run_is_library_code_the_command_only_wraps(files, tmp_path):
+    # build_recipe / run_merge live in clmerge.merging.run: a script merges without the typer command
+    from clmerge.merging.run import build_recipe, run_merge
+
+    *_, (base, a, b) = files
+    recipe = build_recipe(None, "task_arithmetic", str(base), [str(a), str(b)], ["scaling=0.5"], {})
+    info = run_merge(recipe, tmp_path / "lib.safetensors")
+    r = invoke("--method", "task_arithmetic", "--base", base, "--expert", a, "--expert", b, "--set", "scaling=0.5",
+               "--out", tmp_path / "cli.safetensors")
+    assert r.exit_code == 0, r.output
+    got, want = load_file(str(tmp_path / "lib.safetensors")), load_file(str(tmp_path / "cli.safetensors"))
+    assert info["keys"] == len(want) and got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -10,9 +10,9 @@ import torch
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from clmerge.checkpoints import open_checkpoint  # noqa: E402
-from clmerge.checkpoints.lora_merge import merge_adapters  # noqa: E402
-from clmerge.checkpoints.peft import AdapterSource, is_peft_adapter  # noqa: E402
+from clmerge.merging.io import open_checkpoint  # noqa: E402
+from clmerge.merging.lora_merge import merge_adapters  # noqa: E402
+from clmerge.merging.io.peft import AdapterSource, is_peft_adapter  # noqa: E402
 from clmerge.merging import MergeInputError, merge  # noqa: E402
 from clmerge.errors import OutputError  # noqa: E402
 
@@ -319,7 +319,7 @@ def test_rank_above_min_out_in_is_clamped_not_zero_padded(tmp_path, two_adapters
 
 def test_extract_lora_rank_above_min_out_in_is_clamped(tmp_path):
     from clmerge import merging
-    from clmerge.checkpoints.extract import extract_lora
+    from clmerge.merging.io.extract import extract_lora
 
     g = torch.Generator().manual_seed(0)
     base = {"lin.weight": torch.randn(4, 6, generator=g), "big.weight": torch.randn(12, 12, generator=g)}
@@ -339,7 +339,7 @@ def test_extract_lora_rank_above_min_out_in_is_clamped(tmp_path):
 def test_adapter_naming_another_base_model_warns_naming_both(tmp_path, two_adapters, base_dir):
     import shutil
 
-    from clmerge.checkpoints.peft import _same_model
+    from clmerge.merging.io.peft import _same_model
 
     base = open_checkpoint(base_dir)
     (p1, _), _ = two_adapters

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from clmerge.checkpoints.run_export import load_run_model  # noqa: E402
+from clmerge.engine.export import load_run_model  # noqa: E402
 from clmerge.cli import app  # noqa: E402
 from clmerge.config import parse_config  # noqa: E402
 from clmerge.engine.run import run_experiment  # noqa: E402

@@ -108,7 +108,7 @@ def test_resume_refuses_a_bit_flipped_checkpoint_naming_it(run_copy, tmp_path):
     err = refused(data, out, tmp_path, match="sha256 mismatch")
     assert str(path) in str(err)
     with pytest.raises(CheckpointIntegrityError):  # the export path verifies too
-        from clmerge.checkpoints.run_export import load_run_model
+        from clmerge.engine.export import load_run_model
 
         load_run_model(out)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from clmerge.checkpoints.writer import ShardedWriter
+from clmerge.merging.io.writer import ShardedWriter
 
 HIDDEN, INTER, VOCAB = 1024, 2816, 32000
 LAYERS = int(os.environ.get("LAYERS", "12"))  # 12: 220M parameters; 36: 530M

@@ -34,8 +34,8 @@ def extract_lora_command(
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing non-empty --out"),
 ) -> None:
     """A PEFT LoRA adapter from a full fine-tune (truncated SVD of tuned - base per Linear weight)."""
-    from .checkpoints.extract import extract_lora
-    from .merging.sources import MergeInputError
+    from .merging.io.extract import extract_lora
+    from .merging.io import MergeInputError
 
     for flag, pattern in (("--include", include), ("--exclude", exclude)):
         try:
@@ -64,8 +64,8 @@ def export_command(
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing non-empty --out / --base-out"),
 ) -> None:
     """Export a continual run's final model as an HF model folder or a PEFT LoRA adapter."""
-    from .checkpoints.run_export import export_run
-    from .merging.sources import MergeInputError
+    from .engine.export import export_run
+    from .merging.io import MergeInputError
 
     try:
         res = export_run(run_dir, format=format, out=out, rank=rank, base_out=base_out, svd=svd,

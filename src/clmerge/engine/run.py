@@ -38,7 +38,7 @@ from .precision import autocast, check_precision, fp32_region
 from .training import fit
 
 __all__ = ["run_experiment", "prepare", "build_heads", "RunState", "task_generator", "resolve_device",
-           "fresh_objects", "share_state"]
+           "fresh_objects", "share_state", "load_into"]
 
 log_warning = logging.getLogger("clmerge.engine").warning  # one line on stderr ("warning: ...")
 
@@ -162,7 +162,7 @@ def _restore(out: Path, model: ContinualClassifier, method: ContinualMethod, dev
     model_state, method_tensors, meta = load_checkpoint(ck, sha256=sha)
     st = meta["state"]
     kept = verify_events(events, st["events_lines"], meta.get("events_sha256"))
-    _load_into(model, method, heads, meta, model_state, method_tensors,
+    load_into(model, method, heads, meta, model_state, method_tensors,
                load_head_tensors(ck) if heads is not None and heads.needs_features else {}, device)
     state = RunState(st["rows"], st["til_rows"], st["task_seconds"], st["initial"], st["events_lines"],
                      st.get("head_rows", {}), st.get("head_val", {}))
@@ -260,12 +260,12 @@ def share_state(dp, cfg, model, method, heads, device, fresh=None):
     part = lambda prefix: {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}  # noqa: E731
     model, method, new_heads = (fresh or (lambda: fresh_objects(cfg)))()
     new_heads = new_heads if heads is not None else None
-    _load_into(model, method, new_heads, meta, part("model/"), part("method/"), part("heads/"), device)
+    load_into(model, method, new_heads, meta, part("model/"), part("method/"), part("heads/"), device)
     return model, method, new_heads
 
 
-def _load_into(model, method, heads, meta: dict, model_state: dict, method_tensors: dict, head_tensors: dict,
-               device) -> None:
+def load_into(model, method, heads, meta: dict, model_state: dict, method_tensors: dict, head_tensors: dict,
+              device) -> None:
     """Load a checkpoint's state (from a file on --resume, or broadcast by process 0) into model, method and
     head suite: the structure first, then the weights, the method's state and the heads' statistics."""
     rebuild_structure(model, meta["structure"])

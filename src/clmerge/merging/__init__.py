@@ -10,7 +10,8 @@ or ``.bin``/``.pt`` files (``torch.load(weights_only=True)``).
 """
 
 from .registry import MERGES, available, get_method, merge, register_merge  # noqa: I001
-from .sources import MergeInputError, ModelSet, ParamSource
+from .io import MergeInputError, ParamSource
+from .sources import ModelSet
 
 # Each import registers its method(s); the order is the order of ``available()`` ties (sorted anyway).
 from .averaging import weight_average

@@ -10,7 +10,8 @@ from torch import Tensor
 
 from .driver import bshape, check_experts_weights, map_keys, stack64
 from .registry import register_merge
-from .sources import MergeInputError, open_models
+from .io import MergeInputError
+from .sources import open_models
 
 __all__ = ["fisher_merging", "fisher_tensor"]
 

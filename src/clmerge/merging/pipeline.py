@@ -3,7 +3,7 @@
 :func:`prepare` opens the inputs lazily, checks the recipe's hyperparameters against the method's signature
 and partitions the keys into groups of equal hyperparameters; nothing is read beyond the headers and nothing
 is written. :func:`execute` then runs the method on each group with the inputs' :class:`ModelSet` streaming
-into a :class:`~clmerge.checkpoints.writer.ShardedWriter`, so the memory in use is the tensors of the key
+into a :class:`~clmerge.merging.io.writer.ShardedWriter`, so the memory in use is the tensors of the key
 being merged (plus a method's per-key temporaries), whatever the model's size.
 """
 
@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
-from ..checkpoints.output import InputHashes, OutputTarget, copy_model_files, model_files, write_model_card
-from ..checkpoints.readers import open_checkpoint, resolve_hub_id
-from ..checkpoints.writer import BackgroundWriter, ShardedWriter, parse_size
 from .hparams import DATA_HPARAMS, HParam, coerce_value, method_hparams, per_expert_name
+from .io.output import InputHashes, OutputTarget, copy_model_files, model_files, write_model_card
+from .io.readers import open_checkpoint, resolve_hub_id
+from .io.writer import BackgroundWriter, ShardedWriter, parse_size
+from .recipes import key_groups
 from .registry import MergeMethod, get_method
 from .sources import ModelSet
 
@@ -102,8 +103,6 @@ def prepare(recipe: Any, *, task: str | int | None = None, where: str = "paramet
     Args:
         where: how errors name the global parameters (``"--set "`` for the flag form).
     """
-    from ..recipes import key_groups
-
     method = get_method(recipe.method)
     hps = method_hparams(method)
     if any(n in DATA_HPARAMS for n in hps):

@@ -3,7 +3,7 @@
 :class:`ModelSet` checks once that the inputs agree (the base decides the key set; a missing, extra or
 shape-mismatched key is an error naming the key and the model) and hands out one key at a time, so a
 streaming merge keeps at most one tensor per input in memory besides its output. Floating inputs of different
-dtypes (bf16 beside fp32) are upcast to the compute dtype. The readers live in :mod:`clmerge.checkpoints`.
+dtypes (bf16 beside fp32) are upcast to the compute dtype. The readers live in :mod:`clmerge.merging.io`.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..checkpoints.checks import check_dtype, source_get, source_meta
-from ..checkpoints.sources import MergeInputError, ParamSource, as_source
-from ..checkpoints.sources import torch_load_state_dict as _torch_load  # noqa: F401 (the old private name)
+from .io.base import MergeInputError
+from .io.checks import check_dtype, source_get, source_meta
+from .io.readers import as_source
 
-__all__ = ["MergeInputError", "ModelSet", "ParamSource", "as_source", "open_models"]
+__all__ = ["ModelSet", "open_models"]
 
 log = logging.getLogger("clmerge.merging")
 

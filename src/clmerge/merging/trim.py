@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["TRIM_RULES", "TIE_ALL", "keep_count", "check_trim_rule", "add_ties", "top_magnitude_mask",
-           "exact_trim_rows", "tensor_trim_spec", "allocate_tie_quotas", "work_dtype"]
+           "exact_trim_rows", "tensor_trim_spec", "allocate_tie_quotas", "kth_smallest", "work_dtype"]
 
 TRIM_RULES = ("exact", "threshold")
 # A tie quota meaning "every entry equal to the threshold is kept" (the threshold rule; or an exact quota
@@ -72,9 +72,30 @@ def add_ties(keep: Tensor, mag: Tensor, v: Tensor | float, quota: int) -> Tensor
     return keep
 
 
-def _kth_largest(mag: Tensor, k: int) -> Tensor:
-    from .ties import kth_smallest  # the ties module imports this one
+def kth_smallest(x: Tensor, k: int, *, sample: int = 1 << 16) -> Tensor:
+    """The ``k``-th smallest (1-indexed) entry of the flat tensor ``x``: exactly ``x.kthvalue(k).values``.
 
+    For large ``x`` a strided sample brackets the answer, two counting passes check that the bracket holds
+    it, and ``kthvalue`` runs only on the few entries inside (an unlucky bracket falls back to ``kthvalue`` on
+    everything). A few comparison passes instead of a full selection: several times faster on a model.
+    """
+    d = x.numel()
+    if d <= 8 * sample:
+        return x.kthvalue(k).values
+    s = x[:: d // sample]
+    n, q = s.numel(), k / d
+    margin = 6.0 * math.sqrt(q * (1.0 - q) / n) + 4.0 / n
+    lo_i, hi_i = math.floor((q - margin) * n), math.ceil((q + margin) * n)
+    lo = s.kthvalue(lo_i).values if lo_i >= 1 else x.new_tensor(-math.inf)
+    hi = s.kthvalue(hi_i).values if hi_i <= n else x.new_tensor(math.inf)
+    below = int((x < lo).sum())
+    inside = x[(x >= lo) & (x <= hi)]
+    if below < k <= below + inside.numel():
+        return inside.kthvalue(k - below).values
+    return x.kthvalue(k).values
+
+
+def _kth_largest(mag: Tensor, k: int) -> Tensor:
     return kth_smallest(mag.reshape(-1), mag.numel() - k + 1)
 
 

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..utils.inpaths import inside
+from ...utils.inpaths import inside
+from .base import MergeInputError, ParamSource, torch_load_state_dict
 from .checks import check_dtype, check_finite_output, is_finite, source_meta
-from .sources import MergeInputError, ParamSource, torch_load_state_dict
 
 __all__ = ["ADAPTER_CONFIG", "is_peft_adapter", "AdapterSource", "LoraModule", "read_adapter",
            "write_adapter", "PREFIX"]

@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
-from ..errors import OutputError
-from ..utils.inpaths import inside
-from ..utils.io import write_json
-from ..utils.outpaths import check_writable
+from ...errors import OutputError
+from ...utils.inpaths import inside
+from ...utils.io import write_json
+from ...utils.outpaths import check_writable
+from .base import MergeInputError
 
 __all__ = ["TOKENIZER_FILES", "InputHashes", "OutputTarget", "build_folder", "check_out", "copy_model_files",
            "model_files", "remove_stale_temps", "write_model_card"]
@@ -265,23 +266,40 @@ class InputHashes:
     def __init__(self, files: Iterable[Path], enabled: bool = True) -> None:
         self.files = list(dict.fromkeys(Path(f) for f in files)) if enabled else []
         self.result: dict[str, str] = {}
+        self._error: MergeInputError | None = None
+        self._where = Path.cwd()  # relative inputs are read from here, whatever the process does meanwhile
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        for f in self.files:
-            blob = f.resolve().name if f.is_symlink() else ""
-            if len(blob) == 64 and all(c in "0123456789abcdef" for c in blob):
-                self.result[str(f)] = blob  # a hub cache blob is named by its sha256 (LFS files)
-                continue
-            h = hashlib.sha256()
-            with open(f, "rb") as fh:
-                while block := fh.read(1 << 22):
-                    h.update(block)
-            self.result[str(f)] = h.hexdigest()
+        try:
+            for f in self.files:
+                self._hash(f)
+        except OSError as exc:  # reported by get(), not as a stray thread traceback and a silent gap
+            self._error = MergeInputError(f"{exc.filename or ''}: cannot read this input to record its sha256 "
+                                          f"({exc.strerror or type(exc).__name__})")
+
+    def _hash(self, f: Path) -> None:
+        path = self._where / f
+        blob = path.resolve().name if path.is_symlink() else ""
+        if len(blob) == 64 and all(c in "0123456789abcdef" for c in blob):
+            self.result[str(f)] = blob  # a hub cache blob is named by its sha256 (LFS files)
+            return
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            while block := fh.read(1 << 22):
+                h.update(block)
+        self.result[str(f)] = h.hexdigest()
 
     def get(self) -> dict[str, str]:
+        """``{file as given: sha256}`` once every input is hashed.
+
+        Raises:
+            MergeInputError: an input could not be read (it vanished or became unreadable during the merge).
+        """
         self._thread.join()
+        if self._error is not None:
+            raise self._error
         return self.result
 
 
@@ -292,7 +310,7 @@ def write_model_card(dst: Path, *, recipe_yaml: str, inputs: list[tuple[str, str
     Args:
         inputs: ``(role, name, files)`` per input (role: ``base`` or ``model``).
     """
-    from .. import __version__
+    from ... import __version__
 
     front = ["---", "library_name: transformers", "tags:", "- merge", "- clmerge"]
     front += [f"base_model: {base_model}"] if base_model else []

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from ..errors import UsageError
+from ...errors import UsageError
+from .base import MergeInputError
 from .checks import check_dtype, source_get, source_meta
-from .sources import MergeInputError
 from .lora_svd import (check_out_dir, check_svd, clamped_note, error_summary, low_rank_factors,
                        rank_pattern)
 from .output import build_folder

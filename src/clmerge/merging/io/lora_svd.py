@@ -24,8 +24,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..errors import OutputError, UsageError
-from ..utils.outpaths import check_writable
+from ...errors import OutputError, UsageError
+from ...utils.outpaths import check_writable
 
 __all__ = ["low_rank_factors", "LowRank", "SVD_MODES", "check_svd", "numerical_rank", "check_out_dir",
            "error_summary", "rank_pattern", "clamped_note"]

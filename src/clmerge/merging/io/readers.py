@@ -12,15 +12,16 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
-from ..utils.inpaths import inside
-from .sources import MergeInputError, ParamSource, torch_load_state_dict
+from ...utils.inpaths import inside
+from .base import MergeInputError, ParamSource, is_source, torch_load_state_dict
 
-__all__ = ["HUB_PATTERNS", "BinShardedSource", "ShardedSource", "open_checkpoint", "resolve_hub_id"]
+__all__ = ["HUB_PATTERNS", "BinShardedSource", "ShardedSource", "as_source", "open_checkpoint", "resolve_hub_id"]
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # What a merge needs from a hub repository: weights, configs, tokenizer files (never optimizer states etc.)
@@ -122,7 +123,7 @@ def _open_adapter(path: Path, base: Any, name: str | None) -> Any:
     try:
         from .peft import AdapterSource
     except ImportError:
-        raise MergeInputError(f"{path}: a PEFT adapter folder, but adapter support (clmerge.checkpoints.peft) "
+        raise MergeInputError(f"{path}: a PEFT adapter folder, but adapter support (clmerge.merging.io.peft) "
                               "is not available in this build") from None
     if base is None:
         raise MergeInputError(f"{path}: a PEFT adapter needs the base model (--base)")
@@ -188,3 +189,13 @@ def open_checkpoint(spec: str | Path, *, base: Any = None, name: str | None = No
     if HUB_ID.match(text) and not text.startswith(".") and path.suffix not in (".safetensors", ".bin", ".pt"):
         return _open_folder(resolve_hub_id(text), base, name or text)
     raise FileNotFoundError(f"no such weights file or model folder: {path}")
+
+
+def as_source(obj: Any, name: str | None = None, *, base: Any = None) -> Any:
+    """Wrap a dict, a weights file, a model folder, a hub id or a PEFT adapter folder (over the source
+    ``base``) as a lazy source (a source is returned as is)."""
+    if is_source(obj):
+        return obj
+    if isinstance(obj, Mapping):
+        return ParamSource(obj, name)
+    return open_checkpoint(obj, name=name, base=base)

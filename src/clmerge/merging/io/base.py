@@ -1,4 +1,6 @@
-"""Parameter sources: an in-memory dict, or one weights file read lazily tensor by tensor.
+"""The base types of checkpoint I/O: an in-memory dict or one weights file as a lazy source, and the input error.
+
+This module imports nothing from the rest of :mod:`clmerge.merging`: readers, PEFT adapters and writers build on it.
 
 A source has ``keys()``, ``meta(key) -> (shape, dtype)``, ``get(key)``, ``name`` (how errors refer to it),
 ``files`` (the weight files it reads) and ``folder`` (the model folder, or ``None``). Safetensors are read one
@@ -14,9 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import InputError
+from ...errors import InputError
 
-__all__ = ["ST_DTYPES", "MergeInputError", "ParamSource", "as_source", "is_source", "torch_load_state_dict"]
+__all__ = ["ST_DTYPES", "MergeInputError", "ParamSource", "is_source", "torch_load_state_dict"]
 
 ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -178,15 +180,3 @@ def torch_load_state_dict(path: Path, *, mmap: bool = False) -> dict[str, Tensor
 def is_source(obj: Any) -> bool:
     """Whether ``obj`` already is a lazy source (has ``keys``, ``meta`` and ``get``; a dict is not)."""
     return not isinstance(obj, Mapping) and all(hasattr(obj, a) for a in ("keys", "meta", "get"))
-
-
-def as_source(obj: Any, name: str | None = None, *, base: Any = None) -> Any:
-    """Wrap a dict, a weights file, a model folder, a hub id or a PEFT adapter folder (over the source
-    ``base``) as a lazy source (a source is returned as is)."""
-    if is_source(obj):
-        return obj
-    if isinstance(obj, Mapping):
-        return ParamSource(obj, name)
-    from .readers import open_checkpoint
-
-    return open_checkpoint(obj, name=name, base=base)

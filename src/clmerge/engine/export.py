@@ -1,6 +1,6 @@
 """Export a continual run directory as an HF model folder or a PEFT LoRA adapter.
 
-The model is rebuilt from the run's last checkpoint as a resumed run does (``engine.run._restore``: the
+The model is rebuilt from the run's last checkpoint as a resumed run does (``engine.run.load_into``: the
 config's classifier, :func:`rebuild_structure`, a strict ``load_state_dict``), and every LoRA component is
 folded into its base weight (``W = W_0 + sum_k c_k U_k D_k``, :func:`clmerge.adapters.folded.folded_copy`).
 
@@ -25,13 +25,13 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
-from .sources import MergeInputError
+from ..merging.io.base import MergeInputError
+from ..merging.io.lora_svd import (check_out_dir, check_svd, error_summary, low_rank_factors, numerical_rank,
+                                   rank_pattern)
+from ..merging.io.output import build_folder
+from ..merging.io.peft import adapter_config, write_adapter
 from ..utils.inpaths import inside
 from ..utils.io import read_json, save_tensors
-from .lora_svd import (check_out_dir, check_svd, error_summary, low_rank_factors, numerical_rank,
-                       rank_pattern)
-from .output import build_folder
-from .peft import adapter_config, write_adapter
 
 __all__ = ["export_run", "load_run_model", "FORMATS"]
 
@@ -43,8 +43,8 @@ def load_run_model(run_dir: Path) -> tuple[nn.Module, nn.Module, dict, dict]:
     """``(folded model, pretrained backbone, manifest, checkpoint meta)`` of the run's last checkpoint."""
     from ..adapters.folded import folded_copy
     from ..config import ConfigError, load_config
-    from ..engine.checkpoint import load_checkpoint, resume_checkpoint
-    from ..engine.run import _load_into, build_classifier
+    from .checkpoint import load_checkpoint, resume_checkpoint
+    from .run import build_classifier, load_into
     from ..methods import build_method
 
     run_dir = Path(run_dir)
@@ -71,7 +71,7 @@ def load_run_model(run_dir: Path) -> tuple[nn.Module, nn.Module, dict, dict]:
     # tau_MagMax, not the last task's fine-tuned weights the live model holds)
     method = build_method(cfg.method.name, cfg.method_options(), seed=cfg.seed)
     method.setup(model)
-    _load_into(model, method, None, meta, state, method_tensors, {}, torch.device("cpu"))
+    load_into(model, method, None, meta, state, method_tensors, {}, torch.device("cpu"))
     model = method.inference_model()
     manifest = read_json(run_dir / "manifest.json") if (run_dir / "manifest.json").exists() else {}
     manifest["method"] = cfg.method.name

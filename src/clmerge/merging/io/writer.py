@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .base import ST_DTYPES
 from .checks import check_finite_output, is_finite
-from .sources import ST_DTYPES
 
 __all__ = ["DEFAULT_SHARD_SIZE", "BackgroundWriter", "ShardedWriter", "TensorPlan", "parse_size"]
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .sources import ST_DTYPES, MergeInputError
+from .base import ST_DTYPES, MergeInputError
 
 __all__ = ["SUPPORTED_DTYPES", "check_dtype", "source_meta", "source_get", "is_finite", "check_finite_output"]
 

@@ -25,12 +25,12 @@ import torch
 from torch import Tensor
 
 from ..errors import UsageError
-from ..merging.registry import get_method, merge
-from .checks import source_get, source_meta
-from .sources import MergeInputError, ParamSource
-from .output import build_folder
-from .lora_svd import check_out_dir, check_svd, clamped_note, error_summary, low_rank_factors
-from .peft import AdapterSource, LoraModule, adapter_config, write_adapter
+from .io.base import MergeInputError, ParamSource
+from .io.checks import source_get, source_meta
+from .io.lora_svd import check_out_dir, check_svd, clamped_note, error_summary, low_rank_factors
+from .io.output import build_folder
+from .io.peft import AdapterSource, LoraModule, adapter_config, write_adapter
+from .registry import get_method, merge
 
 __all__ = ["merge_adapters", "REPORT_FILE", "LINEAR_METHODS"]
 
@@ -77,7 +77,7 @@ class _KeyView(ParamSource):
 
 def _open(base: Any, adapters: Sequence[Any]) -> tuple[Any, list[AdapterSource]]:
     if isinstance(base, (str, Path)):
-        from .readers import open_checkpoint
+        from .io.readers import open_checkpoint
 
         base = open_checkpoint(base)
     if not adapters:

@@ -1,0 +1,120 @@
+"""A merge run as ``clmerge merge`` asks for it: a recipe (from a file or from flags) checked, then merged.
+
+:func:`build_recipe` turns a recipe file or the flag form into a :class:`~clmerge.merging.recipes.Recipe`;
+:func:`run_merge` checks everything (method, hyperparameters, inputs, output path), then streams the merge into
+a model folder (:mod:`.pipeline`), or into one PEFT adapter when the experts are adapters and the output form
+asks for one (:mod:`.lora_merge`). Errors are raised as exceptions with one-line messages; the command
+(:mod:`clmerge.merging.cli`) prints them.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Any
+
+from ..config import read_yaml_mapping
+from ..utils.threads import io_threads
+from . import pipeline
+from .io.output import check_out
+from .io.peft import is_peft_adapter
+from .io.readers import open_checkpoint
+from .lora_merge import merge_adapters
+from .recipes import load_recipe
+from .registry import get_method
+
+__all__ = ["build_recipe", "parse_set", "run_merge"]
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """``["density=0.2", "trim_scope=global"]`` -> ``{"density": 0.2, "trim_scope": "global"}``.
+
+    Values are read as Python literals (numbers, booleans ``true``/``false``, ``none``, lists), else kept as
+    strings; names and types are checked against the method's signature later (:func:`pipeline.prepare`).
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        lowered = {"true": "True", "false": "False", "none": "None", "null": "None"}.get(raw.strip().lower(), raw)
+        try:
+            out[key.strip()] = ast.literal_eval(lowered)
+        except (ValueError, SyntaxError):
+            out[key.strip()] = raw
+    return out
+
+
+def build_recipe(recipe_path: Path | None, method: str | None, base: str | None, experts: list[str],
+                 sets: list[str], options: dict[str, Any]) -> Any:
+    """The :class:`~clmerge.merging.recipes.Recipe` of a recipe file or of the flag form (flags override the
+    file)."""
+    if recipe_path is not None:
+        if method or experts:
+            raise ValueError("give a recipe file or --method/--expert, not both")
+        data = read_yaml_mapping(recipe_path, "merge recipe")
+    else:
+        if not method:
+            raise ValueError("give a recipe file or --method NAME")
+        if not experts:
+            raise ValueError("give at least one --expert PATH")
+        data = {"method": method, "models": [{"model": str(e)} for e in experts]}
+    if base is not None:
+        data["base"] = str(base)
+    data["parameters"] = {**(data.get("parameters") or {}), **parse_set(sets)}
+    data.update({k: v for k, v in options.items() if v is not None})
+    try:
+        return load_recipe(str(recipe_path) if recipe_path else "", data)
+    except ValueError as exc:  # name the flag, not the recipe key, when it came from a flag
+        msg = str(exc)
+        for key, value in options.items():
+            if value is not None and msg.startswith(f"{key}:"):
+                msg = f"--{key.replace('_', '-')}" + msg[len(key):]
+        raise ValueError(msg) from None
+
+
+def run_merge(recipe: Any, out: Path | None, *, task: str | None = None, dry_run: bool = False,
+              overwrite: bool = False, adapter_out: str = "full", adapter_rank: int | None = None,
+              hash_inputs: bool = True,
+              where: str = "parameters.", log: Any = lambda s: None) -> dict:
+    """Check everything, then merge into ``out`` (a folder or one ``.safetensors`` file) or print the plan.
+
+    Raises:
+        KeyError, ValueError, FileNotFoundError, MergeInputError: bad method, arguments or inputs; nothing is
+        written then.
+    """
+    get_method(recipe.method)
+    if adapter_out != "full":
+        return _adapter_merge(recipe, out, adapter_out, adapter_rank, overwrite)
+    prep = pipeline.prepare(recipe, task=task, where=where)
+    for src in prep.models.experts:  # an adapter whose config names another base model
+        if getattr(src, "warning", None):
+            log(src.warning)
+    if prep.models.mixed:
+        log(f"note: the inputs mix floating dtypes on {len(prep.models.mixed)} keys; they are upcast to "
+            f"{recipe.compute_dtype} for the merge")
+    if dry_run:
+        return {"plan": pipeline.dry_run_text(prep)}
+    if out is None:
+        raise ValueError("--out PATH is required (a new folder, or a .safetensors file)")
+    kind = check_out(out, [s for s in [prep.models.base, *prep.models.experts] if s is not None],
+                     overwrite=overwrite)
+    if kind == "file" and len(prep.tasks) > 1:
+        raise ValueError("--task all writes one folder per task: give --out a folder, not a .safetensors file")
+    return pipeline.execute(prep, out, kind, io_threads=io_threads(), hash_inputs=hash_inputs, log=log)
+
+
+def _adapter_merge(recipe: Any, out: Path | None, form: str, rank: int | None, overwrite: bool) -> dict:
+    """LoRA adapters merged into one adapter (``form`` peft or factored, :mod:`.lora_merge`)."""
+    paths = [Path(m.model) for m in recipe.models]
+    if not all(is_peft_adapter(p) for p in paths):
+        bad = next(p for p in paths if not is_peft_adapter(p))
+        raise ValueError(f"--adapter-out {form}: every expert must be a PEFT adapter folder; {bad} is not")
+    if recipe.base is None or out is None:
+        raise ValueError(f"--adapter-out {form} needs --base (the adapters' base model) and --out")
+    base = open_checkpoint(recipe.base, name=recipe.base)
+    check_out(out, [base], overwrite=overwrite)
+    info = merge_adapters(method=recipe.method, base=base, adapters=paths, hyperparameters=recipe.parameters,
+                          out=out, form=form, rank=rank, overwrite=overwrite)
+    keys = info.get("keys", "?")
+    return {**info, "method": recipe.method, "keys": len(keys) if isinstance(keys, list) else keys, "out": str(out)}

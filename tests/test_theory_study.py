@@ -20,7 +20,7 @@ from clmerge.theory.spec import load_study, parse_study
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "{num_hidden_layers: 1, hidden_size: 32, num_attention_heads: 2, intermediate_size: 64}"
 SMOKE_OVERRIDES = ["base.pretrained=false", f"base.arch={TINY}", "seeds=[0]",
-                   "methods=[{name: averaging}, {name: ties, density: 0.2}]", "data.max_train=48",
+                   "methods=[{name: weight_average}, {name: ties, density: 0.2}]", "data.max_train=48",
                    "data.max_eval=24", "measure.noise_samples=6", "grid.steps=[2, 4, 8]", "defaults.steps=4",
                    "measure.weighting_steps=[2, 8]",
                    "suite=[digits:identity, digits:rot90, digits:rot180, digits:invert, digits:perm1]"]
@@ -54,7 +54,7 @@ def smoke(tmp_path_factory):
 def test_the_smoke_study_fits_every_law(smoke):
     out, spec, rows, fits = smoke
     assert set(fits["laws"]) == {"steps", "lr", "batch_size", "data_ratio", "n_experts"}
-    assert all(set(per) == {"averaging", "ties"} for per in fits["laws"].values())
+    assert all(set(per) == {"weight_average", "ties"} for per in fits["laws"].values())
     assert {"lr", "steps", "n_train"} <= set(fits["stability"])
     assert fits["sparsification"]["ties"]["n"] > 0
     assert len(fits["weighting"]["measured"]) == 2 and fits["weighting"]["predicted"] == [0.2, 0.8]
@@ -65,13 +65,13 @@ def test_the_smoke_study_fits_every_law(smoke):
     assert len(r["experts"]) == r["n_experts"] == len(r["sigma2"])
     html = (out / "report.html").read_text()
     assert html.count("<img") >= 6 and "Fitted laws" in html
-    assert json.loads((out / "fits.json").read_text())["laws"]["lr"]["averaging"]["equation"] == "c0 + c2*eta^2"
+    assert json.loads((out / "fits.json").read_text())["laws"]["lr"]["weight_average"]["equation"] == "c0 + c2*eta^2"
 
 
 def test_predict_and_advise_commands(smoke):
     out = smoke[0]
     runner = CliRunner()
-    res = runner.invoke(app, ["predict", str(out), "lr=0.03", "--method", "averaging"])
+    res = runner.invoke(app, ["predict", str(out), "lr=0.03", "--method", "weight_average"])
     assert res.exit_code == 0, res.output
     assert "merged loss" in res.output and "[" in res.output
     bad = runner.invoke(app, ["predict", str(out), "momentum=0.9"])
@@ -102,7 +102,7 @@ def _two_point_spec():
                                                "intermediate_size": 64}},
         "suite": "tiny", "data": {"max_train": 32, "max_eval": 16},
         "defaults": {"steps": 3, "n_experts": 2, "batch_size": 8, "lr": 0.05},
-        "methods": [{"name": "averaging"}, {"name": "dare", "drop_rate": 0.3}],
+        "methods": [{"name": "weight_average"}, {"name": "dare", "drop_rate": 0.3}],
         "measure": {"noise_samples": 4}})
 
 

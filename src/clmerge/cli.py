@@ -15,10 +15,27 @@ from pathlib import Path
 
 import typer
 from rich.table import Table
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from .cli_support import exit_with as _fail
 from .cli_support import fail, handle_errors, make_console, print_error, set_debug
+
+RUNS_DIR_ENV = "CLMERGE_RUNS_DIR"  # where `clmerge run` puts a run without --out (default: ./runs)
+
+
+def _flags_as_flags(params: list) -> list:
+    """A boolean flag is shown as ``--dry-run``, without a ``<bool>`` value column (typer shows one)."""
+    for p in params:
+        if getattr(p, "is_flag", False) and p.metavar is None:
+            p.metavar = ""
+    return params
+
+
+class _Command(TyperCommand):
+    """A subcommand whose help shows flags as flags."""
+
+    def get_params(self, ctx):
+        return _flags_as_flags(super().get_params(ctx))
 
 
 class _Group(TyperGroup):
@@ -44,12 +61,15 @@ class _Group(TyperGroup):
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)  # non-standalone click returns a typer.Exit's code
 
+    def get_params(self, ctx):
+        return _flags_as_flags(super().get_params(ctx))
+
 
 class _App(typer.Typer):
     """Every registered command is wrapped by :func:`~clmerge.cli_support.handle_errors` (one-line errors)."""
 
     def command(self, *args, **kwargs):
-        register = super().command(*args, **kwargs)
+        register = super().command(*args, **{"cls": _Command, **kwargs})
 
         def decorator(fn):
             register(handle_errors(fn))
@@ -59,14 +79,25 @@ class _App(typer.Typer):
 
 
 app = _App(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
+           context_settings={"help_option_names": ["-h", "--help"]},
            help="clmerge: continual learning and model merging on pretrained models.")
 console = make_console()
 err = make_console(stderr=True)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        typer.echo(f"clmerge {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(debug: bool = typer.Option(False, "--debug", help="show the traceback of an error (also: "
-                                     "CLMERGE_DEBUG=1); errors and exit codes: docs/cli_errors.md")) -> None:
+                                     "CLMERGE_DEBUG=1); errors and exit codes: docs/cli_errors.md"),
+          version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                       help="print the version and exit")) -> None:
     set_debug(debug)
 
 
@@ -101,7 +132,8 @@ def run(
     config: Path | None = typer.Argument(None, help="YAML config file, or the name of a shipped config (`clmerge "
                                          "configs` lists them; default: the embedded default experiment)"),
     set_: list[str] = typer.Option([], "--set", help="override a key: dotted.key=value (repeatable)"),
-    out: Path | None = typer.Option(None, "--out", help="run directory (default: runs/<method>-<dataset>-<time>)"),
+    out: Path | None = typer.Option(None, "--out", help="run directory (default: $CLMERGE_RUNS_DIR/<method>-"
+                                    "<dataset>-<time>, or ./runs/... when that is unset; docs/cli.md)"),
     resume: bool = typer.Option(False, "--resume", help="continue a stopped run in --out from its last finished task"),
     orders: int | None = typer.Option(None, "--orders", help="run over N task orders into --out/order_<r>/ and "
                                       "report OPD/MOPD/AOPD (see clmerge.engine.orders)"),
@@ -129,7 +161,7 @@ def run(
     if out is None and not dry_run:
         if resume:
             _fail("--resume needs --out DIR (the run directory to continue)")
-        out = Path("runs") / f"{cfg.method.name}-{cfg.scenario.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
+        out = default_run_dir(cfg.method.name, cfg.scenario.dataset)
     if nproc > 1 and not distributed.launched():
         if cfg.train.batch_size < nproc:
             _fail(f"--nproc {nproc}: train.batch_size={cfg.train.batch_size} gives a process no sample per batch")
@@ -141,6 +173,7 @@ def run(
     main = os.environ.get("RANK", "0") == "0"  # under torchrun only process 0 checks, writes and prints
     if main:
         _check_run_out(out, resume, overwrite)
+        err.print(f"writing the run to {out.absolute()}", highlight=False, markup=False, soft_wrap=True)
     if orders is not None:
         return _run_orders(cfg, out, orders, resume)
     try:
@@ -154,7 +187,13 @@ def run(
     except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as exc:
         fail(exc)
     print_results(metrics)
-    console.print(f"run directory: [bold]{out}[/] (report: {out / 'report.html'})")
+    console.print(f"run directory: [bold]{out.absolute()}[/] (report: {out.absolute() / 'report.html'})")
+
+
+def default_run_dir(method: str, dataset: str) -> Path:
+    """``$CLMERGE_RUNS_DIR/<method>-<dataset>-<time>`` (``./runs`` when the variable is unset or empty)."""
+    root = os.environ.get(RUNS_DIR_ENV, "").strip() or "runs"
+    return Path(root).expanduser() / f"{method}-{dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def _launch(nproc: int, out: Path | None) -> None:
@@ -210,7 +249,8 @@ def _run_orders(cfg, out: Path, n: int, resume: bool) -> None:
     if not summary:  # a data-parallel process other than 0
         return
     console.print((out / "orders_summary.md").read_text())
-    console.print(f"order runs in: [bold]{out}[/] (report: {out / 'orders_report.html'}; mopd {_fmt(summary['mopd'])})")
+    console.print(f"order runs in: [bold]{out.absolute()}[/] (report: {out.absolute() / 'orders_report.html'}; "
+                  f"mopd {_fmt(summary['mopd'])})")
 
 
 @app.command()

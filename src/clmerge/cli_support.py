@@ -21,7 +21,8 @@ from rich.markup import escape
 
 from .errors import ClmergeError, InputError, OutputError, UsageError
 
-__all__ = ["as_user_error", "debug_enabled", "fail", "handle_errors", "make_console", "print_error", "set_debug"]
+__all__ = ["as_user_error", "debug_enabled", "fail", "handle_errors", "make_console", "print_error", "print_warning",
+           "renamed_option", "set_debug"]
 
 FALLBACK_WIDTH = 120  # columns when stdout/stderr is not a terminal (rich's own fallback, 80, wraps paths)
 MAX_ERROR_LINES = 3
@@ -56,6 +57,22 @@ def print_error(message: str) -> None:
         more = len(lines) - MAX_ERROR_LINES + 1
         lines = lines[: MAX_ERROR_LINES - 1] + [f"(… {more} more lines: rerun with --debug)"]
     _err.print(f"[bold red]error:[/] {escape(chr(10).join(lines))}", highlight=False, soft_wrap=True)
+
+
+def print_warning(message: str) -> None:
+    """``warning: <message>`` on stderr, one soft-wrapped line."""
+    _err.print(f"[bold yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
+def renamed_option(old: str, new: str, old_value: Any, new_value: Any, default: Any) -> Any:
+    """The value of option ``new``, whose old spelling ``old`` is a hidden alias for one release: the old
+    spelling's value (``old_value`` not None) with a one-line deprecation warning, else ``new_value``."""
+    if old_value is None:
+        return new_value
+    if new_value != default:
+        raise UsageError(f"{old} is the old spelling of {new}: give only {new}")
+    print_warning(f"{old} is deprecated and will be removed in the next release: use {new} (the same option)")
+    return old_value
 
 
 def exit_with(message: str, code: int = 2) -> NoReturn:

@@ -13,7 +13,7 @@ from typing import Any
 import typer
 import yaml
 
-from .cli_support import fail, make_console
+from .cli_support import fail, make_console, print_warning, renamed_option
 from .errors import InputError, UsageError
 
 __all__ = ["study_command", "predict_command", "advise_command", "finish_study"]
@@ -43,10 +43,11 @@ def finish_study(out: Path, rows: list[dict] | None = None, *, n_boot: int = 200
 def study_command(
     spec: Path = typer.Argument(..., help="study spec YAML (see benchmarks/study_smoke.yaml)"),
     out: Path = typer.Option(..., "--out", help="study directory (results.jsonl, fits.json, report.html)"),
-    backend: str = typer.Option("local", "--backend", help="local (in process / --workers pool) or ray"),
+    backend: str = typer.Option("local", "--backend", help="local (in process / --jobs pool) or ray"),
     address: str | None = typer.Option(None, "--address", help="Ray: an existing cluster (auto, HOST:PORT, "
                                        "ray://...); default: start a local one"),
-    workers: int = typer.Option(0, "--workers", help="local: process-pool size (0: in process)"),
+    jobs: int = typer.Option(0, "--jobs", help="local: parallel worker processes (0: in this process)"),
+    workers: int | None = typer.Option(None, "--workers", hidden=True, help="old spelling of --jobs"),
     num_cpus: int | None = typer.Option(None, "--num-cpus", help="Ray local cluster: CPUs (default: all)"),
     resume: bool = typer.Option(False, "--resume", help="keep finished points in --out, run the rest (the spec "
                                 "may add seeds)"),
@@ -61,13 +62,14 @@ def study_command(
     from .utils.extras import require_extra
     from .utils.outpaths import check_writable
 
+    jobs = renamed_option("--workers", "--jobs", workers, jobs, 0)
     try:
         for module in ("scipy", "matplotlib"):  # the fits and the report, checked before any job runs
             require_extra(module, "study", what="clmerge study")
         if not fit_only:
             check_writable(out)
             study = load_study(spec, set_)
-            run_study(study, out, backend=backend, workers=workers, address=address, num_cpus=num_cpus,
+            run_study(study, out, backend=backend, workers=jobs, address=address, num_cpus=num_cpus,
                       resume=resume, cache=cache, log=console.print)
         fits = finish_study(out)
     except (ConfigError, FileExistsError, FileNotFoundError, ValueError, StudyError) as exc:
@@ -92,12 +94,18 @@ def _parse_assignments(items: list[str]) -> dict[str, float]:
 def predict_command(
     study_dir: Path = typer.Argument(..., help="a study directory with fits.json"),
     assignments: list[str] = typer.Argument(None, help="hyperparameters to change, e.g. lr=0.02 steps=80"),
-    method: str = typer.Option("averaging", "--method", help="merge method whose laws to use"),
+    method: str = typer.Option("weight_average", "--method", help="merge method whose laws to use (as named by "
+                               "`clmerge merges`)"),
 ) -> None:
     """Predict the merged loss at unseen expert hyperparameters, with a 95% interval."""
     from .theory.analysis import predict
+    from .theory.spec import OLD_METHOD_NAMES
     from .utils.io import read_json
 
+    if method in OLD_METHOD_NAMES:
+        print_warning(f"--method {method}: an old name of {OLD_METHOD_NAMES[method]} (the same merge); it is "
+                      f"accepted for one more release")
+        method = OLD_METHOD_NAMES[method]
     try:
         fits = read_json(study_dir / "fits.json")
         res = predict(fits, method, **_parse_assignments(assignments or []))

@@ -26,7 +26,7 @@ from ..engine.resume import config_differences, summarize_differences
 from ..harness.merge_bench import BenchConfig, expert_digest, expert_path, parse_task
 from ..harness.merge_bench_experts import cached_file_sha256
 from ..theory.jobs import expert_job, merge_job, stability_configs
-from ..theory.spec import HYPERPARAMETERS, Point, StudySpec, expand_points
+from ..theory.spec import HYPERPARAMETERS, Point, StudySpec, canonical_method, expand_points
 from ..utils.io import append_jsonl, atomic_write_text, save_tensors, write_json
 from .executors import Executor, make_executor
 
@@ -45,9 +45,10 @@ def read_results(out: Path) -> list[dict[str, Any]]:
     rows = []
     for line in path.read_text().splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue
+        rows.append(row | {"method": canonical_method(row["method"])} if "method" in row else row)
     return rows
 
 
@@ -138,6 +139,8 @@ def _prepare(out: Path, spec: StudySpec, resume: bool) -> set[str]:
     text = yaml.safe_dump(spec.model_dump(), sort_keys=False)
     if resume and saved.read_text() != text:
         stored = yaml.safe_load(saved.read_text()) or {}
+        for m in stored.get("methods") or []:  # a study written under an old method name
+            m["name"] = canonical_method(m.get("name"))
         given = yaml.safe_load(text) or {}
         diffs = config_differences(stored, given)
         if diffs and not _only_adds_seeds(stored, given):

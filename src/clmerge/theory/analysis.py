@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .laws import FORMS, evaluate_form, fit_form, power_slope
-from .spec import HYPERPARAMETERS, StudySpec
+from .spec import HYPERPARAMETERS, StudySpec, canonical_method
 
 __all__ = ["fit_study", "predict", "law_slice"]
 
@@ -161,7 +161,8 @@ def predict(fits: dict[str, Any], method: str, level: float = 0.95, **hp: float)
     Raises:
         KeyError: a hyperparameter without a fitted law for ``method`` (or an unknown method).
     """
-    laws = {name: per[method] for name, per in fits["laws"].items() if method in per}
+    method = canonical_method(method)  # fits.json written before the rename holds ``averaging``
+    laws = {name: f for name, per in fits["laws"].items() for m, f in per.items() if canonical_method(m) == method}
     if not laws:
         raise KeyError(f"no fitted laws for method {method!r}; fitted: {sorted({m for p in fits['laws'].values() for m in p})}")
     for key in hp:

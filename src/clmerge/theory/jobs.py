@@ -28,7 +28,7 @@ from ..merging import merge
 from ..merging.adamerging import adamerging
 from ..harness.merge_bench import BenchConfig, init_expert, load_task, loss_and_accuracy, parse_task, split_expert, train_expert
 from . import quantities as q
-from .spec import METHOD_ALIASES, Point, StudySpec, expert_config
+from .spec import Point, StudySpec, expert_config
 
 __all__ = ["expert_job", "merge_job", "stability_configs", "encode", "decode"]
 
@@ -99,10 +99,8 @@ def _merge(p: Point, base: Params, experts: list[Params], heads: list[nn.Module]
            data: list[dict]) -> tuple[Params, dict[str, Any]]:
     opts = {k: v for k, v in p.method.items() if k != "name"}
     name = p.method["name"]
-    if name == "averaging":
-        return merge("weight_average", base=base, experts=experts), {}
-    if name != "adamerging":
-        return merge(METHOD_ALIASES[name], base=base, experts=experts, **opts), {}
+    if name != "adamerging":  # study methods are named as in the merge registry
+        return merge(name, base=base, experts=experts, **opts), {}
     # AdaMerging (task-wise by default) on task arithmetic, entropy on the unlabeled validation inputs.
     unlabeled = [[d["val"][0][i:i + 64] for i in range(0, len(d["val"][0]), 64)] for d in data]
     merged, lam = adamerging(base=base, experts=experts, model=backbone, unlabeled=unlabeled,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,19 +26,27 @@ from ..config import ConfigError, _nearest, apply_overrides, read_yaml_mapping, 
 from ..harness.merge_bench import SUITES, BenchConfig, BenchTask, parse_task
 
 __all__ = ["StudySpec", "Point", "HYPERPARAMETERS", "load_study", "parse_study", "expand_points", "point_id",
-           "METHOD_ALIASES"]
+           "OLD_METHOD_NAMES", "canonical_method"]
 
 HYPERPARAMETERS = ("steps", "lr", "batch_size", "data_ratio", "optimizer", "n_experts")
-# Study method names -> the merge registry's names (``averaging`` is the paper's "simple averaging").
-METHOD_ALIASES = {"averaging": "weight_average", "task_arithmetic": "task_arithmetic", "ties": "ties",
-                  "dare": "dare", "adamerging": "adamerging"}
+# A study's methods are named as in the merge registry (``clmerge merges``). Old names, still accepted for one
+# release with a warning: ``averaging`` (the paper's "simple averaging") is ``weight_average``.
+OLD_METHOD_NAMES = {"averaging": "weight_average"}
 _METHOD_OPTIONS: dict[str, dict[str, Any]] = {
-    "averaging": {},
+    "weight_average": {},
     "task_arithmetic": {"scaling": 0.3},
     "ties": {"density": 0.2, "scaling": 1.0},
     "dare": {"drop_rate": 0.5, "scaling": 0.3, "rescale": True, "seed": 0},
     "adamerging": {"steps": 50, "lr": 1e-3, "init": 0.3, "granularity": "task"},
 }
+
+
+_warn = logging.getLogger("clmerge.theory").warning  # one line on stderr ("warning: ...")
+
+
+def canonical_method(name: str) -> str:
+    """The merge registry's name of a study method (an old name such as ``averaging`` translated)."""
+    return OLD_METHOD_NAMES.get(name, name)
 
 
 class _Strict(BaseModel):
@@ -104,7 +113,7 @@ class StudySpec(_Strict):
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     groups: int = Field(1, ge=1, description="random task groups per point (the paper uses 15)")
     group_seed: int = 0
-    methods: list[dict[str, Any]] = Field(default_factory=lambda: [{"name": "averaging"}], min_length=1)
+    methods: list[dict[str, Any]] = Field(default_factory=lambda: [{"name": "weight_average"}], min_length=1)
     measure: MeasureSpec = Field(default_factory=MeasureSpec)
     threads: int = Field(1, ge=1, description="torch threads inside every job (fixed for identical numbers)")
 
@@ -114,6 +123,10 @@ class StudySpec(_Strict):
         out = []
         for i, m in enumerate(methods):
             name = m.get("name")
+            if name in OLD_METHOD_NAMES:
+                _warn(f"warning: methods[{i}].name: {name!r} is an old name of {OLD_METHOD_NAMES[name]!r} (same merge); "
+                      f"it is accepted for one more release")
+                name = OLD_METHOD_NAMES[name]
             if name not in _METHOD_OPTIONS:
                 raise ValueError(f"methods[{i}].name: unknown method {name!r}{_nearest(str(name), list(_METHOD_OPTIONS))}")
             for key in m:
@@ -170,9 +183,14 @@ def expert_config(spec: StudySpec, p: Point, steps: int, *, perturb: int | None 
 
 
 def point_id(p: Point) -> str:
-    """A stable 16-hex id of everything that defines the point (used by ``--resume``)."""
+    """A stable 16-hex id of everything that defines the point (used by ``--resume``). ``weight_average`` is
+    hashed under its old study name ``averaging``, so studies written before the rename keep their ids."""
     d = p.model_dump(exclude={"varied"})
+    d["method"] = {**d["method"], "name": _OLD_NAME.get(d["method"]["name"], d["method"]["name"])}
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+_OLD_NAME = {new: old for old, new in OLD_METHOD_NAMES.items()}
 
 
 def task_group(pool: list[BenchTask], n: int, g: int, group_seed: int) -> list[str]:
@@ -215,7 +233,7 @@ def expand_points(spec: StudySpec) -> list[Point]:
         d = spec.defaults.model_dump() | {"n_experts": len(ks), "steps": list(ks)}
         for seed in spec.seeds:
             tasks = task_group(pool, len(ks), 0, spec.group_seed)
-            points.append(Point(**d, kind="weighting", seed=seed, group=0, tasks=tasks, method={"name": "averaging"}))
+            points.append(Point(**d, kind="weighting", seed=seed, group=0, tasks=tasks, method={"name": "weight_average"}))
     return points
 
 

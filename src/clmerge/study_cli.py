@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import typer
-import yaml
 
 from .cli_support import fail, make_console
 from .errors import InputError, UsageError
@@ -27,10 +26,11 @@ def finish_study(out: Path, rows: list[dict] | None = None, *, n_boot: int = 200
     from .sweep import read_results
     from .theory.advise import advise
     from .theory.analysis import fit_study
+    from .config import read_yaml_mapping
     from .theory.spec import parse_study
     from .utils.io import atomic_write_text, write_json
 
-    spec = parse_study(yaml.safe_load((out / "study.yaml").read_text()))
+    spec = parse_study(read_yaml_mapping(out / "study.yaml", "study spec"))
     rows = read_results(out) if rows is None else rows
     fits = fit_study(rows, spec, n_boot=n_boot)
     write_json(out / "fits.json", fits)

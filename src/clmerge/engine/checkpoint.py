@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import re
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from safetensors import safe_open
 from ..errors import RunStateError
 from ..utils.io import read_json, save_tensors, sha256_bytes, sha256_file, write_json
 
-__all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "load_head_tensors", "RunLock",
+__all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "load_head_tensors", "RunLock", "lock_holder",
            "checkpoint_record", "resume_checkpoint", "verify_sha256", "CheckpointIntegrityError",
            "ResumeError"]
 
@@ -182,28 +183,97 @@ def _load_parts(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
 
 
 class RunLock:
-    """A lock file holding the owner's pid, so two runs never write into one directory at once."""
+    """A lock file naming its owner (pid, host, boot id and the process's start time), so two runs never write
+    into one directory at once, and a lock left by a dead run (or one whose pid was since reused by another
+    process) is recognised as stale.
+
+    A refusal raised under the lock (a :class:`RunStateError`: every ``--resume`` check) leaves the directory
+    as it was: a stale lock that was replaced is put back, byte for byte and with its time stamps.
+    """
 
     def __init__(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / ".lock"
+        self._stale: tuple[bytes, os.stat_result] | None = None
 
     def __enter__(self) -> "RunLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():
-            try:
-                pid = int(self.path.read_text().strip() or 0)
-            except ValueError:
-                pid = 0
-            if pid and pid != os.getpid() and _alive(pid):
-                raise RuntimeError(f"{self.path.parent} is in use by process {pid}; choose another --out")
-        self.path.write_text(str(os.getpid()))
+        if self.path.is_file():
+            holder = lock_holder(self.path)
+            if holder is not None:
+                raise RunStateError(f"{self.path.parent} is in use by {holder} (its {self.path.name}); wait for "
+                                    f"it to finish or choose another --out")
+            self._stale = (self.path.read_bytes(), self.path.stat())
+        self.path.write_text(json.dumps(_lock_record(os.getpid())))
         return self
 
-    def __exit__(self, *exc) -> None:
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
+    def __exit__(self, exc_type, *exc) -> None:
+        if self._stale is not None and exc_type is not None and issubclass(exc_type, RunStateError):
+            data, st = self._stale
+            self.path.write_bytes(data)
+            os.utime(self.path, ns=(st.st_atime_ns, st.st_mtime_ns))
+            return
+        self.path.unlink(missing_ok=True)
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks after boot (Linux ``/proc/PID/stat`` field 22); None elsewhere."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _lock_record(pid: int) -> dict:
+    return {"pid": pid, "host": platform.node(), "boot_id": _boot_id(), "start_ticks": _start_ticks(pid)}
+
+
+def lock_holder(path: Path) -> str | None:
+    """Who holds the lock file ``path`` (``"process 123 on host"``), or None when it is stale: its process is
+    gone, the machine rebooted since, or its pid now belongs to a process started later (a reused pid).
+
+    A lock from another host cannot be checked from here and counts as held; one written by an older clmerge
+    (a bare pid) is held while that pid runs a process started before the lock was written."""
+    try:
+        text = path.read_text(errors="replace").strip()
+    except OSError:
+        return None
+    try:
+        rec = json.loads(text) if text.startswith("{") else {"pid": int(text or 0)}
+        pid = int(rec.get("pid") or 0)
+    except (ValueError, TypeError, AttributeError):
+        return None  # unreadable: no owner to wait for
+    if not pid or pid == os.getpid():
+        return None
+    host = rec.get("host")
+    if host and host != platform.node():
+        return f"process {pid} on {host}"
+    if rec.get("boot_id") and rec["boot_id"] != _boot_id() or not _alive(pid):
+        return None
+    now = _start_ticks(pid)
+    if rec.get("start_ticks") is not None and now is not None:
+        return f"process {pid}" if now == rec["start_ticks"] else None
+    return None if _started_after(pid, path) else f"process {pid}"
+
+
+def _started_after(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` started after ``path`` was last written (so it did not write it); Linux only."""
+    ticks = _start_ticks(pid)
+    try:
+        btime = next(int(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines()
+                     if ln.startswith("btime "))
+    except (OSError, StopIteration, ValueError):
+        return False
+    if ticks is None:
+        return False
+    return btime + ticks / os.sysconf("SC_CLK_TCK") > path.stat().st_mtime + 1.0
 
 
 def _alive(pid: int) -> bool:
@@ -213,4 +283,6 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    except OverflowError:
+        return False
     return True

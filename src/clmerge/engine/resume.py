@@ -12,9 +12,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ..utils.io import sha256_bytes
+from ..utils.yaml_io import YamlError, load_yaml
 from .checkpoint import ResumeError
 
 __all__ = ["check_resumable", "check_same_config", "config_differences", "events_prefix", "events_sha256",
@@ -45,10 +44,10 @@ def check_same_config(cfg_file: Path, cfg_text: str) -> None:
     if stored_text == cfg_text:
         return
     try:
-        stored = yaml.safe_load(stored_text) or {}
-    except yaml.YAMLError as exc:
-        raise ResumeError(f"{cfg_file}: unreadable YAML ({exc}); cannot check the config") from None
-    given = yaml.safe_load(cfg_text) or {}
+        stored = load_yaml(stored_text, source=str(cfg_file)) or {}
+    except YamlError as exc:
+        raise ResumeError(f"{exc}; cannot check the config") from None
+    given = load_yaml(cfg_text) or {}
     diffs = config_differences(_with_new_defaults(stored, given), given)
     if not diffs:  # the same values written differently, or keys added since at their defaults
         return
@@ -77,7 +76,7 @@ def _with_new_defaults(stored: Any, given: Any) -> Any:
 
     try:
         name = (given.get("method") or {}).get("name")
-        defaults = yaml.safe_load(dump_config(parse_config({"method": {"name": name}} if name else {})))
+        defaults = load_yaml(dump_config(parse_config({"method": {"name": name}} if name else {})))
     except Exception:  # noqa: BLE001  (an unknown method: no defaults to fill in; the diff shows it)
         return stored
     return _fill(stored, defaults)

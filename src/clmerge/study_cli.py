@@ -13,7 +13,7 @@ from typing import Any
 import typer
 
 from .cli_support import fail, make_console
-from .errors import InputError, UsageError
+from .errors import InputError, UsageError, clip
 
 __all__ = ["study_command", "predict_command", "advise_command", "finish_study"]
 
@@ -46,8 +46,8 @@ def study_command(
     backend: str = typer.Option("local", "--backend", help="local (in process / --workers pool) or ray"),
     address: str | None = typer.Option(None, "--address", help="Ray: an existing cluster (auto, HOST:PORT, "
                                        "ray://...); default: start a local one"),
-    workers: int = typer.Option(0, "--workers", help="local: process-pool size (0: in process)"),
-    num_cpus: int | None = typer.Option(None, "--num-cpus", help="Ray local cluster: CPUs (default: all)"),
+    workers: int = typer.Option(0, "--workers", min=0, help="local: process-pool size (0: in process)"),
+    num_cpus: int | None = typer.Option(None, "--num-cpus", min=1, help="Ray local cluster: CPUs (default: all)"),
     resume: bool = typer.Option(False, "--resume", help="keep finished points in --out, run the rest (the spec "
                                 "may add seeds)"),
     cache: Path | None = typer.Option(None, "--cache", help="expert cache directory (default: OUT/experts)"),
@@ -60,6 +60,8 @@ def study_command(
     from .theory.spec import load_study
     from .utils.outpaths import check_writable
 
+    if backend not in ("local", "ray"):  # before the study directory is created
+        raise UsageError(f"--backend {clip(repr(backend), 60)}: expected local or ray")
     try:
         if not fit_only:
             check_writable(out)

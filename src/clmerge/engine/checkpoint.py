@@ -13,21 +13,23 @@ Runs written before hashes were recorded (no ``"checkpoints"`` key) load with a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import platform
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from ..errors import RunStateError
+from ..errors import ClmergeError, RunStateError, clip
 from ..utils.io import read_json, save_tensors, sha256_bytes, sha256_file, write_json
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "load_head_tensors", "RunLock", "lock_holder",
-           "checkpoint_record", "resume_checkpoint", "verify_sha256", "CheckpointIntegrityError",
+           "checkpoint_contents", "checkpoint_record", "resume_checkpoint", "verify_sha256", "CheckpointIntegrityError",
            "ResumeError"]
 
 _NAME = re.compile(r"^task_(\d{3,})\.safetensors$")
@@ -178,8 +180,24 @@ def _load_parts(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
                 prefix, _, name = key.partition("/")
                 parts[prefix if prefix in ("model", "head") else "method"][name] = fh.get_tensor(key)
     except Exception as exc:  # safetensors and json raise several types for a torn or foreign file
-        raise CheckpointIntegrityError(f"{path}: unreadable checkpoint ({exc})") from exc
+        raise CheckpointIntegrityError(f"{path}: unreadable checkpoint ({clip(exc, 160)})") from exc
+    if not isinstance(meta, dict) or not isinstance(meta.get("task"), int):
+        raise CheckpointIntegrityError(f"{path}: not a clmerge checkpoint (its metadata has no task number)")
     return parts, meta
+
+
+@contextlib.contextmanager
+def checkpoint_contents(path: Path) -> Iterator[None]:
+    """Report a checkpoint whose contents do not fit the run (metadata keys missing or of the wrong type,
+    tensors of another model) as a :class:`CheckpointIntegrityError` naming it, not a traceback."""
+    try:
+        yield
+    except ClmergeError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as exc:
+        what = f"{type(exc).__name__}: {clip(exc, 160)}"
+        raise CheckpointIntegrityError(f"{path}: its contents do not fit this run ({what}); restore it or start "
+                                       "a fresh run in another --out") from exc
 
 
 class RunLock:

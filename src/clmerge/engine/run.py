@@ -27,7 +27,7 @@ from ..metrics import summarize
 from ..models import ContinualClassifier, IncrementalHead, build_backbone
 from ..utils.io import append_jsonl, atomic_write_text, read_json, sha256_file, write_json
 from ..utils.progress import Progress
-from .checkpoint import (RECORD_KEY, ResumeError, RunLock, checkpoint_record, load_checkpoint,
+from .checkpoint import (RECORD_KEY, ResumeError, RunLock, checkpoint_contents, checkpoint_record, load_checkpoint,
                          load_head_tensors, resume_checkpoint, save_checkpoint)
 from .evaluate import evaluate_tasks
 from .heads import VARIANTS, HeadSuite, check_head_support
@@ -155,12 +155,13 @@ def _restore(out: Path, model: ContinualClassifier, method: ContinualMethod, dev
         events.unlink(missing_ok=True)
         return 0, RunState(), {}
     model_state, method_tensors, meta = load_checkpoint(ck, sha256=sha)
-    st = meta["state"]
-    kept = verify_events(events, st["events_lines"], meta.get("events_sha256"))
-    _load_into(model, method, heads, meta, model_state, method_tensors,
-               load_head_tensors(ck) if heads is not None and heads.needs_features else {}, device)
-    state = RunState(st["rows"], st["til_rows"], st["task_seconds"], st["initial"], st["events_lines"],
-                     st.get("head_rows", {}), st.get("head_val", {}))
+    with checkpoint_contents(ck):  # a hand-made or foreign checkpoint: one line naming it
+        st = meta["state"]
+        kept = verify_events(events, st["events_lines"], meta.get("events_sha256"))
+        _load_into(model, method, heads, meta, model_state, method_tensors,
+                   load_head_tensors(ck) if heads is not None and heads.needs_features else {}, device)
+        state = RunState(st["rows"], st["til_rows"], st["task_seconds"], st["initial"], st["events_lines"],
+                         st.get("head_rows", {}), st.get("head_val", {}))
     if events.exists():  # drop events written by the interrupted task
         atomic_write_text(events, kept)
     record = checkpoint_record(out)  # a run from before hashes were recorded adopts its checkpoint's hash

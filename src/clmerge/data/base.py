@@ -195,4 +195,35 @@ def build_dataset(name: str, **kwargs) -> DataSplits:
         hint = f" (did you mean {near[0]!r}?)" if near else ""
         raise ValueError(f"scenario.dataset: unknown dataset {name!r}{hint}; known: {', '.join(sorted(DATASETS))}")
     fn, _ = DATASETS[name]
-    return fn(**kwargs)
+    return fn(**_typed_options(name, fn, kwargs))
+
+
+def _typed_options(name: str, fn: Callable, kwargs: dict) -> dict:
+    """``kwargs`` checked against the builder's annotated parameters (a data option of the wrong type, e.g.
+    ``subdir: 5`` where a folder name is expected, is a ``UsageError`` naming the option, not a ``TypeError``
+    deep inside the builder); values come back as validated (``"0.2"`` -> ``0.2``). Parameters without a
+    usable annotation pass unchecked."""
+    import inspect
+    import typing
+
+    from pydantic import TypeAdapter, ValidationError
+
+    from ..errors import UsageError, clip
+
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001  (an annotation that does not resolve: nothing to check against)
+        return kwargs
+    params = inspect.signature(fn).parameters
+    out = dict(kwargs)
+    for key, value in kwargs.items():
+        if key not in params or key not in hints:
+            continue
+        try:
+            out[key] = TypeAdapter(hints[key]).validate_python(value)
+        except ValidationError as exc:
+            msg = exc.errors()[0]["msg"]
+            raise UsageError(f"{name}: data option {clip(key, 60)!r}: {msg} (got {clip(repr(value), 60)})") from None
+        except Exception:  # noqa: BLE001  (a type pydantic has no schema for: left to the builder)
+            continue
+    return out

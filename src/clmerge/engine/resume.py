@@ -12,11 +12,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..utils.io import sha256_bytes
-from ..utils.yaml_io import YamlError, load_yaml
+from ..utils.io import read_json, sha256_bytes
+from ..utils.yaml_io import MAX_YAML_BYTES, YamlError, load_yaml
 from .checkpoint import ResumeError
 
-__all__ = ["check_resumable", "check_same_config", "config_differences", "events_prefix", "events_sha256",
+__all__ = ["CONFIG_SHA_KEY", "check_resumable", "check_same_config", "recorded_config_sha256", "config_differences", "events_prefix", "events_sha256",
            "finished_tasks_in_events", "summarize_differences", "verify_events", "MAX_LISTED"]
 
 RUN_FILES = ("config.yaml", "manifest.json")  # written when a run starts, before its first task
@@ -37,10 +37,25 @@ def check_resumable(out: Path) -> None:
         raise ResumeError(f"{out}: holds no clmerge run to resume (no {' or '.join(missing)}); {hint}")
 
 
-def check_same_config(cfg_file: Path, cfg_text: str) -> None:
-    """Refuse when the run's stored config differs from the given one, naming each differing key with both
-    values (at most :data:`MAX_LISTED`, then a count)."""
-    stored_text = cfg_file.read_text()
+CONFIG_SHA_KEY = "config_sha256"  # manifest.json: sha256 of the config.yaml written with it
+
+
+def recorded_config_sha256(out: Path) -> str | None:
+    """The sha256 of ``config.yaml`` that ``manifest.json`` recorded when the run (re)started; None for a run
+    written before it was recorded (or an unreadable manifest: the checkpoint checks name that)."""
+    try:
+        manifest = read_json(Path(out) / "manifest.json")
+    except (OSError, ValueError):
+        return None
+    sha = manifest.get(CONFIG_SHA_KEY) if isinstance(manifest, dict) else None
+    return sha if isinstance(sha, str) else None
+
+
+def check_same_config(cfg_file: Path, cfg_text: str, recorded_sha256: str | None = None) -> None:
+    """Refuse when the run's stored config was edited since the run wrote it (its sha256 differs from
+    ``recorded_sha256``: the checkpoints were made with another config), or differs from the given one,
+    naming each differing key with both values (at most :data:`MAX_LISTED`, then a count)."""
+    stored_text = _stored_config(cfg_file, recorded_sha256)
     if stored_text == cfg_text:
         return
     try:
@@ -54,6 +69,20 @@ def check_same_config(cfg_file: Path, cfg_text: str) -> None:
     raise ResumeError(f"{cfg_file}: the run was started with a different config ({_count(diffs)} "
                       f"differ{'s' if len(diffs) == 1 else ''}); "
                       "resume with the same config or choose another --out\n" + summarize_differences(diffs))
+
+
+def _stored_config(cfg_file: Path, recorded_sha256: str | None) -> str:
+    if cfg_file.stat().st_size > MAX_YAML_BYTES:
+        raise ResumeError(f"{cfg_file}: larger than {MAX_YAML_BYTES:,} bytes; not the config this run wrote")
+    data = cfg_file.read_bytes()
+    if recorded_sha256 is not None and sha256_bytes(data) != recorded_sha256:
+        raise ResumeError(f"{cfg_file}: edited since the run wrote it (its sha256 differs from manifest.json's "
+                          f"{CONFIG_SHA_KEY}), so the checkpoints were made with another config; nothing was "
+                          "changed: restore the file, or start a fresh run in another --out")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ResumeError(f"{cfg_file}: not UTF-8 text; cannot check the config") from None
 
 
 def summarize_differences(diffs: list[str]) -> str:

@@ -376,3 +376,79 @@ def test_hostile_input_is_short_typed_and_leaves_nothing(hostile, spoil, argv, c
     result = CliRunner().invoke(app, argv)
     _check(result, code, words, before, hostile)
     assert all(len(ln) <= MAX_LINE for ln in result.stderr.splitlines()), "an error line is not clipped"
+
+
+@pytest.fixture()
+def other_process():
+    """A live process unrelated to any run (its pid is what a stale lock may hold after pid reuse)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_lock_held_by_a_live_run_refuses_with_the_run_state_code(hostile, other_process):
+    (hostile / "run" / ".lock").write_text(str(other_process.pid))  # written after its process started: held
+    before = _snapshot(hostile)
+    result = CliRunner().invoke(app, RESUME)
+    _check(result, RUN_STATE, [f"process {other_process.pid}", ".lock"], before, hostile)
+
+
+@pytest.mark.parametrize("form", ["bare-pid", "record"])
+def test_a_stale_lock_whose_pid_was_reused_does_not_block_resume(hostile, other_process, form):
+    """The lock's pid now belongs to an unrelated live process started after the lock was written."""
+    import json
+    import time
+
+    lock = hostile / "run" / ".lock"
+    if form == "bare-pid":  # written by an older clmerge: only the file's time tells the pid was reused
+        lock.write_text(str(other_process.pid))
+        os.utime(lock, (time.time() - 3600, time.time() - 3600))
+    else:
+        from clmerge.engine.checkpoint import _lock_record
+
+        record = _lock_record(other_process.pid)
+        if record["start_ticks"] is None:
+            pytest.skip("no /proc start times on this system")
+        lock.write_text(json.dumps(record | {"start_ticks": record["start_ticks"] - 100}))
+    result = CliRunner().invoke(app, RESUME)
+    assert result.exit_code == 0, result.output
+    assert not lock.exists()
+
+
+def test_a_refused_resume_leaves_a_stale_lock_in_place(hostile):
+    """Nothing in the run directory changes on a refusal, a stale lock (of a dead process) included."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (hostile / "run" / ".lock").write_text(str(dead.pid))
+    _corrupt(hostile, "checkpoints/task_001.safetensors", b"{garbage")  # refused under the lock
+    before = _snapshot(hostile)
+    lock_bytes = (hostile / "run" / ".lock").read_bytes()
+    result = CliRunner().invoke(app, RESUME)
+    _check(result, RUN_STATE, ["task_001.safetensors"], before, hostile)
+    assert (hostile / "run" / ".lock").read_bytes() == lock_bytes
+
+
+def test_the_command_printed_after_ctrl_c_resumes_the_run(ws, monkeypatch):
+    """Interrupted after task 0 of a run started with --set overrides: the printed command works as printed."""
+    import shlex
+
+    from clmerge.engine import run as run_module
+
+    real_save = run_module.save_checkpoint
+
+    def save_then_interrupt(*args, **kwargs):
+        path = real_save(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "save_checkpoint", save_then_interrupt)
+    result = CliRunner().invoke(app, [*RUN, "--set", "train.epochs=1", "--set", "seed=3", "--out", "r"])
+    assert result.exit_code == 130, result.output
+    command = result.stderr.split("continue with: ")[1].strip()
+    words = shlex.split(command)
+    assert words[:2] == ["clmerge", "run"] and "--resume" in words, command
+    monkeypatch.setattr(run_module, "save_checkpoint", real_save)
+    resumed = CliRunner().invoke(app, words[1:])
+    assert resumed.exit_code == 0, resumed.output

@@ -452,3 +452,11 @@ def test_the_command_printed_after_ctrl_c_resumes_the_run(ws, monkeypatch):
     monkeypatch.setattr(run_module, "save_checkpoint", real_save)
     resumed = CliRunner().invoke(app, words[1:])
     assert resumed.exit_code == 0, resumed.output
+
+
+def test_an_error_line_is_cut_at_the_line_limit(capsys):
+    from clmerge import cli_support
+
+    cli_support.print_error("x" * 50_000)
+    err = capsys.readouterr().err
+    assert len(err) < cli_support.MAX_LINE + 20 and err.rstrip().endswith("…")

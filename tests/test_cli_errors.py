@@ -342,6 +342,8 @@ HOSTILE_CASES = [
      ["metrics.json"]),
     ("report-metrics-not-utf8", lambda ws: _corrupt(ws, "metrics.json", b"\xff\xfe{}"), ["report", "run"], INPUT,
      ["metrics.json"]),
+    ("resume-events-not-utf8", lambda ws: _corrupt(ws, "events.jsonl", b"\xff\xfe garbage\n"), RESUME,
+     RUN_STATE, ["events.jsonl", "UTF-8"]),
     ("resume-corrupt-manifest", lambda ws: _corrupt(ws, "manifest.json", b"{garbage"), RESUME, RUN_STATE,
      ["manifest.json"]),
     ("export-corrupt-checkpoint", lambda ws: _corrupt(ws, "checkpoints/task_001.safetensors", b"{garbage"),

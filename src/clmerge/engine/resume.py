@@ -145,11 +145,20 @@ def _show(value: Any, width: int = 40) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def _event_lines(events: Path) -> list[str]:
+    """The lines of ``events.jsonl`` (kept ends); a file that is not UTF-8 text is refused, naming it."""
+    try:
+        return events.read_bytes().decode("utf-8").splitlines(keepends=True)
+    except UnicodeDecodeError as exc:
+        raise ResumeError(f"{events}: not UTF-8 text (byte {exc.start}), so not the log this run wrote; nothing "
+                          "was changed: restore it to resume") from None
+
+
 def events_prefix(events: Path, n_lines: int) -> str | None:
     """The first ``n_lines`` lines of ``events.jsonl`` (None when the file is missing or shorter)."""
     if not events.is_file():
         return None if n_lines else ""
-    lines = events.read_text().splitlines(keepends=True)
+    lines = _event_lines(events)
     return "".join(lines[:n_lines]) if len(lines) >= n_lines else None
 
 
@@ -169,7 +178,7 @@ def verify_events(events: Path, n_lines: int, expected_sha256: str | None) -> st
     """
     prefix = events_prefix(events, n_lines)
     if expected_sha256 is None:
-        lines = events.read_text().splitlines(keepends=True) if events.is_file() else []
+        lines = _event_lines(events) if events.is_file() else []
         return "".join(lines[:n_lines])
     if prefix is None:
         raise ResumeError(f"{events}: missing or shorter than the {n_lines} lines the last checkpoint "
@@ -185,7 +194,7 @@ def finished_tasks_in_events(events: Path) -> int:
     if not events.is_file():
         return 0
     count = 0
-    for line in events.read_text().splitlines():
+    for line in _event_lines(events):
         try:
             count += json.loads(line).get("event") == "task_end"
         except (json.JSONDecodeError, AttributeError):

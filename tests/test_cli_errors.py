@@ -358,6 +358,9 @@ HOSTILE_CASES = [
     # accepted without a word before
     ("bench-epochs-negative", None, ["merge-bench", "--epochs", "-1", "--out", "b"], USAGE, ["--epochs"]),
     ("bench-lr-nan", None, ["merge-bench", "--lr", "nan", "--out", "b"], USAGE, ["--lr"]),
+    ("bench-corrupt-seed-result", lambda ws: (ws / "b" / "seed0").mkdir(parents=True) or
+     (ws / "b" / "seed0" / "results.json").write_text("{garbage"),
+     ["merge-bench", "--seeds", "0,1", "--random-init", "--out", "b"], INPUT, ["seed0/results.json"]),
     ("study-workers-negative", None, ["study", str(STUDY_SPEC), "--workers", "-1", "--out", "s"], USAGE,
      ["--workers"]),
     ("study-backend-unknown", None, ["study", str(STUDY_SPEC), "--backend", "nope", "--out", "s"], USAGE,

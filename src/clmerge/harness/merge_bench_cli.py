@@ -11,6 +11,8 @@ from pathlib import Path
 import typer
 
 from ..cli_support import fail
+from ..errors import InputError
+from ..utils.io import read_json
 
 __all__ = ["bench_command", "merge_bench_command", "parse_seeds"]
 
@@ -32,7 +34,9 @@ def _done(out: Path, cfg, grids: dict, max_extensions: int) -> bool:
     path = out / "results.json"
     if not path.exists():
         return False
-    old = json.loads(path.read_text())
+    old = read_json(path)  # a corrupt file: an input error naming it
+    if not isinstance(old, dict):
+        raise InputError(f"{path}: not a merge-bench result (expected a JSON object)")
     same_grids = {m: g["start"] for m, g in old.get("grids", {}).items()} == json.loads(json.dumps(grids))
     # a grid still at an edge ("low"/"high") stopped at the cap of its run; a different cap changes that result
     capped = any(e in ("low", "high") and g.get("max_extensions", 4) != max_extensions

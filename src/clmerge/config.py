@@ -269,7 +269,8 @@ def _format_validation(exc: ValidationError, prefix: str = "") -> str:
     lines = []
     for err in errors[:MAX_LISTED_ERRORS]:
         loc = clip(".".join(str(p) for p in err["loc"]) or "(root)", 80)
-        got = f" (got {clip(repr(err['input']), 60)})" if "input" in err and not isinstance(err["input"], dict) else ""
+        shown = "input" in err and not isinstance(err["input"], dict)
+        got = f" (got {clip(repr(err['input']), 60)})" if shown else ""
         lines.append(f"{prefix}{loc}: {err['msg']}{got}")
     more = len(errors) - MAX_LISTED_ERRORS
     return "; ".join(lines) + (f"; and {more} more" if more > 0 else "")

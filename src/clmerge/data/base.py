@@ -223,7 +223,8 @@ def _typed_options(name: str, fn: Callable, kwargs: dict) -> dict:
             out[key] = TypeAdapter(hints[key]).validate_python(value)
         except ValidationError as exc:
             msg = exc.errors()[0]["msg"]
-            raise UsageError(f"{name}: data option {clip(key, 60)!r}: {msg} (got {clip(repr(value), 60)})") from None
+            raise UsageError(f"{name}: data option {clip(key, 60)!r}: {msg} "
+                             f"(got {clip(repr(value), 60)})") from None
         except Exception:  # noqa: BLE001  (a type pydantic has no schema for: left to the builder)
             continue
     return out

@@ -28,9 +28,9 @@ from safetensors import safe_open
 from ..errors import ClmergeError, RunStateError, clip
 from ..utils.io import read_json, save_tensors, sha256_bytes, sha256_file, write_json
 
-__all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "load_head_tensors", "RunLock", "lock_holder",
-           "checkpoint_contents", "checkpoint_record", "resume_checkpoint", "verify_sha256", "CheckpointIntegrityError",
-           "ResumeError"]
+__all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "load_head_tensors", "RunLock",
+           "lock_holder", "checkpoint_contents", "checkpoint_record", "resume_checkpoint", "verify_sha256",
+           "CheckpointIntegrityError", "ResumeError"]
 
 _NAME = re.compile(r"^task_(\d{3,})\.safetensors$")
 RECORD_KEY = "checkpoints"  # the manifest key that holds {checkpoint file name: sha256}

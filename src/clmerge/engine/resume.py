@@ -16,7 +16,8 @@ from ..utils.io import read_json, sha256_bytes
 from ..utils.yaml_io import MAX_YAML_BYTES, YamlError, load_yaml
 from .checkpoint import ResumeError
 
-__all__ = ["CONFIG_SHA_KEY", "check_resumable", "check_same_config", "recorded_config_sha256", "config_differences", "events_prefix", "events_sha256",
+__all__ = ["CONFIG_SHA_KEY", "check_resumable", "check_same_config", "recorded_config_sha256",
+           "config_differences", "events_prefix", "events_sha256",
            "finished_tasks_in_events", "summarize_differences", "verify_events", "MAX_LISTED"]
 
 RUN_FILES = ("config.yaml", "manifest.json")  # written when a run starts, before its first task

@@ -27,8 +27,8 @@ from ..metrics import summarize
 from ..models import ContinualClassifier, IncrementalHead, build_backbone
 from ..utils.io import append_jsonl, atomic_write_text, read_json, sha256_bytes, sha256_file, write_json
 from ..utils.progress import Progress
-from .checkpoint import (RECORD_KEY, ResumeError, RunLock, checkpoint_contents, checkpoint_record, load_checkpoint,
-                         load_head_tensors, resume_checkpoint, save_checkpoint)
+from .checkpoint import (RECORD_KEY, ResumeError, RunLock, checkpoint_contents, checkpoint_record,
+                         load_checkpoint, load_head_tensors, resume_checkpoint, save_checkpoint)
 from .evaluate import evaluate_tasks
 from .heads import VARIANTS, HeadSuite, check_head_support
 from .resume import (CONFIG_SHA_KEY, check_resumable, check_same_config, events_sha256, finished_tasks_in_events,
@@ -407,7 +407,8 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool =
             if resume:
                 start, state, record = _restore(out, model, method, device, heads)
             atomic_write_text(out / "config.yaml", cfg_text)
-            manifest[CONFIG_SHA_KEY] = sha256_bytes(cfg_text.encode("utf-8"))  # what resume checks config.yaml by
+            # what --resume checks config.yaml against (a hand edit would mix two experiments)
+            manifest[CONFIG_SHA_KEY] = sha256_bytes(cfg_text.encode("utf-8"))
             write_json(out / "manifest.json", {**manifest, RECORD_KEY: record})
         if dp is not None and resume:  # the others start from process 0's restored state
             start = distributed.broadcast_json(dp, start)

@@ -334,6 +334,8 @@ HOSTILE_CASES = [
      USAGE, ["--set scenario.options", "aliases"]),
     ("yaml-bomb-run-config", _bomb_in_an_older_run, ["run", "tiny.yaml", "--out", "run", "--resume"], RUN_STATE,
      ["run/config.yaml", "aliases"]),
+    ("yaml-bomb-study-dir", lambda ws: (ws / "sd").mkdir() or (ws / "sd" / "study.yaml").write_text(_alias_bomb()),
+     ["study", str(STUDY_SPEC), "--out", "sd", "--resume"], RUN_STATE, ["sd/study.yaml", "aliases"]),
     ("data-option-wrong-type", None, [*RUN, "--set", "scenario.dataset=image_folder", "--set",
                                       "scenario.data_root=empty_dir", "--set", "scenario.options.subdir=5",
                                       "--out", "r"], USAGE, ["subdir", "string"]),

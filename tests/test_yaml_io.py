@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from clmerge.config import ConfigError, ConfigFileError, load_config, parse_config
 from clmerge.utils.yaml_io import (MAX_YAML_NODES, YamlError, YamlLimitError, load_yaml, read_yaml)
@@ -98,3 +100,19 @@ def test_messages_that_echo_a_huge_value_are_clipped():
     with pytest.raises(ConfigError) as info:
         parse_config({"x" * 100_000: 1})
     assert len(str(info.value)) < 2000
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="[]{}&*ab:,- \n'\"!#|>?<1.", max_size=80))
+def test_any_text_loads_as_the_safe_loader_reads_it_or_is_a_clean_error(text):
+    try:
+        expected = yaml.safe_load(text)
+    except yaml.YAMLError:
+        with pytest.raises(YamlError):
+            load_yaml(text)
+        return
+    try:
+        got = load_yaml(text)
+    except YamlLimitError:  # a recursive alias: refused here, a self-containing object there
+        return
+    assert got == expected

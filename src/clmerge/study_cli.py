@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import typer
-import yaml
 
 from .cli_support import fail, make_console
-from .errors import InputError, UsageError
+from .errors import InputError, UsageError, clip
 
 __all__ = ["study_command", "predict_command", "advise_command", "finish_study"]
 
@@ -27,10 +26,11 @@ def finish_study(out: Path, rows: list[dict] | None = None, *, n_boot: int = 200
     from .sweep import read_results
     from .theory.advise import advise
     from .theory.analysis import fit_study
+    from .config import read_yaml_mapping
     from .theory.spec import parse_study
     from .utils.io import atomic_write_text, write_json
 
-    spec = parse_study(yaml.safe_load((out / "study.yaml").read_text()))
+    spec = parse_study(read_yaml_mapping(out / "study.yaml", "study spec"))
     rows = read_results(out) if rows is None else rows
     fits = fit_study(rows, spec, n_boot=n_boot)
     write_json(out / "fits.json", fits)
@@ -46,8 +46,8 @@ def study_command(
     backend: str = typer.Option("local", "--backend", help="local (in process / --workers pool) or ray"),
     address: str | None = typer.Option(None, "--address", help="Ray: an existing cluster (auto, HOST:PORT, "
                                        "ray://...); default: start a local one"),
-    workers: int = typer.Option(0, "--workers", help="local: process-pool size (0: in process)"),
-    num_cpus: int | None = typer.Option(None, "--num-cpus", help="Ray local cluster: CPUs (default: all)"),
+    workers: int = typer.Option(0, "--workers", min=0, help="local: process-pool size (0: in process)"),
+    num_cpus: int | None = typer.Option(None, "--num-cpus", min=1, help="Ray local cluster: CPUs (default: all)"),
     resume: bool = typer.Option(False, "--resume", help="keep finished points in --out, run the rest (the spec "
                                 "may add seeds)"),
     cache: Path | None = typer.Option(None, "--cache", help="expert cache directory (default: OUT/experts)"),
@@ -61,6 +61,8 @@ def study_command(
     from .utils.extras import require_extra
     from .utils.outpaths import check_writable
 
+    if backend not in ("local", "ray"):  # before the study directory is created
+        raise UsageError(f"--backend {clip(repr(backend), 60)}: expected local or ray")
     try:
         for module in ("scipy", "matplotlib"):  # the fits and the report, checked before any job runs
             require_extra(module, "study", what="clmerge study")

@@ -409,3 +409,229 @@ METHOD_HEAD_CASES = [
 def test_a_method_head_error_is_short_typed_and_leaves_nothing(ws, argv, code, words):
     before = _snapshot(ws)
     _check(CliRunner().invoke(app, argv), code, words, before, ws)
+# ---------------------------------------------------------------------------------------------------------
+# Hostile inputs: YAML bombs, corrupt run files, silent acceptance, locks and resume integrity. Each case gets
+# the `ws` workspace plus the hostile files below and a copy of one finished 2-task run (`run/`, two
+# checkpoints kept) and of an unfinished one (`half/`: task 0 only); checked like the table above, and every
+# error line is short (a message echoing a huge input is clipped).
+MAX_LINE = 2000
+
+
+def _alias_bomb(levels: int = 9, width: int = 9) -> str:
+    """A few hundred bytes that expand to width**levels nodes ("billion laughs")."""
+    lines = ["a0: &a0 [" + ", ".join(["x"] * width) + "]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * width) + "]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def finished_run_dir(tmp_path_factory) -> Path:
+    from clmerge.config import parse_config
+    from clmerge.engine.run import run_experiment
+
+    out = tmp_path_factory.mktemp("hostile") / "run"
+    run_experiment(parse_config(tiny_config(**{"run.keep_checkpoints": 2})), out)
+    return out
+
+
+@pytest.fixture()
+def hostile(ws, finished_run_dir):
+    import json
+    import shutil
+
+    bomb = _alias_bomb()
+    (ws / "bomb.yaml").write_text(yaml.safe_dump(tiny_config()) + bomb)
+    (ws / "bomb_recipe.yaml").write_text("method: ties\nmodels: [e1.safetensors, e2.safetensors]\n" + bomb)
+    (ws / "bomb_spec.yaml").write_text("name: s\n" + bomb)
+    (ws / "deep_recipe.yaml").write_text("method: ties\nmodels: " + "[" * 50_000 + "]" * 50_000 + "\n")
+    (ws / "huge.yaml").write_text("# " + "x" * (2 << 20) + "\n")
+    shutil.copytree(finished_run_dir, ws / "run")
+    shutil.copytree(finished_run_dir, ws / "half")  # killed after task 0: task 1's checkpoint never recorded
+    (ws / "half" / "checkpoints" / "task_001.safetensors").unlink()
+    (ws / "half" / "metrics.json").unlink()
+    manifest = json.loads((ws / "half" / "manifest.json").read_text())
+    del manifest["checkpoints"]["task_001.safetensors"]
+    (ws / "half" / "manifest.json").write_text(json.dumps(manifest))
+    return ws
+
+
+def _corrupt(ws: Path, rel: str, data: bytes) -> None:
+    (ws / "run" / rel).write_bytes(data)
+
+
+def _forged_checkpoint(ws: Path, meta: str) -> None:
+    """A readable checkpoint with foreign metadata, recorded with its true sha256 (so only its contents are
+    wrong)."""
+    import hashlib
+    import json
+
+    path = ws / "run" / "checkpoints" / "task_001.safetensors"
+    save_file({"model/x": torch.zeros(2)}, str(path), metadata={"clmerge": meta})
+    manifest = json.loads((ws / "run" / "manifest.json").read_text())
+    manifest["checkpoints"][path.name] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (ws / "run" / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _bomb_in_an_older_run(ws: Path) -> None:
+    """The run's config.yaml replaced by an alias bomb, in a run written before config hashes were recorded."""
+    import json
+
+    _corrupt(ws, "config.yaml", _alias_bomb().encode())
+    manifest = json.loads((ws / "run" / "manifest.json").read_text())
+    manifest.pop("config_sha256", None)
+    (ws / "run" / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _edit_config(ws: Path) -> None:
+    """A hand edit of the run's config.yaml (another class order), then passed back as the config."""
+    cfg = ws / "run" / "config.yaml"
+    cfg.write_text(cfg.read_text().replace("shuffle_classes: true", "shuffle_classes: false"))
+
+
+RUN_STATE = 4
+RESUME = ["run", "run/config.yaml", "--out", "run", "--resume"]
+# (id, how to spoil the workspace (or None), argv, exit code, words in the message)
+HOSTILE_CASES = [
+    ("yaml-bomb-config", None, ["run", "bomb.yaml", "--out", "r"], INPUT, ["bomb.yaml", "aliases"]),
+    ("yaml-bomb-recipe", None, ["merge", "bomb_recipe.yaml", "--out", "m"], INPUT, ["bomb_recipe.yaml", "aliases"]),
+    ("yaml-bomb-study", None, ["study", "bomb_spec.yaml", "--out", "s"], INPUT, ["bomb_spec.yaml", "aliases"]),
+    ("yaml-deep-recipe", None, ["merge", "deep_recipe.yaml", "--out", "m"], INPUT, ["deep_recipe.yaml", "deeper"]),
+    ("yaml-huge-config", None, ["run", "huge.yaml", "--out", "r"], INPUT, ["huge.yaml", "larger than"]),
+    ("yaml-bomb-set", None, [*RUN, "--set", "scenario.options=" + "[&a [x,x,x,x,x,x,x,x,x,x], " + ", ".join(
+        f"&a{i} [{', '.join(['*a' if i == 0 else f'*a{i - 1}'] * 10)}]" for i in range(6)) + "]", "--out", "r"],
+     USAGE, ["--set scenario.options", "aliases"]),
+    ("yaml-bomb-run-config", _bomb_in_an_older_run, ["run", "tiny.yaml", "--out", "run", "--resume"], RUN_STATE,
+     ["run/config.yaml", "aliases"]),
+    ("yaml-bomb-study-dir", lambda ws: (ws / "sd").mkdir() or (ws / "sd" / "study.yaml").write_text(_alias_bomb()),
+     ["study", str(STUDY_SPEC), "--out", "sd", "--resume"], RUN_STATE, ["sd/study.yaml", "aliases"]),
+    ("data-option-wrong-type", None, [*RUN, "--set", "scenario.dataset=image_folder", "--set",
+                                      "scenario.data_root=empty_dir", "--set", "scenario.options.subdir=5",
+                                      "--out", "r"], USAGE, ["subdir", "string"]),
+    # corrupt run files: resume / report / export give one line
+    ("report-corrupt-metrics", lambda ws: _corrupt(ws, "metrics.json", b"{garbage"), ["report", "run"], INPUT,
+     ["metrics.json"]),
+    ("report-metrics-not-utf8", lambda ws: _corrupt(ws, "metrics.json", b"\xff\xfe{}"), ["report", "run"], INPUT,
+     ["metrics.json"]),
+    ("resume-events-not-utf8", lambda ws: _corrupt(ws, "events.jsonl", b"\xff\xfe garbage\n"), RESUME,
+     RUN_STATE, ["events.jsonl", "UTF-8"]),
+    ("resume-corrupt-manifest", lambda ws: _corrupt(ws, "manifest.json", b"{garbage"), RESUME, RUN_STATE,
+     ["manifest.json"]),
+    ("export-corrupt-checkpoint", lambda ws: _corrupt(ws, "checkpoints/task_001.safetensors", b"{garbage"),
+     ["export", "run", "--format", "hf", "--out", "x"], RUN_STATE, ["task_001.safetensors"]),
+    ("resume-foreign-checkpoint-meta", lambda ws: _forged_checkpoint(ws, '{"task": 1}'), RESUME, RUN_STATE,
+     ["task_001.safetensors", "do not fit"]),
+    ("export-foreign-checkpoint-meta", lambda ws: _forged_checkpoint(ws, "[]"),
+     ["export", "run", "--format", "hf", "--out", "x"], RUN_STATE, ["task_001.safetensors"]),
+    ("resume-foreign-checkpoint-tensors",
+     lambda ws: _forged_checkpoint(ws, '{"task": 1, "state": {"events_lines": 0}, "structure": {}, "method": {}}'),
+     RESUME, RUN_STATE, ["task_001.safetensors", "do not fit"]),
+    # accepted without a word before
+    ("bench-epochs-negative", None, ["merge-bench", "--epochs", "-1", "--out", "b"], USAGE, ["--epochs"]),
+    ("bench-lr-nan", None, ["merge-bench", "--lr", "nan", "--out", "b"], USAGE, ["--lr"]),
+    ("bench-corrupt-seed-result", lambda ws: (ws / "b" / "seed0").mkdir(parents=True) or
+     (ws / "b" / "seed0" / "results.json").write_text("{garbage"),
+     ["merge-bench", "--seeds", "0,1", "--random-init", "--out", "b"], INPUT, ["seed0/results.json"]),
+    ("study-workers-negative", None, ["study", str(STUDY_SPEC), "--workers", "-1", "--out", "s"], USAGE,
+     ["--workers"]),
+    ("study-backend-unknown", None, ["study", str(STUDY_SPEC), "--backend", "nope", "--out", "s"], USAGE,
+     ["--backend"]),
+    ("export-unfinished-run", None, ["export", "half", "--format", "hf", "--out", "x"], RUN_STATE,
+     ["task 1", "missing", "--resume"]),
+    # resume integrity
+    ("resume-hand-edited-config", _edit_config, RESUME, RUN_STATE, ["config.yaml", "edited", "manifest.json"]),
+]
+
+
+@pytest.mark.parametrize("spoil, argv, code, words", [c[1:] for c in HOSTILE_CASES],
+                         ids=[c[0] for c in HOSTILE_CASES])
+def test_hostile_input_is_short_typed_and_leaves_nothing(hostile, spoil, argv, code, words):
+    if spoil is not None:
+        spoil(hostile)
+    before = _snapshot(hostile)
+    result = CliRunner().invoke(app, argv)
+    _check(result, code, words, before, hostile)
+    assert all(len(ln) <= MAX_LINE for ln in result.stderr.splitlines()), "an error line is not clipped"
+
+
+@pytest.fixture()
+def other_process():
+    """A live process unrelated to any run (its pid is what a stale lock may hold after pid reuse)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_lock_held_by_a_live_run_refuses_with_the_run_state_code(hostile, other_process):
+    (hostile / "run" / ".lock").write_text(str(other_process.pid))  # written after its process started: held
+    before = _snapshot(hostile)
+    result = CliRunner().invoke(app, RESUME)
+    _check(result, RUN_STATE, [f"process {other_process.pid}", ".lock"], before, hostile)
+
+
+@pytest.mark.parametrize("form", ["bare-pid", "record"])
+def test_a_stale_lock_whose_pid_was_reused_does_not_block_resume(hostile, other_process, form):
+    """The lock's pid now belongs to an unrelated live process started after the lock was written."""
+    import json
+    import time
+
+    lock = hostile / "run" / ".lock"
+    if form == "bare-pid":  # written by an older clmerge: only the file's time tells the pid was reused
+        lock.write_text(str(other_process.pid))
+        os.utime(lock, (time.time() - 3600, time.time() - 3600))
+    else:
+        from clmerge.engine.checkpoint import _lock_record
+
+        record = _lock_record(other_process.pid)
+        if record["start_ticks"] is None:
+            pytest.skip("no /proc start times on this system")
+        lock.write_text(json.dumps(record | {"start_ticks": record["start_ticks"] - 100}))
+    result = CliRunner().invoke(app, RESUME)
+    assert result.exit_code == 0, result.output
+    assert not lock.exists()
+
+
+def test_a_refused_resume_leaves_a_stale_lock_in_place(hostile):
+    """Nothing in the run directory changes on a refusal, a stale lock (of a dead process) included."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (hostile / "run" / ".lock").write_text(str(dead.pid))
+    _corrupt(hostile, "checkpoints/task_001.safetensors", b"{garbage")  # refused under the lock
+    before = _snapshot(hostile)
+    lock_bytes = (hostile / "run" / ".lock").read_bytes()
+    result = CliRunner().invoke(app, RESUME)
+    _check(result, RUN_STATE, ["task_001.safetensors"], before, hostile)
+    assert (hostile / "run" / ".lock").read_bytes() == lock_bytes
+
+
+def test_the_command_printed_after_ctrl_c_resumes_the_run(ws, monkeypatch):
+    """Interrupted after task 0 of a run started with --set overrides: the printed command works as printed."""
+    import shlex
+
+    from clmerge.engine import run as run_module
+
+    real_save = run_module.save_checkpoint
+
+    def save_then_interrupt(*args, **kwargs):
+        path = real_save(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "save_checkpoint", save_then_interrupt)
+    result = CliRunner().invoke(app, [*RUN, "--set", "train.epochs=1", "--set", "seed=3", "--out", "r"])
+    assert result.exit_code == 130, result.output
+    command = result.stderr.split("continue with: ")[1].strip()
+    words = shlex.split(command)
+    assert words[:2] == ["clmerge", "run"] and "--resume" in words, command
+    monkeypatch.setattr(run_module, "save_checkpoint", real_save)
+    resumed = CliRunner().invoke(app, words[1:])
+    assert resumed.exit_code == 0, resumed.output
+
+
+def test_an_error_line_is_cut_at_the_line_limit(capsys):
+    from clmerge import cli_support
+
+    cli_support.print_error("x" * 50_000)
+    err = capsys.readouterr().err
+    assert len(err) < cli_support.MAX_LINE + 20 and err.rstrip().endswith("…")

@@ -79,6 +79,20 @@ def test_env_var_used_by_builder(monkeypatch, tmp_path):
     assert len(build_dataset("image_folder", image_size=16).train) == 4
 
 
+def test_a_data_option_of_the_wrong_type_is_a_usage_error_naming_it(tmp_path):
+    """A YAML value of the wrong type (``subdir: 5``) is refused by name, not a TypeError in the builder
+    (it was ``unsupported operand type(s) for /: 'PosixPath' and 'int'``); a Python Path still works."""
+    from clmerge.errors import UsageError
+
+    _class_tree(tmp_path / "d" / "train", ["a", "b"], 2)
+    _class_tree(tmp_path / "d" / "test", ["a", "b"], 1)
+    with pytest.raises(UsageError, match="image_folder: data option 'subdir'.*string.*got 5"):
+        build_dataset("image_folder", data_root=str(tmp_path), image_size=16, subdir=5)
+    with pytest.raises(UsageError, match="'test_fraction'"):
+        build_dataset("image_folder", data_root=str(tmp_path), image_size=16, test_fraction="lots")
+    assert len(build_dataset("image_folder", data_root=tmp_path, image_size=16, subdir="d").train) == 4
+
+
 # ----------------------------------------------------------------------------------------------- image_folder
 
 

@@ -175,15 +175,13 @@ def run(
         _check_run_out(out, resume, overwrite)
         err.print(f"writing the run to {out.absolute()}", highlight=False, markup=False, soft_wrap=True)
     if orders is not None:
-        return _run_orders(cfg, out, orders, resume)
+        return _run_orders(cfg, out, orders, resume, _resume_command(config, set_, out, orders))
     try:
         metrics = run_experiment(cfg, out, resume=resume)
         if not main:
             return
     except KeyboardInterrupt:
-        err.print(f"\ninterrupted: finished tasks are checkpointed; continue with: clmerge run "
-                  f"{config or ''} --out {out} --resume", highlight=False, markup=False, soft_wrap=True)
-        raise typer.Exit(130)
+        _interrupted(_resume_command(config, set_, out, None))
     except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as exc:
         fail(exc)
     print_results(metrics)
@@ -194,6 +192,26 @@ def default_run_dir(method: str, dataset: str) -> Path:
     """``$CLMERGE_RUNS_DIR/<method>-<dataset>-<time>`` (``./runs`` when the variable is unset or empty)."""
     root = os.environ.get(RUNS_DIR_ENV, "").strip() or "runs"
     return Path(root).expanduser() / f"{method}-{dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _resume_command(config: Path | None, sets: list[str], out: Path, orders: int | None) -> str:
+    """The command that continues this run: the run directory's own resolved ``config.yaml`` (it holds every
+    ``--set`` already, and no later edit of the original file or default changes it) with ``--set`` repeated
+    for the record; ``--orders`` runs keep the original config (each order's directory holds its own)."""
+    import shlex
+
+    cfg = str(config) if config is not None else None
+    if orders is None and (out / "config.yaml").is_file():
+        cfg = str(out / "config.yaml")
+    words = ["clmerge", "run", *([cfg] if cfg else []), *[w for s in sets for w in ("--set", s)]]
+    words += [*(["--orders", str(orders)] if orders is not None else []), "--out", str(out), "--resume"]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def _interrupted(command: str) -> None:
+    err.print(f"\ninterrupted: finished tasks are checkpointed; continue with: {command}", highlight=False,
+              markup=False, soft_wrap=True)
+    raise typer.Exit(130)
 
 
 def _launch(nproc: int, out: Path | None) -> None:
@@ -239,11 +257,13 @@ def _dry_run(cfg) -> None:
         _fail(f"dry run failed: {type(exc).__name__}: {exc}", code=1)
 
 
-def _run_orders(cfg, out: Path, n: int, resume: bool) -> None:
+def _run_orders(cfg, out: Path, n: int, resume: bool, resume_command: str) -> None:
     from .engine.orders import run_orders
 
     try:
         summary = run_orders(cfg, out, n, resume=resume)
+    except KeyboardInterrupt:
+        _interrupted(resume_command)
     except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as exc:
         fail(exc)
     if not summary:  # a data-parallel process other than 0

@@ -26,6 +26,7 @@ __all__ = ["as_user_error", "debug_enabled", "fail", "handle_errors", "make_cons
 
 FALLBACK_WIDTH = 120  # columns when stdout/stderr is not a terminal (rich's own fallback, 80, wraps paths)
 MAX_ERROR_LINES = 3
+MAX_LINE = 2000  # characters per error line: a last guard for a message that echoes a huge input
 _FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
 _DEBUG = [False]
 
@@ -51,8 +52,10 @@ def debug_enabled() -> bool:
 
 
 def print_error(message: str) -> None:
-    """``error: <message>`` on stderr: at most :data:`MAX_ERROR_LINES` lines, soft-wrapped (never cut at 80)."""
-    lines = [ln for ln in str(message).strip().splitlines() if ln.strip()] or ["(no message)"]
+    """``error: <message>`` on stderr: at most :data:`MAX_ERROR_LINES` lines of at most :data:`MAX_LINE`
+    characters, soft-wrapped (never cut at 80)."""
+    lines = [ln if len(ln) <= MAX_LINE else ln[: MAX_LINE - 1] + "…"
+             for ln in str(message).strip().splitlines() if ln.strip()] or ["(no message)"]
     if len(lines) > MAX_ERROR_LINES:
         more = len(lines) - MAX_ERROR_LINES + 1
         lines = lines[: MAX_ERROR_LINES - 1] + [f"(… {more} more lines: rerun with --debug)"]

@@ -18,7 +18,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .errors import InputError, UsageError
+from .errors import InputError, UsageError, clip
+from .utils.yaml_io import YamlError, YamlLimitError, load_yaml, read_yaml
 
 __all__ = [
     "ConfigError",
@@ -240,7 +241,7 @@ def check_keys(data: Any, model: type[BaseModel], path: str) -> None:
         if key not in fields:
             if model is MethodConfig:
                 continue  # checked against the method's own options below
-            raise ConfigError(f"unknown config key {dotted!r}{_nearest(key, list(fields))}")
+            raise ConfigError(f"unknown config key {clip(repr(dotted), 80)}{_nearest(key, list(fields))}")
         ann = fields[key].annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             check_keys(value, ann, dotted + ".")
@@ -253,21 +254,30 @@ def _check_method_keys(data: dict, path: str) -> None:
 
     name = data.get("name", MethodConfig().name)
     if not isinstance(name, str) or name not in available_methods():
-        raise ConfigError(f"{path}name: unknown method {name!r}{_nearest(name, list(available_methods()))}")
+        raise ConfigError(f"{path}name: unknown method {clip(repr(name), 80)}"
+                          f"{_nearest(name, list(available_methods()))}")
     opts = method_options_model(name)
     for key in data:
         if key != "name" and key not in opts.model_fields:
             valid = list(opts.model_fields) or ["(this method has no options)"]
-            raise ConfigError(f"unknown config key {f'{path}{key}'!r} for method {name!r}{_nearest(key, valid)}")
+            raise ConfigError(f"unknown config key {clip(repr(f'{path}{key}'), 80)} for method {name!r}"
+                              f"{_nearest(key, valid)}")
+
+
+MAX_LISTED_ERRORS = 3  # validation errors named in one message; the rest are counted
 
 
 def _format_validation(exc: ValidationError, prefix: str = "") -> str:
+    """The first :data:`MAX_LISTED_ERRORS` errors, each naming its key and (clipped) the value given."""
+    errors = exc.errors()
     lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(root)"
-        got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+    for err in errors[:MAX_LISTED_ERRORS]:
+        loc = clip(".".join(str(p) for p in err["loc"]) or "(root)", 80)
+        shown = "input" in err and not isinstance(err["input"], dict)
+        got = f" (got {clip(repr(err['input']), 60)})" if shown else ""
         lines.append(f"{prefix}{loc}: {err['msg']}{got}")
-    return "; ".join(lines)
+    more = len(errors) - MAX_LISTED_ERRORS
+    return "; ".join(lines) + (f"; and {more} more" if more > 0 else "")
 
 
 def validate_strict(model: type[BaseModel], data: dict | None) -> BaseModel:
@@ -281,16 +291,17 @@ def validate_strict(model: type[BaseModel], data: dict | None) -> BaseModel:
 
 
 def read_yaml_mapping(path: str | Path, what: str = "config file") -> dict:
-    """Read a YAML file whose top level is a mapping; missing file, bad YAML or a non-mapping -> ConfigError."""
+    """Read a YAML file whose top level is a mapping; a missing, unreadable, oversized or invalid file ->
+    ConfigFileError (an input error), a non-mapping -> ConfigError. The limits: :mod:`clmerge.utils.yaml_io`."""
     p = Path(path)
     if not p.exists():
         raise ConfigFileError(f"{what} not found: {p}")
     if not p.is_file():
         raise ConfigFileError(f"{p}: the {what} is a folder, not a YAML file")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: invalid YAML ({exc})") from None
+        data = read_yaml(p) or {}
+    except YamlError as exc:
+        raise ConfigFileError(f"{exc} (the {what})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: the top level of a {what} must be a mapping")
     return data
@@ -333,11 +344,13 @@ def _check_method_head(cfg: ExperimentConfig) -> None:
                       "a frozen backbone); use head.classifier=ncm or ranpac with head.compare=false")
 
 
-def _parse_value(text: str) -> Any:
+def _parse_value(text: str, source: str = "--set value") -> Any:
     """``--set`` values are YAML scalars/lists: ``1e-3`` -> float, ``[1,2]`` -> list, ``null`` -> None."""
     try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
+        value = load_yaml(text, source=source)
+    except YamlLimitError:
+        raise
+    except YamlError:
         return text
     if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
         try:
@@ -354,15 +367,18 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     out = copy.deepcopy(data)
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected dotted.key=value")
+            raise ConfigError(f"--set {clip(repr(item), 80)}: expected dotted.key=value")
         key, text = item.split("=", 1)
         parts = key.strip().split(".")
         node = out
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"--set {key}: {p!r} is not a section")
-        node[parts[-1]] = _parse_value(text.strip())
+                raise ConfigError(f"--set {clip(key, 80)}: {clip(repr(p), 40)} is not a section")
+        try:
+            node[parts[-1]] = _parse_value(text.strip(), source=f"--set {clip(key, 80)}")
+        except YamlLimitError as exc:  # an alias bomb on the command line: a bad value of this key
+            raise ConfigError(str(exc)) from None
     return out
 
 

@@ -15,7 +15,7 @@ Exit codes (distinct per kind, so scripts can tell them apart):
 
 from __future__ import annotations
 
-__all__ = ["ClmergeError", "UsageError", "InputError", "RunStateError", "OutputError", "TrainingError"]
+__all__ = ["clip", "ClmergeError", "UsageError", "InputError", "RunStateError", "OutputError", "TrainingError"]
 
 
 class ClmergeError(Exception):
@@ -53,3 +53,10 @@ class TrainingError(ClmergeError, RuntimeError):
     """Training diverged (a non-finite loss); the message says at which task/step and what to try."""
 
     exit_code = 6
+
+
+def clip(text: object, width: int = 120) -> str:
+    """``text`` on one line, cut to ``width`` characters with an ellipsis: every message that echoes user
+    input goes through it, so a huge value (a YAML alias bomb's expansion) never makes a huge message."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"

@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import typer
-import yaml
 
 from .cli_support import fail, make_console, print_warning, renamed_option
-from .errors import InputError, UsageError
+from .errors import InputError, UsageError, clip
 
 __all__ = ["study_command", "predict_command", "advise_command", "finish_study"]
 
@@ -27,10 +26,11 @@ def finish_study(out: Path, rows: list[dict] | None = None, *, n_boot: int = 200
     from .sweep import read_results
     from .theory.advise import advise
     from .theory.analysis import fit_study
+    from .config import read_yaml_mapping
     from .theory.spec import parse_study
     from .utils.io import atomic_write_text, write_json
 
-    spec = parse_study(yaml.safe_load((out / "study.yaml").read_text()))
+    spec = parse_study(read_yaml_mapping(out / "study.yaml", "study spec"))
     rows = read_results(out) if rows is None else rows
     fits = fit_study(rows, spec, n_boot=n_boot)
     write_json(out / "fits.json", fits)
@@ -46,9 +46,9 @@ def study_command(
     backend: str = typer.Option("local", "--backend", help="local (in process / --jobs pool) or ray"),
     address: str | None = typer.Option(None, "--address", help="Ray: an existing cluster (auto, HOST:PORT, "
                                        "ray://...); default: start a local one"),
-    jobs: int = typer.Option(0, "--jobs", help="local: parallel worker processes (0: in this process)"),
-    workers: int | None = typer.Option(None, "--workers", hidden=True, help="old spelling of --jobs"),
-    num_cpus: int | None = typer.Option(None, "--num-cpus", help="Ray local cluster: CPUs (default: all)"),
+    jobs: int = typer.Option(0, "--jobs", min=0, help="local: parallel worker processes (0: in this process)"),
+    workers: int | None = typer.Option(None, "--workers", min=0, hidden=True, help="old spelling of --jobs"),
+    num_cpus: int | None = typer.Option(None, "--num-cpus", min=1, help="Ray local cluster: CPUs (default: all)"),
     resume: bool = typer.Option(False, "--resume", help="keep finished points in --out, run the rest (the spec "
                                 "may add seeds)"),
     cache: Path | None = typer.Option(None, "--cache", help="expert cache directory (default: OUT/experts)"),
@@ -63,6 +63,8 @@ def study_command(
     from .utils.outpaths import check_writable
 
     jobs = renamed_option("--workers", "--jobs", workers, jobs, 0)
+    if backend not in ("local", "ray"):  # before the study directory is created
+        raise UsageError(f"--backend {clip(repr(backend), 60)}: expected local or ray")
     try:
         for module in ("scipy", "matplotlib"):  # the fits and the report, checked before any job runs
             require_extra(module, "study", what="clmerge study")

@@ -197,4 +197,48 @@ def available_datasets() -> dict[str, str]:
 
 
 def build_dataset(name: str, **kwargs) -> DataSplits:
-    return DATASETS.get(name).fn(**kwargs)
+    fn = DATASETS.get(name).fn
+    return fn(**_typed_options(name, fn, kwargs))
+
+
+def _plain_data(value: object) -> bool:
+    """Whether ``value`` is what a YAML file or ``--set`` gives: None, bool, number, str, list or dict of them."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, list):
+        return all(_plain_data(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain_data(v) for k, v in value.items())
+    return False
+
+
+def _typed_options(name: str, fn: Callable, kwargs: dict) -> dict:
+    """``kwargs`` checked against the builder's annotated parameters (a data option of the wrong type, e.g.
+    ``subdir: 5`` where a folder name is expected, is a ``UsageError`` naming the option, not a ``TypeError``
+    deep inside the builder); values come back as validated (``"0.2"`` -> ``0.2``). Parameters without a
+    usable annotation, and values that are not plain YAML data, pass unchecked."""
+    import inspect
+    import typing
+
+    from pydantic import TypeAdapter, ValidationError
+
+    from ..errors import UsageError, clip
+
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001  (an annotation that does not resolve: nothing to check against)
+        return kwargs
+    params = inspect.signature(fn).parameters
+    out = dict(kwargs)
+    for key, value in kwargs.items():
+        if key not in params or key not in hints or not _plain_data(value):
+            continue  # Python callers' own objects (a Path, an array) are the builder's to judge
+        try:
+            out[key] = TypeAdapter(hints[key]).validate_python(value)
+        except ValidationError as exc:
+            msg = exc.errors()[0]["msg"]
+            raise UsageError(f"{name}: data option {clip(key, 60)!r}: {msg} "
+                             f"(got {clip(repr(value), 60)})") from None
+        except Exception:  # noqa: BLE001  (a type pydantic has no schema for: left to the builder)
+            continue
+    return out

@@ -51,13 +51,10 @@ def _coda_path(entry: str, folder: Path) -> Path:
 
 def _read_coda_yaml(path: Path, folder: Path) -> tuple[list[Path], list[int]]:
     """Read one CODA-Prompt split file: a YAML mapping with ``data`` (paths) and ``targets`` (int labels)."""
-    import yaml
+    from ..utils.yaml_io import load_yaml
 
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    try:
-        cfg = yaml.load(read_utf8_text(path), Loader=loader)
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML ({exc})") from exc
+    # a split file lists every image: larger than a config, so higher limits (still no alias bomb)
+    cfg = load_yaml(read_utf8_text(path), source=str(path), max_nodes=20_000_000, fast=True)
     if (
         not isinstance(cfg, dict)
         or not isinstance(cfg.get("data"), list)

@@ -13,21 +13,24 @@ Runs written before hashes were recorded (no ``"checkpoints"`` key) load with a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import platform
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from ..errors import RunStateError
+from ..errors import ClmergeError, RunStateError, clip
 from ..utils.io import read_json, save_tensors, sha256_bytes, sha256_file, write_json
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "load_head_tensors", "RunLock",
-           "checkpoint_record", "resume_checkpoint", "verify_sha256", "CheckpointIntegrityError",
-           "ResumeError"]
+           "lock_holder", "checkpoint_contents", "checkpoint_record", "resume_checkpoint", "verify_sha256",
+           "CheckpointIntegrityError", "ResumeError"]
 
 _NAME = re.compile(r"^task_(\d{3,})\.safetensors$")
 RECORD_KEY = "checkpoints"  # the manifest key that holds {checkpoint file name: sha256}
@@ -177,33 +180,118 @@ def _load_parts(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
                 prefix, _, name = key.partition("/")
                 parts[prefix if prefix in ("model", "head") else "method"][name] = fh.get_tensor(key)
     except Exception as exc:  # safetensors and json raise several types for a torn or foreign file
-        raise CheckpointIntegrityError(f"{path}: unreadable checkpoint ({exc})") from exc
+        raise CheckpointIntegrityError(f"{path}: unreadable checkpoint ({clip(exc, 160)})") from exc
+    if not isinstance(meta, dict) or not isinstance(meta.get("task"), int):
+        raise CheckpointIntegrityError(f"{path}: not a clmerge checkpoint (its metadata has no task number)")
     return parts, meta
 
 
+@contextlib.contextmanager
+def checkpoint_contents(path: Path) -> Iterator[None]:
+    """Report a checkpoint whose contents do not fit the run (metadata keys missing or of the wrong type,
+    tensors of another model) as a :class:`CheckpointIntegrityError` naming it, not a traceback."""
+    try:
+        yield
+    except ClmergeError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as exc:
+        what = f"{type(exc).__name__}: {clip(exc, 160)}"
+        raise CheckpointIntegrityError(f"{path}: its contents do not fit this run ({what}); restore it or start "
+                                       "a fresh run in another --out") from exc
+
+
 class RunLock:
-    """A lock file holding the owner's pid, so two runs never write into one directory at once."""
+    """A lock file naming its owner (pid, host, boot id and the process's start time), so two runs never write
+    into one directory at once, and a lock left by a dead run (or one whose pid was since reused by another
+    process) is recognised as stale.
+
+    A refusal raised under the lock (a :class:`RunStateError`: every ``--resume`` check) leaves the directory
+    as it was: a stale lock that was replaced is put back, byte for byte and with its time stamps.
+    """
 
     def __init__(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / ".lock"
+        self._stale: tuple[bytes, os.stat_result] | None = None
 
     def __enter__(self) -> "RunLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():
-            try:
-                pid = int(self.path.read_text().strip() or 0)
-            except ValueError:
-                pid = 0
-            if pid and pid != os.getpid() and _alive(pid):
-                raise RuntimeError(f"{self.path.parent} is in use by process {pid}; choose another --out")
-        self.path.write_text(str(os.getpid()))
+        if self.path.is_file():
+            holder = lock_holder(self.path)
+            if holder is not None:
+                raise RunStateError(f"{self.path.parent} is in use by {holder} (its {self.path.name}); wait for "
+                                    f"it to finish or choose another --out")
+            self._stale = (self.path.read_bytes(), self.path.stat())
+        self.path.write_text(json.dumps(_lock_record(os.getpid())))
         return self
 
-    def __exit__(self, *exc) -> None:
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
+    def __exit__(self, exc_type, *exc) -> None:
+        if self._stale is not None and exc_type is not None and issubclass(exc_type, RunStateError):
+            data, st = self._stale
+            self.path.write_bytes(data)
+            os.utime(self.path, ns=(st.st_atime_ns, st.st_mtime_ns))
+            return
+        self.path.unlink(missing_ok=True)
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks after boot (Linux ``/proc/PID/stat`` field 22); None elsewhere."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _lock_record(pid: int) -> dict:
+    return {"pid": pid, "host": platform.node(), "boot_id": _boot_id(), "start_ticks": _start_ticks(pid)}
+
+
+def lock_holder(path: Path) -> str | None:
+    """Who holds the lock file ``path`` (``"process 123 on host"``), or None when it is stale: its process is
+    gone, the machine rebooted since, or its pid now belongs to a process started later (a reused pid).
+
+    A lock from another host cannot be checked from here and counts as held; one written by an older clmerge
+    (a bare pid) is held while that pid runs a process started before the lock was written."""
+    try:
+        text = path.read_text(errors="replace").strip()
+    except OSError:
+        return None
+    try:
+        rec = json.loads(text) if text.startswith("{") else {"pid": int(text or 0)}
+        pid = int(rec.get("pid") or 0)
+    except (ValueError, TypeError, AttributeError):
+        return None  # unreadable: no owner to wait for
+    if not pid or pid == os.getpid():
+        return None
+    host = rec.get("host")
+    if host and host != platform.node():
+        return f"process {pid} on {host}"
+    if rec.get("boot_id") and rec["boot_id"] != _boot_id() or not _alive(pid):
+        return None
+    now = _start_ticks(pid)
+    if rec.get("start_ticks") is not None and now is not None:
+        return f"process {pid}" if now == rec["start_ticks"] else None
+    return None if _started_after(pid, path) else f"process {pid}"
+
+
+def _started_after(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` started after ``path`` was last written (so it did not write it); Linux only."""
+    ticks = _start_ticks(pid)
+    try:
+        btime = next(int(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines()
+                     if ln.startswith("btime "))
+    except (OSError, StopIteration, ValueError):
+        return False
+    if ticks is None:
+        return False
+    return btime + ticks / os.sysconf("SC_CLK_TCK") > path.stat().st_mtime + 1.0
 
 
 def _alive(pid: int) -> bool:
@@ -213,4 +301,6 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    except OverflowError:
+        return False
     return True

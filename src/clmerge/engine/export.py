@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import UsageError
+from ..errors import RunStateError, UsageError
 from ..merging.io.base import MergeInputError
 from ..merging.io.lora_svd import (check_out_dir, check_svd, error_summary, low_rank_factors, numerical_rank,
                                    rank_pattern)
@@ -43,7 +43,7 @@ def load_run_model(run_dir: Path) -> tuple[nn.Module, nn.Module, dict, dict]:
     """``(folded model, pretrained backbone, manifest, checkpoint meta)`` of the run's last checkpoint."""
     from ..adapters.folded import folded_copy
     from ..config import ConfigError, load_config
-    from .checkpoint import load_checkpoint, resume_checkpoint
+    from .checkpoint import checkpoint_contents, load_checkpoint, resume_checkpoint
     from .run import build_classifier, load_into
     from ..methods import build_method
 
@@ -63,20 +63,42 @@ def load_run_model(run_dir: Path) -> tuple[nn.Module, nn.Module, dict, dict]:
         raise MergeInputError(f"{run_dir / 'config.yaml'}: cannot rebuild the model ({exc})") from exc
     pretrained = copy.deepcopy(model.backbone).eval()
     state, method_tensors, meta = load_checkpoint(ck, sha256=sha)
-    others = sorted({c for c in meta["structure"].get("wrapped", {}).values() if c != "LoRALinear"})
-    if others:
-        raise MergeInputError(f"{run_dir}: method {cfg.method.name!r} keeps per-task modules ({', '.join(others)}); "
-                              "a single exported model cannot route tasks")
-    # the method's own state too: its inference model is what the run evaluated (MagMax: theta_0 + lambda *
-    # tau_MagMax, not the last task's fine-tuned weights the live model holds)
-    method = build_method(cfg.method.name, cfg.method_options(), seed=cfg.seed)
-    method.setup(model)
-    load_into(model, method, None, meta, state, method_tensors, {}, torch.device("cpu"))
+    _check_finished(run_dir, meta["task"], cfg.scenario.n_tasks)
+    with checkpoint_contents(ck):  # a hand-made or foreign checkpoint: one line naming it
+        others = sorted({c for c in meta["structure"].get("wrapped", {}).values() if c != "LoRALinear"})
+        if others:
+            raise MergeInputError(f"{run_dir}: method {cfg.method.name!r} keeps per-task modules "
+                                  f"({', '.join(others)}); a single exported model cannot route tasks")
+        # the method's own state too: its inference model is what the run evaluated (MagMax: theta_0 + lambda *
+        # tau_MagMax, not the last task's fine-tuned weights the live model holds)
+        method = build_method(cfg.method.name, cfg.method_options(), seed=cfg.seed)
+        method.setup(model)
+        load_into(model, method, None, meta, state, method_tensors, {}, torch.device("cpu"))
     model = method.inference_model()
     manifest = read_json(run_dir / "manifest.json") if (run_dir / "manifest.json").exists() else {}
     manifest["method"] = cfg.method.name
     manifest["scenario_options"] = dict(cfg.scenario.options or {})
     return folded_copy(model), pretrained, manifest, meta
+
+
+def _check_finished(run_dir: Path, last: int, n_tasks: int) -> None:
+    """Refuse a run whose last checkpoint is not its last task: its head would lack the later tasks' classes
+    while ``classes.json`` lists every task."""
+    if last + 1 >= n_tasks:
+        return
+    tasks = _read_tasks(run_dir)
+    missing = tasks[last + 1]["name"] if last + 1 < len(tasks) and isinstance(tasks[last + 1], dict) else None
+    name = f" ({missing})" if isinstance(missing, str) else ""
+    raise RunStateError(f"{run_dir}: unfinished run: its last checkpoint is task {last} of 0..{n_tasks - 1}, so "
+                        f"task {last + 1}{name} is missing; finish it with clmerge run --resume, then export")
+
+
+def _read_tasks(run_dir: Path) -> list:
+    try:
+        tasks = read_json(run_dir / "manifest.json").get("tasks")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return tasks if isinstance(tasks, list) else []
 
 
 def _hf_inner(backbone: nn.Module, run_dir: Path) -> nn.Module:

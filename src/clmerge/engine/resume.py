@@ -12,12 +12,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from ..utils.io import sha256_bytes
+from ..utils.io import read_json, sha256_bytes
+from ..utils.yaml_io import MAX_YAML_BYTES, YamlError, load_yaml
 from .checkpoint import ResumeError
 
-__all__ = ["check_resumable", "check_same_config", "config_differences", "events_prefix", "events_sha256",
+__all__ = ["CONFIG_SHA_KEY", "check_resumable", "check_same_config", "recorded_config_sha256",
+           "config_differences", "events_prefix", "events_sha256",
            "finished_tasks_in_events", "summarize_differences", "verify_events", "MAX_LISTED"]
 
 RUN_FILES = ("config.yaml", "manifest.json")  # written when a run starts, before its first task
@@ -38,23 +38,52 @@ def check_resumable(out: Path) -> None:
         raise ResumeError(f"{out}: holds no clmerge run to resume (no {' or '.join(missing)}); {hint}")
 
 
-def check_same_config(cfg_file: Path, cfg_text: str) -> None:
-    """Refuse when the run's stored config differs from the given one, naming each differing key with both
-    values (at most :data:`MAX_LISTED`, then a count)."""
-    stored_text = cfg_file.read_text()
+CONFIG_SHA_KEY = "config_sha256"  # manifest.json: sha256 of the config.yaml written with it
+
+
+def recorded_config_sha256(out: Path) -> str | None:
+    """The sha256 of ``config.yaml`` that ``manifest.json`` recorded when the run (re)started; None for a run
+    written before it was recorded (or an unreadable manifest: the checkpoint checks name that)."""
+    try:
+        manifest = read_json(Path(out) / "manifest.json")
+    except (OSError, ValueError):
+        return None
+    sha = manifest.get(CONFIG_SHA_KEY) if isinstance(manifest, dict) else None
+    return sha if isinstance(sha, str) else None
+
+
+def check_same_config(cfg_file: Path, cfg_text: str, recorded_sha256: str | None = None) -> None:
+    """Refuse when the run's stored config was edited since the run wrote it (its sha256 differs from
+    ``recorded_sha256``: the checkpoints were made with another config), or differs from the given one,
+    naming each differing key with both values (at most :data:`MAX_LISTED`, then a count)."""
+    stored_text = _stored_config(cfg_file, recorded_sha256)
     if stored_text == cfg_text:
         return
     try:
-        stored = yaml.safe_load(stored_text) or {}
-    except yaml.YAMLError as exc:
-        raise ResumeError(f"{cfg_file}: unreadable YAML ({exc}); cannot check the config") from None
-    given = yaml.safe_load(cfg_text) or {}
+        stored = load_yaml(stored_text, source=str(cfg_file)) or {}
+    except YamlError as exc:
+        raise ResumeError(f"{exc}; cannot check the config") from None
+    given = load_yaml(cfg_text) or {}
     diffs = config_differences(_with_new_defaults(stored, given), given)
     if not diffs:  # the same values written differently, or keys added since at their defaults
         return
     raise ResumeError(f"{cfg_file}: the run was started with a different config ({_count(diffs)} "
                       f"differ{'s' if len(diffs) == 1 else ''}); "
                       "resume with the same config or choose another --out\n" + summarize_differences(diffs))
+
+
+def _stored_config(cfg_file: Path, recorded_sha256: str | None) -> str:
+    if cfg_file.stat().st_size > MAX_YAML_BYTES:
+        raise ResumeError(f"{cfg_file}: larger than {MAX_YAML_BYTES:,} bytes; not the config this run wrote")
+    data = cfg_file.read_bytes()
+    if recorded_sha256 is not None and sha256_bytes(data) != recorded_sha256:
+        raise ResumeError(f"{cfg_file}: edited since the run wrote it (its sha256 differs from manifest.json's "
+                          f"{CONFIG_SHA_KEY}), so the checkpoints were made with another config; nothing was "
+                          "changed: restore the file, or start a fresh run in another --out")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ResumeError(f"{cfg_file}: not UTF-8 text; cannot check the config") from None
 
 
 def summarize_differences(diffs: list[str]) -> str:
@@ -77,7 +106,7 @@ def _with_new_defaults(stored: Any, given: Any) -> Any:
 
     try:
         name = (given.get("method") or {}).get("name")
-        defaults = yaml.safe_load(dump_config(parse_config({"method": {"name": name}} if name else {})))
+        defaults = load_yaml(dump_config(parse_config({"method": {"name": name}} if name else {})))
     except Exception:  # noqa: BLE001  (an unknown method: no defaults to fill in; the diff shows it)
         return stored
     return _fill(stored, defaults)
@@ -117,11 +146,20 @@ def _show(value: Any, width: int = 40) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def _event_lines(events: Path) -> list[str]:
+    """The lines of ``events.jsonl`` (kept ends); a file that is not UTF-8 text is refused, naming it."""
+    try:
+        return events.read_bytes().decode("utf-8").splitlines(keepends=True)
+    except UnicodeDecodeError as exc:
+        raise ResumeError(f"{events}: not UTF-8 text (byte {exc.start}), so not the log this run wrote; nothing "
+                          "was changed: restore it to resume") from None
+
+
 def events_prefix(events: Path, n_lines: int) -> str | None:
     """The first ``n_lines`` lines of ``events.jsonl`` (None when the file is missing or shorter)."""
     if not events.is_file():
         return None if n_lines else ""
-    lines = events.read_text().splitlines(keepends=True)
+    lines = _event_lines(events)
     return "".join(lines[:n_lines]) if len(lines) >= n_lines else None
 
 
@@ -141,7 +179,7 @@ def verify_events(events: Path, n_lines: int, expected_sha256: str | None) -> st
     """
     prefix = events_prefix(events, n_lines)
     if expected_sha256 is None:
-        lines = events.read_text().splitlines(keepends=True) if events.is_file() else []
+        lines = _event_lines(events) if events.is_file() else []
         return "".join(lines[:n_lines])
     if prefix is None:
         raise ResumeError(f"{events}: missing or shorter than the {n_lines} lines the last checkpoint "
@@ -157,7 +195,7 @@ def finished_tasks_in_events(events: Path) -> int:
     if not events.is_file():
         return 0
     count = 0
-    for line in events.read_text().splitlines():
+    for line in _event_lines(events):
         try:
             count += json.loads(line).get("event") == "task_end"
         except (json.JSONDecodeError, AttributeError):

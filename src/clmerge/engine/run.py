@@ -26,13 +26,14 @@ from ..methods import build_method
 from ..methods.base import ContinualMethod, TaskContext
 from ..metrics import summarize
 from ..models import ContinualClassifier, IncrementalHead, build_backbone
-from ..utils.io import append_jsonl, atomic_write_text, read_json, sha256_file, write_json
+from ..utils.io import append_jsonl, atomic_write_text, read_json, sha256_bytes, sha256_file, write_json
 from ..utils.progress import Progress
-from .checkpoint import (RECORD_KEY, ResumeError, RunLock, checkpoint_record, load_checkpoint,
-                         load_head_tensors, resume_checkpoint, save_checkpoint)
+from .checkpoint import (RECORD_KEY, ResumeError, RunLock, checkpoint_contents, checkpoint_record,
+                         load_checkpoint, load_head_tensors, resume_checkpoint, save_checkpoint)
 from .evaluate import evaluate_tasks
 from .heads import VARIANTS, HeadSuite, check_head_support
-from .resume import check_resumable, check_same_config, events_sha256, finished_tasks_in_events, verify_events
+from .resume import (CONFIG_SHA_KEY, check_resumable, check_same_config, events_sha256, finished_tasks_in_events,
+                     recorded_config_sha256, verify_events)
 from . import distributed
 from .precision import autocast, check_precision, fp32_region
 from .training import fit
@@ -140,7 +141,7 @@ def head_variant_needs_features(cfg: ExperimentConfig) -> bool:
 def _check_run_dir(out: Path, cfg_text: str, resume: bool) -> None:
     cfg_file = out / "config.yaml"
     if resume:  # check_resumable(out) ran before the lock
-        check_same_config(cfg_file, cfg_text)
+        check_same_config(cfg_file, cfg_text, recorded_config_sha256(out))
         return
     if cfg_file.exists() or (out / "checkpoints").exists():
         raise FileExistsError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
@@ -160,12 +161,13 @@ def _restore(out: Path, model: ContinualClassifier, method: ContinualMethod, dev
         events.unlink(missing_ok=True)
         return 0, RunState(), {}
     model_state, method_tensors, meta = load_checkpoint(ck, sha256=sha)
-    st = meta["state"]
-    kept = verify_events(events, st["events_lines"], meta.get("events_sha256"))
-    load_into(model, method, heads, meta, model_state, method_tensors,
-               load_head_tensors(ck) if heads is not None and heads.needs_features else {}, device)
-    state = RunState(st["rows"], st["til_rows"], st["task_seconds"], st["initial"], st["events_lines"],
-                     st.get("head_rows", {}), st.get("head_val", {}))
+    with checkpoint_contents(ck):  # a hand-made or foreign checkpoint: one line naming it
+        st = meta["state"]
+        kept = verify_events(events, st["events_lines"], meta.get("events_sha256"))
+        load_into(model, method, heads, meta, model_state, method_tensors,
+                  load_head_tensors(ck) if heads is not None and heads.needs_features else {}, device)
+        state = RunState(st["rows"], st["til_rows"], st["task_seconds"], st["initial"], st["events_lines"],
+                         st.get("head_rows", {}), st.get("head_val", {}))
     if events.exists():  # drop events written by the interrupted task
         atomic_write_text(events, kept)
     record = checkpoint_record(out)  # a run from before hashes were recorded adopts its checkpoint's hash
@@ -417,6 +419,8 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool =
             if resume:
                 start, state, record = _restore(out, model, method, device, heads)
             atomic_write_text(out / "config.yaml", cfg_text)
+            # what --resume checks config.yaml against (a hand edit would mix two experiments)
+            manifest[CONFIG_SHA_KEY] = sha256_bytes(cfg_text.encode("utf-8"))
             write_json(out / "manifest.json", {**manifest, RECORD_KEY: record})
         if dp is not None and resume:  # the others start from process 0's restored state
             start = distributed.broadcast_json(dp, start)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -10,6 +11,8 @@ from pathlib import Path
 import typer
 
 from ..cli_support import fail
+from ..errors import InputError
+from ..utils.io import read_json
 
 __all__ = ["bench_command", "merge_bench_command", "parse_seeds"]
 
@@ -31,7 +34,9 @@ def _done(out: Path, cfg, grids: dict, max_extensions: int) -> bool:
     path = out / "results.json"
     if not path.exists():
         return False
-    old = json.loads(path.read_text())
+    old = read_json(path)  # a corrupt file: an input error naming it
+    if not isinstance(old, dict):
+        raise InputError(f"{path}: not a merge-bench result (expected a JSON object)")
     same_grids = {m: g["start"] for m, g in old.get("grids", {}).items()} == json.loads(json.dumps(grids))
     # a grid still at an edge ("low"/"high") stopped at the cap of its run; a different cap changes that result
     capped = any(e in ("low", "high") and g.get("max_extensions", 4) != max_extensions
@@ -57,6 +62,7 @@ def bench_command(out: Path, suite: str = "8", epochs: int = 5, lr: float = 1e-4
 
     from .merge_bench_experts import HEAD_INITS, HEAD_PROTOCOLS
 
+    _check_numbers(epochs=epochs, lr=lr, max_train=max_train, max_eval=max_eval)
     if suite not in SUITES:
         raise ValueError(f"--suite {suite!r}: unknown; known: {', '.join(SUITES)}")
     if heads not in HEAD_PROTOCOLS:
@@ -86,6 +92,17 @@ def bench_command(out: Path, suite: str = "8", epochs: int = 5, lr: float = 1e-4
         log(f"seed {s}")
         run_benchmark(cfg, run_dir, grids=grids, cache=out / "experts", log=log)
     return summarise(out, seeds)
+
+
+def _check_numbers(*, epochs: int, lr: float, max_train: int | None, max_eval: int | None) -> None:
+    """Refuse what would silently train nothing (``--epochs 0``, ``--max-train 0``) or diverge (``--lr inf``)."""
+    if epochs < 1:
+        raise ValueError(f"--epochs {epochs}: expected at least 1 (fine-tuning epochs per expert)")
+    if not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"--lr {lr}: expected a positive finite learning rate")
+    for flag, cap in (("--max-train", max_train), ("--max-eval", max_eval)):
+        if cap is not None and cap < 1:
+            raise ValueError(f"{flag} {cap}: expected at least 1 sample per task (or leave it out: no cap)")
 
 
 def _check_backbone(name: str) -> str:

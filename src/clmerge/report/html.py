@@ -24,6 +24,7 @@ from clmerge.report.elements import format_value as _format_free
 from clmerge.report.elements import img as _img, is_number as _is_number, page as _page
 from clmerge.report.elements import section as _section, table as _table
 from clmerge.report.method_values import method_values_html
+from clmerge.errors import InputError
 from clmerge.utils.io import atomic_write_text, read_json
 
 __all__ = ["build_report", "build_sweep_report", "load_run", "format_number"]
@@ -85,14 +86,14 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"no metrics.json in run directory {run_dir} (expected {metrics_path})")
     metrics = read_json(metrics_path)
     if not isinstance(metrics, dict):
-        raise ValueError(f"{metrics_path}: expected a JSON object, got {type(metrics).__name__}")
+        raise InputError(f"{metrics_path}: expected a JSON object, got {type(metrics).__name__}")
     R = metrics.get("accuracy_matrix")
     if not isinstance(R, list) or not R or not all(isinstance(row, list) for row in R):
-        raise ValueError(f"{metrics_path}: 'accuracy_matrix' must be a non-empty list of rows, got {R!r:.80}")
+        raise InputError(f"{metrics_path}: 'accuracy_matrix' must be a non-empty list of rows, got {R!r:.80}")
     try:
         plots.matrix_to_array(R)
     except ValueError as exc:
-        raise ValueError(f"{metrics_path}: {exc}") from exc
+        raise InputError(f"{metrics_path}: {exc}") from exc
     manifest_path, config_path = run_dir / "manifest.json", run_dir / "config.yaml"
     manifest = read_json(manifest_path) if manifest_path.is_file() else {}
     events, bad = _read_events(run_dir / "events.jsonl")

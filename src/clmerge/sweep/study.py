@@ -28,6 +28,7 @@ from ..harness.merge_bench_experts import cached_file_sha256
 from ..theory.jobs import expert_job, merge_job, stability_configs
 from ..theory.spec import HYPERPARAMETERS, Point, StudySpec, canonical_method, expand_points
 from ..utils.io import append_jsonl, atomic_write_text, save_tensors, write_json
+from ..utils.yaml_io import YamlError, load_yaml, read_yaml
 from .executors import Executor, make_executor
 
 __all__ = ["run_study", "read_results", "StudyError"]
@@ -137,11 +138,11 @@ def _prepare(out: Path, spec: StudySpec, resume: bool) -> set[str]:
     if results.exists() and not resume:
         raise FileExistsError(f"{results} exists: use --resume to continue that study, or another --out")
     text = yaml.safe_dump(spec.model_dump(), sort_keys=False)
-    if resume and saved.read_text() != text:
-        stored = yaml.safe_load(saved.read_text()) or {}
-        for m in stored.get("methods") or []:  # a study written under an old method name
-            m["name"] = canonical_method(m.get("name"))
-        given = yaml.safe_load(text) or {}
+    if resume:
+        stored, given = _read_saved_spec(saved), load_yaml(text) or {}
+        for m in stored.get("methods") if isinstance(stored.get("methods"), list) else []:
+            if isinstance(m, dict) and isinstance(m.get("name"), str):  # a study written under an old name
+                m["name"] = canonical_method(m["name"])
         diffs = config_differences(stored, given)
         if diffs and not _only_adds_seeds(stored, given):
             raise ResumeError(f"{saved} differs from the spec given: --resume needs the same study (it may "
@@ -151,6 +152,17 @@ def _prepare(out: Path, spec: StudySpec, resume: bool) -> set[str]:
     # rewrite without a torn last line (a killed run), so appended records start on a fresh line
     atomic_write_text(results, "".join(json.dumps(r) + "\n" for r in rows))
     return {r["point_id"] for r in rows}
+
+
+def _read_saved_spec(saved: Path) -> dict:
+    """The ``study.yaml`` a study directory holds (a corrupt one refuses the resume, naming it)."""
+    try:
+        stored = read_yaml(saved) or {}
+    except YamlError as exc:
+        raise ResumeError(f"{exc}; cannot check the study to resume") from None
+    if not isinstance(stored, dict):
+        raise ResumeError(f"{saved}: not a study spec (its top level is not a mapping)")
+    return stored
 
 
 def _only_adds_seeds(stored: dict, given: dict) -> bool:

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save
 
+from ..errors import InputError, clip
+
 __all__ = [
     "atomic_write_bytes",
     "atomic_write_text",
@@ -67,11 +69,15 @@ def _json_default(obj: Any) -> Any:
 
 
 def read_json(path: str | Path) -> Any:
+    """The JSON in ``path``; a file that is not UTF-8 JSON (or nests too deeply to read) is an
+    :class:`~clmerge.errors.InputError` (a ``ValueError``) naming the file."""
     path = Path(path)
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: not valid JSON ({clip(exc, 160)})") from None
+    except RecursionError:
+        raise InputError(f"{path}: not valid JSON (nested too deeply)") from None
 
 
 def append_jsonl(path: str | Path, record: dict) -> None:

@@ -28,7 +28,7 @@ from ..merging import merge
 from ..merging.adamerging import adamerging
 from ..harness.merge_bench import BenchConfig, init_expert, load_task, loss_and_accuracy, parse_task, split_expert, train_expert
 from . import quantities as q
-from .spec import Point, StudySpec, expert_config
+from .spec import Point, StudySpec, canonical_method, expert_config
 
 __all__ = ["expert_job", "merge_job", "stability_configs", "encode", "decode"]
 
@@ -98,7 +98,7 @@ def expert_job(task: str, cfg: dict[str, Any], threads: int = 1) -> dict[str, An
 def _merge(p: Point, base: Params, experts: list[Params], heads: list[nn.Module], backbone: nn.Module,
            data: list[dict]) -> tuple[Params, dict[str, Any]]:
     opts = {k: v for k, v in p.method.items() if k != "name"}
-    name = p.method["name"]
+    name = canonical_method(p.method["name"])
     if name != "adamerging":  # study methods are named as in the merge registry
         return merge(name, base=base, experts=experts, **opts), {}
     # AdaMerging (task-wise by default) on task arithmetic, entropy on the unlabeled validation inputs.

@@ -54,11 +54,10 @@ def test_version():
 def _fake_study(monkeypatch) -> list[dict]:
     """``clmerge study`` with the jobs and the fits replaced: records what run_study was given."""
     import clmerge.sweep as sweep
-    from clmerge import study_cli
 
     calls: list[dict] = []
     monkeypatch.setattr(sweep, "run_study", lambda *a, **kw: calls.append(kw))
-    monkeypatch.setattr(study_cli, "finish_study", lambda out: {"laws": {}})
+    monkeypatch.setattr(sweep, "finish_study", lambda out: {"laws": {}})
     return calls
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from clmerge.harness import merge_bench as bench
 from clmerge.harness import merge_bench_experts as ex
-from clmerge.harness.merge_bench_cli import bench_command, parse_seeds
+from clmerge.harness.merge_bench_run import parse_seeds, run_merge_bench
 from clmerge.harness.merge_bench_grid import next_value, search
 from clmerge.harness.merge_bench_seeds import mean_se
 
@@ -128,8 +128,8 @@ def test_grid_extension_makes_the_chosen_value_interior():
 
 
 def test_seeds_summary_and_cotrained_protocol(tmp_path):
-    res = bench_command(tmp_path, suite="tiny", epochs=1, max_train=48, max_eval=32, random_init=True,
-                        methods=["weight_average"], heads="cotrained", seeds=[0, 1], log=lambda *_: None)
+    res = run_merge_bench(tmp_path, suite="tiny", epochs=1, max_train=48, max_eval=32, random_init=True,
+                          methods=["weight_average"], heads="cotrained", seeds=[0, 1], log=lambda *_: None)
     per = [json.loads((tmp_path / f"seed{s}" / "results.json").read_text()) for s in (0, 1)]
     assert [p["config"]["heads"] for p in per] == ["cotrained", "cotrained"]
     avgs = [p["rows"]["weight_average"]["avg"] for p in per]
@@ -175,7 +175,7 @@ def test_a_seed_whose_grid_stopped_at_an_older_cap_is_rerun(tmp_path):
     from dataclasses import asdict
 
     from clmerge.harness.merge_bench import BenchConfig
-    from clmerge.harness.merge_bench_cli import _done
+    from clmerge.harness.merge_bench_run import _done
 
     cfg, grids = BenchConfig(suite="tiny"), {"cart": {"scaling": [1.0, 2.0]}}
 

@@ -14,7 +14,7 @@ from clmerge.cli import app
 from clmerge.data import build_dataset
 from clmerge.data.text_wordnet import DEFAULT_CLASSES
 from clmerge.harness.merge_bench import DEFAULT_GRIDS, SUITES, BenchConfig, load_task, parse_task
-from clmerge.harness.merge_bench_cli import bench_command
+from clmerge.harness.merge_bench_run import run_merge_bench
 from clmerge.harness.merge_bench_experts import expert_path, init_expert, loss_and_accuracy, load_cached_expert
 from clmerge.merging import merge
 from clmerge.models import build_backbone
@@ -91,9 +91,9 @@ def test_every_bench_method_merges_bert_and_keeps_integer_buffers(method):
 
 def test_merge_bench_text_tiny_end_to_end_with_frozen_heads(text_env, tmp_path):
     out = tmp_path / "bench"
-    res = bench_command(out, suite="text-tiny", epochs=2, lr=1e-3, random_init=True, backbone="hf-text",
-                        arch=TINY_BERT, data_options=_options(text_env), methods=list(DEFAULT_GRIDS),
-                        log=lambda *_: None)
+    res = run_merge_bench(out, suite="text-tiny", epochs=2, lr=1e-3, random_init=True, backbone="hf-text",
+                          arch=TINY_BERT, data_options=_options(text_env), methods=list(DEFAULT_GRIDS),
+                          log=lambda *_: None)
     assert res["config"]["backbone"] == "hf-text" and res["config"]["heads"] == "frozen"
     assert res["config"]["max_train"] == 64  # the suite's cap
     assert set(DEFAULT_GRIDS) <= set(res["rows"]) and len(res["tasks"]) == 3
@@ -118,7 +118,7 @@ def test_merge_bench_cli_names_a_bad_backbone():
 
 
 def test_study_runs_on_the_text_backbone(text_env, tmp_path):
-    from clmerge.study_cli import finish_study
+    from clmerge.sweep import finish_study
     from clmerge.sweep import run_study
     from clmerge.theory.spec import parse_study
 

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from clmerge.cli import app
-from clmerge.study_cli import finish_study
+from clmerge.sweep import finish_study
 from clmerge.sweep import read_results, run_study
 from clmerge.sweep import study as study_mod
 from clmerge.theory.spec import load_study, parse_study

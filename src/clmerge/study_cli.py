@@ -1,43 +1,22 @@
 """``clmerge study``, ``clmerge predict`` and ``clmerge advise`` (seed 004), registered by ``cli.py``.
 
-The commands are thin: the work is in :func:`clmerge.sweep.run_study` (jobs), :mod:`clmerge.theory`
-(fits, predictions, advice) and :mod:`clmerge.theory.report` (the HTML page). :func:`finish_study` is the
-step after the jobs (fits.json, report.html, advice.txt), also run alone by ``clmerge study --fit-only``.
+The commands are thin: the work is in :func:`clmerge.sweep.run_study` (jobs), :func:`clmerge.sweep.finish_study`
+(fits.json, advice.txt, report.html), :mod:`clmerge.theory` (fits, predictions, advice) and
+:mod:`clmerge.theory.report` (the HTML page).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import typer
 
 from .cli_support import fail, make_console, print_warning, renamed_option
 from .errors import InputError, UsageError, clip
 
-__all__ = ["study_command", "predict_command", "advise_command", "finish_study"]
+__all__ = ["study_command", "predict_command", "advise_command"]
 
 console = make_console()
-
-
-def finish_study(out: Path, rows: list[dict] | None = None, *, n_boot: int = 200) -> dict[str, Any]:
-    """Fit the laws of the study in ``out`` and write ``fits.json``, ``advice.txt`` and ``report.html``."""
-    from .theory.report import build_study_report
-    from .sweep import read_results
-    from .theory.advise import advise
-    from .theory.analysis import fit_study
-    from .config import read_yaml_mapping
-    from .theory.spec import parse_study
-    from .utils.io import atomic_write_text, write_json
-
-    spec = parse_study(read_yaml_mapping(out / "study.yaml", "study spec"))
-    rows = read_results(out) if rows is None else rows
-    fits = fit_study(rows, spec, n_boot=n_boot)
-    write_json(out / "fits.json", fits)
-    text = advise(rows, fits)
-    atomic_write_text(out / "advice.txt", text + "\n")
-    build_study_report(out, rows, fits, text)
-    return fits
 
 
 def study_command(
@@ -57,7 +36,7 @@ def study_command(
 ) -> None:
     """Run an expert-hyperparameter study, fit the laws, write the report."""
     from .config import ConfigError
-    from .sweep import StudyError, run_study
+    from .sweep import StudyError, finish_study, run_study
     from .theory.spec import load_study
     from .utils.extras import require_extra
     from .utils.outpaths import check_writable
@@ -121,7 +100,7 @@ def predict_command(
 
 def advise_command(study_dir: Path = typer.Argument(..., help="a study directory")) -> None:
     """Plain-words advice: which expert settings merge best and which term of the bound dominates."""
-    from .sweep import read_results
+    from .sweep import finish_study, read_results
     from .theory.advise import advise
     from .utils.io import read_json
 

@@ -635,3 +635,23 @@ def test_an_error_line_is_cut_at_the_line_limit(capsys):
     cli_support.print_error("x" * 50_000)
     err = capsys.readouterr().err
     assert len(err) < cli_support.MAX_LINE + 20 and err.rstrip().endswith("…")
+
+
+# -- one vocabulary on the command line (docs/cli.md): an old and a new spelling of one option together --
+VOCABULARY_CASES = [
+    ("study-workers-and-jobs", ["study", str(STUDY_SPEC), "--out", "s", "--workers", "2", "--jobs", "3"], USAGE,
+     ["--workers", "--jobs"]),
+    ("study-jobs-negative", ["study", str(STUDY_SPEC), "--out", "s", "--jobs", "-1"], USAGE, ["--jobs"]),
+    ("predict-not-fits", ["predict", "study", "lr=0.03"], INPUT, ["fits.json", "laws"]),
+    ("predict-unknown-method", ["predict", "old_study", "--method", "avreaging"], USAGE,
+     ["avreaging", "weight_average"]),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in VOCABULARY_CASES],
+                         ids=[c[0] for c in VOCABULARY_CASES])
+def test_vocabulary_errors_are_short_typed_and_leave_nothing(ws, argv, code, words):
+    (ws / "old_study").mkdir()  # fits written under the study's old method name
+    (ws / "old_study" / "fits.json").write_bytes((REPO / "benchmarks/theory/interaction/fits.json").read_bytes())
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, argv), code, words, before, ws)

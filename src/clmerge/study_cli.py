@@ -89,6 +89,9 @@ def predict_command(
         method = OLD_METHOD_NAMES[method]
     try:
         fits = read_json(study_dir / "fits.json")
+        if not isinstance(fits, dict) or not isinstance(fits.get("laws"), dict):
+            raise InputError(f"{study_dir / 'fits.json'}: not a study's fits (no 'laws' mapping); refit with "
+                             f"clmerge study SPEC --out {study_dir} --fit-only")
         res = predict(fits, method, **_parse_assignments(assignments or []))
     except (FileNotFoundError, KeyError, ValueError) as exc:
         fail(exc)

@@ -164,7 +164,8 @@ def predict(fits: dict[str, Any], method: str, level: float = 0.95, **hp: float)
     method = canonical_method(method)  # fits.json written before the rename holds ``averaging``
     laws = {name: f for name, per in fits["laws"].items() for m, f in per.items() if canonical_method(m) == method}
     if not laws:
-        raise KeyError(f"no fitted laws for method {method!r}; fitted: {sorted({m for p in fits['laws'].values() for m in p})}")
+        fitted = sorted({canonical_method(m) for p in fits["laws"].values() for m in p})
+        raise KeyError(f"no fitted laws for method {method!r}; fitted: {', '.join(fitted) or 'none'}")
     for key in hp:
         if key not in laws:
             raise KeyError(f"no fitted law for {key!r} (method {method}); fitted: {', '.join(laws)}")

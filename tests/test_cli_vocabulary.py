@@ -142,7 +142,7 @@ def test_run_without_out_goes_to_clmerge_runs_dir(tmp_path, monkeypatch, tiny_cf
     assert res.exit_code == 0, res.output
     runs = list((tmp_path / "store").iterdir())
     assert len(runs) == 1 and (runs[0] / "metrics.json").exists() and not list(work.iterdir())
-    assert f"writing the run to {runs[0]}" in res.output  # absolute, at the start
+    assert f"writing the run to {runs[0]}\n" in res.output  # absolute, at the start
     assert f"run directory: {runs[0]} " in res.output  # and at the end
 
 

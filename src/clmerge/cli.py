@@ -173,7 +173,7 @@ def run(
     main = os.environ.get("RANK", "0") == "0"  # under torchrun only process 0 checks, writes and prints
     if main:
         _check_run_out(out, resume, overwrite)
-        err.print(f"writing the run to {out.absolute()}", highlight=False, markup=False, soft_wrap=True)
+        console.print(f"writing the run to {out.absolute()}", highlight=False, markup=False, soft_wrap=True)
     if orders is not None:
         return _run_orders(cfg, out, orders, resume, _resume_command(config, set_, out, orders))
     try:

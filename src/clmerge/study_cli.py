@@ -87,12 +87,13 @@ def predict_command(
         print_warning(f"--method {method}: an old name of {OLD_METHOD_NAMES[method]} (the same merge); it is "
                       f"accepted for one more release")
         method = OLD_METHOD_NAMES[method]
+    hp = _parse_assignments(assignments or [])
     try:
         fits = read_json(study_dir / "fits.json")
         if not isinstance(fits, dict) or not isinstance(fits.get("laws"), dict):
             raise InputError(f"{study_dir / 'fits.json'}: not a study's fits (no 'laws' mapping); refit with "
                              f"clmerge study SPEC --out {study_dir} --fit-only")
-        res = predict(fits, method, **_parse_assignments(assignments or []))
+        res = predict(fits, method, **hp)
     except (FileNotFoundError, KeyError, ValueError) as exc:
         fail(exc)
     hp = ", ".join(f"{k}={v:g}" for k, v in res["hp"].items()) or "the defaults"

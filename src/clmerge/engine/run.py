@@ -34,7 +34,7 @@ from .evaluate import evaluate_tasks
 from .heads import VARIANTS, HeadSuite, check_head_support
 from .resume import check_resumable, check_same_config, events_sha256, finished_tasks_in_events, verify_events
 from . import distributed
-from .precision import autocast, check_precision, fp32_region
+from ..utils.precision import autocast, check_precision, fp32_region
 from .training import fit
 
 __all__ = ["run_experiment", "prepare", "build_heads", "RunState", "task_generator", "resolve_device",

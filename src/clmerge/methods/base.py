@@ -22,9 +22,9 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from ..data.scenarios import Task
-from ..engine.losses import classification_loss
+from ..models.losses import classification_loss
 from ..models.classifier import ContinualClassifier
-from ..engine.precision import full_precision
+from ..utils.precision import full_precision
 from ..registry import Registry
 
 __all__ = [
@@ -77,7 +77,7 @@ class ContinualMethod:
     def __init_subclass__(cls, **kwargs) -> None:
         """Every method's ``begin_task`` and ``end_task`` run with autocast off: the statistics they compute
         (Fisher, alpha sums, covariances, SVD bases, importance, task-vector folds) stay fp32 whatever
-        ``run.precision`` is and whoever calls them (:mod:`clmerge.engine.precision`).
+        ``run.precision`` is and whoever calls them (:mod:`clmerge.utils.precision`).
 
         What the base hooks guarantee does not depend on a subclass calling ``super()``: an overriding
         ``setup`` finds ``self.model`` set already, and after an overriding ``begin_task`` the head covers the

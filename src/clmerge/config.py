@@ -6,14 +6,16 @@ resolved ``config.yaml`` of a run. An unknown or misspelled key is an error that
 valid one; types and ranges are checked before anything runs.
 
 Method-specific options live under ``method:`` next to ``method.name`` and are validated against the options
-model the method registers (see ``methods.base.register_method``).
+model the method registers (see ``methods.base.register_method``). The config sits below the methods in the
+package's layers, so it does not import them: ``clmerge.methods`` hands its registry to
+:func:`set_method_registry` when it is imported, and the method-specific checks read the classes from there.
 """
 
 from __future__ import annotations
 
 from difflib import get_close_matches
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -38,7 +40,39 @@ __all__ = [
     "default_config",
     "validate_strict",
     "read_yaml_mapping",
+    "set_method_registry",
 ]
+
+
+class MethodSpec(Protocol):
+    """What the config reads of a registered continual method class (``methods.base.ContinualMethod``)."""
+
+    Options: type[BaseModel]  # the method's options model, validated from the ``method:`` section
+    head_defaults: dict[str, Any]  # ``head:`` values the method runs with unless the config sets them
+    trains_linear_head: bool  # False: predicts from feature statistics, so a linear head is never trained
+
+
+class MethodRegistry(Protocol):
+    """The lookups the config needs of the method registry (a :class:`clmerge.registry.Registry`)."""
+
+    def get(self, name: str, default: Any = ...) -> Any: ...
+
+    def available(self) -> dict[str, str]: ...
+
+
+_method_registry: list[MethodRegistry] = []  # set once, by ``clmerge.methods`` at import
+
+
+def set_method_registry(registry: MethodRegistry) -> None:
+    """Install the registry that names the continual methods (called by ``clmerge.methods`` at import)."""
+    _method_registry[:] = [registry]
+
+
+def _methods() -> MethodRegistry:
+    if not _method_registry:
+        raise RuntimeError("no continual methods are registered: import clmerge.methods (or clmerge.engine) "
+                           "before validating a config's method section")
+    return _method_registry[0]
 
 
 class ConfigError(UsageError):
@@ -215,9 +249,7 @@ class ExperimentConfig(_Strict):
 
     def method_options(self):
         """The validated options object of the configured method."""
-        from .methods import method_options_model
-
-        return method_options_model(self.method.name).model_validate(self.method.options())
+        return _methods().get(self.method.name).Options.model_validate(self.method.options())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -245,12 +277,11 @@ def _check_keys(data: Any, model: type[BaseModel], path: str) -> None:
 
 
 def _check_method_keys(data: dict, path: str) -> None:
-    from .methods import available_methods, method_options_model
-
+    methods = _methods()
     name = data.get("name", MethodConfig().name)
-    if not isinstance(name, str) or name not in available_methods():
-        raise ConfigError(f"{path}name: unknown method {name!r}{_nearest(name, list(available_methods()))}")
-    opts = method_options_model(name)
+    if not isinstance(name, str) or name not in methods.available():
+        raise ConfigError(f"{path}name: unknown method {name!r}{_nearest(name, list(methods.available()))}")
+    opts = methods.get(name).Options
     for key in data:
         if key != "name" and key not in opts.model_fields:
             valid = list(opts.model_fields) or ["(this method has no options)"]
@@ -307,11 +338,9 @@ def parse_config(data: dict | None) -> ExperimentConfig:
 
 def _with_method_head(data: dict) -> dict:
     """``data`` with the method's ``head_defaults`` under the ``head:`` keys it sets itself (they win)."""
-    from .methods import METHODS
-
     method, head = data.get("method"), data.get("head", {})
     name = method.get("name", MethodConfig().name) if isinstance(method, dict) else MethodConfig().name
-    cls = METHODS.get(name, None) if isinstance(name, str) else None
+    cls = _methods().get(name, None) if isinstance(name, str) else None
     if cls is None or not cls.head_defaults or not isinstance(head, dict):
         return data  # an unknown method or a malformed head: reported by the validation
     return {**data, "head": {**cls.head_defaults, **head}}
@@ -319,10 +348,8 @@ def _with_method_head(data: dict) -> dict:
 
 def _check_method_head(cfg: ExperimentConfig) -> None:
     """A statistics method never trains the linear head: evaluating it (or aligning it) is refused."""
-    from .methods import method_class
-
     h, name = cfg.head, cfg.method.name
-    if method_class(name).trains_linear_head or (h.classifier != "linear" and not h.compare):
+    if _methods().get(name).trains_linear_head or (h.classifier != "linear" and not h.compare):
         return
     key = "head.compare=true" if h.compare else "head.classifier=linear"
     raise ConfigError(f"{key}: method {name!r} trains no linear head (it predicts from feature statistics of "

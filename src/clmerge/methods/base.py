@@ -21,11 +21,12 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from ..config import set_method_registry
 from ..data.scenarios import Task
-from ..models.losses import classification_loss
 from ..models.classifier import ContinualClassifier
-from ..utils.precision import full_precision
+from ..models.losses import classification_loss
 from ..registry import Registry
+from ..utils.precision import full_precision
 
 __all__ = [
     "MethodOptions",
@@ -179,6 +180,7 @@ def _grow_head(method: ContinualMethod, task: Task, ctx: TaskContext) -> None:
 
 
 METHODS: Registry = Registry("method", key="method.name")  # name -> ContinualMethod subclass
+set_method_registry(METHODS)  # the config validates ``method:`` sections against these classes
 
 
 def register_method(cls: type[ContinualMethod]) -> type[ContinualMethod]:

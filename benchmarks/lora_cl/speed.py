@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from clmerge.config import parse_config
-from clmerge.engine.run import RunState, _train_task, prepare, resolve_device
+from clmerge.engine.run import RunState, prepare, resolve_device, train_task
 
 HERE = Path(__file__).resolve().parent
 
@@ -179,7 +179,7 @@ def memory_per_task(method: dict, a) -> list[float]:
     state, out, sizes = RunState(), Path(a.tmp), []
     out.mkdir(parents=True, exist_ok=True)
     for t in range(len(scenario)):
-        _train_task(cfg, t, scenario, model, meth, state, out, device)
+        train_task(cfg, t, scenario, model, meth, state, out, device)
         sizes.append(_state_bytes(model, meth) / 2**20)
     return sizes
 

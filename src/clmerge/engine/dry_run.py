@@ -34,8 +34,8 @@ from ..config import ExperimentConfig
 from ..data.folders import DOMAINNET_DOMAINS
 from .checkpoint import save_checkpoint
 from . import distributed
-from .run import (RunState, _evaluate_row, _restore, _train_task, build_heads, fresh_objects, prepare,
-                  resolve_device)
+from .run import (RunState, build_heads, evaluate_row, fresh_objects, prepare, resolve_device, restore,
+                  train_task)
 
 __all__ = ["dry_run", "dry_run_config", "write_lookalike", "lookalike_classes", "FOLDER_CLASSES"]
 
@@ -266,7 +266,7 @@ def _task_losses(out: Path) -> dict[int, float]:
 def _check_resume(cfg: ExperimentConfig, out: Path, device) -> None:
     """Restore the last checkpoint into a freshly built model and method (the ``--resume`` path)."""
     _, model2, method2, _ = prepare(cfg)
-    start = _restore(out, model2, method2, device)[0]
+    start = restore(out, model2, method2, device)[0]
     if start < 1:
         raise RuntimeError("dry run: the checkpoint could not be restored")
 
@@ -302,7 +302,7 @@ def _run_tasks(cfg: ExperimentConfig, out: Path, tasks: int, echo: Callable[[str
     fresh = lambda: _capped(fresh_objects(cfg), cfg.train.max_steps_per_epoch)  # noqa: E731
     heads = build_heads(cfg, model, method)  # the configured head's statistics, as a run keeps them
     for t in range(n):
-        model, method, heads = _train_task(cfg, t, scenario, model, method, state, out, device, heads,
+        model, method, heads = train_task(cfg, t, scenario, model, method, state, out, device, heads,
                                            fresh=fresh)
         meta = {"task": t, "structure": model_structure(model), "method": method.state_meta(),
                 "state": state.to_meta()}
@@ -311,7 +311,7 @@ def _run_tasks(cfg: ExperimentConfig, out: Path, tasks: int, echo: Callable[[str
         trained = (f"{cfg.train.max_steps_per_epoch} steps, loss {loss:.4f}" if loss is not None
                    else "nothing trained (feature statistics only)")
         echo(f"task {t}: {trained}, {state.task_seconds[-1]:.1f}s")
-    _evaluate_row(cfg, n - 1, scenario, method, state, device, heads)
+    evaluate_row(cfg, n - 1, scenario, method, state, device, heads)
     row = [round(v, 2) for v in state.rows[-1][:n] if v is not None]
     echo(f"evaluation after task {n - 1}: accuracy per task {row}")
     _check_resume(cfg, out, device)

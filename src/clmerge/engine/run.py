@@ -38,7 +38,7 @@ from ..utils.precision import autocast, check_precision, fp32_region
 from .training import fit
 
 __all__ = ["run_experiment", "prepare", "build_heads", "RunState", "task_generator", "resolve_device",
-           "fresh_objects", "share_state"]
+           "fresh_objects", "share_state", "train_task", "evaluate_row", "restore", "load_into"]
 
 log_warning = logging.getLogger("clmerge.engine").warning  # one line on stderr ("warning: ...")
 
@@ -146,7 +146,7 @@ def _check_run_dir(out: Path, cfg_text: str, resume: bool) -> None:
         raise FileExistsError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
 
 
-def _restore(out: Path, model: ContinualClassifier, method: ContinualMethod, device,
+def restore(out: Path, model: ContinualClassifier, method: ContinualMethod, device,
              heads: HeadSuite | None = None) -> tuple[int, RunState, dict[str, str]]:
     """``(first task to run, run state, checkpoint record)`` from the newest verified checkpoint. Every check
     (missing or corrupt checkpoint, changed events.jsonl) runs before the one change: events.jsonl is cut
@@ -162,7 +162,7 @@ def _restore(out: Path, model: ContinualClassifier, method: ContinualMethod, dev
     model_state, method_tensors, meta = load_checkpoint(ck, sha256=sha)
     st = meta["state"]
     kept = verify_events(events, st["events_lines"], meta.get("events_sha256"))
-    _load_into(model, method, heads, meta, model_state, method_tensors,
+    load_into(model, method, heads, meta, model_state, method_tensors,
                load_head_tensors(ck) if heads is not None and heads.needs_features else {}, device)
     state = RunState(st["rows"], st["til_rows"], st["task_seconds"], st["initial"], st["events_lines"],
                      st.get("head_rows", {}), st.get("head_val", {}))
@@ -177,7 +177,7 @@ def _row(results, n_tasks: int, key: str) -> list[float | None]:
     return vals + [None] * (n_tasks - len(vals))
 
 
-def _train_task(cfg, t, scenario, model, method, state, out, device, heads: HeadSuite | None = None,
+def train_task(cfg, t, scenario, model, method, state, out, device, heads: HeadSuite | None = None,
                 fresh=None) -> tuple[ContinualClassifier, ContinualMethod, HeadSuite | None]:
     """Train task ``t`` and run the end-of-task work; returns ``(model, method, heads)``: the same objects, or,
     in a data-parallel run's processes other than 0, fresh ones holding process 0's end-of-task state
@@ -260,11 +260,11 @@ def share_state(dp, cfg, model, method, heads, device, fresh=None):
     part = lambda prefix: {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}  # noqa: E731
     model, method, new_heads = (fresh or (lambda: fresh_objects(cfg)))()
     new_heads = new_heads if heads is not None else None
-    _load_into(model, method, new_heads, meta, part("model/"), part("method/"), part("heads/"), device)
+    load_into(model, method, new_heads, meta, part("model/"), part("method/"), part("heads/"), device)
     return model, method, new_heads
 
 
-def _load_into(model, method, heads, meta: dict, model_state: dict, method_tensors: dict, head_tensors: dict,
+def load_into(model, method, heads, meta: dict, model_state: dict, method_tensors: dict, head_tensors: dict,
                device) -> None:
     """Load a checkpoint's state (from a file on --resume, or broadcast by process 0) into model, method and
     head suite: the structure first, then the weights, the method's state and the heads' statistics."""
@@ -274,6 +274,9 @@ def _load_into(model, method, heads, meta: dict, model_state: dict, method_tenso
     method.load_state({k: v.to(device) for k, v in method_tensors.items()}, meta["method"])
     if heads is not None and heads.needs_features:
         heads.load_state(head_tensors, meta["heads"])
+
+
+_load_into = load_into  # the name checkpoints/run_export.py still imports (it moves to engine/export.py)
 
 
 def _adapted_groups(cfg, t: int, groups: list[dict]) -> tuple[list[dict], list]:
@@ -289,7 +292,7 @@ def _adapted_groups(cfg, t: int, groups: list[dict]) -> tuple[list[dict], list]:
     return [g for g in groups if g.get("name") == "head"], frozen
 
 
-def _evaluate_row(cfg, t, scenario, method, state, device, heads: HeadSuite | None = None) -> None:
+def evaluate_row(cfg, t, scenario, method, state, device, heads: HeadSuite | None = None) -> None:
     with autocast(cfg.run.precision, device):
         _evaluate_row_inner(cfg, t, scenario, method, state, device, heads)
 
@@ -415,7 +418,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool =
         if main:
             _check_run_dir(out, cfg_text, resume)  # again under the lock: another run may have started meanwhile
             if resume:
-                start, state, record = _restore(out, model, method, device, heads)
+                start, state, record = restore(out, model, method, device, heads)
             atomic_write_text(out / "config.yaml", cfg_text)
             write_json(out / "manifest.json", {**manifest, RECORD_KEY: record})
         if dp is not None and resume:  # the others start from process 0's restored state
@@ -424,10 +427,10 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool =
         model.to(device)
         bar = Progress(range(start, len(scenario)), desc="tasks", enabled=cfg.run.progress and main)
         for t in bar:
-            model, method, heads = _train_task(cfg, t, scenario, model, method, state, out, device, heads)
+            model, method, heads = train_task(cfg, t, scenario, model, method, state, out, device, heads)
             if not main:
                 continue
-            _evaluate_row(cfg, t, scenario, method, state, device, heads)
+            evaluate_row(cfg, t, scenario, method, state, device, heads)
             row = [v for v in state.rows[-1][: t + 1]]
             _log(out, state, {"event": "task_end", "task": t, "seconds": round(state.task_seconds[-1], 3),
                               "acc_row": row, "avg_acc": float(np.mean(row))})

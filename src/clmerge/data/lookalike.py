@@ -1,4 +1,4 @@
-"""Look-alike datasets: a few tiny images in the on-disk layout a reader expects, for ``clmerge run --dry-run``.
+"""Look-alike datasets: a few tiny files in the on-disk layout a reader expects (``clmerge run --dry-run``).
 
 The layout of a source is known in one place, beside its reader: each reader module registers a writer of its
 layout here (``@register_lookalike("cub200", classes=200)``), and the dry run asks :func:`write_lookalike` for

@@ -33,8 +33,7 @@ from ..data.lookalike import LookalikeSpec, lookalike_class_count
 from ..data.lookalike import write_lookalike as write_dataset_lookalike
 from .checkpoint import save_checkpoint
 from . import distributed
-from .run import (RunState, build_heads, evaluate_row, fresh_objects, prepare, resolve_device, restore,
-                  train_task)
+from .run import evaluate_row, fresh_objects, prepare_run, resolve_device, restore, train_task
 
 __all__ = ["dry_run", "dry_run_config", "write_lookalike", "lookalike_classes"]
 
@@ -120,8 +119,7 @@ def _task_losses(out: Path) -> dict[int, float]:
 
 def _check_resume(cfg: ExperimentConfig, out: Path, device) -> None:
     """Restore the last checkpoint into a freshly built model and method (the ``--resume`` path)."""
-    _, model2, method2, _ = prepare(cfg)
-    start = restore(out, model2, method2, device)[0]
+    start = restore(prepare_run(cfg, out, device, heads=False))[0]
     if start < 1:
         raise RuntimeError("dry run: the checkpoint could not be restored")
 
@@ -147,33 +145,32 @@ def _capped(objs, steps):
 def _run_tasks(cfg: ExperimentConfig, out: Path, tasks: int, echo: Callable[[str], None]) -> dict:
     dp = distributed.setup(cfg.run.device)
     device = dp.device if dp is not None else resolve_device(cfg.run.device)
-    scenario, model, method, manifest = prepare(cfg)
-    _cap_inner_loops(method, cfg.train.max_steps_per_epoch)
-    model.to(device)
-    state, n = RunState(), min(tasks, len(scenario))
-    params = sum(p.numel() for p in model.backbone.parameters())
+    run = prepare_run(cfg, out, device)  # with the configured head's statistics, as a run keeps them
+    _cap_inner_loops(run.method, cfg.train.max_steps_per_epoch)
+    run.fresh = lambda: _capped(fresh_objects(cfg), cfg.train.max_steps_per_epoch)
+    run.model.to(device)
+    state, scenario, n = run.state, run.scenario, min(tasks, len(run.scenario))
+    params = sum(p.numel() for p in run.model.backbone.parameters())
     echo(f"backbone {cfg.model.name} (random init): {params / 1e6:.2f}M parameters; "
          f"{len(scenario)} tasks of {[t.n_classes for t in scenario.tasks[:3]]}... classes ({scenario.kind})")
-    fresh = lambda: _capped(fresh_objects(cfg), cfg.train.max_steps_per_epoch)  # noqa: E731
-    heads = build_heads(cfg, model, method)  # the configured head's statistics, as a run keeps them
     for t in range(n):
-        model, method, heads = train_task(cfg, t, scenario, model, method, state, out, device, heads,
-                                           fresh=fresh)
-        meta = {"task": t, "structure": model_structure(model), "method": method.state_meta(),
+        train_task(run, t)
+        meta = {"task": t, "structure": model_structure(run.model), "method": run.method.state_meta(),
                 "state": state.to_meta()}
-        save_checkpoint(out, t, model.state_dict(), method.state_tensors(), meta, keep=1)
+        save_checkpoint(out, t, run.model.state_dict(), run.method.state_tensors(), meta, keep=1)
         loss = _task_losses(out).get(t)
         trained = (f"{cfg.train.max_steps_per_epoch} steps, loss {loss:.4f}" if loss is not None
                    else "nothing trained (feature statistics only)")
         echo(f"task {t}: {trained}, {state.task_seconds[-1]:.1f}s")
-    evaluate_row(cfg, n - 1, scenario, method, state, device, heads)
+    evaluate_row(run, n - 1)
     row = [round(v, 2) for v in state.rows[-1][:n] if v is not None]
     echo(f"evaluation after task {n - 1}: accuracy per task {row}")
     _check_resume(cfg, out, device)
     echo("checkpoint saved and restored into a fresh model: ok")
     return {"tasks_run": n, "n_tasks": len(scenario), "accuracy_row": row, "backbone_params": params,
             "losses": _task_losses(out), "task_seconds": state.task_seconds,
-            "method_metrics": method.metrics(), "trainable_params": manifest["trainable_params_after_setup"]}
+            "method_metrics": run.method.metrics(),
+            "trainable_params": run.manifest["trainable_params_after_setup"]}
 
 
 def dry_run(cfg: ExperimentConfig, *, tasks: int = 2, steps: int = 2, batch_size: int = 4, train_per_class: int = 2,

@@ -98,3 +98,15 @@ def test_config_alone_imports_no_method_and_says_what_is_missing():
             "print('clmerge.methods' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "import clmerge.methods" in out and out.strip().endswith("False")
+
+
+def test_a_shipped_config_is_found_by_name_by_the_config_layer_alone():
+    """``load_config(NAME)`` resolves the shipped config without importing the higher ``paper_configs``."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport clmerge.methods\nfrom clmerge.config import load_config\n"
+            "cfg = load_config('halrp_cifar100_split_lenet')\n"
+            "print(cfg.method.name, 'clmerge.paper_configs' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["halrp", "False"]

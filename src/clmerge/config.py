@@ -41,6 +41,9 @@ __all__ = [
     "validate_strict",
     "read_yaml_mapping",
     "set_method_registry",
+    "PAPER_DIR",
+    "available_configs",
+    "resolve_config_arg",
 ]
 
 
@@ -398,13 +401,40 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 EMBEDDED_DEFAULT: dict[str, Any] = {"method": {"name": "ranpac"}}
 
 
+PAPER_DIR = Path(__file__).resolve().parent / "configs" / "paper"  # the papers' configs shipped with clmerge
+_SUFFIXES = (".yaml", ".yml")
+
+
+def available_configs() -> dict[str, Path]:
+    """Shipped config names (file stems), sorted, with their files."""
+    return {p.stem: p for p in sorted(PAPER_DIR.glob("*.yaml"))}
+
+
+def resolve_config_arg(arg: str | Path) -> Path:
+    """The file a ``clmerge run CONFIG`` argument means: an existing path as given, else a shipped name.
+
+    A bare word (no folder, no ``.yaml``) that is not a shipped name is a usage error with the nearest name;
+    a missing path is an input error, which names the shipped config when the path's stem is one."""
+    p = Path(arg)
+    if p.exists():
+        return p
+    names = available_configs()
+    bare = len(p.parts) == 1 and p.suffix not in _SUFFIXES
+    if bare and str(arg) in names:
+        return names[str(arg)]
+    if bare:
+        near = get_close_matches(str(arg), list(names), n=1, cutoff=0.6)
+        hint = f"did you mean {near[0]!r}?" if near else "list them with `clmerge configs`"
+        raise ConfigError(f"config {str(arg)!r}: no such file and no shipped config of that name ({hint})")
+    also = f" (a shipped config has that name: `clmerge run {p.stem}`)" if p.stem in names else ""
+    raise ConfigFileError(f"config file not found: {p}{also}")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
     """Read a YAML config (or the embedded default when ``path`` is None) and apply ``--set`` overrides.
 
     ``path`` is a file, or the name of a config shipped with clmerge (``clmerge configs`` lists them)."""
     import copy
-
-    from .paper_configs import resolve_config_arg
 
     data = read_yaml_mapping(resolve_config_arg(path)) if path is not None else copy.deepcopy(EMBEDDED_DEFAULT)
     data = apply_overrides(data, overrides or [])

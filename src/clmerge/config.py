@@ -40,6 +40,9 @@ __all__ = [
     "default_config",
     "validate_strict",
     "read_yaml_mapping",
+    "StrictModel",
+    "check_keys",
+    "nearest_hint",
     "set_method_registry",
     "PAPER_DIR",
     "available_configs",
@@ -89,12 +92,14 @@ class ConfigFileError(ConfigError, InputError):
     exit_code = InputError.exit_code
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """A config section: unknown keys, wrong types and nan/inf are refused (recipes and specs use it too)."""
+
     # nan/inf are never meaningful settings (an lr of inf diverges at the first step): refused with the key
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
-class ScenarioConfig(_Strict):
+class ScenarioConfig(StrictModel):
     dataset: str = "mnist5k"
     kind: Literal["class_incremental", "task_incremental", "domain_incremental"] = "class_incremental"
     n_tasks: int = Field(5, ge=1)
@@ -121,7 +126,7 @@ class ScenarioConfig(_Strict):
         "beyond them)")
 
 
-class ModelConfig(_Strict):
+class ModelConfig(StrictModel):
     name: str = "vit-tiny-fmnist"
     pretrained: bool = True
     source: str | None = Field(None, description="local directory or hub id of the weights")
@@ -129,7 +134,7 @@ class ModelConfig(_Strict):
     head_bias: bool = True
 
 
-class HeadConfig(_Strict):
+class HeadConfig(StrictModel):
     loss: Literal["local", "seen"] = Field(
         "local",
         description="local: cross-entropy over the current task's logits only (SD-LoRA and InfLoRA code); "
@@ -159,7 +164,7 @@ class HeadConfig(_Strict):
     align_rank: int = Field(16, ge=1, description="align_cov=lowrank: eigenpairs kept per class")
 
 
-class OptimConfig(_Strict):
+class OptimConfig(StrictModel):
     name: Literal["sgd", "adam", "adamw"] = "adam"
     lr: float = Field(5e-3, gt=0)
     first_task_lr: float | None = Field(None, gt=0, description="a different lr for task 0 (SD-LoRA ImageNet-A)")
@@ -174,7 +179,7 @@ class OptimConfig(_Strict):
     grad_clip: float | None = Field(None, gt=0)
 
 
-class TrainConfig(_Strict):
+class TrainConfig(StrictModel):
     epochs: int = Field(5, ge=1)
     batch_size: int = Field(64, ge=1)
     eval_batch_size: int = Field(500, ge=1)
@@ -189,7 +194,7 @@ class TrainConfig(_Strict):
         "later tasks train the head alone (RanPAC's and APER's first-session adaptation: N=1). null: every task")
 
 
-class RunConfig(_Strict):
+class RunConfig(StrictModel):
     device: str = Field("cpu", description="cpu, cuda, cuda:N or auto")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's)")
     precision: Literal["fp32", "bf16", "fp16"] = Field(
@@ -216,7 +221,7 @@ class MethodConfig(BaseModel):
         return dict(self.model_extra or {})
 
 
-class ExperimentConfig(_Strict):
+class ExperimentConfig(StrictModel):
     seed: int = 0
     scenario: ScenarioConfig = Field(default_factory=ScenarioConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -256,12 +261,13 @@ class ExperimentConfig(_Strict):
 
 
 # ----------------------------------------------------------------------------------------------------------
-def _nearest(key: str, valid: list[str]) -> str:
+def nearest_hint(key: str, valid: list[str]) -> str:
+    """The tail of an unknown-key message: the closest valid key, else the list of valid ones."""
     near = get_close_matches(str(key), valid, n=1, cutoff=0.5)  # YAML keys may be numbers
     return f" (did you mean {near[0]!r}?)" if near else f"; valid keys: {', '.join(valid)}"
 
 
-def _check_keys(data: Any, model: type[BaseModel], path: str) -> None:
+def check_keys(data: Any, model: type[BaseModel], path: str) -> None:
     """Walk ``data`` against ``model``'s fields: unknown keys raise ConfigError with the nearest valid key."""
     if not isinstance(data, dict):
         return
@@ -271,10 +277,10 @@ def _check_keys(data: Any, model: type[BaseModel], path: str) -> None:
         if key not in fields:
             if model is MethodConfig:
                 continue  # checked against the method's own options below
-            raise ConfigError(f"unknown config key {dotted!r}{_nearest(key, list(fields))}")
+            raise ConfigError(f"unknown config key {dotted!r}{nearest_hint(key, list(fields))}")
         ann = fields[key].annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            _check_keys(value, ann, dotted + ".")
+            check_keys(value, ann, dotted + ".")
     if model is MethodConfig:
         _check_method_keys(data, path)
 
@@ -283,12 +289,12 @@ def _check_method_keys(data: dict, path: str) -> None:
     methods = _methods()
     name = data.get("name", MethodConfig().name)
     if not isinstance(name, str) or name not in methods.available():
-        raise ConfigError(f"{path}name: unknown method {name!r}{_nearest(name, list(methods.available()))}")
+        raise ConfigError(f"{path}name: unknown method {name!r}{nearest_hint(name, list(methods.available()))}")
     opts = methods.get(name).Options
     for key in data:
         if key != "name" and key not in opts.model_fields:
             valid = list(opts.model_fields) or ["(this method has no options)"]
-            raise ConfigError(f"unknown config key {f'{path}{key}'!r} for method {name!r}{_nearest(key, valid)}")
+            raise ConfigError(f"unknown config key {f'{path}{key}'!r} for method {name!r}{nearest_hint(key, valid)}")
 
 
 def _format_validation(exc: ValidationError, prefix: str = "") -> str:
@@ -303,7 +309,7 @@ def _format_validation(exc: ValidationError, prefix: str = "") -> str:
 def validate_strict(model: type[BaseModel], data: dict | None) -> BaseModel:
     """Validate ``data`` into ``model``: unknown keys name the nearest valid key, bad values name their key."""
     data = dict(data or {})
-    _check_keys(data, model, "")
+    check_keys(data, model, "")
     try:
         return model.model_validate(data)
     except ValidationError as exc:

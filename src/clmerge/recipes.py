@@ -31,19 +31,19 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, field_validator
 
-from .config import ConfigError, _check_keys, _Strict, read_yaml_mapping, validate_strict
+from .config import ConfigError, StrictModel, check_keys, read_yaml_mapping, validate_strict
 
 __all__ = ["DTYPES", "ModelEntry", "Override", "Recipe", "key_groups", "layer_index", "load_recipe"]
 
 DTYPES = Literal["float32", "bfloat16", "float16", "float64"]
 
 
-class ModelEntry(_Strict):
+class ModelEntry(StrictModel):
     model: str
     parameters: dict[str, Any] = Field(default_factory=dict)
 
 
-class Override(_Strict):
+class Override(StrictModel):
     pattern: str
     parameters: dict[str, Any]
 
@@ -63,7 +63,7 @@ class Override(_Strict):
         return fnmatch.fnmatchcase(key, self.pattern)
 
 
-class Recipe(_Strict):
+class Recipe(StrictModel):
     method: str
     base: str | None = None
     models: list[ModelEntry] = Field(min_length=1)
@@ -86,9 +86,9 @@ def load_recipe(path: str, data: dict | None = None) -> Recipe:
     if isinstance(models, list):
         data = {**data, "models": [{"model": m} if isinstance(m, str) else m for m in models]}
         for i, m in enumerate(data["models"]):
-            _check_keys(m, ModelEntry, f"models[{i}].")
+            check_keys(m, ModelEntry, f"models[{i}].")
     for i, o in enumerate(data.get("overrides") or []):
-        _check_keys(o, Override, f"overrides[{i}].")
+        check_keys(o, Override, f"overrides[{i}].")
     try:
         return validate_strict(Recipe, data)
     except ConfigError as exc:

@@ -31,7 +31,8 @@ from .checkpoint import (RECORD_KEY, ResumeError, RunLock, checkpoint_record, lo
                          load_head_tensors, resume_checkpoint, save_checkpoint)
 from .evaluate import evaluate_tasks
 from .heads import VARIANTS, HeadSuite, check_head_support
-from .resume import check_resumable, check_same_config, events_sha256, finished_tasks_in_events, verify_events
+from .resume import (check_resumable, check_same_config, events_sha256, finished_tasks_in_events, thread_history,
+                     verify_events)
 from . import distributed
 from .precision import autocast, check_precision, fp32_region
 from .training import fit
@@ -397,13 +398,14 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool =
     scenario, model, method, manifest = prepare(cfg)
     heads = build_heads(cfg, model, method)
     manifest.update(precision=cfg.run.precision, world_size=dp.world if dp is not None else 1,
-                    device=str(device))
+                    device=str(device), threads=torch.get_num_threads())
     with RunLock(out) if main else contextlib.nullcontext():
         start, state, record = 0, RunState(), {}
         if main:
             _check_run_dir(out, cfg_text, resume)  # again under the lock: another run may have started meanwhile
             if resume:
                 start, state, record = _restore(out, model, method, device, heads)
+                manifest.update(thread_history(out / "manifest.json", manifest["threads"], start))
             atomic_write_text(out / "config.yaml", cfg_text)
             write_json(out / "manifest.json", {**manifest, RECORD_KEY: record})
         if dp is not None and resume:  # the others start from process 0's restored state

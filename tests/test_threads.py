@@ -1,0 +1,78 @@
+"""The torch thread count of a run: recorded in manifest.json, a resume with another count warns once, and
+SD-LoRA's result moves by little between 1 and 2 threads (docs/threads.md)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+
+from clmerge.config import parse_config
+from clmerge.engine.run import run_experiment
+from conftest import tiny_config
+
+
+@pytest.fixture(autouse=True)
+def _keep_thread_count():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def one_thread_run(tmp_path_factory):
+    """(config dict, run directory) of a finished 2-task run at 1 thread (both checkpoints kept)."""
+    before = torch.get_num_threads()
+    data = tiny_config(**{"run.threads": 1, "run.keep_checkpoints": 2})
+    out = tmp_path_factory.mktemp("threads") / "run"
+    run_experiment(parse_config(data), out)
+    torch.set_num_threads(before)
+    return data, out
+
+
+def _killed_in_task_1(src, tmp_path):
+    """A copy of ``src`` as if it had been killed during its second task."""
+    out = tmp_path / "run"
+    shutil.copytree(src, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["checkpoints"].pop("task_001.safetensors")
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    (out / "checkpoints" / "task_001.safetensors").unlink()
+    (out / "metrics.json").unlink()
+    return out
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_the_manifest_records_the_thread_count(one_thread_run):
+    _, out = one_thread_run
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["threads"] == 1 and "threads_resumed" not in manifest
+
+
+def test_resume_with_another_thread_count_warns_once_and_records_it(one_thread_run, tmp_path, caplog):
+    data, src = one_thread_run
+    out = _killed_in_task_1(src, tmp_path)
+    data = {**data, "run": {**data["run"], "threads": 2}}  # an explicit change of run.threads is no refusal
+    with caplog.at_level(logging.WARNING, logger="clmerge.engine"):
+        run_experiment(parse_config(data), out, resume=True)
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+    assert "2 torch threads" in warnings[0] and "used 1" in warnings[0]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["threads"] == 1 and manifest["threads_resumed"] == [{"task": 1, "threads": 2}]
+
+
+def test_resume_with_the_same_thread_count_is_silent(one_thread_run, tmp_path, caplog):
+    data, src = one_thread_run
+    out = _killed_in_task_1(src, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="clmerge.engine"):
+        run_experiment(parse_config(data), out, resume=True)
+    assert _warnings(caplog) == []
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["threads"] == 1 and "threads_resumed" not in manifest

@@ -6,7 +6,8 @@ Usage:
         [--out benchmarks/threads/results.md] [--set key=value ...]
 
 Protocol: digits, class-incremental, 5 tasks, the shipped backbone, the linear head, every task trained
-(``head.classifier=linear``, ``train.adapt_tasks=null``), each method's defaults otherwise. Each run is a fresh
+(``head.classifier=linear``, ``train.adapt_tasks=null``), each method's defaults otherwise; LoRA methods on
+key and value (the embedded default's ``method.targets``), the others from an empty config file. Each run is a fresh
 ``clmerge run`` process with ``run.threads`` and ``OMP_NUM_THREADS`` equal; a run whose ``metrics.json`` exists
 in ``--work`` is reused, so an interrupted table continues. Besides the accuracies, the table says whether
 the two runs' logged training losses are bit-identical and, if not, the first step where they differ and
@@ -36,12 +37,24 @@ def run_one(method: str, threads: int, seed: int, work: Path, extra: list[str]) 
         return out
     sets = [*PROTOCOL, f"method.name={method}", f"seed={seed}", f"run.threads={threads}", *extra]
     cmd = [sys.executable, "-m", "clmerge", "run", "--out", str(out), "--overwrite"]
+    if not _has_lora_targets(method):  # the embedded default's method.targets (key, value) is LoRA-only
+        empty = work / "section_defaults.yaml"
+        empty.parent.mkdir(parents=True, exist_ok=True)
+        empty.write_text("{}\n")
+        cmd.insert(4, str(empty))
     for s in sets:
         cmd += ["--set", s]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads),
            "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
     return out
+
+
+def _has_lora_targets(method: str) -> bool:
+    sys.path.insert(0, str(ROOT / "src"))
+    from clmerge.methods import method_options_model
+
+    return "targets" in method_options_model(method).model_fields
 
 
 def step_losses(run: Path) -> list[float]:

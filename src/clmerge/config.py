@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import InputError, UsageError, clip
 from .utils.yaml_io import YamlError, YamlLimitError, load_yaml, read_yaml
+from .utils.threads import threads_problem
 
 __all__ = [
     "ConfigError",
@@ -197,7 +198,8 @@ class TrainConfig(StrictModel):
 
 class RunConfig(StrictModel):
     device: str = Field("cpu", description="cpu, cuda, cuda:N or auto")
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's)")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's); at most "
+                                "4 x the CPUs (utils.threads). Results can differ with the count (docs/threads.md)")
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="training and evaluation forward passes: fp32, or autocast to bf16 / fp16 (fp16 with "
         "a loss scaler); end-of-task statistics stay fp32 (docs/scaling.md)")
@@ -208,6 +210,14 @@ class RunConfig(StrictModel):
     keep_checkpoints: int = Field(1, ge=1, description="how many per-task checkpoints to keep (newest)")
     report: bool = Field(True, description="write report.html at the end")
     eval_til: bool = Field(True, description="class-incremental: also report task-id-known accuracy")
+
+    @field_validator("threads")
+    @classmethod
+    def _usable_threads(cls, v: int | None) -> int | None:
+        problem = None if v is None else threads_problem(v)
+        if problem is not None:  # a huge count crashes the OpenMP runtime (utils.threads)
+            raise ValueError(problem)
+        return v
 
 
 class MethodConfig(BaseModel):

@@ -34,7 +34,7 @@ from .checkpoint import (RECORD_KEY, ResumeError, RunLock, checkpoint_contents, 
 from .evaluate import evaluate_tasks
 from .heads import VARIANTS, HeadSuite, check_head_support
 from .resume import (CONFIG_SHA_KEY, check_resumable, check_same_config, events_sha256, finished_tasks_in_events,
-                     recorded_config_sha256, verify_events)
+                     recorded_config_sha256, thread_history, verify_events)
 from . import distributed
 from ..utils.precision import autocast, check_precision, fp32_region
 from .training import fit
@@ -458,13 +458,14 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool =
     run = prepare_run(cfg, out, device)
     manifest = run.manifest
     manifest.update(precision=cfg.run.precision, world_size=dp.world if dp is not None else 1,
-                    device=str(device))
+                    device=str(device), threads=torch.get_num_threads())
     with RunLock(out) if main else contextlib.nullcontext():
         start, record = 0, {}
         if main:
             _check_run_dir(out, cfg_text, resume)  # again under the lock: another run may have started meanwhile
             if resume:
                 start, record = restore(run)
+                manifest.update(thread_history(out / "manifest.json", manifest["threads"], start))
             atomic_write_text(out / "config.yaml", cfg_text)
             # what --resume checks config.yaml against (a hand edit would mix two experiments)
             manifest[CONFIG_SHA_KEY] = sha256_bytes(cfg_text.encode("utf-8"))

@@ -1,6 +1,6 @@
 """Training throughput and peak memory per continual method and precision (issue 15); writes throughput.md.
 
-What one cell (method, precision, network) measures: the engine's own loop (``engine.run._train_task`` ->
+What one cell (method, precision, network) measures: the engine's own loop (``engine.run.train_task`` ->
 ``engine.training.fit``, with the method's ``loss`` / ``before_step`` / ``after_step``) trains task 1 for a
 couple of steps and runs the method's end-of-task work, so that task 2 starts with the state a method carries
 (frozen earlier LoRA components, Fisher / anchors, GPM bases, the merged model). Task 2 then trains, and a
@@ -186,7 +186,7 @@ def cell_config(suite: dict, label: str, precision: str, a) -> dict:
 def measure_cell(job: dict) -> dict:
     """One cell in this (fresh) process: task 1 with end-of-task work, then the timed steps of task 2."""
     from clmerge.config import parse_config
-    from clmerge.engine.run import RunState, _train_task, prepare, resolve_device
+    from clmerge.engine.run import Run, prepare, resolve_device, train_task
 
     torch.set_num_threads(job["threads"])
     cfg = parse_config(job["config"])
@@ -198,8 +198,9 @@ def measure_cell(job: dict) -> dict:
     full = len(scenario.tasks[1].train) // cfg.train.batch_size  # full batches only: timed steps are alike
     precision, cfg.run.precision = cfg.run.precision, "fp32"  # task 1 only sets up state (CPU fp16 is slow)
     with tempfile.TemporaryDirectory() as tmp:
-        state = RunState()
-        model, method, _ = _train_task(cfg, 0, scenario, model, method, state, Path(tmp), device)
+        run = Run(cfg, scenario, model, method, Path(tmp), device)
+        train_task(run, 0)
+        model, method = run.model, run.method
         cfg.run.precision = precision
         cfg.train.max_steps_per_epoch = max(1, min(full, per_epoch))
         cfg.train.epochs = math.ceil(total / cfg.train.max_steps_per_epoch)
@@ -207,7 +208,7 @@ def measure_cell(job: dict) -> dict:
         memory.start()
         clock = StepClock(method, total, device)
         try:
-            _train_task(cfg, 1, scenario, model, method, state, Path(tmp), device)
+            train_task(run, 1)
         except _Done:
             pass
         else:

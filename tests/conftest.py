@@ -6,6 +6,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import clmerge.methods  # noqa: E402,F401  (registers the methods that configs are validated against)
+
 # One thread: on a loaded 2-core machine a second OpenMP thread mostly waits for a core (the suite slowed
 # down), and the tiny models here gain nothing from it. Results do not depend on it (helpers run with 1).
 torch.set_num_threads(1)

@@ -637,6 +637,28 @@ def test_an_error_line_is_cut_at_the_line_limit(capsys):
     assert len(err) < cli_support.MAX_LINE + 20 and err.rstrip().endswith("…")
 
 
+# -- thread counts: a count far above the cores used to crash the OpenMP runtime (a traceback, then a
+# segmentation fault), so these run in a subprocess, where the old crash fails the case instead of pytest.
+THREAD_CASES = [
+    ("run-threads-huge", [*RUN, "--set", "run.threads=100000", "--out", "r"], ["run.threads", "at most"]),
+    ("merge-threads-huge", [*MERGE, "--threads", "100000", "--out", "m"], ["--threads", "at most", "100000"]),
+    ("pretrain-threads-huge", ["pretrain", "--threads", "100000", "--out", "p"], ["--threads", "at most"]),
+]
+
+
+@pytest.mark.parametrize("argv, words", [c[1:] for c in THREAD_CASES], ids=[c[0] for c in THREAD_CASES])
+def test_thread_count_out_of_range_is_one_usage_error(ws, argv, words):
+    before = _snapshot(ws)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "clmerge", *argv], cwd=ws, env=env, capture_output=True,
+                          text=True, timeout=300)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == USAGE, (proc.returncode, proc.stderr[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
+    assert all(w in lines[0] for w in words), lines[0]
+    assert _snapshot(ws) == before, "the file system changed"
+
+
 # -- one vocabulary on the command line (docs/cli.md): an old and a new spelling of one option together --
 VOCABULARY_CASES = [
     ("study-workers-and-jobs", ["study", str(STUDY_SPEC), "--out", "s", "--workers", "2", "--jobs", "3"], USAGE,

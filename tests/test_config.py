@@ -58,3 +58,55 @@ def test_overrides_and_yaml(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="expected dotted.key=value"):
         apply_overrides({}, ["optim.lr"])
+
+
+# --- the config does not import the methods: they hand it their registry -----------------------------------
+def test_method_section_is_checked_against_the_installed_registry():
+    """The config reads method classes through the registry ``clmerge.methods`` installs, whatever it holds."""
+    from pydantic import BaseModel
+
+    from clmerge import config
+    from clmerge.methods import METHODS
+    from clmerge.registry import Registry
+
+    class Stub:
+        class Options(BaseModel):
+            width: int = 3
+
+        head_defaults, trains_linear_head = {"classifier": "ncm"}, False
+
+    stub = Registry("method", key="method.name")
+    stub.register("stub", Stub, description="a stand-in")
+    config.set_method_registry(stub)
+    try:
+        cfg = parse_config({"method": {"name": "stub", "width": 5}})
+        assert cfg.method_options().width == 5 and cfg.head.classifier == "ncm"
+        with pytest.raises(ConfigError, match="'method.depth' for method 'stub'"):
+            parse_config({"method": {"name": "stub", "depth": 1}})
+        with pytest.raises(ConfigError, match="unknown method 'seq_lora'"):
+            parse_config({"method": {"name": "seq_lora"}})
+    finally:
+        config.set_method_registry(METHODS)
+
+
+def test_config_alone_imports_no_method_and_says_what_is_missing():
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom clmerge.config import parse_config\n"
+            "try:\n    parse_config({})\nexcept RuntimeError as e:\n    print(e)\n"
+            "print('clmerge.methods' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "import clmerge.methods" in out and out.strip().endswith("False")
+
+
+def test_a_shipped_config_is_found_by_name_by_the_config_layer_alone():
+    """``load_config(NAME)`` resolves the shipped config without importing the higher ``paper_configs``."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport clmerge.methods\nfrom clmerge.config import load_config\n"
+            "cfg = load_config('halrp_cifar100_split_lenet')\n"
+            "print(cfg.method.name, 'clmerge.paper_configs' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["halrp", "False"]

@@ -120,3 +120,20 @@ def test_seq_lora_folds_each_task(tmp_path):
     assert isinstance(method, SeqLoRA)
     assert all(not p.requires_grad for n, p in model.backbone.named_parameters() if "lora_" not in n)
     assert len(lora_layers(model)) == 2  # q and v of the single block
+
+
+def test_the_steps_of_a_run_take_the_run_object_and_give_run_experiments_numbers(tmp_path):
+    """A :class:`Run` built once by ``prepare_run`` goes through ``train_task`` / ``evaluate_row`` /
+    ``final_metrics``: the same accuracy matrix as ``run_experiment``, and ``restore`` reloads the state."""
+    from clmerge.engine.run import evaluate_row, final_metrics, prepare_run, restore, train_task
+
+    cfg = parse_config(tiny_config())
+    metrics = run_experiment(cfg, tmp_path / "full")
+    run = prepare_run(cfg, tmp_path / "steps", "cpu")
+    run.out.mkdir()
+    for t in range(len(run.scenario)):
+        train_task(run, t)
+        evaluate_row(run, t)
+    assert final_metrics(run)["accuracy_matrix"] == metrics["accuracy_matrix"]
+    again = prepare_run(cfg, tmp_path / "full", "cpu")
+    assert restore(again)[0] == len(again.scenario) and again.state.rows == metrics["accuracy_matrix"]

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from clmerge.cli import app
 from clmerge.config import ConfigError, parse_config
 from clmerge.engine.heads import extract_features
-from clmerge.engine.run import _restore, prepare, resolve_device, run_experiment
+from clmerge.engine.run import prepare_run, resolve_device, restore, run_experiment
 from clmerge.models.classifier import IncrementalHead
 from clmerge.models.heads import RANPAC_RIDGES, ClassFeatureStats, NCMHead, RanPACHead, align_linear_head, \
     ridge_grid_choice
@@ -52,8 +52,9 @@ def test_ncm_run_matches_class_means_of_the_final_backbone(tmp_path):
     cfg = _cfg(**{"head.classifier": "ncm", "run.keep_checkpoints": 3})
     metrics = run_experiment(cfg, tmp_path / "r")
     assert metrics["head"]["variant"] == "ncm"
-    scenario, model, method, _ = prepare(cfg)
-    _restore(tmp_path / "r", model, method, resolve_device("cpu"))
+    run = prepare_run(cfg, tmp_path / "r", resolve_device("cpu"), heads=False)
+    restore(run)
+    scenario, model, method = run.scenario, run.model, run.method
     model.eval()
     # each task's means come from the backbone at the end of that task; the final checkpoint's backbone is the
     # one that produced the last task's means, so those are recomputed by hand; prediction uses all stored means

@@ -9,7 +9,7 @@ import torch
 from clmerge.config import parse_config
 from clmerge.engine import run as engine_run
 from clmerge.engine.heads import HeadSuite
-from clmerge.engine.precision import autocast, check_precision, full_precision, grad_scaler
+from clmerge.utils.precision import autocast, check_precision, full_precision, grad_scaler
 from clmerge.engine.run import run_experiment
 from conftest import tiny_config
 

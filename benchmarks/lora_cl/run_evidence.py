@@ -202,12 +202,13 @@ def val_accuracy(out: Path, head: str = "linear") -> float:
         return json.loads(cached.read_text())["val_acc"]
     from clmerge.config import load_config
     from clmerge.engine.evaluate import evaluate_tasks
-    from clmerge.engine.run import _restore, prepare, resolve_device
+    from clmerge.engine.run import prepare_run, resolve_device, restore
 
     cfg = load_config(out / "config.yaml")
-    scenario, model, method, _ = prepare(cfg)
     device = resolve_device(cfg.run.device)
-    _restore(out, model, method, device)
+    run = prepare_run(cfg, out, device, heads=False)
+    restore(run)
+    scenario, method = run.scenario, run.method
     tasks = scenario.tasks
     n_out = tasks[-1].offset + tasks[-1].n_classes
     res = evaluate_tasks(method.inference_model(), tasks, n_outputs=n_out, device=device, split="val")

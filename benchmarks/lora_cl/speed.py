@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from clmerge.config import parse_config
-from clmerge.engine.run import RunState, _train_task, prepare, resolve_device
+from clmerge.engine.run import Run, prepare, resolve_device, train_task
 
 HERE = Path(__file__).resolve().parent
 
@@ -176,10 +176,11 @@ def memory_per_task(method: dict, a) -> list[float]:
     device = resolve_device(cfg.run.device)
     scenario, model, meth, _ = prepare(cfg)
     model.to(device)
-    state, out, sizes = RunState(), Path(a.tmp), []
+    out, sizes = Path(a.tmp), []
     out.mkdir(parents=True, exist_ok=True)
+    run = Run(cfg, scenario, model, meth, out, device)
     for t in range(len(scenario)):
-        _train_task(cfg, t, scenario, model, meth, state, out, device)
+        train_task(run, t)
         sizes.append(_state_bytes(model, meth) / 2**20)
     return sizes
 

@@ -335,7 +335,12 @@ def pretrain(
     """Reproducibly pretrain a shipped backbone (weights + provenance.json)."""
     from .pretrain import PRESETS
     from .utils.outpaths import check_output_dir
+    from .utils.threads import check_threads
 
+    try:
+        check_threads(threads)
+    except ValueError as exc:
+        _fail(str(exc))
     if preset not in PRESETS:
         _fail(f"--preset {preset!r}: unknown; known: {', '.join(PRESETS)}")
     # never into the installed package by default: that would silently replace the shipped weights

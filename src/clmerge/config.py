@@ -6,20 +6,23 @@ resolved ``config.yaml`` of a run. An unknown or misspelled key is an error that
 valid one; types and ranges are checked before anything runs.
 
 Method-specific options live under ``method:`` next to ``method.name`` and are validated against the options
-model the method registers (see ``methods.base.register_method``).
+model the method registers (see ``methods.base.register_method``). The config sits below the methods in the
+package's layers, so it does not import them: ``clmerge.methods`` hands its registry to
+:func:`set_method_registry` when it is imported, and the method-specific checks read the classes from there.
 """
 
 from __future__ import annotations
 
 from difflib import get_close_matches
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import InputError, UsageError, clip
 from .utils.yaml_io import YamlError, YamlLimitError, load_yaml, read_yaml
+from .utils.threads import threads_problem
 
 __all__ = [
     "ConfigError",
@@ -41,7 +44,43 @@ __all__ = [
     "read_yaml_mapping",
     "StrictModel",
     "check_keys",
+    "nearest_hint",
+    "set_method_registry",
+    "PAPER_DIR",
+    "available_configs",
+    "resolve_config_arg",
 ]
+
+
+class MethodSpec(Protocol):
+    """What the config reads of a registered continual method class (``methods.base.ContinualMethod``)."""
+
+    Options: type[BaseModel]  # the method's options model, validated from the ``method:`` section
+    head_defaults: dict[str, Any]  # ``head:`` values the method runs with unless the config sets them
+    trains_linear_head: bool  # False: predicts from feature statistics, so a linear head is never trained
+
+
+class MethodRegistry(Protocol):
+    """The lookups the config needs of the method registry (a :class:`clmerge.registry.Registry`)."""
+
+    def get(self, name: str, default: Any = ...) -> Any: ...
+
+    def available(self) -> dict[str, str]: ...
+
+
+_method_registry: list[MethodRegistry] = []  # set once, by ``clmerge.methods`` at import
+
+
+def set_method_registry(registry: MethodRegistry) -> None:
+    """Install the registry that names the continual methods (called by ``clmerge.methods`` at import)."""
+    _method_registry[:] = [registry]
+
+
+def _methods() -> MethodRegistry:
+    if not _method_registry:
+        raise RuntimeError("no continual methods are registered: import clmerge.methods (or clmerge.engine) "
+                           "before validating a config's method section")
+    return _method_registry[0]
 
 
 class ConfigError(UsageError):
@@ -56,7 +95,7 @@ class ConfigFileError(ConfigError, InputError):
 
 
 class StrictModel(BaseModel):
-    """A settings model that refuses unknown keys and re-validates on assignment (also merge recipes')."""
+    """A config section: unknown keys, wrong types and nan/inf are refused (recipes and specs use it too)."""
 
     # nan/inf are never meaningful settings (an lr of inf diverges at the first step): refused with the key
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -159,7 +198,8 @@ class TrainConfig(StrictModel):
 
 class RunConfig(StrictModel):
     device: str = Field("cpu", description="cpu, cuda, cuda:N or auto")
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's)")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's); at most "
+                                "4 x the CPUs (utils.threads). Results can differ with the count (docs/threads.md)")
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="training and evaluation forward passes: fp32, or autocast to bf16 / fp16 (fp16 with "
         "a loss scaler); end-of-task statistics stay fp32 (docs/scaling.md)")
@@ -170,6 +210,14 @@ class RunConfig(StrictModel):
     keep_checkpoints: int = Field(1, ge=1, description="how many per-task checkpoints to keep (newest)")
     report: bool = Field(True, description="write report.html at the end")
     eval_til: bool = Field(True, description="class-incremental: also report task-id-known accuracy")
+
+    @field_validator("threads")
+    @classmethod
+    def _usable_threads(cls, v: int | None) -> int | None:
+        problem = None if v is None else threads_problem(v)
+        if problem is not None:  # a huge count crashes the OpenMP runtime (utils.threads)
+            raise ValueError(problem)
+        return v
 
 
 class MethodConfig(BaseModel):
@@ -220,13 +268,12 @@ class ExperimentConfig(StrictModel):
 
     def method_options(self):
         """The validated options object of the configured method."""
-        from .methods import method_options_model
-
-        return method_options_model(self.method.name).model_validate(self.method.options())
+        return _methods().get(self.method.name).Options.model_validate(self.method.options())
 
 
 # ----------------------------------------------------------------------------------------------------------
-def _nearest(key: str, valid: list[str]) -> str:
+def nearest_hint(key: str, valid: list[str]) -> str:
+    """The tail of an unknown-key message: the closest valid key, else the list of valid ones."""
     near = get_close_matches(str(key), valid, n=1, cutoff=0.5)  # YAML keys may be numbers
     return f" (did you mean {near[0]!r}?)" if near else f"; valid keys: {', '.join(valid)}"
 
@@ -241,7 +288,7 @@ def check_keys(data: Any, model: type[BaseModel], path: str) -> None:
         if key not in fields:
             if model is MethodConfig:
                 continue  # checked against the method's own options below
-            raise ConfigError(f"unknown config key {clip(repr(dotted), 80)}{_nearest(key, list(fields))}")
+            raise ConfigError(f"unknown config key {clip(repr(dotted), 80)}{nearest_hint(key, list(fields))}")
         ann = fields[key].annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             check_keys(value, ann, dotted + ".")
@@ -250,18 +297,17 @@ def check_keys(data: Any, model: type[BaseModel], path: str) -> None:
 
 
 def _check_method_keys(data: dict, path: str) -> None:
-    from .methods import available_methods, method_options_model
-
+    methods = _methods()
     name = data.get("name", MethodConfig().name)
-    if not isinstance(name, str) or name not in available_methods():
+    if not isinstance(name, str) or name not in methods.available():
         raise ConfigError(f"{path}name: unknown method {clip(repr(name), 80)}"
-                          f"{_nearest(name, list(available_methods()))}")
-    opts = method_options_model(name)
+                          f"{nearest_hint(name, list(methods.available()))}")
+    opts = methods.get(name).Options
     for key in data:
         if key != "name" and key not in opts.model_fields:
             valid = list(opts.model_fields) or ["(this method has no options)"]
             raise ConfigError(f"unknown config key {clip(repr(f'{path}{key}'), 80)} for method {name!r}"
-                              f"{_nearest(key, valid)}")
+                              f"{nearest_hint(key, valid)}")
 
 
 MAX_LISTED_ERRORS = 3  # validation errors named in one message; the rest are counted
@@ -322,11 +368,9 @@ def parse_config(data: dict | None) -> ExperimentConfig:
 
 def _with_method_head(data: dict) -> dict:
     """``data`` with the method's ``head_defaults`` under the ``head:`` keys it sets itself (they win)."""
-    from .methods import METHODS
-
     method, head = data.get("method"), data.get("head", {})
     name = method.get("name", MethodConfig().name) if isinstance(method, dict) else MethodConfig().name
-    cls = METHODS.get(name, None) if isinstance(name, str) else None
+    cls = _methods().get(name, None) if isinstance(name, str) else None
     if cls is None or not cls.head_defaults or not isinstance(head, dict):
         return data  # an unknown method or a malformed head: reported by the validation
     return {**data, "head": {**cls.head_defaults, **head}}
@@ -334,10 +378,8 @@ def _with_method_head(data: dict) -> dict:
 
 def _check_method_head(cfg: ExperimentConfig) -> None:
     """A statistics method never trains the linear head: evaluating it (or aligning it) is refused."""
-    from .methods import method_class
-
     h, name = cfg.head, cfg.method.name
-    if method_class(name).trains_linear_head or (h.classifier != "linear" and not h.compare):
+    if _methods().get(name).trains_linear_head or (h.classifier != "linear" and not h.compare):
         return
     key = "head.compare=true" if h.compare else "head.classifier=linear"
     raise ConfigError(f"{key}: method {name!r} trains no linear head (it predicts from feature statistics of "
@@ -391,13 +433,40 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 EMBEDDED_DEFAULT: dict[str, Any] = {"method": {"name": "ranpac"}}
 
 
+PAPER_DIR = Path(__file__).resolve().parent / "configs" / "paper"  # the papers' configs shipped with clmerge
+_SUFFIXES = (".yaml", ".yml")
+
+
+def available_configs() -> dict[str, Path]:
+    """Shipped config names (file stems), sorted, with their files."""
+    return {p.stem: p for p in sorted(PAPER_DIR.glob("*.yaml"))}
+
+
+def resolve_config_arg(arg: str | Path) -> Path:
+    """The file a ``clmerge run CONFIG`` argument means: an existing path as given, else a shipped name.
+
+    A bare word (no folder, no ``.yaml``) that is not a shipped name is a usage error with the nearest name;
+    a missing path is an input error, which names the shipped config when the path's stem is one."""
+    p = Path(arg)
+    if p.exists():
+        return p
+    names = available_configs()
+    bare = len(p.parts) == 1 and p.suffix not in _SUFFIXES
+    if bare and str(arg) in names:
+        return names[str(arg)]
+    if bare:
+        near = get_close_matches(str(arg), list(names), n=1, cutoff=0.6)
+        hint = f"did you mean {near[0]!r}?" if near else "list them with `clmerge configs`"
+        raise ConfigError(f"config {str(arg)!r}: no such file and no shipped config of that name ({hint})")
+    also = f" (a shipped config has that name: `clmerge run {p.stem}`)" if p.stem in names else ""
+    raise ConfigFileError(f"config file not found: {p}{also}")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
     """Read a YAML config (or the embedded default when ``path`` is None) and apply ``--set`` overrides.
 
     ``path`` is a file, or the name of a config shipped with clmerge (``clmerge configs`` lists them)."""
     import copy
-
-    from .paper_configs import resolve_config_arg
 
     data = read_yaml_mapping(resolve_config_arg(path)) if path is not None else copy.deepcopy(EMBEDDED_DEFAULT)
     data = apply_overrides(data, overrides or [])

@@ -6,6 +6,8 @@ MNIST-5k and digits have no official test split; a fixed, stratified 80/20 split
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -13,7 +15,7 @@ from ..utils.extras import require_extra
 from .base import DataSplits, TensorData, register_dataset
 from .idx import find_idx_files, read_idx
 
-__all__ = ["stratified_split", "mnist5k", "digits", "fashion_mnist", "mnist1d"]
+__all__ = ["stratified_split", "mnist5k", "digits", "fashion_mnist", "mnist1d", "write_fashion_mnist_idx"]
 
 
 def stratified_split(targets: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -97,3 +99,18 @@ def mnist1d(*, num_samples: int = 5000, data_seed: int = 42, **_) -> DataSplits:
         class_names=[str(i) for i in range(10)],
         fingerprint={"source": "mnist1d.make_dataset", "num_samples": num_samples, "seed": data_seed},
     )
+
+
+def write_fashion_mnist_idx(root: Path, n_train: int, n_test: int) -> None:
+    """Fashion-MNIST IDX look-alikes under ``root/fashion-mnist`` (10 classes of random pixels), for the
+    ``mixed`` source's look-alike; a ``fashion_mnist`` dry run reads the installed files instead."""
+    import struct
+
+    rng = np.random.default_rng(0)
+    folder = root / "fashion-mnist"
+    folder.mkdir(parents=True, exist_ok=True)
+    for prefix, m in (("train", 10 * n_train), ("t10k", 10 * n_test)):
+        for stem, arr in ((f"{prefix}-images-idx3-ubyte", rng.integers(0, 255, (m, 28, 28))),
+                          (f"{prefix}-labels-idx1-ubyte", np.arange(m) % 10)):
+            head = bytes([0, 0, 8, arr.ndim]) + struct.pack(f">{arr.ndim}I", *arr.shape)
+            (folder / stem).write_bytes(head + arr.astype(np.uint8).tobytes())

@@ -18,9 +18,10 @@ import torch
 
 from clmerge.data.base import DataSplits, TensorData, register_dataset
 from clmerge.data.folders import missing_data_error, resolve_data_root
+from clmerge.data.lookalike import LookalikeSpec, register_lookalike
 from clmerge.utils.io import sha256_file
 
-__all__ = ["RestrictedUnpickler", "load_cifar_pickle", "cifar100", "CIFAR100_HOWTO"]
+__all__ = ["RestrictedUnpickler", "load_cifar_pickle", "cifar100", "CIFAR100_HOWTO", "write_cifar100_lookalike"]
 
 CIFAR100_HOWTO = (
     "Get it: download the CIFAR-100 python version tarball cifar-100-python.tar.gz "
@@ -204,3 +205,19 @@ def cifar100(
         class_names=names,
         fingerprint=fingerprint,
     )
+
+
+@register_lookalike("cifar100", classes=lambda options: 20 if options.get("label_kind") == "coarse" else 100)
+def write_cifar100_lookalike(root: Path, spec: LookalikeSpec) -> None:
+    """``cifar-100-python/{train,test,meta}``: the python-version pickles (plain dicts, lists and a uint8
+    array), with all 100 fine classes whatever ``spec.classes`` is."""
+    folder = root / "cifar-100-python"
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for name, n in (("train", spec.n_train), ("test", spec.n_test)):
+        fine = [c for c in range(100) for _ in range(n)]
+        d = {"fine_labels": fine, "coarse_labels": [c % 20 for c in fine],
+             "data": rng.integers(0, 256, size=(len(fine), 3072), dtype=np.uint8)}
+        (folder / name).write_bytes(pickle.dumps(d, protocol=2))
+    meta = {"fine_label_names": [f"fine{i}" for i in range(100)], "coarse_label_names": [f"c{i}" for i in range(20)]}
+    (folder / "meta").write_bytes(pickle.dumps(meta, protocol=2))

@@ -17,8 +17,9 @@ from clmerge.data.folders import (
     missing_data_error,
     resolve_data_root,
 )
+from clmerge.data.lookalike import LookalikeSpec, png_pool, register_lookalike, write_class_dirs
 
-__all__ = ["cub200"]
+__all__ = ["cub200", "write_cub_lookalike"]
 
 
 def _cub_tables(folder: Path) -> tuple[dict[int, str], dict[int, int], dict[int, int]]:
@@ -109,3 +110,16 @@ def cub200(
     out = splits_from_lists("cub200", lists[1], lists[0], image_size=image_size, fingerprint=fp)
     out.class_names = _cub_class_names(folder, labels, images)
     return out
+
+
+@register_lookalike("cub200", classes=200)
+def write_cub_lookalike(root: Path, spec: LookalikeSpec) -> None:
+    """``CUB_200_2011/images/<NNN.Name>/*.png`` with the release's four tables (ids, labels, split, classes)."""
+    folder, per = root / "CUB_200_2011", spec.n_train + spec.n_test
+    names = [f"{c + 1:03d}.Bird_{c}" for c in range(spec.classes)]
+    rel = write_class_dirs(folder / "images", names, per, png_pool())
+    (folder / "images.txt").write_text("".join(f"{i + 1} {r}\n" for i, r in enumerate(rel)))
+    (folder / "image_class_labels.txt").write_text("".join(f"{i + 1} {i // per + 1}\n" for i in range(len(rel))))
+    (folder / "train_test_split.txt").write_text(
+        "".join(f"{i + 1} {int(i % per < spec.n_train)}\n" for i in range(len(rel))))
+    (folder / "classes.txt").write_text("".join(f"{c + 1} {n}\n" for c, n in enumerate(names)))

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from clmerge.data.base import DataSplits, register_dataset
+from clmerge.data.lookalike import LookalikeSpec, png_pool, register_lookalike, write_class_dirs
 from clmerge.data.folders import (
     DOMAINNET_DOMAINS,
     DOMAINNET_HOWTO,
@@ -20,7 +21,7 @@ from clmerge.data.folders import (
     resolve_data_root,
 )
 
-__all__ = ["domainnet"]
+__all__ = ["domainnet", "write_domainnet_lookalike"]
 
 
 def _domainnet_dir(root: Path) -> Path:
@@ -113,3 +114,18 @@ def domainnet(
 
 
 # ----------------------------------------------------------------------------------------------- CUB-200-2011
+
+
+@register_lookalike("domainnet", classes=345)
+def write_domainnet_lookalike(root: Path, spec: LookalikeSpec) -> None:
+    """``domainnet/<domain>/<class>/*.png`` plus the ``<domain>_{train,test}.txt`` split files, for the
+    domains of ``options.domains`` (all six when not given)."""
+    folder, pool = root / "domainnet", png_pool()
+    names = [f"class{c:03d}" for c in range(spec.classes)]
+    domains = spec.options.get("domains")
+    for d in ([domains] if isinstance(domains, str) else (domains or DOMAINNET_DOMAINS)):
+        d = str(d).strip()
+        for split, n in (("train", spec.n_train), ("test", spec.n_test)):
+            rel = write_class_dirs(folder / d, names, n, pool, prefix=f"{split}_")
+            lines = [f"{d}/{r} {i // n}" for i, r in enumerate(rel)]
+            (folder / f"{d}_{split}.txt").write_text("\n".join(lines) + "\n")

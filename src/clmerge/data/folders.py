@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from clmerge.data.base import DataSplits, FileListData, register_dataset
+from clmerge.data.lookalike import LookalikeSpec, png_pool, register_lookalike, write_presplit
 from clmerge.utils.io import sha256_file
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "missing_data_error",
     "split_per_class",
     "image_folder",
+    "write_image_folder_lookalike",
     # the building blocks of the folder-based sources (cub, domainnet, imagenet, omniglot, tinyimagenet)
     "reject_unknown",
     "subdirs",
@@ -402,3 +404,11 @@ def image_folder(
 
 
 # ------------------------------------------------------------------------------------------- ImageNet-R / -A
+
+
+@register_lookalike("image_folder")
+def write_image_folder_lookalike(root: Path, spec: LookalikeSpec) -> None:
+    """``<root>[/<options.subdir>]/{train,test}/class<NNN>/*.png``."""
+    sub = spec.options.get("subdir")
+    names = [f"class{c:03d}" for c in range(spec.classes)]
+    write_presplit(root / sub if sub else root, names, spec.n_train, spec.n_test, png_pool())

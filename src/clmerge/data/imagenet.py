@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from clmerge.data.base import DataSplits, register_dataset
+from clmerge.data.lookalike import LookalikeSpec, png_pool, register_lookalike, write_presplit
 from clmerge.data.folders import (
     IMAGENET_A_HOWTO,
     IMAGENET_R_HOWTO,
@@ -22,7 +23,7 @@ from clmerge.data.folders import (
     split_per_class,
 )
 
-__all__ = ["imagenet_r", "imagenet_a"]
+__all__ = ["imagenet_r", "imagenet_a", "write_imagenet_r_lookalike", "write_imagenet_a_lookalike"]
 
 
 def _find_coda_yaml(folder: Path, root: Path) -> tuple[Path, Path] | None:
@@ -216,3 +217,20 @@ def imagenet_a(
 
 
 # ----------------------------------------------------------------------------------------------- DomainNet
+
+
+@register_lookalike("imagenet_r", classes=200)
+def write_imagenet_r_lookalike(root: Path, spec: LookalikeSpec) -> None:
+    """``imagenet-r/{train,test}/<wnid>/*.png``: the pre-split layout."""
+    _write_presplit_wnids(root / "imagenet-r", spec)
+
+
+@register_lookalike("imagenet_a", classes=200)
+def write_imagenet_a_lookalike(root: Path, spec: LookalikeSpec) -> None:
+    """``imagenet-a/{train,test}/<wnid>/*.png``: the pre-split layout."""
+    _write_presplit_wnids(root / "imagenet-a", spec)
+
+
+def _write_presplit_wnids(folder: Path, spec: LookalikeSpec) -> None:
+    wnids = [f"n{c:08d}" for c in range(spec.classes)]
+    write_presplit(folder, wnids, spec.n_train, spec.n_test, png_pool())

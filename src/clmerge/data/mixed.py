@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -43,9 +44,11 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .base import ClassificationData, DataSplits, build_dataset, register_dataset
+from .bundled import write_fashion_mnist_idx
+from .lookalike import LookalikeSpec, png_pool, register_lookalike, write_presplit
 from .scenarios import PixelPermutation, Rotation
 
-__all__ = ["MixedTask", "MixedData", "Invert", "HFlip", "mixed", "task_key"]
+__all__ = ["MixedTask", "MixedData", "Invert", "HFlip", "mixed", "task_key", "write_mixed_lookalike"]
 
 
 class MixedTask(BaseModel):
@@ -279,3 +282,17 @@ def mixed(*, data_root: str | None = None, image_size: int | None = None, seed: 
         class_names=names, task_groups=groups,
         fingerprint={"source": "mixed", "channels": c, "size": list(size), "split_seed": base_seed, "tasks": info},
     )
+
+
+@register_lookalike("mixed")
+def write_mixed_lookalike(root: Path, spec: LookalikeSpec) -> None:
+    """Per-task look-alikes of ``options.tasks``: class folders for ``image_folder`` entries (10 classes),
+    IDX files for ``fashion_mnist``; bundled sources need nothing."""
+    for entry in spec.options.get("tasks", []):
+        ds, opts = entry.get("dataset"), entry.get("options", {}) or {}
+        if ds == "image_folder":
+            sub = opts.get("subdir")
+            names = [f"class_{c}" for c in range(10)]
+            write_presplit(root / sub if sub else root, names, spec.n_train, spec.n_test, png_pool())
+        elif ds == "fashion_mnist":
+            write_fashion_mnist_idx(root, spec.n_train, spec.n_test)

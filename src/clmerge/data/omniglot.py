@@ -31,8 +31,9 @@ import torch.nn.functional as F
 
 from .base import DataSplits, FileListData, register_dataset
 from .folders import images_in, reject_unknown, subdirs, missing_data_error, resolve_data_root, split_per_class
+from .lookalike import LookalikeSpec, png_pool, register_lookalike
 
-__all__ = ["RotatedFileData", "omniglot", "OMNIGLOT_SETS"]
+__all__ = ["RotatedFileData", "omniglot", "OMNIGLOT_SETS", "write_omniglot_lookalike"]
 
 OMNIGLOT_SETS = ("images_background", "images_evaluation")
 OMNIGLOT_HOWTO = (
@@ -147,3 +148,15 @@ def omniglot(*, data_root: str | None = None, image_size: int | None = 28, seed:
         test=RotatedFileData(*te, out_size=image_size, invert=invert, name="omniglot/test"),
         class_names=names, fingerprint=fp,
     )
+
+
+@register_lookalike("omniglot", classes=lambda options: int(options.get("n_classes", 1200)))
+def write_omniglot_lookalike(root: Path, spec: LookalikeSpec) -> None:
+    """``omniglot/images_background/<Alphabet>/<characterNN>/*.png``: ``spec.classes`` characters of
+    ``n_train + n_test + 2`` drawings each (the reader splits every character's drawings itself)."""
+    folder, pool, n = root / "omniglot" / "images_background", png_pool(), spec.n_train + spec.n_test + 2
+    for c in range(spec.classes):
+        char = folder / f"Alphabet{c // 20:03d}" / f"character{c % 20 + 1:02d}"
+        char.mkdir(parents=True, exist_ok=True)
+        for d in range(n):
+            (char / f"{c:04d}_{d:02d}.png").write_bytes(pool[(c + d) % len(pool)])

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .base import DataSplits, register_dataset
+from .lookalike import LookalikeSpec, png_pool, register_lookalike
 from .folders import (
     images_in,
     read_table,
@@ -30,7 +31,7 @@ from .folders import (
     resolve_data_root,
 )
 
-__all__ = ["tinyimagenet"]
+__all__ = ["tinyimagenet", "write_tinyimagenet_lookalike"]
 
 TINY_HOWTO = (
     "Get it: download http://cs231n.stanford.edu/tiny-imagenet-200.zip and unzip it into {root} "
@@ -128,3 +129,23 @@ def tinyimagenet(*, data_root: str | None = None, image_size: int | None = 64, s
                              fingerprint=fp)
     out.class_names = _words(folder, wnids)
     return out
+
+
+@register_lookalike("tinyimagenet", classes=200)
+def write_tinyimagenet_lookalike(root: Path, spec: LookalikeSpec) -> None:
+    """The release layout: ``train/<wnid>/images``, ``val/images`` + ``val_annotations.txt``, ``wnids.txt``."""
+    folder, pool, n_test = root / "tiny-imagenet-200", png_pool(), spec.n_test
+    wnids = [f"n{c:08d}" for c in range(spec.classes)]
+    for k, w in enumerate(wnids):
+        (folder / "train" / w / "images").mkdir(parents=True, exist_ok=True)
+        for i in range(spec.n_train):
+            (folder / "train" / w / "images" / f"{w}_{i}.JPEG").write_bytes(pool[(k + i) % len(pool)])
+    (folder / "val" / "images").mkdir(parents=True, exist_ok=True)
+    lines = []
+    for k, w in enumerate(wnids):
+        for i in range(n_test):
+            name = f"val_{k * n_test + i}.JPEG"
+            (folder / "val" / "images" / name).write_bytes(pool[k % len(pool)])
+            lines.append(f"{name}\t{w}\t0\t0\t7\t7")
+    (folder / "val" / "val_annotations.txt").write_text("\n".join(lines) + "\n")
+    (folder / "wnids.txt").write_text("\n".join(wnids) + "\n")

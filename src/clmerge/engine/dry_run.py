@@ -7,7 +7,8 @@ What a dry run does (so that a user with a GPU and the data can trust the config
 2. writes a tiny look-alike dataset into a temporary directory, in the on-disk layout the config's data source
    reads (ImageNet-R / -A pre-split wnid folders, DomainNet domain folders + split files, CUB-200-2011 tables,
    the CIFAR-100 python pickles, generic class folders), with the config's number of classes, so the
-   scenario cuts the same class split into the same tasks. Bundled sources (mnist5k, digits, mnist1d, ...)
+   scenario cuts the same class split into the same tasks. The data layer writes it: each reader registers
+   the writer of its layout (:mod:`clmerge.data.lookalike`). Bundled sources (mnist5k, digits, mnist1d, ...)
    need nothing and are only subsampled per class;
 3. runs the real engine hooks (``engine.run``: ``begin_task``, ``fit``, ``end_task``) for the first
    ``tasks`` tasks with one epoch of ``steps`` optimizer steps and a small batch (a method's own inner
@@ -19,29 +20,22 @@ What a dry run does (so that a user with a GPU and the data can trust the config
 
 from __future__ import annotations
 
-import io
-import pickle
 import re
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 
 from ..adapters.structure import model_structure
 from ..config import ExperimentConfig
-from ..data.folders import DOMAINNET_DOMAINS
+from ..data.lookalike import LookalikeSpec, lookalike_class_count
+from ..data.lookalike import write_lookalike as write_dataset_lookalike
 from .checkpoint import save_checkpoint
 from . import distributed
-from .run import (RunState, _evaluate_row, _restore, _train_task, build_heads, fresh_objects, prepare,
-                  resolve_device)
+from .run import evaluate_row, fresh_objects, prepare_run, resolve_device, restore, train_task
 
-__all__ = ["dry_run", "dry_run_config", "write_lookalike", "lookalike_classes", "FOLDER_CLASSES"]
-
-# Class counts of the on-disk sources (the config's class_order / classes_per_task win when given).
-FOLDER_CLASSES = {"imagenet_r": 200, "imagenet_a": 200, "domainnet": 345, "cub200": 200, "cifar100": 100,
-                  "tinyimagenet": 200}
+__all__ = ["dry_run", "dry_run_config", "write_lookalike", "lookalike_classes"]
 
 
 def dry_run_config(cfg: ExperimentConfig, *, steps: int = 2, batch_size: int = 4,
@@ -79,12 +73,8 @@ def lookalike_classes(cfg: ExperimentConfig) -> int:
         return max(s.class_order) + 1
     if s.classes_per_task is not None:
         return sum(s.classes_per_task)
-    if s.dataset == "cifar100" and s.options.get("label_kind") == "coarse":
-        return 20
-    if s.dataset in FOLDER_CLASSES:
-        return FOLDER_CLASSES[s.dataset]
-    if s.dataset == "omniglot":
-        return int(s.options.get("n_classes", 1200))
+    if (known := lookalike_class_count(s.dataset, dict(s.options))) is not None:
+        return known
     m = re.search(r"(\d+)/*$", s.data_root or "")
     return int(m.group(1)) if m else 10 * s.n_tasks
 
@@ -104,151 +94,15 @@ def per_class_for_batches(cfg: ExperimentConfig, train_per_class: int, batch: in
     return train_per_class
 
 
-def _png_pool(n: int = 8, size: int = 8) -> list[bytes]:
-    """A few distinct tiny PNG images (bytes), reused for every file (fast to write)."""
-    from PIL import Image
-
-    out = []
-    for i in range(n):
-        arr = np.full((size, size, 3), (37 * i) % 256, dtype=np.uint8)
-        arr[: size // 2, :, i % 3] = 255 - arr[0, 0, 0]
-        buf = io.BytesIO()
-        Image.fromarray(arr).save(buf, format="PNG")
-        out.append(buf.getvalue())
-    return out
-
-
-def _class_dirs(folder: Path, names: list[str], n: int, pool: list[bytes], prefix: str = "img") -> list[str]:
-    """Write ``folder/<name>/<prefix><i>.png`` for every class; return the relative paths."""
-    rel = []
-    for c, name in enumerate(names):
-        (folder / name).mkdir(parents=True, exist_ok=True)
-        for i in range(n):
-            (folder / name / f"{prefix}{i}.png").write_bytes(pool[(c + i) % len(pool)])
-            rel.append(f"{name}/{prefix}{i}.png")
-    return rel
-
-
-def _write_presplit(folder: Path, names: list[str], n_train: int, n_test: int, pool: list[bytes]) -> None:
-    _class_dirs(folder / "train", names, n_train, pool)
-    _class_dirs(folder / "test", names, n_test, pool)
-
-
-def _write_domainnet(root: Path, k: int, n_train: int, n_test: int, pool: list[bytes], domains) -> None:
-    folder = root / "domainnet"
-    names = [f"class{c:03d}" for c in range(k)]
-    for d in ([domains] if isinstance(domains, str) else (domains or DOMAINNET_DOMAINS)):
-        d = str(d).strip()
-        for split, n in (("train", n_train), ("test", n_test)):
-            rel = _class_dirs(folder / d, names, n, pool, prefix=f"{split}_")
-            lines = [f"{d}/{r} {i // n}" for i, r in enumerate(rel)]
-            (folder / f"{d}_{split}.txt").write_text("\n".join(lines) + "\n")
-
-
-def _write_cub(root: Path, k: int, n_train: int, n_test: int, pool: list[bytes]) -> None:
-    folder = root / "CUB_200_2011"
-    names = [f"{c + 1:03d}.Bird_{c}" for c in range(k)]
-    rel = _class_dirs(folder / "images", names, n_train + n_test, pool)
-    per = n_train + n_test
-    (folder / "images.txt").write_text("".join(f"{i + 1} {r}\n" for i, r in enumerate(rel)))
-    (folder / "image_class_labels.txt").write_text("".join(f"{i + 1} {i // per + 1}\n" for i in range(len(rel))))
-    (folder / "train_test_split.txt").write_text("".join(f"{i + 1} {int(i % per < n_train)}\n" for i in range(len(rel))))
-    (folder / "classes.txt").write_text("".join(f"{c + 1} {n}\n" for c, n in enumerate(names)))
-
-
-def _write_cifar100(root: Path, k: int, n_train: int, n_test: int) -> None:
-    folder = root / "cifar-100-python"
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    for name, n in (("train", n_train), ("test", n_test)):
-        fine = [c for c in range(100) for _ in range(n)]
-        d = {"fine_labels": fine, "coarse_labels": [c % 20 for c in fine],
-             "data": rng.integers(0, 256, size=(len(fine), 3072), dtype=np.uint8)}
-        (folder / name).write_bytes(pickle.dumps(d, protocol=2))
-    meta = {"fine_label_names": [f"fine{i}" for i in range(100)], "coarse_label_names": [f"c{i}" for i in range(20)]}
-    (folder / "meta").write_bytes(pickle.dumps(meta, protocol=2))
-
-
-def _write_omniglot(root: Path, k: int, n: int, pool: list[bytes]) -> None:
-    """``omniglot/images_background/<Alphabet>/<characterNN>/*.png``: k characters, n drawings each."""
-    folder = root / "omniglot" / "images_background"
-    for c in range(k):
-        char = folder / f"Alphabet{c // 20:03d}" / f"character{c % 20 + 1:02d}"
-        char.mkdir(parents=True, exist_ok=True)
-        for d in range(n):
-            (char / f"{c:04d}_{d:02d}.png").write_bytes(pool[(c + d) % len(pool)])
-
-
-def _write_tinyimagenet(root: Path, wnids: list[str], n_train: int, n_test: int, pool: list[bytes]) -> None:
-    """The tiny-imagenet-200 release layout: ``train/<wnid>/images``, ``val/images`` + val_annotations.txt."""
-    folder = root / "tiny-imagenet-200"
-    for k, w in enumerate(wnids):
-        (folder / "train" / w / "images").mkdir(parents=True, exist_ok=True)
-        for i in range(n_train):
-            (folder / "train" / w / "images" / f"{w}_{i}.JPEG").write_bytes(pool[(k + i) % len(pool)])
-    (folder / "val" / "images").mkdir(parents=True, exist_ok=True)
-    lines = []
-    for k, w in enumerate(wnids):
-        for i in range(n_test):
-            name = f"val_{k * n_test + i}.JPEG"
-            (folder / "val" / "images" / name).write_bytes(pool[k % len(pool)])
-            lines.append(f"{name}\t{w}\t0\t0\t7\t7")
-    (folder / "val" / "val_annotations.txt").write_text("\n".join(lines) + "\n")
-    (folder / "wnids.txt").write_text("\n".join(wnids) + "\n")
-
-
-def _write_idx_fashion(root: Path, n_train: int, n_test: int) -> None:
-    """Fashion-MNIST IDX look-alikes under ``root/fashion-mnist`` (10 classes)."""
-    import struct
-
-    rng = np.random.default_rng(0)
-    folder = root / "fashion-mnist"
-    folder.mkdir(parents=True, exist_ok=True)
-    for prefix, m in (("train", 10 * n_train), ("t10k", 10 * n_test)):
-        for stem, arr in ((f"{prefix}-images-idx3-ubyte", rng.integers(0, 255, (m, 28, 28))),
-                          (f"{prefix}-labels-idx1-ubyte", np.arange(m) % 10)):
-            head = bytes([0, 0, 8, arr.ndim]) + struct.pack(f">{arr.ndim}I", *arr.shape)
-            (folder / stem).write_bytes(head + arr.astype(np.uint8).tobytes())
-
-
-def _write_mixed(cfg: ExperimentConfig, root: Path, n_train: int, n_test: int, pool: list[bytes]) -> None:
-    """Per-task look-alikes of a ``mixed`` sequence: class folders for ``image_folder`` entries (10 classes),
-    IDX files for ``fashion_mnist``; bundled sources need nothing."""
-    for entry in cfg.scenario.options.get("tasks", []):
-        ds, opts = entry.get("dataset"), entry.get("options", {}) or {}
-        if ds == "image_folder":
-            sub = opts.get("subdir")
-            _write_presplit(root / sub if sub else root, [f"class_{c}" for c in range(10)], n_train, n_test, pool)
-        elif ds == "fashion_mnist":
-            _write_idx_fashion(root, n_train, n_test)
-
-
 def write_lookalike(cfg: ExperimentConfig, root: Path, *, n_train: int = 2, n_test: int = 1) -> str | None:
     """Write the look-alike dataset of ``cfg.scenario.dataset`` under ``root``; return a one-line description.
 
-    Returns ``None`` for sources that need no files (bundled ones). Images are tiny PNGs; the source resizes
-    them to the backbone's input size as it would real images.
+    The data layer writes it (:mod:`clmerge.data.lookalike`: each reader registers a writer of its layout).
+    Returns ``None`` for sources that need no files (bundled ones).
     """
-    name, k, pool = cfg.scenario.dataset, lookalike_classes(cfg), _png_pool()
-    wnids = [f"n{c:08d}" for c in range(k)]
-    if name in ("imagenet_r", "imagenet_a"):
-        _write_presplit(root / name.replace("_", "-"), wnids, n_train, n_test, pool)
-    elif name == "image_folder":
-        sub = cfg.scenario.options.get("subdir")
-        _write_presplit(root / sub if sub else root, [f"class{c:03d}" for c in range(k)], n_train, n_test, pool)
-    elif name == "domainnet":
-        _write_domainnet(root, k, n_train, n_test, pool, cfg.scenario.options.get("domains"))
-    elif name == "cub200":
-        _write_cub(root, k, n_train, n_test, pool)
-    elif name == "cifar100":
-        _write_cifar100(root, k, n_train, n_test)
-    elif name == "omniglot":
-        _write_omniglot(root, k, n_train + n_test + 2, pool)
-    elif name == "tinyimagenet":
-        _write_tinyimagenet(root, wnids, n_train, n_test, pool)
-    elif name == "mixed":
-        _write_mixed(cfg, root, n_train, n_test, pool)
-    else:
+    name, k = cfg.scenario.dataset, lookalike_classes(cfg)
+    spec = LookalikeSpec(classes=k, n_train=n_train, n_test=n_test, options=dict(cfg.scenario.options))
+    if not write_dataset_lookalike(name, root, spec):
         return None
     return f"{name}: {k} classes, {n_train} train + {n_test} test images per class, written to {root}"
 
@@ -265,8 +119,7 @@ def _task_losses(out: Path) -> dict[int, float]:
 
 def _check_resume(cfg: ExperimentConfig, out: Path, device) -> None:
     """Restore the last checkpoint into a freshly built model and method (the ``--resume`` path)."""
-    _, model2, method2, _ = prepare(cfg)
-    start = _restore(out, model2, method2, device)[0]
+    start = restore(prepare_run(cfg, out, device, heads=False))[0]
     if start < 1:
         raise RuntimeError("dry run: the checkpoint could not be restored")
 
@@ -292,33 +145,32 @@ def _capped(objs, steps):
 def _run_tasks(cfg: ExperimentConfig, out: Path, tasks: int, echo: Callable[[str], None]) -> dict:
     dp = distributed.setup(cfg.run.device)
     device = dp.device if dp is not None else resolve_device(cfg.run.device)
-    scenario, model, method, manifest = prepare(cfg)
-    _cap_inner_loops(method, cfg.train.max_steps_per_epoch)
-    model.to(device)
-    state, n = RunState(), min(tasks, len(scenario))
-    params = sum(p.numel() for p in model.backbone.parameters())
+    run = prepare_run(cfg, out, device)  # with the configured head's statistics, as a run keeps them
+    _cap_inner_loops(run.method, cfg.train.max_steps_per_epoch)
+    run.fresh = lambda: _capped(fresh_objects(cfg), cfg.train.max_steps_per_epoch)
+    run.model.to(device)
+    state, scenario, n = run.state, run.scenario, min(tasks, len(run.scenario))
+    params = sum(p.numel() for p in run.model.backbone.parameters())
     echo(f"backbone {cfg.model.name} (random init): {params / 1e6:.2f}M parameters; "
          f"{len(scenario)} tasks of {[t.n_classes for t in scenario.tasks[:3]]}... classes ({scenario.kind})")
-    fresh = lambda: _capped(fresh_objects(cfg), cfg.train.max_steps_per_epoch)  # noqa: E731
-    heads = build_heads(cfg, model, method)  # the configured head's statistics, as a run keeps them
     for t in range(n):
-        model, method, heads = _train_task(cfg, t, scenario, model, method, state, out, device, heads,
-                                           fresh=fresh)
-        meta = {"task": t, "structure": model_structure(model), "method": method.state_meta(),
+        train_task(run, t)
+        meta = {"task": t, "structure": model_structure(run.model), "method": run.method.state_meta(),
                 "state": state.to_meta()}
-        save_checkpoint(out, t, model.state_dict(), method.state_tensors(), meta, keep=1)
+        save_checkpoint(out, t, run.model.state_dict(), run.method.state_tensors(), meta, keep=1)
         loss = _task_losses(out).get(t)
         trained = (f"{cfg.train.max_steps_per_epoch} steps, loss {loss:.4f}" if loss is not None
                    else "nothing trained (feature statistics only)")
         echo(f"task {t}: {trained}, {state.task_seconds[-1]:.1f}s")
-    _evaluate_row(cfg, n - 1, scenario, method, state, device, heads)
+    evaluate_row(run, n - 1)
     row = [round(v, 2) for v in state.rows[-1][:n] if v is not None]
     echo(f"evaluation after task {n - 1}: accuracy per task {row}")
     _check_resume(cfg, out, device)
     echo("checkpoint saved and restored into a fresh model: ok")
     return {"tasks_run": n, "n_tasks": len(scenario), "accuracy_row": row, "backbone_params": params,
             "losses": _task_losses(out), "task_seconds": state.task_seconds,
-            "method_metrics": method.metrics(), "trainable_params": manifest["trainable_params_after_setup"]}
+            "method_metrics": run.method.metrics(),
+            "trainable_params": run.manifest["trainable_params_after_setup"]}
 
 
 def dry_run(cfg: ExperimentConfig, *, tasks: int = 2, steps: int = 2, batch_size: int = 4, train_per_class: int = 2,

@@ -25,7 +25,7 @@ from ..data.scenarios import Task
 from ..models.classifier import ContinualClassifier, IncrementalHead
 from ..models.heads import ClassFeatureStats, NCMHead, RanPACHead, align_linear_head
 from .evaluate import TaskAccuracy
-from .precision import full_precision
+from ..utils.precision import full_precision
 
 __all__ = ["VARIANTS", "HeadSuite", "head_variant", "extract_features", "check_head_support"]
 

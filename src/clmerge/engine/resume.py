@@ -8,6 +8,7 @@ raised before the run directory is modified, so a refused ``--resume`` leaves th
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -16,12 +17,17 @@ from ..utils.io import read_json, sha256_bytes
 from ..utils.yaml_io import MAX_YAML_BYTES, YamlError, load_yaml
 from .checkpoint import ResumeError
 
+log = logging.getLogger("clmerge.engine")
+
 __all__ = ["CONFIG_SHA_KEY", "check_resumable", "check_same_config", "recorded_config_sha256",
            "config_differences", "events_prefix", "events_sha256",
-           "finished_tasks_in_events", "summarize_differences", "verify_events", "MAX_LISTED"]
+           "finished_tasks_in_events", "summarize_differences", "thread_history", "verify_events", "MAX_LISTED"]
 
 RUN_FILES = ("config.yaml", "manifest.json")  # written when a run starts, before its first task
 MAX_LISTED = 3  # differing keys shown in full in a refusal; the rest are counted
+# Keys that say how a run computes, not what: a resume may change them (a thread count changes float
+# rounding, so thread_history warns and records it; docs/threads.md).
+HOW_KEYS = ("run.threads",)
 
 
 def check_resumable(out: Path) -> None:
@@ -64,7 +70,8 @@ def check_same_config(cfg_file: Path, cfg_text: str, recorded_sha256: str | None
     except YamlError as exc:
         raise ResumeError(f"{exc}; cannot check the config") from None
     given = load_yaml(cfg_text) or {}
-    diffs = config_differences(_with_new_defaults(stored, given), given)
+    diffs = [d for d in config_differences(_with_new_defaults(stored, given), given)
+             if d.split(":", 1)[0] not in HOW_KEYS]
     if not diffs:  # the same values written differently, or keys added since at their defaults
         return
     raise ResumeError(f"{cfg_file}: the run was started with a different config ({_count(diffs)} "
@@ -84,6 +91,29 @@ def _stored_config(cfg_file: Path, recorded_sha256: str | None) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         raise ResumeError(f"{cfg_file}: not UTF-8 text; cannot check the config") from None
+
+
+def thread_history(manifest_file: Path, threads: int, task: int) -> dict:
+    """The manifest's thread entries for a run resumed at ``task`` with ``threads`` torch threads.
+
+    ``threads`` stays the count the run started with; a resume with another count warns once (float sums
+    split over threads round differently, and a sensitive run can end elsewhere: docs/threads.md) and appends
+    ``{"task": task, "threads": threads}`` to ``threads_resumed``. A run from before counts were recorded
+    takes the current count without a warning.
+    """
+    try:
+        stored = read_json(manifest_file)
+    except (OSError, ValueError):
+        stored = {}
+    start, history = stored.get("threads"), list(stored.get("threads_resumed", []))
+    if not isinstance(start, int):
+        return {"threads": threads}
+    last = history[-1]["threads"] if history else start
+    if threads != last:
+        log.warning("warning: resuming with %d torch threads, the run so far used %d: results can differ from "
+                    "an uninterrupted run (docs/threads.md)", threads, last)
+        history.append({"task": task, "threads": threads})
+    return {"threads": start, **({"threads_resumed": history} if history else {})}
 
 
 def summarize_differences(diffs: list[str]) -> str:

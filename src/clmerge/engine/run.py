@@ -12,6 +12,7 @@ import logging
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,13 +34,14 @@ from .checkpoint import (RECORD_KEY, ResumeError, RunLock, checkpoint_contents, 
 from .evaluate import evaluate_tasks
 from .heads import VARIANTS, HeadSuite, check_head_support
 from .resume import (CONFIG_SHA_KEY, check_resumable, check_same_config, events_sha256, finished_tasks_in_events,
-                     recorded_config_sha256, verify_events)
+                     recorded_config_sha256, thread_history, verify_events)
 from . import distributed
-from .precision import autocast, check_precision, fp32_region
+from ..utils.precision import autocast, check_precision, fp32_region
 from .training import fit
 
-__all__ = ["run_experiment", "prepare", "build_heads", "RunState", "task_generator", "resolve_device",
-           "fresh_objects", "share_state", "load_into"]
+__all__ = ["run_experiment", "prepare", "prepare_run", "build_heads", "Run", "RunState", "task_generator",
+           "resolve_device", "fresh_objects", "share_state", "train_task", "evaluate_row", "restore",
+           "load_into", "final_metrics"]
 
 log_warning = logging.getLogger("clmerge.engine").warning  # one line on stderr ("warning: ...")
 
@@ -59,6 +61,27 @@ class RunState:
         return {"rows": self.rows, "til_rows": self.til_rows, "task_seconds": self.task_seconds,
                 "initial": self.initial, "events_lines": self.events_lines, "head_rows": self.head_rows,
                 "head_val": self.head_val}
+
+
+@dataclass
+class Run:
+    """One run's objects, built once (:func:`prepare_run`) and handed to every step of the run
+    (:func:`restore`, :func:`train_task`, :func:`evaluate_row`, :func:`final_metrics`).
+
+    ``model``, ``method`` and ``heads`` may be replaced after a task: in a data-parallel run, the processes
+    other than 0 load process 0's state into new objects (:func:`share_state`), built by ``fresh`` (default
+    :func:`fresh_objects`)."""
+
+    cfg: ExperimentConfig
+    scenario: Scenario
+    model: ContinualClassifier
+    method: ContinualMethod
+    out: Path
+    device: torch.device
+    heads: HeadSuite | None = None
+    state: RunState = field(default_factory=RunState)
+    manifest: dict = field(default_factory=dict)
+    fresh: Callable[[], tuple[ContinualClassifier, ContinualMethod, HeadSuite]] | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -109,6 +132,15 @@ def prepare(cfg: ExperimentConfig) -> tuple[Scenario, ContinualClassifier, Conti
     return scenario, model, method, manifest
 
 
+def prepare_run(cfg: ExperimentConfig, out: str | Path, device: torch.device | str, *,
+                heads: bool = True) -> Run:
+    """The :class:`Run` of ``cfg`` writing into ``out``: :func:`prepare`'s objects and, unless ``heads`` is
+    False, the head suite (:func:`build_heads`)."""
+    scenario, model, method, manifest = prepare(cfg)
+    suite = build_heads(cfg, model, method) if heads else None
+    return Run(cfg, scenario, model, method, Path(out), torch.device(device), suite, manifest=manifest)
+
+
 def _data_options(cfg: ExperimentConfig, model: ContinualClassifier) -> dict:
     """``scenario.options``, plus the text backbone's own tokenizer for a text source that was not given one
     (``hf-text`` with ``model.source``: its tokenizer folder or hub id; the ``minilm-l6`` preset is the
@@ -147,11 +179,11 @@ def _check_run_dir(out: Path, cfg_text: str, resume: bool) -> None:
         raise FileExistsError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
 
 
-def _restore(out: Path, model: ContinualClassifier, method: ContinualMethod, device,
-             heads: HeadSuite | None = None) -> tuple[int, RunState, dict[str, str]]:
-    """``(first task to run, run state, checkpoint record)`` from the newest verified checkpoint. Every check
-    (missing or corrupt checkpoint, changed events.jsonl) runs before the one change: events.jsonl is cut
-    back to what the checkpoint saw."""
+def restore(run: Run) -> tuple[int, dict[str, str]]:
+    """Load the newest verified checkpoint of ``run.out`` into the run's objects and set ``run.state``;
+    returns ``(first task to run, checkpoint record)``. Every check (missing or corrupt checkpoint, changed
+    events.jsonl) runs before the one change: events.jsonl is cut back to what the checkpoint saw."""
+    out, heads = run.out, run.heads
     ck, sha = resume_checkpoint(out)
     events = out / "events.jsonl"
     if ck is None:  # killed during the first task: start over
@@ -159,19 +191,20 @@ def _restore(out: Path, model: ContinualClassifier, method: ContinualMethod, dev
             raise ResumeError(f"{out}: events.jsonl records {n} finished task(s) but checkpoints/ holds no "
                                 "checkpoint; nothing was changed: restore the checkpoints to resume")
         events.unlink(missing_ok=True)
-        return 0, RunState(), {}
+        run.state = RunState()
+        return 0, {}
     model_state, method_tensors, meta = load_checkpoint(ck, sha256=sha)
     with checkpoint_contents(ck):  # a hand-made or foreign checkpoint: one line naming it
         st = meta["state"]
         kept = verify_events(events, st["events_lines"], meta.get("events_sha256"))
-        load_into(model, method, heads, meta, model_state, method_tensors,
-                  load_head_tensors(ck) if heads is not None and heads.needs_features else {}, device)
-        state = RunState(st["rows"], st["til_rows"], st["task_seconds"], st["initial"], st["events_lines"],
-                         st.get("head_rows", {}), st.get("head_val", {}))
+        load_into(run.model, run.method, heads, meta, model_state, method_tensors,
+                  load_head_tensors(ck) if heads is not None and heads.needs_features else {}, run.device)
+        run.state = RunState(st["rows"], st["til_rows"], st["task_seconds"], st["initial"], st["events_lines"],
+                             st.get("head_rows", {}), st.get("head_val", {}))
     if events.exists():  # drop events written by the interrupted task
         atomic_write_text(events, kept)
     record = checkpoint_record(out)  # a run from before hashes were recorded adopts its checkpoint's hash
-    return meta["task"] + 1, state, record if record is not None else {ck.name: sha256_file(ck)}
+    return meta["task"] + 1, record if record is not None else {ck.name: sha256_file(ck)}
 
 
 def _row(results, n_tasks: int, key: str) -> list[float | None]:
@@ -179,15 +212,15 @@ def _row(results, n_tasks: int, key: str) -> list[float | None]:
     return vals + [None] * (n_tasks - len(vals))
 
 
-def _train_task(cfg, t, scenario, model, method, state, out, device, heads: HeadSuite | None = None,
-                fresh=None) -> tuple[ContinualClassifier, ContinualMethod, HeadSuite | None]:
-    """Train task ``t`` and run the end-of-task work; returns ``(model, method, heads)``: the same objects, or,
-    in a data-parallel run's processes other than 0, fresh ones holding process 0's end-of-task state
-    (:mod:`.distributed`; ``fresh()`` builds them, default :func:`fresh_objects`)."""
-    task = scenario.tasks[t]
+def train_task(run: Run, t: int) -> None:
+    """Train task ``t`` and run the end-of-task work. In a data-parallel run's processes other than 0, the
+    run's model, method and heads are then new objects holding process 0's end-of-task state
+    (:mod:`.distributed`)."""
+    cfg, scenario, state, device = run.cfg, run.scenario, run.state, run.device
+    method, task = run.method, scenario.tasks[t]
     gen = task_generator(cfg.seed, t)
     main = distributed.is_main()
-    log = (lambda ev: _log(out, state, ev)) if main else (lambda ev: None)
+    log = (lambda ev: _log(run, ev)) if main else (lambda ev: None)
     precision = cfg.run.precision
     ctx = TaskContext(task=task, seen_tasks=scenario.tasks[: t + 1], device=device, generator=gen,
                       head_loss=cfg.head.loss, batch_size=cfg.train.batch_size,
@@ -200,39 +233,43 @@ def _train_task(cfg, t, scenario, model, method, state, out, device, heads: Head
     t0 = time.time()
     with fp32_region():  # statistics computed before training (InfLoRA's covariances) stay fp32
         method.begin_task(task, ctx)
-    model.to(device)
+    run.model.to(device)
     if main and scenario.kind == "domain_incremental" and t == 0 and state.initial is None:
         with autocast(precision, device):
             res = evaluate_tasks(method.inference_model(), scenario.tasks, n_outputs=scenario.num_outputs,
                                  batch_size=cfg.train.eval_batch_size, device=device)
         state.initial = [r["acc"] for r in res]
+    _fit_task(run, t, ctx, gen)
+    if main:
+        with distributed.local(), fp32_region():  # once, over the whole task (engine.distributed), in fp32
+            method.end_task(task, ctx)
+            if run.heads is not None:  # the same hook for every method: the inference model's features
+                run.heads.end_task(method.inference_model(), task, scenario.tasks[: t + 1],
+                                   batch_size=cfg.train.eval_batch_size, device=device)
+    state.task_seconds.append(time.time() - t0)
+    if (dp := distributed.active()) is not None:
+        share_state(dp, run)
+
+
+def _fit_task(run: Run, t: int, ctx: TaskContext, gen: torch.Generator) -> None:
+    """The task's training loop over the groups ``train.adapt_tasks`` leaves trainable."""
+    cfg, model, method, main = run.cfg, run.model, run.method, distributed.is_main()
     lr = cfg.optim.first_task_lr if (t == 0 and cfg.optim.first_task_lr) else cfg.optim.lr
     groups, frozen = _adapted_groups(cfg, t, method.parameter_groups(model))
-    if main and frozen and cfg.train.adapt_tasks == 0 and not state.warned_untrained:
-        state.warned_untrained = True
+    if main and frozen and cfg.train.adapt_tasks == 0 and not run.state.warned_untrained:
+        run.state.warned_untrained = True
         log_warning(f"warning: train.adapt_tasks=0: method {cfg.method.name!r} trains none of its "
                     f"{sum(p.numel() for p in frozen)} own parameters in any task (only the linear head); a "
                     "frozen-backbone method is method.name=ranpac or simplecil")
     if groups or method.trains_linear_head:  # else a statistics method in a task without adaptation
-        fit(model, task.train, groups=groups, loss_fn=lambda m, x, y: method.loss(m, x, y, ctx),
+        fit(model, ctx.task.train, groups=groups, loss_fn=lambda m, x, y: method.loss(m, x, y, ctx),
             optim=cfg.optim, epochs=cfg.train.epochs, batch_size=cfg.train.batch_size, generator=gen,
-            device=device, lr=lr, before_step=lambda m: method.before_step(m, ctx),
+            device=run.device, lr=lr, before_step=lambda m: method.before_step(m, ctx),
             after_step=lambda m: method.after_step(m, ctx), max_steps_per_epoch=cfg.train.max_steps_per_epoch,
-            log=log, desc=f"task {t + 1}/{len(scenario)}", progress=cfg.run.progress and main, task_index=t,
-            log_every=cfg.run.log_every_steps, precision=precision)
+            log=ctx.log, desc=f"task {t + 1}/{len(run.scenario)}", progress=cfg.run.progress and main,
+            task_index=t, log_every=cfg.run.log_every_steps, precision=cfg.run.precision)
     for p in frozen:
         p.requires_grad_(True)
-    dp = distributed.active()
-    if main:
-        with distributed.local(), fp32_region():  # once, over the whole task (engine.distributed), in fp32
-            method.end_task(task, ctx)
-            if heads is not None:  # same hook for every method: the inference model's features of this task
-                heads.end_task(method.inference_model(), task, scenario.tasks[: t + 1],
-                               batch_size=cfg.train.eval_batch_size, device=device)
-    state.task_seconds.append(time.time() - t0)
-    if dp is not None:
-        model, method, heads = share_state(dp, cfg, model, method, heads, device, fresh)
-    return model, method, heads
 
 
 def fresh_objects(cfg: ExperimentConfig) -> tuple[ContinualClassifier, ContinualMethod, HeadSuite]:
@@ -243,9 +280,11 @@ def fresh_objects(cfg: ExperimentConfig) -> tuple[ContinualClassifier, Continual
     return model, method, build_heads(cfg, model, method)
 
 
-def share_state(dp, cfg, model, method, heads, device, fresh=None):
+def share_state(dp, run: Run) -> None:
     """Process 0's model, method and head state (what a checkpoint holds) to every process; the others load it
-    into fresh objects, as ``--resume`` does. Returns ``(model, method, heads)`` of this process."""
+    into fresh objects (``run.fresh``, default :func:`fresh_objects`), as ``--resume`` does, and put them in
+    ``run``."""
+    model, method, heads = run.model, run.method, run.heads
     meta = tensors = None
     if dp.rank == 0:
         meta = {"structure": model_structure(model), "method": method.state_meta(),
@@ -258,16 +297,16 @@ def share_state(dp, cfg, model, method, heads, device, fresh=None):
     meta = distributed.broadcast_json(dp, meta)
     tensors = distributed.broadcast_tensors(dp, tensors)
     if dp.rank == 0:
-        return model, method, heads
+        return
     part = lambda prefix: {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}  # noqa: E731
-    model, method, new_heads = (fresh or (lambda: fresh_objects(cfg)))()
+    model, method, new_heads = (run.fresh or (lambda: fresh_objects(run.cfg)))()
     new_heads = new_heads if heads is not None else None
-    load_into(model, method, new_heads, meta, part("model/"), part("method/"), part("heads/"), device)
-    return model, method, new_heads
+    load_into(model, method, new_heads, meta, part("model/"), part("method/"), part("heads/"), run.device)
+    run.model, run.method, run.heads = model, method, new_heads
 
 
 def load_into(model, method, heads, meta: dict, model_state: dict, method_tensors: dict, head_tensors: dict,
-              device) -> None:
+               device) -> None:
     """Load a checkpoint's state (from a file on --resume, or broadcast by process 0) into model, method and
     head suite: the structure first, then the weights, the method's state and the heads' statistics."""
     rebuild_structure(model, meta["structure"])
@@ -276,6 +315,8 @@ def load_into(model, method, heads, meta: dict, model_state: dict, method_tensor
     method.load_state({k: v.to(device) for k, v in method_tensors.items()}, meta["method"])
     if heads is not None and heads.needs_features:
         heads.load_state(head_tensors, meta["heads"])
+
+
 
 
 def _adapted_groups(cfg, t: int, groups: list[dict]) -> tuple[list[dict], list]:
@@ -291,26 +332,28 @@ def _adapted_groups(cfg, t: int, groups: list[dict]) -> tuple[list[dict], list]:
     return [g for g in groups if g.get("name") == "head"], frozen
 
 
-def _evaluate_row(cfg, t, scenario, method, state, device, heads: HeadSuite | None = None) -> None:
-    with autocast(cfg.run.precision, device):
-        _evaluate_row_inner(cfg, t, scenario, method, state, device, heads)
+def evaluate_row(run: Run, t: int) -> None:
+    """Evaluate after task ``t``: append the accuracy rows (and shadow heads' rows) to ``run.state``."""
+    with autocast(run.cfg.run.precision, run.device):
+        _evaluate_row_inner(run, t)
 
 
-def _evaluate_row_inner(cfg, t, scenario, method, state, device, heads: HeadSuite | None = None) -> None:
+def _evaluate_row_inner(run: Run, t: int) -> None:
+    cfg, scenario, state, heads = run.cfg, run.scenario, run.state, run.heads
     task = scenario.tasks[t]
     future = scenario.kind == "domain_incremental"
     tasks = scenario.tasks if future else scenario.tasks[: t + 1]
     n_out = scenario.num_outputs if future else task.offset + task.n_classes
-    model = method.inference_model()
+    model = run.method.inference_model()
     # task-incremental: the task id is known, so accuracy is the argmax within the task's own range
     key = "til_acc" if scenario.kind == "task_incremental" else "acc"
-    shadows = _head_results(cfg, heads, model, tasks, n_out, device)
+    shadows = _head_results(run, model, tasks, n_out)
     if heads is not None and heads.primary == "linear" and "linear" in shadows and _plain_classifier(model):
         res = shadows["linear"]  # the same logits (head of the same features): no second backbone pass
     elif heads is None or heads.primary == "linear":
         # task-incremental rows keep only til_acc, so only each task's own logits are computed (one routed pass)
-        res = evaluate_tasks(model, tasks, n_outputs=n_out, batch_size=cfg.train.eval_batch_size, device=device,
-                             til_only=scenario.kind == "task_incremental")
+        res = evaluate_tasks(model, tasks, n_outputs=n_out, batch_size=cfg.train.eval_batch_size,
+                             device=run.device, til_only=scenario.kind == "task_incremental")
     else:
         res = shadows[heads.primary]
     state.rows.append(_row(res, len(scenario), key))
@@ -321,7 +364,7 @@ def _evaluate_row_inner(cfg, t, scenario, method, state, device, heads: HeadSuit
             rows["rows"].append(_row(shadows[v], len(scenario), key))
             rows["til_rows"].append(_row(shadows[v], len(scenario), "til_acc"))
     if t == len(scenario) - 1 and all(x.val is not None and len(x.val) for x in scenario.tasks):
-        _validation(cfg, heads, model, scenario, state, device)
+        _validation(run, model)
 
 
 def _plain_classifier(model) -> bool:
@@ -331,36 +374,40 @@ def _plain_classifier(model) -> bool:
             and cls.forward_features is ContinualClassifier.forward_features)
 
 
-def _head_results(cfg, heads, model, tasks, n_out, device) -> dict:
+def _head_results(run: Run, model, tasks, n_out) -> dict:
     """Results of the feature-based variants this run evaluates (all four with head.compare)."""
+    heads = run.heads
     if heads is None or not heads.needs_features:
         return {}
     variants = list(VARIANTS) if heads.cfg.compare else [heads.primary]
-    return heads.evaluate(model, tasks, n_outputs=n_out, variants=variants, batch_size=cfg.train.eval_batch_size,
-                          device=device)
+    return heads.evaluate(model, tasks, n_outputs=n_out, variants=variants,
+                          batch_size=run.cfg.train.eval_batch_size, device=run.device)
 
 
-def _validation(cfg, heads, model, scenario, state, device) -> None:
+def _validation(run: Run, model) -> None:
     """Final CIL accuracy (mean over tasks) on the held-out validation parts, per evaluated head variant:
     what selects a head (and method) without touching test data."""
-    tasks, n_out = scenario.tasks, scenario.tasks[-1].offset + scenario.tasks[-1].n_classes
+    heads, batch, device = run.heads, run.cfg.train.eval_batch_size, run.device
+    tasks = run.scenario.tasks
+    n_out = tasks[-1].offset + tasks[-1].n_classes
     if heads is not None and heads.needs_features:
         variants = list(VARIANTS) if heads.cfg.compare else [heads.primary]
-        res = heads.evaluate(model, tasks, n_outputs=n_out, variants=variants,
-                             batch_size=cfg.train.eval_batch_size, device=device, split="val")
+        res = heads.evaluate(model, tasks, n_outputs=n_out, variants=variants, batch_size=batch, device=device,
+                             split="val")
     else:
-        res = {"linear": evaluate_tasks(model, tasks, n_outputs=n_out, batch_size=cfg.train.eval_batch_size,
-                                        device=device, split="val")}
-    state.head_val = {v: float(np.mean([r["acc"] for r in rs])) for v, rs in res.items()}
+        res = {"linear": evaluate_tasks(model, tasks, n_outputs=n_out, batch_size=batch, device=device,
+                                        split="val")}
+    run.state.head_val = {v: float(np.mean([r["acc"] for r in rs])) for v, rs in res.items()}
 
 
-def _log(out: Path, state: RunState, event: dict) -> None:
-    append_jsonl(out / "events.jsonl", {"time": round(time.time(), 3), **event})
-    state.events_lines += 1
+def _log(run: Run, event: dict) -> None:
+    append_jsonl(run.out / "events.jsonl", {"time": round(time.time(), 3), **event})
+    run.state.events_lines += 1
 
 
-def final_metrics(cfg: ExperimentConfig, scenario: Scenario, method: ContinualMethod, state: RunState,
-                  heads: HeadSuite | None = None) -> dict:
+def final_metrics(run: Run) -> dict:
+    """The metrics of a finished run (what metrics.json holds)."""
+    cfg, scenario, state, heads = run.cfg, run.scenario, run.state, run.heads
     sizes = [len(t.test) for t in scenario.tasks]
     metrics = {"accuracy_matrix": state.rows, **summarize(state.rows, sizes=sizes, initial=state.initial)}
     til = scenario.kind == "class_incremental" and cfg.run.eval_til
@@ -370,7 +417,7 @@ def final_metrics(cfg: ExperimentConfig, scenario: Scenario, method: ContinualMe
         initial_accuracy=state.initial, task_names=[t.name for t in scenario.tasks], task_keys=[t.key for t in scenario.tasks],
         task_sizes=sizes, method=cfg.method.name, scenario=scenario.kind, dataset=cfg.scenario.dataset,
         timings={"total_s": round(sum(state.task_seconds), 2), "per_task_s": [round(s, 2) for s in state.task_seconds]},
-        method_metrics=method.metrics(),
+        method_metrics=run.method.metrics(),
     )
     if heads is not None:
         metrics["head"] = {**heads.metrics(), "val_acc": state.head_val.get(heads.primary)}
@@ -408,51 +455,58 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool =
             check_resumable(out)
         _check_run_dir(out, cfg_text, resume)
     # data, scenario, model and method errors surface here, before the run directory exists
-    scenario, model, method, manifest = prepare(cfg)
-    heads = build_heads(cfg, model, method)
+    run = prepare_run(cfg, out, device)
+    manifest = run.manifest
     manifest.update(precision=cfg.run.precision, world_size=dp.world if dp is not None else 1,
-                    device=str(device))
+                    device=str(device), threads=torch.get_num_threads())
     with RunLock(out) if main else contextlib.nullcontext():
-        start, state, record = 0, RunState(), {}
+        start, record = 0, {}
         if main:
             _check_run_dir(out, cfg_text, resume)  # again under the lock: another run may have started meanwhile
             if resume:
-                start, state, record = _restore(out, model, method, device, heads)
+                start, record = restore(run)
+                manifest.update(thread_history(out / "manifest.json", manifest["threads"], start))
             atomic_write_text(out / "config.yaml", cfg_text)
             # what --resume checks config.yaml against (a hand edit would mix two experiments)
             manifest[CONFIG_SHA_KEY] = sha256_bytes(cfg_text.encode("utf-8"))
             write_json(out / "manifest.json", {**manifest, RECORD_KEY: record})
         if dp is not None and resume:  # the others start from process 0's restored state
             start = distributed.broadcast_json(dp, start)
-            model, method, heads = share_state(dp, cfg, model, method, heads, device)
-        model.to(device)
-        bar = Progress(range(start, len(scenario)), desc="tasks", enabled=cfg.run.progress and main)
+            share_state(dp, run)
+        run.model.to(device)
+        bar = Progress(range(start, len(run.scenario)), desc="tasks", enabled=cfg.run.progress and main)
         for t in bar:
-            model, method, heads = _train_task(cfg, t, scenario, model, method, state, out, device, heads)
-            if not main:
-                continue
-            _evaluate_row(cfg, t, scenario, method, state, device, heads)
-            row = [v for v in state.rows[-1][: t + 1]]
-            _log(out, state, {"event": "task_end", "task": t, "seconds": round(state.task_seconds[-1], 3),
-                              "acc_row": row, "avg_acc": float(np.mean(row))})
-            meta = {"task": t, "structure": model_structure(model), "method": method.state_meta(),
-                    "state": state.to_meta(), "heads": heads.state_meta(),
-                    "events_sha256": events_sha256(out / "events.jsonl", state.events_lines)}
-            save_checkpoint(out, t, model.state_dict(), method.state_tensors(), meta, keep=cfg.run.keep_checkpoints,
-                            head_tensors=heads.state_tensors() if heads.needs_features else None)
-            bar.set_postfix(avg_acc=f"{np.mean(row):.1f}")
-            bar.line(f"task {t + 1}/{len(scenario)} done: avg acc {np.mean(row):.2f} "
-                     f"({state.task_seconds[-1]:.1f} s)")
+            train_task(run, t)
+            if main:
+                _end_task(run, t, bar)
         bar.close()
         if not main:
             return {}
-        metrics = final_metrics(cfg, scenario, method, state, heads)
+        metrics = final_metrics(run)
         write_json(out / "metrics.json", metrics)
         if cfg.run.report:
             from ..report import build_report
 
             build_report(out)
     return metrics
+
+
+def _end_task(run: Run, t: int, bar: Progress) -> None:
+    """Process 0 after task ``t``: evaluate, log the row, save the checkpoint, report progress."""
+    state, model, method, heads = run.state, run.model, run.method, run.heads
+    evaluate_row(run, t)
+    row = [v for v in state.rows[-1][: t + 1]]
+    _log(run, {"event": "task_end", "task": t, "seconds": round(state.task_seconds[-1], 3),
+               "acc_row": row, "avg_acc": float(np.mean(row))})
+    meta = {"task": t, "structure": model_structure(model), "method": method.state_meta(),
+            "state": state.to_meta(), "heads": heads.state_meta(),
+            "events_sha256": events_sha256(run.out / "events.jsonl", state.events_lines)}
+    save_checkpoint(run.out, t, model.state_dict(), method.state_tensors(), meta,
+                    keep=run.cfg.run.keep_checkpoints,
+                    head_tensors=heads.state_tensors() if heads.needs_features else None)
+    bar.set_postfix(avg_acc=f"{np.mean(row):.1f}")
+    bar.line(f"task {t + 1}/{len(run.scenario)} done: avg acc {np.mean(row):.2f} "
+             f"({state.task_seconds[-1]:.1f} s)")
 
 
 def load_metrics(run_dir: str | Path) -> dict:

@@ -12,7 +12,7 @@ from ..config import OptimConfig
 from ..errors import TrainingError
 from ..utils.progress import Progress
 from . import distributed
-from .precision import autocast, grad_scaler
+from ..utils.precision import autocast, grad_scaler
 
 __all__ = ["build_optimizer", "build_scheduler", "fit", "loss_interval", "LOSS_POINTS"]
 

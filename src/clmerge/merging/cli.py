@@ -43,14 +43,17 @@ def merge_command(
     adapter_rank: int | None = typer.Option(None, "--adapter-rank", help="rank of --adapter-out peft"),
 ) -> None:
     """Merge checkpoints (model folders, weights files, hub ids, PEFT adapters) into a model folder."""
-    set_threads(threads if threads else default_threads())
+    from ..utils.threads import check_threads
+
+    try:
+        set_threads(check_threads(threads) if threads is not None else default_threads())
+    except ValueError as exc:
+        fail(exc)
     options = {"out_dtype": out_dtype, "compute_dtype": compute_dtype, "out_shard_size": out_shard_size,
                "tokenizer_from": tokenizer_from}
     try:
         if adapter_out not in ("full", "peft", "factored"):
             raise ValueError(f"--adapter-out: expected full, peft or factored, got {adapter_out!r}")
-        if threads is not None and threads < 1:
-            raise ValueError(f"--threads: expected a positive integer, got {threads}")
         spec = build_recipe(recipe, method, base, expert, set_, options)
         info = run_merge(spec, out, task=task, dry_run=dry_run, overwrite=overwrite, adapter_out=adapter_out,
                          adapter_rank=adapter_rank, hash_inputs=hash_inputs,

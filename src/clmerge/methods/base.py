@@ -21,11 +21,12 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from ..config import set_method_registry
 from ..data.scenarios import Task
-from ..engine.losses import classification_loss
 from ..models.classifier import ContinualClassifier
-from ..engine.precision import full_precision
+from ..models.losses import classification_loss
 from ..registry import Registry
+from ..utils.precision import full_precision
 
 __all__ = [
     "MethodOptions",
@@ -77,7 +78,7 @@ class ContinualMethod:
     def __init_subclass__(cls, **kwargs) -> None:
         """Every method's ``begin_task`` and ``end_task`` run with autocast off: the statistics they compute
         (Fisher, alpha sums, covariances, SVD bases, importance, task-vector folds) stay fp32 whatever
-        ``run.precision`` is and whoever calls them (:mod:`clmerge.engine.precision`).
+        ``run.precision`` is and whoever calls them (:mod:`clmerge.utils.precision`).
 
         What the base hooks guarantee does not depend on a subclass calling ``super()``: an overriding
         ``setup`` finds ``self.model`` set already, and after an overriding ``begin_task`` the head covers the
@@ -179,6 +180,7 @@ def _grow_head(method: ContinualMethod, task: Task, ctx: TaskContext) -> None:
 
 
 METHODS: Registry = Registry("method", key="method.name")  # name -> ContinualMethod subclass
+set_method_registry(METHODS)  # the config validates ``method:`` sections against these classes
 
 
 def register_method(cls: type[ContinualMethod]) -> type[ContinualMethod]:

@@ -17,7 +17,7 @@ from pydantic import Field
 from torch import nn
 
 from .base import ContinualMethod, MethodOptions, register_method
-from ..engine.precision import full_precision
+from ..utils.precision import full_precision
 
 __all__ = ["GPM", "GPMOptions", "extend_basis"]
 

@@ -27,7 +27,7 @@ from pydantic import Field
 from ..adapters import add_lora_component, fold_component, inject_lora, lora_layers
 from .base import ContinualMethod, register_method
 from .seq_lora import LoRAMethodOptions
-from ..engine.precision import full_precision
+from ..utils.precision import full_precision
 
 __all__ = ["InfLoRA", "InfLoRAOptions", "update_dual_gpm", "project_covariance", "input_covariances"]
 

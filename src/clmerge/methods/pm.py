@@ -31,12 +31,12 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from ..adapters import add_lora_component, inject_lora, lora_layers
-from ..engine.losses import classification_loss
+from ..models.losses import classification_loss
 from ..params import diagonal_fisher
 from ..params.fisher import resolve_fisher_method
 from .base import ContinualMethod, register_method
 from .seq_lora import LoRAMethodOptions
-from ..engine.precision import full_precision
+from ..utils.precision import full_precision
 
 __all__ = ["PerturbAndMerge", "PMOptions", "sample_perturbation", "closed_form_alpha", "closed_form_alpha_stored",
            "eager_attention"]

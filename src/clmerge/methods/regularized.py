@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from ..engine.losses import task_logits
+from ..models.losses import task_logits
 from ..params import diagonal_fisher
 from .base import ContinualMethod, MethodOptions, register_method
 

@@ -29,7 +29,7 @@ from ..adapters.folded import FoldedCache
 from ..adapters.lora import LoRALinear
 from .base import ContinualMethod, register_method
 from .seq_lora import LoRAMethodOptions
-from ..engine.precision import full_precision
+from ..utils.precision import full_precision
 
 __all__ = ["SDLoRA", "SDLoRARR", "SDLoRAKD", "SDLoRAOptions", "SDLoRARROptions", "SDLoRAKDOptions",
            "direction_gram", "least_squares_fit"]

@@ -2,7 +2,7 @@
 
 The head is a list of per-task linear blocks whose outputs are concatenated: task t owns the logit range
 ``[offset_t, offset_t + n_t)``. This one structure is both the "one growing head" of SD-LoRA's code and the
-"per-task heads concatenated" of InfLoRA; the two differ only in the loss (see ``engine.losses``). A
+"per-task heads concatenated" of InfLoRA; the two differ only in the loss (see ``models.losses``). A
 task-incremental scenario uses the same head and masks logits to the task's range at evaluation.
 """
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .classifier import IncrementalHead
-from ..engine.precision import full_precision
+from ..utils.precision import full_precision
 
 __all__ = ["ClassFeatureStats", "NCMHead", "RanPACHead", "align_linear_head", "ridge_grid_choice"]
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
-from ..engine.precision import full_precision
+from ..utils.precision import full_precision
 
 __all__ = [
     "diagonal_fisher",

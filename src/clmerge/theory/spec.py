@@ -22,7 +22,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..config import ConfigError, _nearest, apply_overrides, read_yaml_mapping, validate_strict
+from ..config import ConfigError, apply_overrides, nearest_hint, read_yaml_mapping, validate_strict
 from ..harness.merge_bench import SUITES, BenchConfig, BenchTask, parse_task
 
 __all__ = ["StudySpec", "Point", "HYPERPARAMETERS", "load_study", "parse_study", "expand_points", "point_id",
@@ -128,11 +128,12 @@ class StudySpec(_Strict):
                       f"it is accepted for one more release")
                 name = OLD_METHOD_NAMES[name]
             if name not in _METHOD_OPTIONS:
-                raise ValueError(f"methods[{i}].name: unknown method {name!r}{_nearest(str(name), list(_METHOD_OPTIONS))}")
+                hint = nearest_hint(str(name), list(_METHOD_OPTIONS))
+                raise ValueError(f"methods[{i}].name: unknown method {name!r}{hint}")
             for key in m:
                 if key != "name" and key not in _METHOD_OPTIONS[name]:
                     raise ValueError(f"methods[{i}]: unknown option {key!r} for {name}"
-                                     f"{_nearest(key, list(_METHOD_OPTIONS[name]) or ['(none)'])}")
+                                     f"{nearest_hint(key, list(_METHOD_OPTIONS[name]) or ['(none)'])}")
             out.append({"name": name, **_METHOD_OPTIONS[name], **{k: v for k, v in m.items() if k != "name"}})
         return out
 
@@ -140,7 +141,7 @@ class StudySpec(_Strict):
         """The task pool that groups are drawn from."""
         if isinstance(self.suite, str):
             if self.suite not in SUITES:
-                raise ConfigError(f"suite: unknown suite {self.suite!r}{_nearest(self.suite, list(SUITES))}")
+                raise ConfigError(f"suite: unknown suite {self.suite!r}{nearest_hint(self.suite, list(SUITES))}")
             return list(SUITES[self.suite])
         return [parse_task(s) for s in self.suite]
 

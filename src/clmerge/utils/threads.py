@@ -3,13 +3,21 @@
 ``set_threads(n)``: ``n = 1`` runs everything in one thread; ``n >= 2`` gives torch ``n - 1`` intra-op
 threads for the arithmetic and lets a merge read the next key and write the last one in threads of their
 own (:func:`io_threads` says whether). The setting is process-wide, like ``torch.set_num_threads``.
+
+Bounds on torch's intra-op thread count (``clmerge run``'s ``run.threads``, ``pretrain`` and ``merge``'s
+``--threads``).
+
+A count far above the machine's cores buys nothing and breaks: ``torch.set_num_threads(100000)`` makes the
+OpenMP runtime fail to create its threads and the next parallel op crash the process (segmentation fault).
+So a count above :data:`THREADS_PER_CPU` times ``os.cpu_count()`` is refused before torch is touched.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["default_threads", "io_threads", "set_threads"]
+__all__ = ["default_threads", "io_threads", "set_threads", "THREADS_PER_CPU", "max_threads", "threads_problem",
+           "check_threads"]
 
 _IO_THREADS = {"on": False}
 
@@ -31,3 +39,29 @@ def io_threads() -> bool:
 def default_threads() -> int:
     """Half the cores, 1 to 4: merging is memory-bound, and a shared machine keeps cores for others."""
     return max(1, min(4, (os.cpu_count() or 2) // 2))
+
+
+THREADS_PER_CPU = 4  # oversubscription up to this factor is allowed (it only costs time)
+
+
+def max_threads() -> int:
+    """The largest accepted thread count on this machine: :data:`THREADS_PER_CPU` x the CPUs."""
+    return THREADS_PER_CPU * (os.cpu_count() or 1)
+
+
+def threads_problem(n: int) -> str | None:
+    """What is wrong with ``n`` threads (``"should be ..."``), or None when it is usable here."""
+    top = max_threads()
+    if n < 1:
+        return "should be at least 1"
+    if n > top:
+        return f"should be at most {top} ({THREADS_PER_CPU} x the {top // THREADS_PER_CPU} CPUs here)"
+    return None
+
+
+def check_threads(n: int, name: str = "--threads") -> int:
+    """``n`` when it is a usable thread count; else ``ValueError`` naming ``name``, the bound and ``n``."""
+    problem = threads_problem(n)
+    if problem is not None:
+        raise ValueError(f"{name}: {problem}, got {n}")
+    return n

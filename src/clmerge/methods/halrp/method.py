@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from ...adapters.task_modules import TaskBatchNorm, TaskRoutedModel, set_active_task, wrap_batchnorms
-from ...engine.losses import classification_loss
-from ...engine.precision import full_precision
+from ...models.losses import classification_loss
+from ...utils.precision import full_precision
 from ..base import ContinualMethod, register_method
 from . import low_rank_perturbation as lrp
 from .layers import halrp_layers, wrap_halrp_layers

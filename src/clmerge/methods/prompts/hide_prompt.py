@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from ...engine.losses import classification_loss
+from ...models.losses import classification_loss
 from ...models.heads import ClassFeatureStats, align_linear_head
 from ..base import register_method
 from .hide_parts import HiDePromptPool, MultiCentroidStats, TaskIdentityHead, contrastive_regulariser

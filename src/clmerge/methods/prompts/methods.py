@@ -19,7 +19,7 @@ import torch
 from pydantic import Field
 
 from ...adapters.prompt import attach_prompts
-from ...engine.losses import classification_loss
+from ...models.losses import classification_loss
 from ..base import ContinualMethod, MethodOptions, register_method
 from .pools import CodaPool, DualPromptPool, L2PPool
 

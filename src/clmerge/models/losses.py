@@ -8,12 +8,20 @@ In a domain-incremental scenario the range is the whole shared head, so both mod
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
-from ..data.scenarios import Task
-
 __all__ = ["classification_loss", "task_logits"]
+
+
+class Task(Protocol):
+    """What the losses read of a scenario's task (:class:`clmerge.data.scenarios.Task` has it): its
+    ``[lo, hi)`` slice of the head's outputs. A protocol, since models sit below data in the layers."""
+
+    @property
+    def class_range(self) -> tuple[int, int]: ...
 
 
 def task_logits(logits: torch.Tensor, task: Task) -> torch.Tensor:

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from clmerge.cli import app
-from clmerge.cli_support import as_user_error
+from clmerge.cli.base import as_user_error
 from clmerge.errors import InputError, OutputError, TrainingError, UsageError
 from clmerge.utils import outpaths
 
@@ -231,7 +231,7 @@ def test_os_errors_map_to_their_kind():
 
 
 def test_consoles_are_120_wide_off_a_terminal_and_errors_never_hard_wrap(monkeypatch, capsys):
-    from clmerge import cli_support
+    from clmerge.cli import base as cli_support
 
     monkeypatch.delenv("COLUMNS", raising=False)
     assert cli_support.make_console().width == cli_support.FALLBACK_WIDTH == 120
@@ -630,7 +630,7 @@ def test_the_command_printed_after_ctrl_c_resumes_the_run(ws, monkeypatch):
 
 
 def test_an_error_line_is_cut_at_the_line_limit(capsys):
-    from clmerge import cli_support
+    from clmerge.cli import base as cli_support
 
     cli_support.print_error("x" * 50_000)
     err = capsys.readouterr().err

@@ -147,7 +147,7 @@ def test_run_without_out_goes_to_clmerge_runs_dir(tmp_path, monkeypatch, tiny_cf
 
 
 def test_run_dir_default_is_runs_under_cwd(monkeypatch):
-    from clmerge.cli import default_run_dir
+    from clmerge.cli.run import default_run_dir
 
     monkeypatch.delenv("CLMERGE_RUNS_DIR", raising=False)
     d = default_run_dir("ewc", "digits")

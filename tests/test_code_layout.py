@@ -84,7 +84,7 @@ def test_halrp_and_prompt_methods_are_folders():
             importlib.import_module(old)
 
 
-# -- the merge library: checkpoint I/O under merging/io, export in engine, only commands in merging/cli.py --
+# -- the merge library: checkpoint I/O under merging/io, export in engine, its commands in cli/merge.py --
 
 def test_checkpoint_io_lives_under_merging_io_and_export_in_engine():
     from clmerge import merging
@@ -106,7 +106,7 @@ def test_checkpoint_io_lives_under_merging_io_and_export_in_engine():
     ("merging/io/base.py", "clmerge.merging.io.peft"),
     ("merging/io/peft.py", "clmerge.merging.io.readers"),
     ("merging/io/readers.py", "clmerge.merging.registry"),
-    ("merging/run.py", "clmerge.merging.cli"),
+    ("merging/run.py", "clmerge.cli"),
 ])
 def test_merge_io_imports_run_one_way(importer, target):
     assert not _imports_module(PKG / importer, target)
@@ -116,10 +116,10 @@ def test_base_io_module_imports_no_other_merging_module():
     assert [m for m, _ in _imports(PKG / "merging/io/base.py") if m.startswith("clmerge.merging")] == []
 
 
-def test_merging_cli_holds_only_the_typer_commands():
-    tree = ast.parse((PKG / "merging/cli.py").read_text())
+def test_merge_commands_hold_only_the_typer_commands():
+    tree = ast.parse((PKG / "cli/merge.py").read_text())
     defs = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    assert defs == {"merge_command", "list_methods"}
+    assert defs == {"merge_command", "list_methods", "extract_lora_command", "export_command", "_summary"}
     assert not [n for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) and
                 not any(getattr(t, "id", "") == "__all__" for t in getattr(n, "targets", []))]  # no module state
 

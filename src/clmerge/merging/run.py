@@ -4,7 +4,7 @@
 :func:`run_merge` checks everything (method, hyperparameters, inputs, output path), then streams the merge into
 a model folder (:mod:`.pipeline`), or into one PEFT adapter when the experts are adapters and the output form
 asks for one (:mod:`.lora_merge`). Errors are raised as exceptions with one-line messages; the command
-(:mod:`clmerge.merging.cli`) prints them.
+(:mod:`clmerge.cli.merge`) prints them.
 """
 
 from __future__ import annotations

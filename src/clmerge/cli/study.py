@@ -1,4 +1,4 @@
-"""``clmerge study``, ``clmerge predict`` and ``clmerge advise`` (seed 004), registered by ``cli.py``.
+"""``clmerge study``, ``clmerge predict`` and ``clmerge advise``.
 
 The commands are thin: the work is in :func:`clmerge.sweep.run_study` (jobs), :func:`clmerge.sweep.finish_study`
 (fits.json, advice.txt, report.html), :mod:`clmerge.theory` (fits, predictions, advice) and
@@ -11,14 +11,15 @@ from pathlib import Path
 
 import typer
 
-from .cli_support import fail, make_console, print_warning, renamed_option
-from .errors import InputError, UsageError, clip
+from .base import app, fail, make_console, print_warning, renamed_option
+from ..errors import InputError, UsageError, clip
 
 __all__ = ["study_command", "predict_command", "advise_command"]
 
 console = make_console()
 
 
+@app.command("study")
 def study_command(
     spec: Path = typer.Argument(..., help="study spec YAML (see benchmarks/study_smoke.yaml)"),
     out: Path = typer.Option(..., "--out", help="study directory (results.jsonl, fits.json, report.html)"),
@@ -35,11 +36,11 @@ def study_command(
     fit_only: bool = typer.Option(False, "--fit-only", help="only refit the laws and rebuild the report"),
 ) -> None:
     """Run an expert-hyperparameter study, fit the laws, write the report."""
-    from .config import ConfigError
-    from .sweep import StudyError, finish_study, run_study
-    from .theory.spec import load_study
-    from .utils.extras import require_extra
-    from .utils.outpaths import check_writable
+    from ..config import ConfigError
+    from ..sweep import StudyError, finish_study, run_study
+    from ..theory.spec import load_study
+    from ..utils.extras import require_extra
+    from ..utils.outpaths import check_writable
 
     jobs = renamed_option("--workers", "--jobs", workers, jobs, 0)
     if backend not in ("local", "ray"):  # before the study directory is created
@@ -72,6 +73,7 @@ def _parse_assignments(items: list[str]) -> dict[str, float]:
     return out
 
 
+@app.command("predict")
 def predict_command(
     study_dir: Path = typer.Argument(..., help="a study directory with fits.json"),
     assignments: list[str] = typer.Argument(None, help="hyperparameters to change, e.g. lr=0.02 steps=80"),
@@ -79,9 +81,9 @@ def predict_command(
                                "`clmerge merges`)"),
 ) -> None:
     """Predict the merged loss at unseen expert hyperparameters, with a 95% interval."""
-    from .theory.analysis import predict
-    from .theory.spec import OLD_METHOD_NAMES
-    from .utils.io import read_json
+    from ..theory.analysis import predict
+    from ..theory.spec import OLD_METHOD_NAMES
+    from ..utils.io import read_json
 
     if method in OLD_METHOD_NAMES:
         print_warning(f"--method {method}: an old name of {OLD_METHOD_NAMES[method]} (the same merge); it is "
@@ -102,11 +104,12 @@ def predict_command(
                   f"[{res['low']:.4f}, {res['high']:.4f}] (95%){warn}")
 
 
+@app.command("advise")
 def advise_command(study_dir: Path = typer.Argument(..., help="a study directory")) -> None:
     """Plain-words advice: which expert settings merge best and which term of the bound dominates."""
-    from .sweep import finish_study, read_results
-    from .theory.advise import advise
-    from .utils.io import read_json
+    from ..sweep import finish_study, read_results
+    from ..theory.advise import advise
+    from ..utils.io import read_json
 
     if not (study_dir / "results.jsonl").exists():
         raise InputError(f"{study_dir}: no results.jsonl (run `clmerge study` first)")

@@ -1,9 +1,11 @@
-"""What every ``clmerge`` subcommand shares: consoles of the right width, and one-line user errors.
+"""The ``clmerge`` typer app and what every subcommand shares: the root command (``--debug``, ``--version``,
+``-h``), consoles of the right width, and one-line user errors.
 
-Every command is wrapped by :func:`handle_errors` (``cli.py`` registers them through it): a
-:class:`~clmerge.errors.ClmergeError`, or an ``OSError`` on a user's path, becomes ``error: <message>`` on
-stderr (at most 3 lines, never hard-wrapped) and the exit code of its kind (docs/cli_errors.md). With
-``--debug`` or ``CLMERGE_DEBUG=1`` the exception propagates instead, with its traceback.
+Every command is registered on :data:`app` by its module in this package (``@app.command()``), which wraps
+it in :func:`handle_errors`: a :class:`~clmerge.errors.ClmergeError`, or an ``OSError`` on a user's path,
+becomes ``error: <message>`` on stderr (at most 3 lines, never hard-wrapped) and the exit code of its kind
+(docs/cli_errors.md). With ``--debug`` or ``CLMERGE_DEBUG=1`` the exception propagates instead, with its
+traceback.
 """
 
 from __future__ import annotations
@@ -15,14 +17,21 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+# Idle OpenMP threads sleep instead of spinning: on a shared machine spinning threads steal the cores the
+# run's own threads wait for. Read by libgomp when torch loads, so set before any torch import; an explicit
+# OMP_WAIT_POLICY wins. Measured: the default run took 206 s with the default policy and 42 s with PASSIVE
+# on the same loaded 2-core machine (load average 3.6), with identical metrics.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperCommand, TyperGroup
 
-from .errors import ClmergeError, InputError, OutputError, UsageError
+from ..errors import ClmergeError, InputError, OutputError, UsageError
 
-__all__ = ["as_user_error", "debug_enabled", "fail", "handle_errors", "make_console", "print_error", "print_warning",
-           "renamed_option", "set_debug"]
+__all__ = ["app", "main", "console", "err", "as_user_error", "debug_enabled", "exit_with", "fail",
+           "handle_errors", "make_console", "print_error", "print_warning", "renamed_option", "set_debug"]
 
 FALLBACK_WIDTH = 120  # columns when stdout/stderr is not a terminal (rich's own fallback, 80, wraps paths)
 MAX_ERROR_LINES = 3
@@ -146,3 +155,86 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             _report(exc)
 
     return command
+
+
+def _flags_as_flags(params: list) -> list:
+    """A boolean flag is shown as ``--dry-run``, without a ``<bool>`` value column (typer shows one)."""
+    for p in params:
+        if getattr(p, "is_flag", False) and p.metavar is None:
+            p.metavar = ""
+    return params
+
+
+class _Command(TyperCommand):
+    """A subcommand whose help shows flags as flags."""
+
+    def get_params(self, ctx):
+        return _flags_as_flags(super().get_params(ctx))
+
+
+class _Group(TyperGroup):
+    """The root command: click's usage errors (a bad flag or argument) as ``error: <message>`` with the usage
+    line (2 lines, exit code 2) instead of typer's boxed panel."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except typer.TyperException as exc:  # typer's click exceptions (a usage error, a bad value)
+            if type(exc).__name__ == "NoArgsIsHelpError":  # the help is printed already
+                sys.exit(exc.exit_code)
+            ctx = getattr(exc, "ctx", None)
+            if ctx is not None:
+                typer.echo(ctx.get_usage(), err=True)
+            hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+            print_error(exc.format_message() + hint)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            print_error("aborted")
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)  # non-standalone click returns a typer.Exit's code
+
+    def get_params(self, ctx):
+        return _flags_as_flags(super().get_params(ctx))
+
+
+class _App(typer.Typer):
+    """Every registered command is wrapped by :func:`handle_errors` (one-line errors)."""
+
+    def command(self, *args, **kwargs):
+        register = super().command(*args, **{"cls": _Command, **kwargs})
+
+        def decorator(fn):
+            register(handle_errors(fn))
+            return fn
+
+        return decorator
+
+
+app = _App(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
+           context_settings={"help_option_names": ["-h", "--help"]},
+           help="clmerge: continual learning and model merging on pretrained models.")
+console = make_console()
+err = make_console(stderr=True)  # the commands' consoles (stdout, stderr)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        typer.echo(f"clmerge {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="show the traceback of an error (also: "
+                                     "CLMERGE_DEBUG=1); errors and exit codes: docs/cli_errors.md"),
+          version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                       help="print the version and exit")) -> None:
+    set_debug(debug)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``clmerge`` entry point (errors: docs/cli_errors.md)."""
+    app(args=argv, prog_name="clmerge")

@@ -1,4 +1,4 @@
-"""``clmerge merge-bench``: the merging benchmark from the command line (registered in ``clmerge.cli``)."""
+"""``clmerge merge-bench``: the merging benchmark (:func:`clmerge.harness.merge_bench_run.run_merge_bench`)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ from pathlib import Path
 
 import typer
 
-from ..cli_support import fail
+from .base import app, fail
 
 __all__ = ["merge_bench_command"]
 
 
+@app.command("merge-bench")
 def merge_bench_command(
     out: Path | None = typer.Option(None, "--out", help="results directory (default: ./merge-bench-runs/suite<S>; "
                                     "a folder holding an earlier merge-bench result is reused)"),
@@ -39,7 +40,7 @@ def merge_bench_command(
 ) -> None:
     """Fine-tune one expert per task, merge with every method, select on validation, report test accuracy."""
     from ..utils.outpaths import check_output_dir
-    from .merge_bench_run import parse_seeds, run_merge_bench
+    from ..harness.merge_bench_run import parse_seeds, run_merge_bench
 
     if out is None:  # never into the source tree's benchmarks/ unless asked
         out = Path("merge-bench-runs") / f"suite{suite}"

@@ -1,4 +1,5 @@
-"""``clmerge merge`` and ``clmerge merges``: the typer commands over :mod:`clmerge.merging.run`.
+"""``clmerge merge``, ``merges``, ``extract-lora`` and ``export``: the typer commands over
+:mod:`clmerge.merging.run`, :mod:`clmerge.merging.io.extract` and :mod:`clmerge.engine.export`.
 
 ``clmerge merge RECIPE.yaml --out DIR`` or ``clmerge merge --method NAME --base B --expert X ... --out DIR
 [--set key=value]``. Inputs are model folders (single or sharded safetensors, ``.bin`` shards), weights files,
@@ -9,18 +10,20 @@ its kind.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import typer
 
-from ..cli_support import fail
 from ..utils.threads import default_threads, set_threads
-from .registry import available, get_method
-from .run import build_recipe, run_merge
+from ..merging.registry import available, get_method
+from ..merging.run import build_recipe, run_merge
+from .base import app, console, exit_with, fail
 
-__all__ = ["list_methods", "merge_command"]
+__all__ = ["export_command", "extract_lora_command", "list_methods", "merge_command"]
 
 
+@app.command("merge")
 def merge_command(
     recipe: Path | None = typer.Argument(None, help="a YAML merge recipe (docs/merging_checkpoints.md)"),
     method: str | None = typer.Option(None, "--method", help="merge method (see `clmerge merges --verbose`)"),
@@ -60,7 +63,7 @@ def merge_command(
                          where="parameters." if recipe else "--set ",
                          log=lambda s: typer.echo(s, err=True))
     except (KeyError, ValueError, FileNotFoundError, TypeError, OSError) as exc:
-        fail(exc)  # printed by clmerge.cli_support.handle_errors, exit code by kind
+        fail(exc)  # printed by clmerge.cli.base.handle_errors, exit code by kind
     if "plan" in info:
         typer.echo(info["plan"])
         return
@@ -72,10 +75,11 @@ def merge_command(
                    f"overall, {info.get('max_rel_error', float('nan')):.3g} at worst (merge_report.json)")
 
 
+@app.command("merges", help="List the model-merging methods.")
 def list_methods(verbose: bool = typer.Option(False, "--verbose", "-v",
                                               help="hyperparameters, defaults, meaning")) -> None:
     """Print the registered merge methods (with ``--verbose``: each one's hyperparameters)."""
-    from .hparams import DATA_HPARAMS, method_hparams
+    from ..merging.hparams import DATA_HPARAMS, method_hparams
 
     every = {name: method_hparams(get_method(name)) for name in available()} if verbose else {}
     for name, desc in available().items():
@@ -92,3 +96,68 @@ def list_methods(verbose: bool = typer.Option(False, "--verbose", "-v",
             text = h.help or (f"as in {other}: {every[other][h.name].help}" if other else "-")
             typer.echo(f"    {h.name} ({h.annotation or '?'}, {default}): {text}")
 
+
+def _summary(res: dict) -> str:
+    return (f"rank {res['rank']}, {len(res.get('per_module_rel_error', {}))} modules, relative Frobenius error "
+            f"overall {res['overall_rel_error']:.3g}, max {res['max_rel_error']:.3g}")
+
+
+@app.command("extract-lora")
+def extract_lora_command(
+    base: str = typer.Option(..., "--base", help="pretrained model: folder, sharded folder or weights file"),
+    tuned: str = typer.Option(..., "--tuned", help="the full fine-tune of --base (same keys)"),
+    rank: int = typer.Option(..., "--rank", help="LoRA rank r (lora_alpha = r, so the scale is 1)"),
+    out: Path = typer.Option(..., "--out", help="new PEFT adapter folder"),
+    include: str | None = typer.Option(None, "--include", help="regex: only keys that match"),
+    exclude: str | None = typer.Option(None, "--exclude", help="regex: skip keys that match"),
+    embeddings: bool = typer.Option(False, "--include-embeddings", help="also extract embedding tables "
+                                    "(written as peft's lora_embedding_A/B)"),
+    svd: str = typer.Option("auto", "--svd", help="auto (randomized for large matrices), full (exact optimum) "
+                            "or randomized"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing non-empty --out"),
+) -> None:
+    """A PEFT LoRA adapter from a full fine-tune (truncated SVD of tuned - base per Linear weight)."""
+    from ..merging.io.extract import extract_lora
+    from ..merging.io import MergeInputError
+
+    for flag, pattern in (("--include", include), ("--exclude", exclude)):
+        try:
+            re.compile(pattern or "")
+        except re.error as exc:
+            exit_with(f"{flag} {pattern!r}: not a regular expression ({exc})")
+    try:
+        res = extract_lora(base=base, tuned=tuned, rank=rank, out=out, include=include, exclude=exclude,
+                           embeddings=embeddings, svd=svd, overwrite=overwrite)
+    except (MergeInputError, FileNotFoundError, ValueError) as exc:
+        fail(exc)
+    if res.get("note"):  # modules whose min(out, in) is below --rank
+        typer.echo(res["note"], err=True)
+    console.print(f"wrote {out}: {_summary(res)}")
+
+
+@app.command("export")
+def export_command(
+    run_dir: Path = typer.Argument(..., help="a continual run directory (clmerge run --out)"),
+    format: str = typer.Option(..., "--format", help="hf (folded HF model + head) or peft (LoRA adapter)"),
+    out: Path = typer.Option(..., "--out", help="new output folder"),
+    rank: int | None = typer.Option(None, "--rank", help="peft: adapter rank (default: the largest numerical "
+                                    "rank of the updates: exact)"),
+    base_out: Path | None = typer.Option(None, "--base-out", help="peft: also write the pretrained backbone "
+                                         "here as an HF folder (the base the adapter applies to)"),
+    svd: str = typer.Option("auto", "--svd", help="peft: auto, full or randomized truncated SVD"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing non-empty --out / --base-out"),
+) -> None:
+    """Export a continual run's final model as an HF model folder or a PEFT LoRA adapter."""
+    from ..engine.export import export_run
+    from ..merging.io import MergeInputError
+
+    try:
+        res = export_run(run_dir, format=format, out=out, rank=rank, base_out=base_out, svd=svd,
+                         overwrite=overwrite)
+    except (MergeInputError, FileNotFoundError, ValueError) as exc:
+        fail(exc)
+    if format == "peft":
+        console.print(f"wrote {out}: {_summary(res)}")
+    else:
+        console.print(f"wrote {out}: HF model folder, head.safetensors, classes.json ({res['method']}, "
+                      f"{len(res['adapted_modules'])} LoRA-adapted modules folded)")

@@ -1,104 +1,22 @@
-"""The ``clmerge`` command line (typer)."""
+"""``clmerge run``, ``report`` and the listings (``methods``, ``datasets``, ``models``, ``configs``).
+
+A run goes to ``--out``, else to ``$CLMERGE_RUNS_DIR/<method>-<dataset>-<time>`` (``./runs`` when unset;
+docs/cli.md); the work is :func:`clmerge.engine.run.run_experiment` and its neighbours.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
 import time
-
-# Idle OpenMP threads sleep instead of spinning: on a shared machine spinning threads steal the cores the
-# run's own threads wait for. Read by libgomp when torch loads, so set before any torch import; an explicit
-# OMP_WAIT_POLICY wins. Measured: the default run took 206 s with the default policy and 42 s with PASSIVE
-# on the same loaded 2-core machine (load average 3.6), with identical metrics.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from pathlib import Path
 
 import typer
 from rich.table import Table
-from typer.core import TyperCommand, TyperGroup
 
-from .cli_support import exit_with as _fail
-from .cli_support import fail, handle_errors, make_console, print_error, set_debug
+from .base import app, console, err, exit_with, fail
 
 RUNS_DIR_ENV = "CLMERGE_RUNS_DIR"  # where `clmerge run` puts a run without --out (default: ./runs)
-
-
-def _flags_as_flags(params: list) -> list:
-    """A boolean flag is shown as ``--dry-run``, without a ``<bool>`` value column (typer shows one)."""
-    for p in params:
-        if getattr(p, "is_flag", False) and p.metavar is None:
-            p.metavar = ""
-    return params
-
-
-class _Command(TyperCommand):
-    """A subcommand whose help shows flags as flags."""
-
-    def get_params(self, ctx):
-        return _flags_as_flags(super().get_params(ctx))
-
-
-class _Group(TyperGroup):
-    """The root command: click's usage errors (a bad flag or argument) as ``error: <message>`` with the usage
-    line (2 lines, exit code 2) instead of typer's boxed panel."""
-
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        if not standalone_mode:
-            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        try:
-            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except typer.TyperException as exc:  # typer's click exceptions (a usage error, a bad value)
-            if type(exc).__name__ == "NoArgsIsHelpError":  # the help is printed already
-                sys.exit(exc.exit_code)
-            ctx = getattr(exc, "ctx", None)
-            if ctx is not None:
-                typer.echo(ctx.get_usage(), err=True)
-            hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-            print_error(exc.format_message() + hint)
-            sys.exit(exc.exit_code)
-        except typer.Abort:
-            print_error("aborted")
-            sys.exit(1)
-        sys.exit(rv if isinstance(rv, int) else 0)  # non-standalone click returns a typer.Exit's code
-
-    def get_params(self, ctx):
-        return _flags_as_flags(super().get_params(ctx))
-
-
-class _App(typer.Typer):
-    """Every registered command is wrapped by :func:`~clmerge.cli_support.handle_errors` (one-line errors)."""
-
-    def command(self, *args, **kwargs):
-        register = super().command(*args, **{"cls": _Command, **kwargs})
-
-        def decorator(fn):
-            register(handle_errors(fn))
-            return fn
-
-        return decorator
-
-
-app = _App(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
-           context_settings={"help_option_names": ["-h", "--help"]},
-           help="clmerge: continual learning and model merging on pretrained models.")
-console = make_console()
-err = make_console(stderr=True)
-
-
-def _print_version(value: bool) -> None:
-    if value:
-        from . import __version__
-
-        typer.echo(f"clmerge {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(debug: bool = typer.Option(False, "--debug", help="show the traceback of an error (also: "
-                                     "CLMERGE_DEBUG=1); errors and exit codes: docs/cli_errors.md"),
-          version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
-                                       help="print the version and exit")) -> None:
-    set_debug(debug)
 
 
 def _fmt(v) -> str:
@@ -148,10 +66,10 @@ def run(
                                      "backbones can be named (repeatable; docs/extending.md)"),
 ) -> None:
     """Run a continual-learning experiment and write a run directory."""
-    from .config import ConfigError, load_config
-    from .engine import distributed
-    from .engine.run import run_experiment
-    from .plugins import load_plugins
+    from ..config import ConfigError, load_config
+    from ..engine import distributed
+    from ..engine.run import run_experiment
+    from ..plugins import load_plugins
 
     load_plugins(plugin)
     try:
@@ -160,11 +78,11 @@ def run(
         fail(exc)
     if out is None and not dry_run:
         if resume:
-            _fail("--resume needs --out DIR (the run directory to continue)")
+            exit_with("--resume needs --out DIR (the run directory to continue)")
         out = default_run_dir(cfg.method.name, cfg.scenario.dataset)
     if nproc > 1 and not distributed.launched():
         if cfg.train.batch_size < nproc:
-            _fail(f"--nproc {nproc}: train.batch_size={cfg.train.batch_size} gives a process no sample per batch")
+            exit_with(f"--nproc {nproc}: train.batch_size={cfg.train.batch_size} gives a process no sample per batch")
         if not dry_run:
             _check_run_out(out, resume, overwrite)
         return _launch(nproc, out)
@@ -237,7 +155,7 @@ def _launch(nproc: int, out: Path | None) -> None:
 
 def _check_run_out(out: Path, resume: bool, overwrite: bool) -> None:
     """Refuse an unusable run directory before anything is loaded or created."""
-    from .utils.outpaths import check_output_dir, check_writable
+    from ..utils.outpaths import check_output_dir, check_writable
 
     if resume:
         check_writable(out)
@@ -246,19 +164,19 @@ def _check_run_out(out: Path, resume: bool, overwrite: bool) -> None:
 
 
 def _dry_run(cfg) -> None:
-    from .engine.dry_run import dry_run
-    from .utils.extras import MissingExtraError
+    from ..engine.dry_run import dry_run
+    from ..utils.extras import MissingExtraError
 
     try:
         dry_run(cfg, echo=lambda line: console.print(line, markup=False, highlight=False))
     except MissingExtraError:
         raise  # an install to do, not a failed check: its own line and exit code
     except Exception as exc:  # noqa: BLE001  (a dry run reports any failure as a failed check)
-        _fail(f"dry run failed: {type(exc).__name__}: {exc}", code=1)
+        exit_with(f"dry run failed: {type(exc).__name__}: {exc}", code=1)
 
 
 def _run_orders(cfg, out: Path, n: int, resume: bool, resume_command: str) -> None:
-    from .engine.orders import run_orders
+    from ..engine.orders import run_orders
 
     try:
         summary = run_orders(cfg, out, n, resume=resume)
@@ -276,7 +194,7 @@ def _run_orders(cfg, out: Path, n: int, resume: bool, resume_command: str) -> No
 @app.command()
 def report(run_dir: Path = typer.Argument(..., help="a run directory")) -> None:
     """(Re)build RUN_DIR/report.html."""
-    from .report import build_report
+    from ..report import build_report
 
     try:
         path = build_report(run_dir)
@@ -288,7 +206,7 @@ def report(run_dir: Path = typer.Argument(..., help="a run directory")) -> None:
 @app.command()
 def methods() -> None:
     """List the continual-learning methods."""
-    from .methods import available_methods
+    from ..methods import available_methods
 
     for name, desc in available_methods().items():
         typer.echo(f"{name:<14} {desc}")
@@ -297,7 +215,7 @@ def methods() -> None:
 @app.command()
 def datasets() -> None:
     """List the data sources."""
-    from .data import available_datasets
+    from ..data import available_datasets
 
     for name, desc in available_datasets().items():
         typer.echo(f"{name:<14} {desc}")
@@ -306,7 +224,7 @@ def datasets() -> None:
 @app.command()
 def models() -> None:
     """List the backbone presets."""
-    from .models import available_backbones
+    from ..models import available_backbones
 
     for name, desc in available_backbones().items():
         typer.echo(f"{name:<16} {desc}")
@@ -315,72 +233,7 @@ def models() -> None:
 @app.command()
 def configs() -> None:
     """List the papers' configs shipped with clmerge (run one by name: clmerge run NAME)."""
-    from .paper_configs import available_configs, describe_config
+    from ..paper_configs import available_configs, describe_config
 
     for name, path in available_configs().items():
         typer.echo(f"{name:<36} {describe_config(path)}")
-
-
-@app.command()
-def pretrain(
-    preset: str = typer.Option("vit-tiny-fmnist", "--preset", help="what to pretrain"),
-    out: Path | None = typer.Option(None, "--out", help="output directory (default: ./pretrained/<preset>; the "
-                                    "shipped weights are in clmerge/assets/<preset>)"),
-    epochs: int | None = typer.Option(None, "--epochs", help="override the preset's epochs"),
-    data_root: str | None = typer.Option(None, "--data-root", help="where the Fashion-MNIST IDX files are"),
-    threads: int = typer.Option(1, "--threads", help="torch threads (the shipped weights used 1; bit-exact "
-                                "reproduction needs the same count)"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="replace the files of an existing non-empty --out"),
-) -> None:
-    """Reproducibly pretrain a shipped backbone (weights + provenance.json)."""
-    from .pretrain import PRESETS
-    from .utils.outpaths import check_output_dir
-    from .utils.threads import check_threads
-
-    try:
-        check_threads(threads)
-    except ValueError as exc:
-        _fail(str(exc))
-    if preset not in PRESETS:
-        _fail(f"--preset {preset!r}: unknown; known: {', '.join(PRESETS)}")
-    # never into the installed package by default: that would silently replace the shipped weights
-    target = out or Path("pretrained") / preset.replace("-", "_")
-    check_output_dir(target, overwrite=overwrite)
-    if out is None:
-        err.print(f"writing to {target} (give --out to choose; the shipped weights are in clmerge/assets)",
-                  highlight=False, soft_wrap=True)
-    kwargs = {"data_root": data_root, "threads": threads} | ({"epochs": epochs} if epochs else {})
-    prov = PRESETS[preset](target, **kwargs)
-    console.print(f"wrote {target}: test accuracy {prov['test_accuracy']:.2f}%, sha256 {prov['sha256'][:16]}…")
-
-
-from .harness.merge_bench_cli import merge_bench_command as _merge_bench_command  # noqa: E402
-from .merging.cli import list_methods as _list_merges  # noqa: E402
-from .merging.cli import merge_command as _merge_command  # noqa: E402
-
-app.command("merge")(_merge_command)
-app.command("merges", help="List the model-merging methods.")(_list_merges)
-app.command("merge-bench")(_merge_bench_command)
-
-from .export_cli import export_command as _export_command  # noqa: E402
-from .export_cli import extract_lora_command as _extract_lora_command  # noqa: E402
-
-app.command("extract-lora")(_extract_lora_command)
-app.command("export")(_export_command)
-
-from .study_cli import advise_command as _advise_command  # noqa: E402
-from .study_cli import predict_command as _predict_command  # noqa: E402
-from .study_cli import study_command as _study_command  # noqa: E402
-
-app.command("study")(_study_command)
-app.command("predict")(_predict_command)
-app.command("advise")(_advise_command)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """The ``clmerge`` entry point (errors: docs/cli_errors.md)."""
-    app(args=argv, prog_name="clmerge")
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

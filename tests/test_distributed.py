@@ -110,7 +110,7 @@ def test_paper_config_dry_run_in_two_processes(tmp_path):
 
 def test_nproc_relaunch_command_drops_the_flag_and_fixes_out(monkeypatch, tmp_path):
     """`--nproc N` relaunches the same command under torchrun, without --nproc, with one --out for all."""
-    from clmerge import cli
+    from clmerge.cli import run as cli
 
     calls = []
     monkeypatch.setattr(sys, "argv", ["clmerge", "run", "c.yaml", "--nproc", "2", "--set", "seed=1"])

@@ -152,3 +152,13 @@ def test_run_dir_default_is_runs_under_cwd(monkeypatch):
     monkeypatch.delenv("CLMERGE_RUNS_DIR", raising=False)
     d = default_run_dir("ewc", "digits")
     assert d.parent == Path("runs") and d.name.startswith("ewc-digits-")
+
+
+@pytest.mark.parametrize("argv, folder", [
+    (["merge-bench", "--suite", "nosuch"], "merge-bench-runs/suitenosuch"),
+    (["pretrain", "--epochs", "0", "--data-root", "nowhere"], "pretrained/vit_tiny_fmnist"),
+])
+def test_a_default_output_folder_is_printed_as_an_absolute_path(tmp_path, monkeypatch, argv, folder):
+    monkeypatch.chdir(tmp_path)
+    res = runner.invoke(app, argv, env=WIDE)
+    assert f"writing to {tmp_path / folder} " in res.output, res.output

@@ -44,7 +44,7 @@ def merge_bench_command(
 
     if out is None:  # never into the source tree's benchmarks/ unless asked
         out = Path("merge-bench-runs") / f"suite{suite}"
-        typer.echo(f"writing to {out} (give --out to choose)", err=True)
+        typer.echo(f"writing to {out.absolute()} (give --out to choose)", err=True)
     check_output_dir(out, overwrite=overwrite, ours=("results.json", "experts", "seed0"))
     try:
         res = run_merge_bench(out, suite=suite, epochs=epochs, lr=lr, max_train=max_train, max_eval=max_eval,

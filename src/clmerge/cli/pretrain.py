@@ -35,7 +35,7 @@ def pretrain(
     target = out or Path("pretrained") / preset.replace("-", "_")
     check_output_dir(target, overwrite=overwrite)
     if out is None:
-        err.print(f"writing to {target} (give --out to choose; the shipped weights are in clmerge/assets)",
+        err.print(f"writing to {target.absolute()} (give --out to choose; the shipped weights are in clmerge/assets)",
                   highlight=False, soft_wrap=True)
     kwargs = {"data_root": data_root, "threads": threads} | ({"epochs": epochs} if epochs else {})
     prov = PRESETS[preset](target, **kwargs)

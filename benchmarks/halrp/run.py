@@ -1,4 +1,4 @@
-"""HALRP benchmark (the checks P1-P10 of results.md): HALRP vs finetune, ewc, l2, stl, gpm over 5 task orders.
+"""HALRP benchmark (the checks P1-P11 of results.md): HALRP vs finetune, ewc, l2, stl, gpm over 5 task orders.
 
 Settings (all task-incremental, one head per task):
 - ``pfmnist``: Permuted Fashion-MNIST, 10 tasks (every task permuted), a training subsample per task;

@@ -30,7 +30,7 @@ Every finished run's ``metrics.json`` is kept in the committed archive ``runs.js
 built from the archive plus the run directories, so a session that runs some cells keeps the others' rows.
 
 Resumable: a run with ``metrics.json`` is skipped, an interrupted one is continued with ``--resume``.
-Commands (the lead runs them; ``--jobs`` runs that many runs at once, one thread each):
+Commands (``--jobs`` runs that many runs at once, one thread each):
 
     python benchmarks/lora_cl/run_evidence.py --jobs 2
     python benchmarks/lora_cl/run_evidence.py --methods pm,seq_lora --seeds 0 --benchmarks split_mnist5k

@@ -10,7 +10,7 @@
    each task, for pm (running sums, constant; per-task store for contrast) and sd_lora with and without RR
    and KD. Each task trains ``--steps`` real steps (domain-incremental permuted MNIST-5k, so 20 tasks exist).
 
-Commands (the lead runs them; ``--smoke`` is the tiny setting the tests use):
+Commands (``--smoke`` is the tiny setting the tests use):
 
     python benchmarks/lora_cl/speed.py                       # shipped tiny ViT, CPU
     python benchmarks/lora_cl/speed.py --backbone vit-b16 --batch 64 --device cuda

@@ -7,6 +7,8 @@ bound's measured terms, laws.
 * :mod:`.advise`: plain-words advice from a study's fits; :mod:`.report`: the study's HTML page.
 
 Running a study (many jobs, local or Ray) is :func:`clmerge.sweep.run_study`.
+
+Layer: above harness and engine (docs/architecture.md).
 """
 
 from .advise import advise

@@ -1,4 +1,4 @@
-"""Overhead of the class-incremental heads (issue 11): seconds per task and the statistics' memory.
+"""Overhead of the class-incremental heads: seconds per task and the statistics' memory.
 
 Usage:
     python benchmarks/heads_overhead.py [--threads 1] [--ranpac-dim 2000] [--out benchmarks/heads_overhead.md]
@@ -62,7 +62,7 @@ def write(a, suite: HeadSuite, evals: dict[str, list[float]], scenario) -> None:
             (f"RanPAC update + lambda search + solve (M={a.ranpac_dim})", sec["ranpac"])]
     rows += [(f"evaluation on the seen tasks' test data: {v}", evals[v]) for v in suite.variants]
     table = "\n".join(f"| {name} | {np.mean(s):.3f} | {' / '.join(f'{x:.2f}' for x in s)} |" for name, s in rows)
-    text = f"""# Head overhead (issue 11)
+    text = f"""# Head overhead of the class-incremental heads
 
 Command: `python benchmarks/heads_overhead.py --threads {a.threads} --ranpac-dim {a.ranpac_dim}` (frozen shipped
 `vit-tiny-fmnist`, D = {suite.stats.dim}; default Split-MNIST-5k, {len(scenario)} tasks, {n_cls} classes;

@@ -1,4 +1,4 @@
-"""Training throughput and peak memory per continual method and precision (issue 15); writes throughput.md.
+"""Training throughput and peak memory per continual method and precision; writes throughput.md.
 
 What one cell (method, precision, network) measures: the engine's own loop (``engine.run.train_task`` ->
 ``engine.training.fit``, with the method's ``loss`` / ``before_step`` / ``after_step``) trains task 1 for a
@@ -54,7 +54,7 @@ from throughput_report import write_plot, write_report  # noqa: E402
 
 PRECISIONS = ["fp32", "bf16", "fp16"]
 # label -> (method section, kind); the labels and option sets of benchmarks/lora_cl/run_evidence.py METHODS.
-# "lora" methods are held to the issue's <= 1.15 x seq_lora per step; "full" ones train the whole backbone.
+# "lora" methods are held to the target of <= 1.15 x seq_lora per step; "full" ones train the whole backbone.
 METHODS: dict[str, tuple[dict, str]] = {
     "seq_lora": ({"name": "seq_lora"}, "lora"),
     "pm": ({"name": "pm"}, "lora"),
@@ -71,7 +71,7 @@ METHODS: dict[str, tuple[dict, str]] = {
     "ewc": ({"name": "ewc"}, "full"),
     "l2": ({"name": "l2"}, "full"),
     "gpm": ({"name": "gpm"}, "full"),
-    # issue 14: prompt methods (frozen backbone; prompts, keys and head train) and MagMax (full fine-tuning)
+    # prompt methods (frozen backbone; prompts, keys and head train) and MagMax (full fine-tuning)
     "l2p": ({"name": "l2p"}, "prompt"),
     "dualprompt": ({"name": "dualprompt"}, "prompt"),
     "coda_prompt": ({"name": "coda_prompt"}, "prompt"),
@@ -83,7 +83,7 @@ METHODS: dict[str, tuple[dict, str]] = {
 # whole-task Fisher passes would dominate the benchmark's runtime.
 END_TASK_CAPS: dict[str, dict] = {"pm": {"fisher_samples": 64}, "cofima": {"fisher_samples": 64},
                                   "ewc": {"fisher_samples": 64}, "inflora": {"covariance_samples": 128}}
-# the default run: the methods of issue 15's brief (l2 and gpm on request: --methods)
+# the default run: every method but l2, gpm, the prompt methods and magmax (those on request: --methods), and halrp
 DEFAULT_METHODS = [m for m in METHODS if m not in ("l2", "gpm", "l2p", "dualprompt", "coda_prompt", "hide_prompt",
                                                   "magmax")] + ["halrp"]
 HALRP = {"halrp": ({"name": "halrp", "warmup_epochs": 1, "grad_multiplier": 10.0, "prune": True}, "halrp"),

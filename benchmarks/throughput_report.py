@@ -6,7 +6,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-LIMIT = 1.15  # issue 15: a LoRA method's step time <= 1.15 x seq_lora's, in every precision
+LIMIT = 1.15  # the target: a LoRA method's step time <= 1.15 x seq_lora's, in every precision
 GPU_SUITES = ["vit-tiny-fmnist", "vit-b16"]
 
 
@@ -92,7 +92,7 @@ def _header(data: dict) -> list[str]:
     memory = ("`torch.cuda.max_memory_allocated` over task 2 (absolute)." if m["device"] != "cpu" else
               "growth of the peak RSS (VmHWM) over task 2 above the RSS at its start, in a fresh (forked) "
               "process per cell.")
-    lines = ["# Training throughput and peak memory per method (issue 15)", ""]
+    lines = ["# Training throughput and peak memory per method", ""]
     if s["quick"]:
         lines += ["**QUICK SMOKE SETTING: the numbers are not measurements.**", ""]
     lines += ["Command (from the repository root): `PYTHONPATH=src OMP_NUM_THREADS=1 nice -n 5 python "

@@ -1,4 +1,4 @@
-"""CART-Indexing against a transcription of the official pipeline (issue 11, audit fix).
+"""CART-Indexing against a transcription of the official pipeline (an audit fix).
 
 The official code (JH-GEECS/CART, ``src/merging.py``) builds task vectors tau_t = theta_t - theta_0, the origin
 theta_avg = theta_0 + (1/T) sum_t tau_t, and per task a vector that is SVD_k(tau_t + theta_0 - theta_avg) for

@@ -1,5 +1,5 @@
 """Every user error of every subcommand: at most 3 lines on stderr, no traceback, the exit code of its kind
-(docs/cli_errors.md), and the file system left exactly as it was (issue 13).
+(docs/cli_errors.md), and the file system left exactly as it was.
 
 One table: (subcommand, what is wrong, argv, exit code, words the message must hold). Each case runs the CLI
 in process on tiny tensors written here; nothing trains except the one divergence case (2 tiny steps).

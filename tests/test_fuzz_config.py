@@ -1,6 +1,6 @@
 """Property-based tests (Hypothesis) of config parsing: ``--set`` overrides, YAML files and ``validate_strict``
 with random dotted keys, values and nesting. Whatever the input, the result is a config or a ConfigError /
-UsageError whose message names the offending key (issue 13) — never another exception."""
+UsageError whose message names the offending key — never another exception."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Property-based tests (Hypothesis) of merge inputs: random shapes and dtypes (bf16, ints, bool), mismatched
 keys, truncated and garbage safetensors files, empty files. Reading (``open_checkpoint``), the merge API and
 the ``merge`` command (in process) either succeed or fail with a clean InputError / UsageError naming what
-was wrong, and a failed merge leaves no output file or folder behind (issue 13)."""
+was wrong, and a failed merge leaves no output file or folder behind."""
 
 from __future__ import annotations
 

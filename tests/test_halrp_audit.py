@@ -1,4 +1,4 @@
-"""HALRP fixes from the fidelity audit (issue 11): the official pruning count and the column-scale quirk."""
+"""HALRP fixes from the audit against the official code: the official pruning count and the column-scale quirk."""
 
 from __future__ import annotations
 

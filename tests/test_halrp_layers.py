@@ -1,4 +1,4 @@
-"""HALRP layers (Eq. 2 / Eq. 7), per-task BN, task routing, and the small networks of spec 003 section 4.2."""
+"""HALRP layers (Eq. 2 / Eq. 7), per-task BN, task routing, and the small networks of HALRP's App. F.2."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_linear_task_weight_is_elementwise_formula():
     torch.testing.assert_close(layer.task_weight(1), expect)
     x = torch.randn(3, 5, generator=g)
     layer.active_task = 1
-    code_form = f.r * F.linear(f.s * x, w) + f.bias + (x @ f.v.T) @ f.u.T  # spec 2.2, code's forward
+    code_form = f.r * F.linear(f.s * x, w) + f.bias + (x @ f.v.T) @ f.u.T  # Eq. 2 as the official code computes it
     torch.testing.assert_close(layer(x), code_form)
     layer.active_task = 0
     torch.testing.assert_close(layer(x), layer.base_layer(x))
@@ -46,7 +46,7 @@ def test_conv_broadcasts_b_over_kernel_positions():
     x = torch.randn(2, 3, 7, 7, generator=g)
     layer.active_task = 1
     scaled = f.r.view(1, -1, 1, 1) * F.conv2d(f.s.view(1, -1, 1, 1) * x, base.weight, None, 2, 1)
-    b = (f.u @ f.v)[:, :, None, None].expand(-1, -1, 3, 3)  # spec 2.2: sum pooling of V'x, then U'
+    b = (f.u @ f.v)[:, :, None, None].expand(-1, -1, 3, 3)  # Eq. 7, official code: sum pooling of V'x, then U'
     expect = scaled + F.conv2d(x, b, f.bias, 2, 1)
     torch.testing.assert_close(layer(x), expect, atol=1e-5, rtol=1e-5)
     assert layer.kernel_positions == 9
@@ -75,7 +75,7 @@ def test_small_nets(name, params, dim):
     b = build_backbone(name, pretrained=False, source=None, config={})
     out = b(torch.rand(2, 1, 28, 28))
     assert out.shape == (2, dim)
-    if params is not None:  # LeNet: "about 3.0M parameters" (spec 4.2); MLP 784-256-256
+    if params is not None:  # LeNet: "about 3.0M parameters" (App. F.2); MLP 784-256-256
         assert b.info["parameters"] == params
 
 

@@ -1,4 +1,5 @@
-"""HALRP closed forms (spec 003, P1): Eqs. 19-20 vs a generic least-squares solve, Eq. 1, the global cut (Eq. 11)."""
+"""HALRP closed forms (Li et al., TKDE 2024): Eqs. 19-20 vs a generic least-squares solve, Eq. 1, the
+global cut (Eq. 11)."""
 
 from __future__ import annotations
 

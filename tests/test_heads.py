@@ -1,4 +1,4 @@
-"""Heads for class-incremental runs (issue 11): NCM, RanPAC, SLCA alignment, shadow comparison, resume."""
+"""Heads for class-incremental runs: NCM, RanPAC, SLCA alignment, shadow comparison, resume."""
 
 import json
 

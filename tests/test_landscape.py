@@ -87,7 +87,7 @@ def test_fig2_numbers(smoke) -> None:
             assert s["line_min"] <= s["at_alpha_star"] and s["line_min"] <= min(s["at_lambda0"], s["at_lambda1"])
             assert math.isclose(s["plane_min"], z.min())
         assert 0.0 <= d["alpha_star"] <= 1.0 and math.isfinite(d["alpha_star_raw"])
-        assert len(d["alpha_per_task"]) == 2 and d["alpha_per_task"][0] == 1.0  # alpha*_1 = 1 (spec 000 T1)
+        assert len(d["alpha_per_task"]) == 2 and d["alpha_per_task"][0] == 1.0  # P&M: alpha*_1 = 1
         # pm's merged backbone is exactly theta^_1 + alpha* (theta*_2 - theta^_1): the snapshot is the unmerged optimum
         assert d["merge_check_max_abs_diff"] < 1e-5
         line = d["line"]

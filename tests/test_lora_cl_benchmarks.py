@@ -56,13 +56,13 @@ def test_evidence_config_holds_out_validation() -> None:
     sites = set()
     for label in ev.METHODS:
         resolved = parse_config(ev.make_config("mnist_fmnist10", label, 0, 1e-3, smoke=True))
-        if hasattr(resolved.method_options(), "targets"):  # every LoRA method adapts the same sites (issue 11)
+        if hasattr(resolved.method_options(), "targets"):  # every LoRA method adapts the same sites
             sites.add(tuple(resolved.method_options().targets))
     assert sites == {("key", "value")}
 
 
 def test_text_benchmark_config_grid_and_stale_runs(tmp_path) -> None:
-    """wordnet10 (issue 12) runs MiniLM on the WordNet source with its own LoRA grid; a run directory trained
+    """wordnet10 (the text regime) runs MiniLM on the WordNet source with its own LoRA grid; a run directory trained
     at another learning rate than the one now selected is moved aside (not reused, not counted as a seed)."""
     from clmerge.config import parse_config
 
@@ -91,7 +91,8 @@ def test_reuse_selection_takes_the_stored_rate_and_never_the_image_rate_for_text
     with pytest.raises(ValueError, match="no learning rate for seq_lora on wordnet10"):
         ev.reused_selection(tmp_path, ["wordnet10"], ["seq_lora"])
     got = ev.reused_selection(tmp_path, ["split_mnist5k"], ["seq_lora"])
-    assert got["split_mnist5k"]["seq_lora"] == {"lr": ev.ISSUE4_SELECTION["seq_lora"], "selected_on": "issue-4 selection"}
+    assert got["split_mnist5k"]["seq_lora"] == {"lr": ev.LINEAR_HEAD_SELECTION["seq_lora"],
+                                            "selected_on": "linear-head grid selection"}
     stored = {"wordnet10": {"seq_lora": {"lr": 0.003, "val_acc": {"0.003": 23.2}}},
               "split_mnist5k": {"seq_lora": {"lr": 0.01, "val_acc": {"0.01": 50.0}}}}
     (tmp_path / "selected.json").write_text(json.dumps(stored))
@@ -118,7 +119,7 @@ def test_evidence_smoke_runs_selects_on_val_and_resumes(tmp_path) -> None:
     assert sel["split_mnist5k"]["sd_lora_kd"]["lr"] == sel["split_mnist5k"]["sd_lora"]["lr"]
     assert "sd_lora" in sel["split_mnist5k"]["sd_lora_kd"]["selected_on"]
     assert not (tmp_path / "runs" / "select" / "split_mnist5k" / "sd_lora_kd").exists()
-    # the selection read each run's validation accuracy from metrics.json (recorded per head since issue 11)
+    # the selection read each run's validation accuracy from metrics.json (recorded per head with head.compare)
     run = json.loads((tmp_path / "runs" / "select" / "split_mnist5k" / "pm" / "lr0.002" / "metrics.json").read_text())
     assert sel["split_mnist5k"]["pm"]["val_acc"]["0.002"] == run["heads"]["linear"]["val_acc"]
     assert (tmp_path / "fig" / "split_mnist5k_pm_alpha.png").exists()
@@ -141,7 +142,7 @@ def test_validation_ranking_is_best_first_over_finished_seeds(tmp_path) -> None:
             (run / "v").write_text(str(v))
     (tmp_path / "main" / "bench" / "a" / "seed9").mkdir()  # unfinished: no metrics.json, not counted
     rows = rep.validation_ranking(tmp_path, "bench", lambda r, head: float((r / "v").read_text()))
-    # runs without head.compare count for their own head only (linear before issue 11)
+    # runs without head.compare count for their own head only (linear in the older runs)
     assert [(m, n) for m, _, _, n in rows] == [("b + linear", 1), ("c + linear", 3), ("a + linear", 2)]
     assert rows[1][1] == pytest.approx(40.0) and rows[2][2] == pytest.approx(5.0)
 

@@ -1,4 +1,4 @@
-"""Merging on the text backbone (issue 12): the text suites of merge-bench, integer buffers under every merge
+"""Merging on the text backbone: the text suites of merge-bench, integer buffers under every merge
 method, `clmerge study` on text and `clmerge export` of a text run; a 2-layer random BERT, a generated tokenizer
 and WordNet-format files (text_helpers), never the real model or data."""
 

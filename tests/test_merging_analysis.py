@@ -13,7 +13,7 @@ from merging_helpers import make_models
 
 
 def ik_reference(vecs, k):
-    """The k x k reading, transcribed from specs/001_cart_ik_check.py (I_kxk)."""
+    """The k x k reading of CART Eq. (5), written out with plain loops (I_kxk)."""
     tot = 0.0
     S = []
     for t in vecs:

@@ -67,10 +67,10 @@ def _bad(tmp, name, mutate, ex):
 
 
 @pytest.mark.parametrize("mutate, words", [
-    # the base decides the key set (issue 10), so the error names the base beside the bad input
+    # the base decides the key set, so the error names the base beside the bad input
     (lambda e: e.pop("blk.fc2.weight"), ["blk.fc2.weight", "missing", "bad.safetensors", "base.safetensors"]),
     (lambda e: e.__setitem__("norm.weight", torch.zeros(5)), ["norm.weight", "shape", "bad.safetensors"]),
-    # mixed floating dtypes are upcast now (issue 10); a non-floating dtype mismatch is still an error
+    # mixed floating dtypes are upcast; a non-floating dtype mismatch is still an error
     (lambda e: e.__setitem__("buf.index", e["buf.index"].int()), ["buf.index", "dtype"]),
     (lambda e: e["blk.fc1.bias"].__setitem__(0, float("nan")), ["blk.fc1.bias", "NaN", "bad.safetensors"]),
     (lambda e: e["blk.fc1.bias"].__setitem__(1, float("inf")), ["blk.fc1.bias", "Inf"]),
@@ -111,6 +111,6 @@ def test_merge_error_during_compute_writes_nothing(files):
     out = tmp / "y.safetensors"
     out.write_bytes(b"old")
     r = invoke("--method", "ties", "--base", tmp / "base.safetensors", *expert_args(paths), "--out", out,
-               "--set", "density=2", "--overwrite")  # without --overwrite an existing file is refused (issue 13)
+               "--set", "density=2", "--overwrite")  # without --overwrite an existing file is refused
     assert r.exit_code == 2 and "density" in r.output
     assert out.read_bytes() == b"old"

@@ -1,4 +1,5 @@
-"""Order robustness (spec 003 section 4.3): OPD/MOPD/AOPD, task orders, content keys across orders."""
+"""Order robustness (HALRP, Li et al., TKDE 2024, Sec. 5.3, Eq. 14): OPD/MOPD/AOPD, task orders, content keys
+across orders."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """--resume refusals (no run, missing or corrupt checkpoints, changed events, a different config) and the
-checkpoint sha256 record (issue 13). Every refusal must leave the file system exactly as it was."""
+checkpoint sha256 record. Every refusal must leave the file system exactly as it was."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The scaling-law fits of spec 004 section 4.C: recovery from synthetic data, R^2, trends, predict."""
+"""The scaling-law fits (one-variable forms of Theorem 3 of Li, Tang et al.): recovery from synthetic data,
+R^2, trends, predict."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Measured terms of the bound (spec 004): L2 stability, heterogeneity, sparsification, implicit weights; the spec."""
+"""Measured terms of the bound (Li, Tang et al., arXiv:2601.21690): L2 stability, heterogeneity,
+sparsification, implicit weights; the study spec."""
 
 from __future__ import annotations
 

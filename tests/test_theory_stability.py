@@ -1,4 +1,5 @@
-"""The L2-stability probe (Definition 2 of spec 004): several replaced indices and seeds, exact zeros reported."""
+"""The L2-stability probe (Definition 2 of Li, Tang et al., arXiv:2601.21690): several replaced indices and
+seeds, exact zeros reported."""
 
 from __future__ import annotations
 

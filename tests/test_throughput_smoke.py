@@ -1,4 +1,4 @@
-"""benchmarks/throughput.py (issue 15): step clock, memory probe, paired ratios, and a --quick smoke."""
+"""benchmarks/throughput.py: step clock, memory probe, paired ratios, and a --quick smoke."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Spec 003 proposition P2 (Theorem-1 proxy) on permuted Fashion-MNIST.
+"""Check P2 of results.md, a proxy of HALRP's Theorem 1 (Li et al., TKDE 2024), on permuted Fashion-MNIST.
 
 Train a network on task 0 (the base), warm it up for one epoch on task 1 (W^free, new head), and for every
 perturbed layer l and rank k replace W^free_l by R W_base S + B^(k) (the other layers stay free). Compare the
@@ -69,7 +69,7 @@ def _layers(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def _importance(model: nn.Module, data, offset: int) -> dict[str, tuple[float, float]]:
-    """(mean, sum) of squared mini-batch gradients per layer, eval mode, true labels (spec 2d)."""
+    """(mean, sum) of squared mini-batch gradients per layer, eval mode, true labels (Sec. 4.3, as the official code computes it)."""
     layers = _layers(model)
     acc = {n: [0.0, 0.0] for n in layers}
     nb = 0

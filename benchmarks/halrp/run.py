@@ -1,4 +1,4 @@
-"""HALRP benchmark (issue 5, spec 003 section 8): HALRP vs finetune, ewc, l2, stl, gpm over 5 task orders.
+"""HALRP benchmark (the checks P1-P11 of results.md): HALRP vs finetune, ewc, l2, stl, gpm over 5 task orders.
 
 Settings (all task-incremental, one head per task):
 - ``pfmnist``: Permuted Fashion-MNIST, 10 tasks (every task permuted), a training subsample per task;
@@ -18,7 +18,7 @@ Examples::
 
 HALRP trains ``warmup_epochs + train.epochs`` epochs per task (warm-up + factor fine-tuning; task 0 gets the
 same total), so HALRP's ``train.epochs`` is the baselines' minus ``warmup_epochs``: every method sees the same
-number of epochs per task. The warm-up ablations (``halrp_warmup2``, ``halrp_warmup3``; spec P4) keep those
+number of epochs per task. The warm-up ablations (``halrp_warmup2``, ``halrp_warmup3``; P4) keep those
 fine-tuning epochs and lengthen only the warm-up.
 """
 
@@ -56,7 +56,7 @@ MIXED_TASKS = [
     {"dataset": "digits", "transform": "rotation", "degrees": 180},
 ]
 
-# ablations / checks of spec 003 section 8 (name -> (method, option overrides on top of METHOD_OPTIONS))
+# ablations / checks of the paper's claims (name -> (method, option overrides on top of METHOD_OPTIONS))
 VARIANTS: dict[str, tuple[str, dict]] = {
     "halrp_noprune": ("halrp", {"prune": False}),  # P8: BWT exactly 0
     "halrp_noimp": ("halrp", {"importance": "none"}),  # P3: LRP reading 2 (ranks from sigma^2 alone)
@@ -71,7 +71,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 }
 
 METHOD_OPTIONS: dict[str, dict] = {
-    # HALRP: spec 003 Table 8, P-MNIST row (lambda0 1e-6, lambda1 1e-3, alpha 0.9, n_r 1, q 0.4) + code switches
+    # HALRP: the paper's Table 8 (App. F.3), P-MNIST row (lambda0 1e-6, lambda1 1e-3, alpha 0.9, n_r 1, q 0.4) + code switches
     "halrp": {"alpha": 0.9, "warmup_epochs": 1, "lambda_l1": 1e-6, "lambda_l2": 1e-3, "l2_half": True,
               "base_l2": True, "grad_multiplier": 10.0, "prune": True, "prune_q": 0.4},
     "finetune": {},

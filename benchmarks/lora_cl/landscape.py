@@ -1,17 +1,17 @@
-"""Weight-space landscapes of the LoRA continual-learning methods (issue 4): SD-LoRA Fig. 4 and P&M Fig. 2.
+"""Weight-space landscapes of the LoRA continual-learning methods: SD-LoRA Fig. 4 and P&M Fig. 2.
 
 Both figures use the first two tasks of the default benchmark (Split-MNIST-5k, 5 class-incremental tasks of
 2 digits, shipped ``vit-tiny-fmnist`` backbone, the default optimiser, 5 epochs per task), trained with
 clmerge's own methods and training loop (``prepare`` + ``fit`` + the method hooks, as ``clmerge run`` does);
 only tasks 1 and 2 of the 5-task split are trained.
 
-1. ``fig4_interpolation.png`` (spec 002, Finding 3 / P7). For ``sd_lora`` and ``seq_lora``: the backbone
+1. ``fig4_interpolation.png`` (SD-LoRA, Wu et al., ICLR 2025, Sec. 3.3, Finding 3). For ``sd_lora`` and ``seq_lora``: the backbone
    after task 1 (W_1) and after task 2 (W_2), every LoRA folded into the weights. Only the backbone is
    interpolated, W(lambda) = (1 - lambda) W_1 + lambda W_2 for lambda in {0, 0.1, ..., 1}; the head is the one
    after task 2. Accuracy on the TEST data of task 1 and task 2, class-incremental (argmax over the 4 classes
    seen; solid) and task-masked (argmax within the task's own 2 classes; dashed).
 
-2. ``fig2_loss_plane.png`` (spec 000, P3 / P7). For ``pm`` (LoRA-P&M, task-vector perturbation) and ``pm``
+2. ``fig2_loss_plane.png`` (P&M, Qiu et al. 2025, Fig. 2). For ``pm`` (LoRA-P&M, task-vector perturbation) and ``pm``
    with ``perturbation: none`` (LoRA-M): after task 2, the plane theta = beta * theta^_1 + alpha * theta*_2,
    where theta^_1 is the merged backbone after task 1 and theta*_2 = theta^_1 + LoRA_2 is the backbone trained
    on task 2 before the merge (snapshotted between training and ``end_task``). The combination is taken over
@@ -24,7 +24,7 @@ only tasks 1 and 2 of the 5-task split are trained.
    (``method_metrics["alpha"]``, clipped to [0, 1]), the minimum of the loss along the line (a finer 1-D scan),
    and the two endpoints. The horizontal axis is alpha, the weight of the task-specific model theta*_2, the
    vertical axis beta, the weight of the previous merged model (the formula's naming; the paper's caption
-   swaps the letters, spec 000 section 2.5).
+   swaps the letters).
 
 Outputs go to ``--out`` (default ``benchmarks/lora_cl/figures``): the two PNGs and ``landscape.json`` with
 every number plotted plus summary fields; all written atomically. ``--smoke`` is a seconds-long setting
@@ -245,7 +245,7 @@ def summarize_fig2(d: dict) -> dict:
 
 
 def line_summary(lambdas, values, alpha_star: float, alphas, betas, plane: np.ndarray) -> dict:
-    """Where the loss is lowest on the convex line, vs alpha*; P3 (alpha* below both ends), flatness, valley."""
+    """Where the loss is lowest on the convex line, vs alpha*; whether alpha* lies below both ends, flatness, valley."""
     v = np.asarray(values)
     lam = np.asarray(lambdas)
     k = int(np.argmin(v))

@@ -1,4 +1,4 @@
-"""Plot the issue-12 verdict figure: the same methods on the image and the text sequence side by side.
+"""Plot the image-vs-text verdict figure: the same methods on the image and the text sequence side by side.
 
 Reads ``runs.json`` (written by ``run_evidence.py``) and writes ``figures/regimes.png``: per method, the
 test CIL accuracy of the linear head and of RanPAC, and the linear head's TIL accuracy, mean ± standard error

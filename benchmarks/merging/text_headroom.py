@@ -1,4 +1,4 @@
-"""Headroom of the text6 suite: frozen-probe vs fine-tuned expert validation accuracy per task (issue 12).
+"""Headroom of the text6 suite: frozen-probe vs fine-tuned expert validation accuracy per task.
 
 Trains the experts of the chosen text6 tasks at the chosen learning rates with the merge-bench defaults
 (frozen linear-probe heads, 5 epochs, batch 64, the suite's caps) on the real MiniLM and WordNet, and writes

@@ -224,7 +224,7 @@ class MethodConfig(BaseModel):
     """``name`` plus the method's own options (validated against the method's registered options model)."""
 
     model_config = ConfigDict(extra="allow")
-    # The default is the method that scored best on validation data in the issue-4 evidence grid
+    # The default is the method that scored best on validation data in the linear-head evidence grid
     # (benchmarks/lora_cl/results.md: class-incremental Split-MNIST-5k, 3 seeds).
     name: str = Field("inflora", description="the method (default: inflora, the best on validation data)")
 

@@ -12,7 +12,8 @@ Definitions (T tasks, 0-based):
 - BWT = mean_{j<T-1} (R[T-1][j] - R[j][j])
 - FWT = mean_{j>=1} (R[j-1][j] - b_j), b_j the accuracy of the initial model on task j (needs both)
 - plasticity = mean_j R[j][j]  (accuracy on the task just learned)
-- order robustness (HALRP, spec 003 section 4.3): for K task orders, OPD_t = max_k R^k_t - min_k R^k_t, where
+- order robustness (HALRP, Li et al., TKDE 2024, Sec. 5.3, Eq. 14): for K task orders,
+  OPD_t = max_k R^k_t - min_k R^k_t, where
   R^k_t is the final accuracy on task t (identified by content) under order k; MOPD = max_t OPD_t,
   AOPD = mean_t OPD_t.
 """

@@ -1,4 +1,7 @@
-"""Adapters: LoRA layers (several components per layer) and structure save/rebuild."""
+"""Adapters: LoRA layers (several components per layer) and structure save/rebuild.
+
+Layer: above config/metrics and utils; imports nothing else of clmerge (docs/architecture.md).
+"""
 
 from .lora import (
     TARGET_ALIASES,

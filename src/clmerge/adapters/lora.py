@@ -11,7 +11,7 @@ adds ``c_k * U_k D_k`` to the weight, where ``D_k`` (r x in) is the down-project
   (SD-LoRA Eq. 4: one alpha_k per task shared by every projection); 1 when the component has no key;
 - ``multiplier``: a runtime value (not saved), e.g. LoRA-P&M's perturbation ``1 + eps`` (Eq. 12);
 - ``norm``: 1, ``||U D||_F`` (SD-LoRA Eq. 3, from r x r Gram matrices, never forming U D), or the code's
-  ``||U||_F ||D||_F`` (SD-LoRA official code, spec 002 section 2.10 row 1).
+  ``||U||_F ||D||_F`` (SD-LoRA official code, ``models/sdlora.py`` of WuYichen-97/SD-Lora-CL).
 
 :meth:`LoRAComponent.coefficient` is the only place the formula lives; ``forward``, ``delta_weight`` and
 folding all use it.

@@ -29,7 +29,7 @@ def set_active_task(model: nn.Module, task: int) -> None:
 
 
 class TaskBatchNorm(nn.Module):
-    """One BatchNorm per task; copy 0 is the original module (HALRP spec A9: per-task BN).
+    """One BatchNorm per task; copy 0 is the original module (HALRP's official code keeps per-task BN).
 
     Args:
         base: the BatchNorm of the freshly built network (becomes task 0's copy).

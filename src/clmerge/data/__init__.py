@@ -1,4 +1,7 @@
-"""Data sources (bundled and on-disk) and scenarios."""
+"""Data sources (bundled and on-disk) and scenarios.
+
+Layer: above models (a text source uses its backbone's tokenizer); below report and merging (docs/architecture.md).
+"""
 
 from . import bundled  # noqa: F401  (registers mnist5k, digits, fashion_mnist, mnist1d)
 from .base import (

@@ -1,4 +1,4 @@
-"""``mixed``: a task sequence whose tasks come from different sources (Five-dataset style; HALRP spec 003, 4.1).
+"""``mixed``: a task sequence whose tasks come from different sources (Five-dataset style; HALRP App. F.1).
 
 Config::
 

@@ -1,4 +1,4 @@
-"""``omniglot``: Omniglot characters with rotated copies (HALRP spec 003 section 4.1, Omniglot-Rotation).
+"""``omniglot``: Omniglot characters with rotated copies (HALRP App. F.1, Omniglot-Rotation).
 
 Layout (the standard release, e.g. ``images_background.zip`` and ``images_evaluation.zip`` unzipped)::
 

@@ -12,7 +12,7 @@ begin with two spaces are the licence header.
 Classes: the 26 noun and 15 verb lexicographer files are 41 supersenses. The default drops ``noun.Tops`` (51
 synsets): it holds the unique beginners of the noun hierarchies (``entity``, ``animal``, ``plant``, ...), each of
 which belongs in meaning to another file's field, so its label is not a semantic category. That leaves 40
-classes (10 tasks x 4), the issue's setting. ``noun.motive`` (42 synsets) and ``verb.weather`` (81) stay: the
+classes (10 tasks x 4), the setting of the text benchmarks. ``noun.motive`` (42 synsets) and ``verb.weather`` (81) stay: the
 split below keeps a quarter of any small class for testing.
 
 Text of an item: ``"lemma: definition"`` (the synset's first lemma, underscores as spaces, then the gloss up to

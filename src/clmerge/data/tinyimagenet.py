@@ -1,4 +1,4 @@
-"""``tinyimagenet``: Tiny ImageNet (200 classes, 64x64) in its release layout (HALRP spec 003 section 4.1).
+"""``tinyimagenet``: Tiny ImageNet (200 classes, 64x64) in its release layout (HALRP App. F.1).
 
 Layout (``tiny-imagenet-200.zip`` unzipped)::
 

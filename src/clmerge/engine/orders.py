@@ -1,4 +1,4 @@
-"""Order robustness for any method: the same config over N task orders (HALRP spec 003, section 4.3).
+"""Order robustness for any method: the same config over N task orders (HALRP, Li et al., TKDE 2024, Sec. 5.3).
 
 ``run_orders`` runs the config once per order into ``OUT/order_<r>/`` (each an ordinary run directory, resumable),
 identifies tasks by content (``Task.key``), and writes ``OUT/orders_summary.json`` (OPD per task, MOPD, AOPD,

@@ -1,6 +1,6 @@
 """The continual loop: config -> scenario, model, method -> train/evaluate/checkpoint per task -> metrics.
 
-Reads top to bottom (DESIGN.md, "The data flow of a continual run"). Randomness is derived from
+Reads top to bottom (docs/architecture.md, "The data flow of a continual run"). Randomness is derived from
 ``(seed, task)`` at the start of every task, so a run resumed at task t+1 from the checkpoint of task t gives
 exactly the same numbers as an uninterrupted one.
 """

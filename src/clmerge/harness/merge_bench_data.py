@@ -140,8 +140,8 @@ def load_task(task: BenchTask, cfg: BenchConfig) -> dict[str, tuple[Tensor, Tens
         if name == "train" and cfg.data_ratio < 1.0:
             idx = idx[:max(1, int(round(cfg.data_ratio * len(idx))))]
         if name == "train" and cfg.perturb is not None:
-            # Definition 1 of the theory spec: the j-th sample replaced by an independent draw z~_j (the
-            # first validation sample, never a training sample).
+            # Definition 1 of Li, Tang et al. (arXiv:2601.21690): the j-th sample replaced by an independent
+            # draw z~_j (the first validation sample, never a training sample).
             idx = idx.copy()
             idx[cfg.perturb % len(idx)] = parts["val"][0]
         x, y = src.get_batch(idx)

@@ -7,6 +7,8 @@ merging.available()  # {name: one-line description}
 ```
 Experts (and the base) may be ``dict[str, Tensor]`` or paths to safetensors files (read lazily, key by key)
 or ``.bin``/``.pt`` files (``torch.load(weights_only=True)``).
+
+Layer: above report and data; ``merging/io`` is its checkpoint I/O. Imports no method, engine or command (docs/architecture.md).
 """
 
 from .registry import MERGES, available, get_method, merge, register_merge  # noqa: I001

@@ -2,7 +2,7 @@
 
 - :func:`task_vector_spectra`: singular values of each task vector per weight matrix, original
   (``theta_t - theta_0``) or centered (``theta_t - theta_avg``; CART Sec. 4).
-- :func:`row_space_interference`: CART Eq. (5) in the reading the spec fixes (``specs/001_cart.md`` §2.6):
+- :func:`row_space_interference`: CART Eq. (5) (Choi et al. 2024, "Revisiting Weight Averaging") read as follows:
   ``I(k) = sum_{i != j} || Sigma~_i (V~_i^T V~_j) Sigma~_j ||_F`` with ``V~_t`` the ``n x k`` top right singular
   vectors and ``Sigma~_t = Sigma_t[:k] / ||tau_t||_F``. The literal n x n reading depends on singular values
   only, so it measures no overlap.

@@ -1,5 +1,8 @@
 """Continual-learning methods, one module or folder each (``halrp/``, ``prompts/``), registered by name with
-``@register_method``."""
+``@register_method``.
+
+Layer: above merging, models, params and adapters; never imports the engine (docs/architecture.md).
+"""
 
 from .base import (
     METHODS,

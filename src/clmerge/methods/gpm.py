@@ -1,4 +1,4 @@
-"""``gpm``: Gradient Projection Memory (Saha, Garg, Roy, ICLR 2021), a baseline of HALRP (spec 003, section 6).
+"""``gpm``: Gradient Projection Memory (Saha, Garg, Roy, ICLR 2021), a baseline of HALRP (Li et al., TKDE 2024, Sec. 5.1).
 
 After each task, every conv/linear layer's input representation R_l (linear: inputs as columns; conv: the
 unfolded d x d patches) is collected on a few training samples. Its new directions, beyond the span of the

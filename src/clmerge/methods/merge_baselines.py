@@ -1,14 +1,14 @@
 """Merge-based baselines of LoRA-P&M's Table 3 on the sequential LoRA pipeline: ``lora_avg``, ``lora_dare``,
 ``coma``, ``cofima``.
 
-Setting (P&M, Qiu et al. 2025, Sec. 4.3 and Table 3; spec 000 sections 2.4 and 6: "all rows are applied on top
-of the sequential LoRA pipeline"): for task t a new rank-r LoRA on the key and value projections of every
+Setting (P&M, Qiu et al. 2025, Sec. 4.3 and Table 3, whose rows are "LoRA w/ <merge>": every merge is applied
+on top of the sequential LoRA pipeline): for task t a new rank-r LoRA on the key and value projections of every
 block (the P&M sites) is trained like ``seq_lora`` (no perturbation) from the inference model of the
 previous task, giving ``theta*_t = theta^_{t-1} + A_t B_t`` (Eq. 2). Instead of being folded with weight 1,
 it is merged into the running model by the baseline's rule, restricted (like P&M's alpha) to the adapted
 weight matrices; the per-task heads are not merged. The merges are computed by :mod:`clmerge.merging`.
 
-- ``lora_avg`` (model averaging; spec 000 section 6 "[ambiguous -> choose alpha_t = 1/t]"):
+- ``lora_avg`` (model averaging; the paper does not give its weights, alpha_t = 1/t is the uniform reading):
   ``theta^_t = ((t-1) theta^_{t-1} + theta*_t) / t``, the running uniform average of the task models
   (``merging.weight_average``); ``weighting: pair`` is the alternative fixed 1/2.
 - ``lora_dare`` (Yu et al. 2024): drop each entry of the task vector ``tau_t = theta*_t - theta^_{t-1}`` with
@@ -82,7 +82,7 @@ class MergeBaselineOptions(LoRAMethodOptions):
 class AverageOptions(MergeBaselineOptions):
     weighting: Literal["running_mean", "pair"] = Field(
         "running_mean", description="running_mean: alpha_t = 1/t, the uniform average of all task models "
-        "(spec 000 section 6 choice); pair: alpha_t = 1/2")
+        "(the paper does not give the weights); pair: alpha_t = 1/2")
 
 
 class DareOptions(MergeBaselineOptions):

@@ -1,4 +1,4 @@
-"""LoRA-P&M (Qiu et al. 2025, "Train with Perturbation, Infer after Merging"), spec 000.
+"""LoRA-P&M (Qiu et al. 2025, "Train with Perturbation, Infer after Merging", NeurIPS 2025).
 
 Per task t (Algorithm 1):
 1. a new LoRA component on key and value of every block (both factors trained, earlier tasks folded);

@@ -11,8 +11,8 @@ Per adapted projection (query and value of every block), after task t (Eq. 4):
 
 Naming: clmerge's ``lora_up`` U (out x r) is the paper's A, ``lora_down`` D (r x in) the paper's B.
 
-Every place where the paper and the official code (WuYichen-97/SD-Lora-CL) differ is an option; see spec
-002 section 2.10 and the option descriptions. ``sd_lora_rr`` adds the rank schedule of Eq. 6 and
+Every place where the paper and the official code (WuYichen-97/SD-Lora-CL, ``models/sdlora.py``) differ is an
+option; see the option descriptions. ``sd_lora_rr`` adds the rank schedule of Eq. 6 and
 ``sd_lora_kd`` the least-squares absorption of Eq. 7-8 (Algorithm 1, lines 10-12).
 """
 
@@ -41,15 +41,15 @@ class SDLoRAOptions(LoRAMethodOptions):
     """SD-LoRA options; each default is the paper's choice unless the description says why not."""
 
     magnitude_init: float = Field(1.0, description="initial value of each magnitude alpha_k. Paper: 1 ('all "
-                                  "initialized to ones'); official code: 0.8 (spec 2.10 #3)")
+                                  "initialized to ones'); official code: 0.8 (``wrapped_param_prev``)")
     magnitude_reinit: bool = Field(False, description="reset every old magnitude to magnitude_init at each task "
                                    "start. Paper: False (learned magnitudes carry over); code: True (re-created "
-                                   "at 0.8 every task, spec 2.10 #3)")
+                                   "at 0.8 every task)")
     norm: Literal["fro", "factor"] = Field("fro", description="direction normaliser. Paper: 'fro' = ||U D||_F "
-                                           "(Eq. 3); code: 'factor' = ||U||_F ||D||_F (spec 2.10 #1)")
+                                           "(Eq. 3); code: 'factor' = ||U||_F ||D||_F")
     normalize_current: bool = Field(False, description="normalise the current direction while it is trained. "
                                     "Eq. 4 does, but it is 0/0 at LoRA's zero init, so the default follows the "
-                                    "code (spec 2.10 #2): unnormalised while trained, normalised once frozen. "
+                                    "code: unnormalised while trained, normalised once frozen. "
                                     "True uses a small random init of both factors (Theorem 1's assumption)")
     init_std: float = Field(1e-3, gt=0, description="std of the small init used when normalize_current")
     variant: Variant = Field("sd_lora", description="Table 4 rows: sd_lora (Eq. 4); fixed_first_direction "
@@ -57,7 +57,7 @@ class SDLoRAOptions(LoRAMethodOptions):
                              "directions at a frozen magnitude, only the current alpha trained); single_component "
                              "(one decoupled alpha, A, B trained on every task)")
     no_rescale_magnitude: Literal["one", "learned"] = Field(
-        "one", description="no_rescale: old components keep magnitude 1 (Table 4 formula, spec 2.5) or their "
+        "one", description="no_rescale: old components keep magnitude 1 (Table 4 formula) or their "
         "learned value frozen")
     lora_compute: Literal["auto", "dense", "lowrank"] = Field(
         "auto", description="how each layer applies Eq. 4 while training (same outputs and gradients up to float "
@@ -101,7 +101,7 @@ class SDLoRA(ContinualMethod):
         return list(layers[0].components) if layers else []
 
     def _freeze_components(self, names: list[str]) -> None:
-        """Old directions: frozen and normalised from now on (spec 2.10 #2: code normalises once frozen)."""
+        """Old directions: frozen and normalised from now on (as the official code does)."""
         for layer in self._layers().values():
             for n in names:
                 layer.components[n].requires_grad_(False)
@@ -161,7 +161,7 @@ class SDLoRARROptions(SDLoRAOptions):
     rank_nu: int = Field(6, ge=1, description="r_nu (paper: 6)")
     rr_indexing: Literal["paper", "code"] = Field(
         "paper", description="paper: 1-based tasks 1..mu-1 get r_1 (Eq. 6); code: the official (commented) "
-        "schedule compares the 0-based task index with mu, so tasks 1..mu get r_1 (off by one, spec 2.10 #5)")
+        "schedule compares the 0-based task index with mu, so tasks 1..mu get r_1 (off by one)")
 
     @model_validator(mode="after")
     def _check(self) -> "SDLoRARROptions":
@@ -192,7 +192,8 @@ def direction_gram(layers: list[LoRALinear], names: list[str], norm: str) -> tor
 
     Each per-layer direction is U D / norm (``norm`` 'fro' or 'factor'); the products are formed from r x r
     blocks, ``<U_j D_j, U_k D_k>_F = sum((U_j^T U_k) * (D_j D_k^T))``, never from U D itself. Stacking over
-    layers gives one scalar per task, as the magnitudes are shared (spec 2.10 #6).
+    layers gives one scalar per task, as the magnitudes are shared (Sec. 4.1: one set of
+    magnitudes for all projections), while Eq. 7 is written for one matrix.
     """
     n = len(names)
     gram = torch.zeros(n, n, dtype=torch.float64)
@@ -227,10 +228,10 @@ def least_squares_fit(gram: torch.Tensor) -> tuple[torch.Tensor, float]:
 class SDLoRAKDOptions(SDLoRAOptions):
     tau: float = Field(9e-4, ge=0, description="absorb the new direction when the fit residual <= tau (paper 9e-4)")
     kd_relative: bool = Field(False, description="compare residual / ||d_t|| with tau instead of the unsquared "
-                              "residual of unit per-layer directions stacked over layers (spec 2.10 #7)")
+                              "residual of unit per-layer directions stacked over layers (Alg. 1 line 11)")
     kd_merge: Literal["paper", "function_preserving"] = Field(
         "paper", description="paper: alpha_k += Delta alpha_k (Eq. 8, Alg. 1 l.12); function_preserving: "
-        "alpha_k += alpha_t * Delta alpha_k (spec 2.10 #8)")
+        "alpha_k += alpha_t * Delta alpha_k (the fit is to the unit direction)")
 
 
 @register_method

@@ -1,4 +1,4 @@
-"""``stl``: single-task learning, one independently initialised network per task (HALRP spec 003, section 6).
+"""``stl``: single-task learning, one independently initialised network per task (a baseline of HALRP, Sec. 5.1).
 
 The backbone's inner network is replaced by :class:`PerTaskCopies`; task t trains copy t and head block t only,
 so earlier tasks never change (BWT = 0 by construction). Evaluation routes each head block through its own

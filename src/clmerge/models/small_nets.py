@@ -1,4 +1,4 @@
-"""Small networks trained from scratch (HALRP spec 003, section 4.2).
+"""Small networks trained from scratch (HALRP, Li et al., TKDE 2024, App. F.2).
 
 Registered as ``mlp``, ``lenet``, ``alexnet`` and ``resnet18_reduced``.
 
@@ -7,7 +7,7 @@ wrapped in a :class:`VisionBackbone` that resizes / adapts channels / normalises
 conv/linear layer is a plain ``nn.Conv2d`` / ``nn.Linear`` and every normalisation a plain BatchNorm, so methods
 can wrap them (HALRP's perturbed layers, per-task BatchNorm) or project their gradients (GPM).
 
-Architectures (spec 003 section 4.2, from the official code):
+Architectures (HALRP App. F.2, details from the official code lijiaqi/HALRP, ``models/``):
 - ``mlp``: flatten -> FC(hidden[0]) -> ReLU -> FC(hidden[1]) -> ReLU (IRU setting: 784-256-256).
 - ``lenet``: Conv(3->20, 5x5, pad 2)-BN-ReLU-MaxPool2, Conv(20->50, 5x5, pad 2)-BN-ReLU-MaxPool2,
   FC(3200->800)-BN1d-ReLU, FC(800->500)-BN1d-ReLU; BN tracks running statistics. ``channels: [64, 128]`` and

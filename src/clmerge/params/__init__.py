@@ -1,4 +1,7 @@
-"""Parameter-space tools: Fisher information, task vectors and algebra, safetensors I/O."""
+"""Parameter-space tools: Fisher information and per-sample gradients.
+
+Layer: above adapters (docs/architecture.md).
+"""
 
 from .fisher import diagonal_fisher, per_sample_grads, per_sample_loop_fisher
 

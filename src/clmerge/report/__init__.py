@@ -1,4 +1,7 @@
-"""Self-contained HTML reports of runs and sweeps, with matplotlib plots embedded as PNG ``data:`` URIs."""
+"""Self-contained HTML reports of runs and sweeps, with matplotlib plots embedded as PNG ``data:`` URIs.
+
+Layer: above data; reads run directories, never the engine that wrote them (docs/architecture.md).
+"""
 
 from __future__ import annotations
 

@@ -141,7 +141,7 @@ def _header(run: Mapping[str, Any], run_dir: Path) -> str:
 
 
 def _head_name(metrics: Mapping[str, Any]) -> str:
-    """The head variant that produced the metrics (runs before issue 11 had only the linear head)."""
+    """The head variant that produced the metrics (runs made before heads were compared had only the linear head)."""
     head = metrics.get("head")
     return str(head.get("variant", "linear")) if isinstance(head, dict) else "linear"
 
@@ -269,7 +269,7 @@ def build_report(run_dir: str | Path) -> Path:
     """Write ``RUN_DIR/report.html``, a self-contained report of one run, atomically.
 
     Args:
-        run_dir: a run directory (see the run-directory contract in DESIGN.md).
+        run_dir: a run directory (its files are listed in ``docs/architecture.md``).
 
     Returns:
         The path of the written report.

@@ -1,4 +1,7 @@
-"""Many jobs: the local executor (in process or a process pool) by default, Ray when a cluster is there."""
+"""Many jobs: the local executor (in process or a process pool) by default, Ray when a cluster is there.
+
+Layer: above theory and harness (docs/architecture.md).
+"""
 
 from .executors import Executor, LocalExecutor, RayExecutor, make_executor
 from .finish import finish_study

@@ -1,6 +1,6 @@
 """Plain-words advice from a study (``clmerge advise STUDY_DIR``): which expert settings merge best, and why.
 
-"Why" is read off the fitted laws (which term of each form dominates at the defaults: spec 4.C) and the
+"Why" is read off the fitted laws (which term of each form dominates at the defaults) and the
 measured terms of the stability bound (Theorem 1: ``sigma_i^2/n_i`` vs ``3 b_i zeta_i^2/n_i``).
 """
 
@@ -84,7 +84,7 @@ def _other_lines(fits: dict) -> list[str]:
         sl = it.get("b_star_slope")
         opts = {lr: f["optimum"] for lr, f in it["by_lr"].items()}
         out.append(f"- {m}: best batch size by learning rate {opts}" + (
-            f"; log b* vs log lr slope {sl['slope']:.2f} (spec 4.C: -1)." if sl else "."))
+            f"; log b* vs log lr slope {sl['slope']:.2f} (Theorem 3 predicts -1)." if sl else "."))
     for var, s in (fits.get("stability") or {}).items():
         if isinstance(s, dict) and "slope" in s:
             ci = s["ci"] and [round(v, 2) for v in s["ci"]]

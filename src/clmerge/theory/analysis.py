@@ -8,7 +8,7 @@
 * ``sparsification``: mean ``H(M) / H(id)`` of TIES and DARE (Corollary 1 predicts < 1).
 * ``weighting``: measured vs predicted ``lambda_i = K_i / sum K_j`` (Eq. 14).
 * ``terms``: mean ``sigma_i^2`` and ``zeta_i^2`` at the default setting.
-* ``interaction``: the batch-size law refitted at each learning rate of a 2-D lr x batch slice (P4).
+* ``interaction``: the batch-size law refitted at each learning rate of a 2-D lr x batch slice (b* ∝ 1/eta).
 
 :func:`predict` combines the one-variable laws additively around the defaults (an approximation: the
 paper's bound is not separable, e.g. the ``eta^2 b`` interaction of the batch-size law).
@@ -52,7 +52,7 @@ def _fit_laws(rows: list[dict], defaults: dict, methods: list[str], n_boot: int)
 def _interaction(rows: list[dict], defaults: dict, methods: list[str], n_boot: int) -> dict[str, Any]:
     """The batch-size law at each learning rate (needs a 2-D lr x batch slice, e.g. ``design: full``).
 
-    Spec 4.C: ``b* = sqrt(c_-1 / (c1 eta^2)) ∝ 1/eta`` (P4), so ``log b*`` against ``log eta`` has slope -1.
+    The batch-size form of Theorem 3's bound has ``b* = sqrt(c_-1 / (c1 eta^2)) ∝ 1/eta``, so ``log b*`` against ``log eta`` has slope -1.
     """
     out: dict[str, Any] = {}
     for m in methods:

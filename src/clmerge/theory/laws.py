@@ -1,9 +1,11 @@
-"""The one-variable scaling laws of spec 004 section 4.C, fitted to measured merged loss.
+"""One-variable scaling laws, fitted to measured merged loss.
 
-Each form is linear in non-negative coefficients ``c`` (the spec's "c's are non-negative free coefficients"),
-so a fit is a non-negative least-squares problem on a basis matrix (columns scaled to unit norm first).
+The forms are the bound of Theorem 3 (Li, Tang et al., arXiv:2601.21690) with equal experts (same K, b, n,
+sigma, zeta; lambda_i = 1/N), one hyperparameter varied at a time; the paper fits no constants. Each form is
+linear in free non-negative coefficients ``c``, so a fit is a non-negative least-squares problem on a basis
+matrix (columns scaled to unit norm first).
 Confidence intervals come from a case bootstrap (rows resampled with replacement), R^2 from the residuals,
-and each fit is compared with the paper's stated trend direction (section 4.B / section 8).
+and each fit is compared with the paper's stated trend direction (Sec. V-B, App. A-A1).
 
 | law | form | paper's claim |
 |---|---|---|

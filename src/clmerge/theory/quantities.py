@@ -1,9 +1,9 @@
-"""The measurable terms of the bound (spec 004, Theorem 3 and section 4.C).
+"""The measurable terms of the bound (Li, Tang et al., arXiv:2601.21690, Theorem 3).
 
 * ``sigma_i^2``: per-sample gradient variance of task ``i`` at the base (Assumption 2, with ``b_i = 1``):
   ``(1/m) sum_j ||g_ij - g_i||^2`` over ``m`` samples, ``g_i`` their mean gradient.
 * ``zeta_i^2``: heterogeneity (Assumption 3): ``||g_i - (1/N) sum_k g_k||^2`` at the base.
-* operational heterogeneity of task vectors (spec 4.C "Sparsification", Proof of Corollary 1, Eq. 10):
+* operational heterogeneity of task vectors (Proof of Corollary 1, Eq. 10):
   ``H(M) = sum_i lambda_i ||M(tau_i) - sum_k lambda_k M(tau_k)||^2`` with ``lambda_i = 1/N``, before
   (``M = id``) and after the TIES or DARE operator.
 * L2 stability (Definition 2): ``||A(D) - A(D^(i))||^2`` for two fine-tunings that differ in one sample.
@@ -78,7 +78,7 @@ def heterogeneity(mean_grads: Sequence[Params]) -> list[float]:
 
 
 def dispersion(tvs: Sequence[Params], weights: Sequence[float] | None = None) -> float:
-    """``sum_i lambda_i ||v_i - sum_k lambda_k v_k||^2`` (spec 4.C's proxy for ``sum_i lambda_i zeta_i^2``)."""
+    """``sum_i lambda_i ||v_i - sum_k lambda_k v_k||^2`` (a measurable proxy for ``sum_i lambda_i zeta_i^2``)."""
     n = len(tvs)
     lam = np.full(n, 1.0 / n) if weights is None else np.asarray(weights, dtype=float)
     total = 0.0
@@ -109,7 +109,7 @@ def ties_operator(tvs: Sequence[Params], density: float) -> list[Params]:
 def dare_operator(tvs: Sequence[Params], drop_rate: float, *, rescale: bool = True, seed: int = 0) -> list[Params]:
     """DARE's ``M(tau_i) = m_i * tau_i / (1 - p)`` with the same masks as ``merging.dare`` (seed, key, expert).
 
-    The paper's Corollary 1 ignores the ``1/(1-p)`` rescaling (spec flag 7); with ``rescale=True`` the kept
+    The paper's Corollary 1 ignores the ``1/(1-p)`` rescaling; with ``rescale=True`` the kept
     entries grow, so the dispersion need not fall.
     """
     return [{k: dare_tensor(v[k].float(), drop_rate, rescale=rescale, generator=dare_generator(seed, k, i)).double()

@@ -95,7 +95,7 @@ def build_study_report(out: str | Path, rows: list[dict], fits: dict[str, Any], 
     """Write ``out/report.html`` and return its path."""
     out = Path(out)
     sections = [section("Advice", f"<pre>{escape(advice)}</pre>"),
-                section("Fitted laws (spec 004 section 4.C)", _fits_table(fits.get("laws", {})))]
+                section("Fitted laws (Theorem 3, one variable at a time)", _fits_table(fits.get("laws", {})))]
     plots = [img(law_plot(n, per), f"law {n}") for n, per in fits.get("laws", {}).items()]
     sections.append(section("Data against fits", "\n".join(plots) or '<p class="note">no law could be fitted</p>'))
     stab = fits.get("stability") or {}

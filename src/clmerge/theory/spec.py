@@ -2,10 +2,10 @@
 
 A study fine-tunes experts from one base model on groups of tasks drawn from a suite, merges every group
 with every listed method and records the merged model's loss on the union of the tasks' test sets. The grid
-varies the expert hyperparameters of the paper's scaling laws (spec 004, section 4.C): steps ``K``, learning
-rate ``eta``, batch size ``b``, data ratio ``alpha``, optimizer and the number of experts ``N``.
+varies the expert hyperparameters of the scaling laws of Li, Tang et al. (arXiv:2601.21690, Sec. V-B): steps
+``K``, learning rate ``eta``, batch size ``b``, data ratio ``alpha``, optimizer and the number of experts ``N``.
 
-``design: one_at_a_time`` (the paper's protocol, section 5) varies one hyperparameter at a time around
+``design: one_at_a_time`` (the paper's protocol, Sec. V-A) varies one hyperparameter at a time around
 ``defaults``, which is what the one-variable laws need; ``design: full`` takes the Cartesian product.
 Unknown keys anywhere are errors naming the nearest valid key.
 """

@@ -1,9 +1,9 @@
-"""HALRP's perturbed layers: ``W_t = R_t W_base S_t + B_t`` per task (spec 003, Eq. 2 and Eq. 7).
+"""HALRP's perturbed layers: ``W_t = R_t W_base S_t + B_t`` per task (HALRP, Li et al., TKDE 2024, Eq. 2 and Eq. 7).
 
 Task 0 is the base layer itself (its weight and bias). Every later task t owns, per layer:
 - ``r`` (J,) and ``s`` (I,): the diagonal row / column scalings;
-- ``u`` (J, k) and ``v`` (k, I): the low-rank residual B_t = U'V' with sqrt(Sigma) absorbed (spec A5);
-- ``bias`` (J,): a private copy of the layer bias (spec A9).
+- ``u`` (J, k) and ``v`` (k, I): the low-rank residual B_t = U'V' with sqrt(Sigma) absorbed (as the official code does);
+- ``bias`` (J,): a private copy of the layer bias (official code; the paper is silent).
 For a convolution B_t is one (J, I) matrix added at every kernel position (Eq. 7), so the effective kernel is
 ``r_j W_base[j, i, h, w] s_i + B[j, i]``. :meth:`HALRPLayer.task_weight` is the only formula; the forward pass,
 the tests and any export use it.
@@ -60,7 +60,7 @@ class HALRPLayer(nn.Module):
 
     @property
     def kernel_positions(self) -> int:
-        """d_h * d_w for convolutions, 1 for linear layers (the score factor c_l of spec A3)."""
+        """d_h * d_w for convolutions, 1 for linear layers (the official code's score factor c_l; the paper does not state one)."""
         w = self.base_layer.weight
         return int(w[0, 0].numel())
 

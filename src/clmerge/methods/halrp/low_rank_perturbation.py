@@ -1,6 +1,6 @@
-"""Closed forms of HALRP (spec 003): least-squares scalings, residual SVD, Hessian-aware global rank selection.
+"""Closed forms of HALRP (Li et al., TKDE 2024): least-squares scalings, residual SVD, Hessian-aware global rank selection.
 
-Pure functions over tensors; reductions accumulate in float64 (DESIGN.md). Weights are ``(J, I)`` for linear
+Pure functions over tensors; reductions accumulate in float64. Weights are ``(J, I)`` for linear
 layers and ``(J, I, d_h, d_w)`` for convolutions (PyTorch layout).
 """
 
@@ -22,7 +22,7 @@ __all__ = [
     "global_rank_selection",
 ]
 
-_EPS = 1e-20  # denominator clamp of the official code (spec 2b)
+_EPS = 1e-20  # denominator clamp of the official code in Eq. 19-20
 
 
 def _expand(v: torch.Tensor, dim: int, ndim: int) -> torch.Tensor:
@@ -90,13 +90,13 @@ def residual_svd(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 def factors_from_svd(u: torch.Tensor, sig: torch.Tensor, vh: torch.Tensor,
                      k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank-k factors U' = U_k diag(sqrt s), V' = diag(sqrt s) V_k^T (Eq. 6) of a thin SVD (spec A5)."""
+    """Rank-k factors U' = U_k diag(sqrt s), V' = diag(sqrt s) V_k^T (Eq. 6) of a thin SVD (as in the official code)."""
     root = sig[:k].sqrt()
     return u[:, :k] * root, root[:, None] * vh[:k]
 
 
 def svd_factors(b: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rank-k factors with sqrt(Sigma) absorbed (spec A5): U' = U_k diag(sqrt s), V' = diag(sqrt s) V_k^T (Eq. 6).
+    """Rank-k factors with sqrt(Sigma) absorbed (official code): U' = U_k diag(sqrt s), V' = diag(sqrt s) V_k^T (Eq. 6).
 
     Returns:
         ``(U', V', sigma)``: (J, k), (k, I) and all singular values (descending), float64.
@@ -112,13 +112,13 @@ def truncation_error(sigma: torch.Tensor, k: int) -> torch.Tensor:
 
 def component_scores(sigmas: Sequence[torch.Tensor], importances: Sequence[float],
                      scales: Sequence[float]) -> list[torch.Tensor]:
-    """score_{l,i} = c_l * g_l * sigma_{l,i}^2 (Sec. 4.3, Eq. 10; c_l = d_h d_w for convs, spec A3)."""
+    """score_{l,i} = c_l * g_l * sigma_{l,i}^2 (Sec. 4.3, Eq. 10; c_l = d_h d_w for convs, official code)."""
     return [float(c) * float(g) * s.double().pow(2) for s, g, c in zip(sigmas, importances, scales)]
 
 
 def global_rank_selection(scores: Sequence[torch.Tensor], alpha: float, *, upper_rank: int | None = None,
                           min_rank: int = 1) -> list[int]:
-    """Kept rank per layer by the global greedy cut of Eq. 11 (spec A4).
+    """Kept rank per layer by the global greedy cut of Eq. 11 (Eq. 11 as printed is degenerate).
 
     Pool all (layer, component) scores, sort descending, and keep the shortest prefix whose cumulative share of
     the total exceeds ``alpha`` (m* = first index with F_m > alpha; keep m* + 1). Within a layer scores are

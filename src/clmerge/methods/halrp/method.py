@@ -1,4 +1,4 @@
-"""``halrp``: Hessian-aware low-rank perturbation (Li et al., TKDE 2024; spec 003, Algorithm 1 section 2.3).
+"""``halrp``: Hessian-aware low-rank perturbation (Li et al., TKDE 2024, Algorithm 1).
 
 Task 0 trains the whole network, which becomes the frozen base. Every later task t:
 1. warms up a free copy of the network (base hidden layers + new head) for ``warmup_epochs`` (step 2a);
@@ -41,7 +41,7 @@ def task_parameter_count(model: nn.Module, task: int, *, with_biases: bool = Tru
     Args:
         model: the HALRP-wrapped classifier.
         task: 0 counts the base network (weights, biases, BN, head 0); t >= 1 the task's private numbers.
-        with_biases: count the per-task conv/linear biases (spec 2i excludes them from the growth).
+        with_biases: count the per-task conv/linear biases (the official code excludes them from the growth).
         with_bn_buffers: count BatchNorm running statistics; the official ``count_parameter`` counts
             ``parameters()`` only, so it leaves them out (and so does the official base size).
         dense: count every U'/V' entry, zeros included (official ``count_parameter(sparse=False)``, the count its
@@ -64,7 +64,7 @@ def task_parameter_count(model: nn.Module, task: int, *, with_biases: bool = Tru
 
 
 def official_growth(model: nn.Module, t: int, *, dense: bool) -> float:
-    """``count_parameter(sparse=not dense) / baseSize - 1`` of the official code after task t (spec 2i).
+    """``count_parameter(sparse=not dense) / baseSize - 1`` of the official code after task t (Sec. 4.4).
 
     The base size is ``sum(p.numel() for p in model.parameters())`` of the task-0 network (weights, biases, BN
     affine, head 0; no BN running statistics); each task adds r, s, U', V' (all entries if ``dense``, else the
@@ -137,7 +137,7 @@ class HALRP(ContinualMethod):
     # -- rank selection ------------------------------------------------------------------------------------
     @full_precision
     def _importance(self, free: nn.Module, task, ctx) -> dict[str, float]:
-        """g_l (spec 2d): squared mini-batch gradients w.r.t. W_l at W^free, eval mode, true labels."""
+        """g_l (Sec. 4.3; computed as the official code does): squared mini-batch gradients w.r.t. W_l at W^free, eval mode, true labels."""
         o = self.options
         layers = halrp_layers(free.backbone)
         if o.importance == "none":
@@ -170,7 +170,7 @@ class HALRP(ContinualMethod):
             svd = lrp.residual_svd(b)  # one SVD per layer: its sigma ranks, its vectors initialise (2g)
             if o.sigma_source == "residual":
                 sigma = svd[1]
-            else:  # A1: Eq. 9 as printed uses W^free
+            else:  # Eq. 9 as printed uses W^free
                 w_mat = w_free.double().mean((2, 3)) if w_free.dim() == 4 else w_free.double()
                 sigma = torch.linalg.svdvals(w_mat)
             info[name] = {"r": r, "s": s, "b": b, "svd": svd, "sigma": sigma,
@@ -257,7 +257,7 @@ class HALRP(ContinualMethod):
         self._metrics["bytes_per_task"] = [4 * task_parameter_count(self.model, k) for k in range(t + 1)]
 
     def relative_growth(self, t: int) -> float:
-        """(base + all task-private numbers, per-task biases excluded, non-zero U'/V' only) / base - 1 (spec 2i)."""
+        """(base + all task-private numbers, per-task biases excluded, non-zero U'/V' only) / base - 1 (Sec. 4.4)."""
         base = task_parameter_count(self.model, 0)
         extra = sum(task_parameter_count(self.model, k, with_biases=False) for k in range(1, t + 1))
         return extra / base
@@ -295,7 +295,7 @@ class HALRP(ContinualMethod):
         return min(1.0, 1 - max(0.0, budget - g["fixed"]) / g["lowrank"])
 
     def _prune(self, t: int) -> int:
-        """Budget pruning (spec 2i, code's mixAR_AllLayer): if growth >= 1 - q, zero the smallest U'/V' entries."""
+        """Budget pruning (Sec. 4.4, code's mixAR_AllLayer): if growth >= 1 - q, zero the smallest U'/V' entries."""
         o = self.options
         rate = self._prune_rate(t)
         if rate is None:

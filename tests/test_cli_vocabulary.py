@@ -162,3 +162,18 @@ def test_a_default_output_folder_is_printed_as_an_absolute_path(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     res = runner.invoke(app, argv, env=WIDE)
     assert f"writing to {tmp_path / folder} " in res.output, res.output
+
+
+def test_a_study_written_under_the_old_name_resumes_with_the_new_one(tmp_path):
+    from clmerge.sweep.study import _prepare
+    from clmerge.theory.spec import parse_study
+
+    spec = yaml.safe_load(Path(SMOKE).read_text())
+    new = parse_study(spec | {"methods": [{"name": "weight_average"}, {"name": "ties"}]})
+    saved = new.model_dump()  # what the study directory holds, written before the rename
+    saved["methods"][0]["name"] = "averaging"
+    out = tmp_path / "study"
+    out.mkdir()
+    (out / "study.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    (out / "results.jsonl").write_text(json.dumps({"point_id": "abc", "method": "averaging"}) + "\n")
+    assert _prepare(out, new, resume=True) == {"abc"}  # not refused as a different study

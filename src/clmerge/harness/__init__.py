@@ -6,4 +6,6 @@
 * :mod:`.merge_bench_run`: the benchmark as ``clmerge merge-bench`` runs it (checked arguments, one or more seeds);
 * :mod:`.merge_bench_seeds`: several fine-tuning seeds, mean ± standard error;
 * :mod:`.merge_bench_analysis`: CART's rank-ratio curve, spectra and interference.
+
+Layer: above the engine and the library; below theory and sweep (docs/architecture.md).
 """

@@ -89,7 +89,7 @@ def test_a_missing_extra_is_one_input_error_naming_pip_install(monkeypatch, modu
 
 def test_a_report_without_matplotlib_is_written_with_a_note_naming_the_extra(tmp_path, monkeypatch):
     from clmerge.report import build_report
-    from test_report import _full_metrics, _write_run
+    from report_helpers import full_metrics as _full_metrics, write_run as _write_run
 
     run = _write_run(tmp_path / "run", _full_metrics())
     monkeypatch.setitem(sys.modules, "matplotlib", None)

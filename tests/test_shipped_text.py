@@ -18,7 +18,7 @@ INTERNAL = re.compile(
 
 def _shipped() -> list[str]:
     files = [*(ROOT / "src" / "clmerge").rglob("*.py"), *(ROOT / "src" / "clmerge" / "configs").rglob("*.yaml"),
-             *(ROOT / "tests").glob("*.py")]
+             *(ROOT / "tests").rglob("*.py")]
     files += [p for ext in ("py", "md", "yaml") for p in (ROOT / "benchmarks").rglob(f"*.{ext}")]
     rel = sorted(p.relative_to(ROOT).as_posix() for p in files)
     own = Path(__file__).resolve().relative_to(ROOT).as_posix()  # its examples are internal references on purpose

@@ -28,7 +28,7 @@ only tasks 1 and 2 of the 5-task split are trained.
 
 Outputs go to ``--out`` (default ``benchmarks/lora_cl/figures``): the two PNGs and ``landscape.json`` with
 every number plotted plus summary fields; all written atomically. ``--smoke`` is a seconds-long setting
-(random-init 2-block backbone, a few images and steps, a coarse grid) used by ``tests/test_landscape.py``;
+(random-init 2-block backbone, a few images and steps, a coarse grid) used by ``tests/theory/test_landscape.py``;
 ``--replot`` redraws the figures and recomputes the summaries from an existing ``landscape.json``.
 
     OMP_NUM_THREADS=1 nice -n 15 .venv/bin/python benchmarks/lora_cl/landscape.py

@@ -7,7 +7,7 @@ Usage:
 
 Protocol: digits, class-incremental, 5 tasks, the shipped backbone, the linear head, every task trained
 (``head.classifier=linear``, ``train.adapt_tasks=null``), each method's defaults otherwise; LoRA methods on
-key and value (the embedded default's ``method.targets``), the others from an empty config file. Each run is a fresh
+key and value (``method.targets=[key,value]``, the LoRA sites of the evidence grid). Each run is a fresh
 ``clmerge run`` process with ``run.threads`` and ``OMP_NUM_THREADS`` equal; a run whose ``metrics.json`` exists
 in ``--work`` is reused, so an interrupted table continues. Besides the accuracies, the table says whether
 the two runs' logged training losses are bit-identical and, if not, the first step where they differ and
@@ -37,11 +37,8 @@ def run_one(method: str, threads: int, seed: int, work: Path, extra: list[str]) 
         return out
     sets = [*PROTOCOL, f"method.name={method}", f"seed={seed}", f"run.threads={threads}", *extra]
     cmd = [sys.executable, "-m", "clmerge", "run", "--out", str(out), "--overwrite"]
-    if not _has_lora_targets(method):  # the embedded default's method.targets (key, value) is LoRA-only
-        empty = work / "section_defaults.yaml"
-        empty.parent.mkdir(parents=True, exist_ok=True)
-        empty.write_text("{}\n")
-        cmd.insert(4, str(empty))
+    if _has_lora_targets(method):  # the LoRA sites of the evidence grid (a method's own default may differ)
+        sets.append("method.targets=[key,value]")
     for s in sets:
         cmd += ["--set", s]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads),

@@ -26,7 +26,7 @@ Two equivalent ways to apply the components in :meth:`LoRALinear.forward` (``LoR
   gradient ``g^T x`` (O(tokens in out)) once, instead of per-component low-rank backward paths;
 - ``"auto"``: ``dense`` when a FLOP estimate (:func:`dense_is_cheaper`) says so, else ``lowrank``.
 
-Both give the same outputs and gradients up to float rounding (tests/test_lora_compute.py). The default is
+Both give the same outputs and gradients up to float rounding (tests/adapters/test_lora_compute.py). The default is
 ``"lowrank"``; methods with many components per layer (SD-LoRA) switch to ``"auto"`` with
 :func:`set_lora_compute`.
 """

@@ -231,7 +231,7 @@ def squared_sum(g: torch.Tensor, *, chunk: int = _SQ_CHUNK) -> torch.Tensor:
     cache-sized slices. Each output entry is still the sum over the B rows in the order torch's outer-dimension
     sum uses: the slices are contiguous (B, w) blocks whose width w is a multiple of ``_SQ_ALIGN`` columns, so
     every column falls in the same vectorised or tail loop of the reduction kernel as in the full tensor
-    (checked against the reference in tests/test_fisher_sumsq.py). Non-contiguous, small or non-CPU inputs use
+    (checked against the reference in tests/params/test_fisher_sumsq.py). Non-contiguous, small or non-CPU inputs use
     the reference expression itself. (With several CPU threads the reference splits its columns across threads,
     which moves some columns into the tail loop; the chunks here are too small to be split, so the result is the
     one-thread reference's.)

@@ -18,7 +18,7 @@ from clmerge.config import parse_config
 from clmerge.engine.run import run_experiment
 from conftest import tiny_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "merging"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "merging"
 
 
 def _load(name: str):

@@ -188,7 +188,7 @@ def test_study_text_yaml_has_the_size_its_header_states():
     from clmerge.harness.merge_bench_experts import expert_digest
     from clmerge.theory.spec import expand_points, load_study
 
-    spec = load_study(Path(__file__).parents[1] / "benchmarks" / "study_text.yaml")
+    spec = load_study(Path(__file__).parents[2] / "benchmarks" / "study_text.yaml")
     assert spec.base.backbone == "minilm-l6" and spec.suite == "text6"
     points = expand_points(spec)
     experts = {(t.spec, expert_digest(t, c)): c.steps for p in points for t, c in p.expert_configs(spec)}

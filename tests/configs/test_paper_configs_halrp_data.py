@@ -16,7 +16,7 @@ from clmerge.config import load_config
 from clmerge.engine.run import prepare
 from clmerge.paper_configs import PAPER_DIR
 
-from test_data_omniglot_tiny import make_omniglot, make_tiny
+from data_helpers import make_omniglot, make_tiny
 
 PAPER = PAPER_DIR
 

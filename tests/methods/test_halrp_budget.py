@@ -7,7 +7,7 @@ import pytest
 from clmerge.config import parse_config
 from clmerge.engine.run import run_experiment
 
-from test_task_methods import tiny_cfg
+from method_helpers import tiny_cfg
 
 
 @pytest.mark.parametrize("budget_mode", ["code", "total"])

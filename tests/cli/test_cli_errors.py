@@ -26,7 +26,7 @@ from clmerge.utils import outpaths
 
 from conftest import tiny_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STUDY_SPEC = REPO / "benchmarks" / "study_smoke.yaml"
 USAGE, INPUT, OUTPUT = UsageError.exit_code, InputError.exit_code, 5
 

@@ -3,7 +3,7 @@ import json
 from clmerge.models import build_backbone
 from clmerge.pretrain import pretrain_vit_tiny_fmnist
 from clmerge.utils.io import sha256_file
-from test_idx import make_fmnist
+from data_helpers import make_fmnist
 
 
 def test_pretrain_writes_weights_and_provenance(tmp_path):

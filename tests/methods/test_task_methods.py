@@ -14,17 +14,7 @@ from clmerge.engine.checkpoint import load_checkpoint
 from clmerge.engine.run import prepare, run_experiment
 from clmerge.methods.gpm import extend_basis
 from _lora_cl_helpers import uncommit_checkpoint
-
-
-def tiny_cfg(method: str, **options) -> dict:
-    return {
-        "scenario": {"dataset": "digits", "kind": "task_incremental", "n_tasks": 3, "transform": "permutation",
-                     "val_fraction": 0.2, "train_per_task": 400, "test_per_class": 10},
-        "model": {"name": "mlp", "config": {"image_size": 8, "hidden": [32, 32]}},
-        "method": {"name": method, **options},
-        "optim": {"lr": 1e-2}, "train": {"epochs": 3, "batch_size": 40},
-        "run": {"progress": False, "report": False, "keep_checkpoints": 3},
-    }
+from method_helpers import tiny_cfg
 
 
 def _run(tmp_path, name: str, data: dict) -> dict:

@@ -12,7 +12,7 @@ import pytest
 
 from clmerge.data import build_dataset
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "lora_cl"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "lora_cl"
 
 
 def _load(name: str):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from clmerge.config import ConfigError, ConfigFileError, load_config, parse_config
 from clmerge.utils.yaml_io import (MAX_YAML_NODES, YamlError, YamlLimitError, load_yaml, read_yaml)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def bomb(levels: int = 9, width: int = 9) -> str:

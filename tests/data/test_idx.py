@@ -1,29 +1,12 @@
-import gzip
 import struct
 
 import numpy as np
 import pytest
 
+from data_helpers import make_fmnist, write_idx
+
 from clmerge.data import build_dataset
 from clmerge.data.idx import find_idx_files, read_idx
-
-
-def write_idx(path, arr, compress):
-    header = bytes([0, 0, 0x08, arr.ndim]) + b"".join(struct.pack(">I", d) for d in arr.shape)
-    data = header + arr.astype(np.uint8).tobytes()
-    (gzip.open if compress else open)(path, "wb").write(data)
-
-
-def make_fmnist(root, n_train=20, n_test=10, compress=True):
-    d = root / "fashion-mnist"
-    d.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    sfx = ".gz" if compress else ""
-    write_idx(d / f"train-images-idx3-ubyte{sfx}", rng.integers(0, 255, (n_train, 28, 28)), compress)
-    write_idx(d / f"train-labels-idx1-ubyte{sfx}", np.arange(n_train) % 10, compress)
-    write_idx(d / f"t10k-images-idx3-ubyte{sfx}", rng.integers(0, 255, (n_test, 28, 28)), compress)
-    write_idx(d / f"t10k-labels-idx1-ubyte{sfx}", np.arange(n_test) % 10, compress)
-    return d
 
 
 @pytest.mark.parametrize("compress", [True, False])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parents[1] / "src" / "clmerge"
+PKG = Path(__file__).resolve().parents[2] / "src" / "clmerge"
 GROUPS = {"base", "run", "pretrain", "merge", "bench", "study"}
 
 

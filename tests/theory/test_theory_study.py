@@ -17,7 +17,7 @@ from clmerge.sweep import read_results, run_study
 from clmerge.sweep import study as study_mod
 from clmerge.theory.spec import load_study, parse_study
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = "{num_hidden_layers: 1, hidden_size: 32, num_attention_heads: 2, intermediate_size: 64}"
 SMOKE_OVERRIDES = ["base.pretrained=false", f"base.arch={TINY}", "seeds=[0]",
                    "methods=[{name: weight_average}, {name: ties, density: 0.2}]", "data.max_train=48",

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 import clmerge
 from clmerge.cli import app
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 WIDE = {"COLUMNS": "200"}
 

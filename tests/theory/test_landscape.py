@@ -15,7 +15,7 @@ from clmerge.engine.evaluate import evaluate_tasks
 from clmerge.engine.run import run_experiment
 from clmerge.report.plots import PNG_SIGNATURE
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "lora_cl"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "lora_cl"
 
 
 def _load():

@@ -242,7 +242,7 @@ def test_study_resume_refuses_a_missing_directory_and_names_a_changed_spec(tmp_p
     from clmerge.sweep.study import run_study
     from clmerge.theory.spec import load_study
 
-    spec = load_study(Path(__file__).resolve().parents[1] / "benchmarks" / "study_smoke.yaml", [])
+    spec = load_study(Path(__file__).resolve().parents[2] / "benchmarks" / "study_smoke.yaml", [])
     with pytest.raises(RunStateError, match="no study to resume"):
         run_study(spec, tmp_path / "typo", resume=True, log=lambda *_: None)
     assert not (tmp_path / "typo").exists()
@@ -263,7 +263,7 @@ def test_study_resume_may_add_seeds_and_nothing_else(tmp_path):
     from clmerge.sweep.study import _prepare
     from clmerge.theory.spec import expand_points, load_study
 
-    spec = load_study(Path(__file__).resolve().parents[1] / "benchmarks" / "study_smoke.yaml", [])
+    spec = load_study(Path(__file__).resolve().parents[2] / "benchmarks" / "study_smoke.yaml", [])
     out = tmp_path / "study"
     out.mkdir()
     (out / "study.yaml").write_text(yaml.safe_dump(spec.model_dump(), sort_keys=False))

@@ -7,7 +7,8 @@ Usage:
 
 Protocol: digits, class-incremental, 5 tasks, the shipped backbone, the linear head, every task trained
 (``head.classifier=linear``, ``train.adapt_tasks=null``), each method's defaults otherwise; LoRA methods on
-key and value (``method.targets=[key,value]``, the LoRA sites of the evidence grid). Each run is a fresh
+key and value (``method.targets=[key,value]``, the LoRA sites of the evidence grid); simplecil and ranpac, which
+train nothing and have no linear head, with their own statistics head. Each run is a fresh
 ``clmerge run`` process with ``run.threads`` and ``OMP_NUM_THREADS`` equal; a run whose ``metrics.json`` exists
 in ``--work`` is reused, so an interrupted table continues. Besides the accuracies, the table says whether
 the two runs' logged training losses are bit-identical and, if not, the first step where they differ and
@@ -27,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PROTOCOL = ["scenario.dataset=digits", "scenario.n_tasks=5", "head.classifier=linear", "train.adapt_tasks=null",
             "run.report=false", "run.progress=false"]
-METHODS = "sd_lora,seq_lora,pm,inflora,sd_lora_rr,sd_lora_kd,ewc,halrp,magmax,l2p"
+METHODS = ("sd_lora,seq_lora,pm,inflora,sd_lora_rr,sd_lora_kd,ewc,halrp,magmax,l2p,dualprompt,coda_prompt,"
+           "hide_prompt,finetune,l2,gpm,stl,lora_avg,lora_dare,coma,cofima,simplecil,ranpac")
 
 
 def run_one(method: str, threads: int, seed: int, work: Path, extra: list[str]) -> Path:
@@ -36,6 +38,8 @@ def run_one(method: str, threads: int, seed: int, work: Path, extra: list[str]) 
     if (out / "metrics.json").is_file():
         return out
     sets = [*PROTOCOL, f"method.name={method}", f"seed={seed}", f"run.threads={threads}", *extra]
+    if not _method_class(method).trains_linear_head:  # simplecil, ranpac: their own statistics head
+        sets.remove("head.classifier=linear")
     cmd = [sys.executable, "-m", "clmerge", "run", "--out", str(out), "--overwrite"]
     if _has_lora_targets(method):  # the LoRA sites of the evidence grid (a method's own default may differ)
         sets.append("method.targets=[key,value]")
@@ -45,6 +49,13 @@ def run_one(method: str, threads: int, seed: int, work: Path, extra: list[str]) 
            "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
     return out
+
+
+def _method_class(method: str):
+    sys.path.insert(0, str(ROOT / "src"))
+    from clmerge.methods import method_class
+
+    return method_class(method)
 
 
 def _has_lora_targets(method: str) -> bool:

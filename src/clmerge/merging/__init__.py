@@ -33,10 +33,14 @@ from .model_stock import model_stock
 from .breadcrumbs import breadcrumbs
 from .della import della
 from .magmax import magmax
+# the SVD family: task singular vectors and isotropic merging
+from .tsv import tsv_c, tsv_m
+from .iso import iso_c, iso_cts
 
 __all__ = [
     "MERGES", "available", "get_method", "merge", "register_merge", "MergeInputError", "ModelSet", "ParamSource",
     "weight_average", "task_arithmetic", "low_rank_task_arithmetic", "ties", "dare", "consensus", "tall_masks",
     "tall_mask_ties", "emr_merging", "fisher_merging", "regmean", "gram_matrices", "cart", "cart_indexing", "adamerging",
     "slerp", "model_stock", "breadcrumbs", "della", "magmax",
+    "tsv_m", "tsv_c", "iso_c", "iso_cts",
 ]

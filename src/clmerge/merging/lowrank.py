@@ -8,6 +8,9 @@
   iterations, Halko et al. 2011, Alg. 4.4), so results repeat exactly for a given seed.
 - :func:`is_lowrank_param`: which tensors get low-rank treatment (CART Sec. 5.1: the attention and MLP weight
   matrices; biases, norms and embeddings are averaged).
+- :func:`polar_factor`: the orthogonal factor of a polar decomposition (orthogonal Procrustes), which TSV-M and
+  Iso-CTS use to orthogonalise concatenated singular vectors; :func:`task_matrices`: one key's task vectors in
+  the work dtype those SVD merges use.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import re
 import torch
 from torch import Tensor
 
-__all__ = ["target_rank", "low_rank_approx", "svd_factors", "is_lowrank_param", "DEFAULT_EXCLUDE"]
+__all__ = ["target_rank", "low_rank_approx", "svd_factors", "is_lowrank_param", "polar_factor", "task_matrices",
+           "DEFAULT_EXCLUDE"]
 
 # 2-D "weight" tensors whose name matches this are NOT truncated (embeddings, norms, position tables).
 DEFAULT_EXCLUDE = r"(embed|norm|(^|\.)ln|position|cls_token|class_embedding|(^|\.)proj$)"
@@ -92,3 +96,19 @@ def is_lowrank_param(key: str, shape: tuple[int, ...], exclude: str | None = DEF
     if include is not None:
         return re.search(include, key) is not None
     return key.endswith("weight") and not (exclude and re.search(exclude, key))
+
+
+def polar_factor(a: Tensor) -> Tensor:
+    """``P Q^T`` for the thin SVD ``a = P S Q^T``: the matrix with orthonormal columns (rows, for a wide ``a``)
+    nearest to ``a`` in Frobenius norm (orthogonal Procrustes). For ``a`` of full column rank it equals the
+    whitening ``a (a^T a)^{-1/2}`` (TSV paper, Sec. 4; Iso paper, Alg. 2)."""
+    u, _, vh = torch.linalg.svd(a, full_matrices=False)
+    return u @ vh
+
+
+def task_matrices(base: Tensor, experts: list[Tensor]) -> Tensor:
+    """One key's task vectors ``theta_t - theta_0``, shape ``(T, *shape)``, in the work dtype of the SVD merges:
+    float32, or float64 when the inputs are float64 (each difference formed in that dtype)."""
+    dtype = torch.promote_types(experts[0].dtype, torch.float32)
+    b = base.to(dtype)
+    return torch.stack([x.to(dtype) - b for x in experts])

@@ -677,3 +677,24 @@ def test_vocabulary_errors_are_short_typed_and_leave_nothing(ws, argv, code, wor
     (ws / "old_study" / "fits.json").write_bytes((REPO / "benchmarks/theory/interaction/fits.json").read_bytes())
     before = _snapshot(ws)
     _check(CliRunner().invoke(app, argv), code, words, before, ws)
+
+
+# The SVD merges (TSV-M, TSV-C, Iso-C, Iso-CTS): out-of-range hyperparameters are usage errors, nothing written.
+SVD_MERGE = ["merge", "--base", "base.safetensors", "--expert", "e1.safetensors", "--expert", "e2.safetensors",
+             "--out", "m"]
+SVD_MERGE_CASES = [
+    ("iso-cts-fraction", [*SVD_MERGE, "--method", "iso_cts", "--set", "common_space_fraction=1.5"], USAGE,
+     ["common_space_fraction", "[0, 1]", "1.5"]),
+    ("tsv-m-svd", [*SVD_MERGE, "--method", "tsv_m", "--set", "svd=fast"], USAGE, ["svd", "randomized", "fast"]),
+    ("tsv-c-rank-ratio", [*SVD_MERGE, "--method", "tsv_c", "--task", "all", "--set", "rank_ratio=2"], USAGE,
+     ["rank_ratio", "[0, 1]"]),
+    ("tsv-c-no-task", [*SVD_MERGE, "--method", "tsv_c"], USAGE, ["--task"]),
+    ("tsv-c-task-range", [*SVD_MERGE, "--method", "tsv_c", "--task", "2"], USAGE, ["--task", "out of range"]),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in SVD_MERGE_CASES], ids=[c[0] for c in SVD_MERGE_CASES])
+def test_svd_merge_error_is_short_typed_and_leaves_nothing(ws, argv, code, words):
+    before = _snapshot(ws)
+    result = CliRunner().invoke(app, argv)
+    _check(result, code, words, before, ws)

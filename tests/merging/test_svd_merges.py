@@ -221,3 +221,47 @@ def test_float32_inputs_match_float64_within_float32_precision():
         b = merging.merge(name, base=b32, experts=e32)[W]
         assert b.dtype == torch.float32
         torch.testing.assert_close(b.double(), a, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture()
+def files(tmp_path):
+    """Base + 3 experts (float32) as safetensors files."""
+    from safetensors.torch import save_file
+
+    base, ex = models(3, (8, 6), seed=5, dtype=torch.float32)
+    paths = []
+    for name, sd in zip(["base", "e0", "e1", "e2"], [base, *ex]):
+        save_file(sd, str(tmp_path / f"{name}.safetensors"))
+        paths.append(tmp_path / f"{name}.safetensors")
+    return tmp_path, base, ex, paths
+
+
+@pytest.mark.parametrize("name, sets", [("tsv_m", ["scaling=0.5"]), ("iso_c", []),
+                                        ("iso_cts", ["common_space_fraction=0.5", "svd=randomized"])])
+def test_the_command_streams_the_same_merge_as_the_api(files, name, sets):
+    from checkpoint_helpers import folder_state, invoke
+
+    tmp, base, ex, (pb, *pe) = files
+    r = invoke("--method", name, "--base", pb, *[a for p in pe for a in ("--expert", p)],
+               *[a for s in sets for a in ("--set", s)], "--out", tmp / "m")
+    assert r.exit_code == 0, r.output
+    kw = {k: (float(v) if v[0].isdigit() else v) for k, v in (s.split("=") for s in sets)}
+    want = merging.merge(name, base=base, experts=ex, **kw)
+    got = folder_state(tmp / "m")
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=0, rtol=0)
+
+
+def test_tsv_c_needs_task_and_all_writes_every_task(files):
+    from checkpoint_helpers import folder_state, invoke
+
+    tmp, base, ex, (pb, *pe) = files
+    args = ["--method", "tsv_c", "--base", pb, *[a for p in pe for a in ("--expert", p)]]
+    r = invoke(*args, "--out", tmp / "m")
+    assert r.exit_code == 2 and "--task" in r.output and not (tmp / "m").exists()
+    r = invoke(*args, "--out", tmp / "m", "--task", "all")
+    assert r.exit_code == 0, r.output
+    for t in range(3):
+        want = merging.tsv_c(base=base, experts=ex, task=t)
+        got = folder_state(tmp / "m" / f"task_{t}")
+        assert all(torch.equal(got[k], want[k]) for k in want)

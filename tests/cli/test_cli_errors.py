@@ -693,7 +693,8 @@ SVD_MERGE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("argv, code, words", [c[1:] for c in SVD_MERGE_CASES], ids=[c[0] for c in SVD_MERGE_CASES])
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in SVD_MERGE_CASES],
+                         ids=[c[0] for c in SVD_MERGE_CASES])
 def test_svd_merge_error_is_short_typed_and_leaves_nothing(ws, argv, code, words):
     before = _snapshot(ws)
     result = CliRunner().invoke(app, argv)

@@ -27,7 +27,7 @@ def taus(base, experts, key):
 
 
 def whiten(a):
-    """``a (a^T a)^{-1/2}`` by an eigendecomposition: the TSV paper's Eq. 11 route, not the code's SVD route."""
+    """``a (a^T a)^{-1/2}`` by an eigendecomposition: the TSV paper's whitening, not the code's SVD route."""
     lam, q = torch.linalg.eigh(a.T @ a)
     return a @ (q * lam.rsqrt()) @ q.T
 
@@ -43,7 +43,7 @@ def ref_tsv_m(ds, alpha):
 
 
 def ref_iso_cts(ds, frac, alpha):
-    """Iso paper Alg. 1 as FusionBench writes it: zero-padded r-column blocks, task blocks first, then common."""
+    """Iso-CTS as FusionBench writes it: zero-padded r-column blocks, task blocks first, common last."""
     r, t = min(ds[0].shape), len(ds)
     kc = int(r * frac)
     kc = r - round((r - kc) / t) * t
@@ -68,7 +68,7 @@ def test_tsv_m_matches_the_paper_transcription(shape):
     base, ex = models(3, shape)
     out = merging.merge("tsv_m", base=base, experts=ex, scaling=0.7)
     close(out[W], base[W] + ref_tsv_m(taus(base, ex, W), 0.7))
-    for key in (B, N, E):  # non-matrix tensors (the embedding by the default matrix rule): averaged task vectors
+    for key in (B, N, E):  # non-matrix tensors (the embedding, by the default rule): averaged task vectors
         close(out[key], base[key] + 0.7 * torch.stack(taus(base, ex, key)).mean(0))
 
 
@@ -201,7 +201,8 @@ def _decaying(num_tasks=4, shape=(80, 60), seed=0):
 
 # measured relative (Frobenius) differences, seeds 0-2: tsv_m 0.8-1.1e-9, tsv_c 0.6-4e-11, iso_cts 2.2-4.3e-4
 # (Iso-CTS's residuals, outside the common subspace, have a flatter spectrum than the task matrices)
-@pytest.mark.parametrize("name, kw, tol", [("tsv_m", {}, 1e-8), ("tsv_c", {"task": 1}, 1e-8), ("iso_cts", {}, 1e-3)])
+@pytest.mark.parametrize("name, kw, tol", [("tsv_m", {}, 1e-8), ("tsv_c", {"task": 1}, 1e-8),
+                                           ("iso_cts", {}, 1e-3)])
 def test_randomized_svd_is_close_to_exact_on_decaying_spectra(name, kw, tol):
     ds = _decaying()
     base = {W: torch.zeros(80, 60, dtype=torch.float64)}

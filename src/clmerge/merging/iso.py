@@ -3,13 +3,13 @@ Task-Specific Subspaces"): Iso-C and Iso-CTS.
 
 Per weight matrix, with ``Delta_t = theta_t - theta_0`` and ``r = min(m, n)``:
 
-- Iso-C (Sec. 4.1, Eq. 6-7): ``Delta_TA = sum_t Delta_t = U S V^T``; the merged update is
+- Iso-C: ``Delta_TA = sum_t Delta_t = U S V^T``; the merged update is
   ``alpha * sigma_bar U V^T`` with ``sigma_bar = mean(diag S)`` over all ``r`` singular values (a flat
   spectrum; ``sigma_bar U V^T`` is ``sigma_bar`` times the polar factor of ``Delta_TA``).
-- Iso-CTS (Sec. 4.2, Alg. 1): the common subspace is the top ``k_c`` singular triplets of ``Delta_TA``; each
+- Iso-CTS: the common subspace is the top ``k_c`` singular triplets of ``Delta_TA``; each
   task's residual ``Delta_t - U_c U_c^T Delta_t`` (its part outside the common left subspace) gives its top
   ``s`` triplets; the ``k_c + T s = r`` left (right) vectors are concatenated and orthogonalised by their
-  polar factor (orthogonal Procrustes, Alg. 1's SVD step), and the update is
+  polar factor (orthogonal Procrustes, by an SVD), and the update is
   ``alpha * sigma_bar U_perp V_perp^T`` with ``sigma_bar`` the mean of the ``r`` concatenated singular values.
   Sizes as in the released code: ``k_c = int(r * common_space_fraction)``,
   ``s = round((r - k_c) / T)``, then ``k_c = r - T s`` (so the task-specific part divides evenly by ``T``).
@@ -17,9 +17,9 @@ Per weight matrix, with ``Delta_t = theta_t - theta_0`` and ``r = min(m, n)``:
 Other tensors (biases, norms, and the 2-D tensors the matrix rule excludes) get
 ``theta_0 + alpha * mean_t Delta_t``, as FusionBench's ``iso_c`` / ``iso_cts``.
 
-Iso-C needs every singular value, so its SVD is exact (float32, or float64 for float64 inputs); so is Iso-CTS's
-SVD of ``Delta_TA``. Iso-CTS's residual SVDs keep ``s`` triplets (about ``0.2 r / T``) and may be randomized
-(``svd="randomized"``, error bound in :mod:`clmerge.merging.tsv`).
+Iso-C needs every singular value, so its SVD is exact (float32, or float64 for float64 inputs); so is
+Iso-CTS's SVD of ``Delta_TA``. Iso-CTS's residual SVDs keep ``s`` triplets (about ``0.2 r / T``) and may
+be randomized (``svd="randomized"``, error bound in :mod:`clmerge.merging.tsv`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ __all__ = ["iso_c", "iso_cts", "iso_c_matrix", "iso_cts_matrix", "iso_cts_ranks"
 
 
 def iso_c_matrix(taus: Tensor) -> Tensor:
-    """Iso-C's update ``sigma_bar U V^T`` of one matrix from its task matrices ``(T, m, n)`` (Eq. 7)."""
+    """Iso-C's update ``sigma_bar U V^T`` of one matrix from its task matrices ``(T, m, n)``."""
     u, s, vh = torch.linalg.svd(taus.sum(0), full_matrices=False)
     return (u * s.mean()) @ vh
 
@@ -48,7 +48,7 @@ def iso_cts_ranks(r: int, num_tasks: int, fraction: float) -> tuple[int, int]:
     """``(k_c, s)``: the common rank and each task's specific rank, ``k_c + num_tasks * s = r``.
 
     As the released code, except that ``s`` is capped at ``r // num_tasks`` (there ``k_c`` turns negative
-    when ``r - int(r * fraction)`` rounds up past ``r`` in multiples of ``num_tasks``, e.g. ``r = 2``, 3 tasks).
+    when ``r - int(r * fraction)`` rounds up past ``r`` in multiples of ``num_tasks``: ``r = 2``, 3 tasks).
     """
     k_c = int(r * fraction)
     s = min(round((r - k_c) / num_tasks), r // num_tasks)
@@ -82,8 +82,8 @@ def _iso_kernel(update, scaling: float, include: str | None, exclude: str | None
     return kernel
 
 
-@register_merge("iso_c", "isotropic merge: the summed task matrix with its singular values flattened to their "
-                "mean (Iso-C, Marczak et al. 2025)")
+@register_merge("iso_c", "isotropic merge: the summed task matrix with its singular values flattened to "
+                "their mean (Iso-C, Marczak et al. 2025)")
 def iso_c(*, base: Any, experts: Sequence[Any], scaling: float = 1.0, include: str | None = None,
           exclude: str | None = DEFAULT_EXCLUDE) -> dict[str, Tensor]:
     """Iso-C: ``theta_0 + alpha * sigma_bar U V^T`` per weight matrix (module docstring).

@@ -101,7 +101,7 @@ def is_lowrank_param(key: str, shape: tuple[int, ...], exclude: str | None = DEF
 def polar_factor(a: Tensor) -> Tensor:
     """``P Q^T`` for the thin SVD ``a = P S Q^T``: the matrix with orthonormal columns (rows, for a wide ``a``)
     nearest to ``a`` in Frobenius norm (orthogonal Procrustes). For ``a`` of full column rank it equals the
-    whitening ``a (a^T a)^{-1/2}`` (TSV paper, Sec. 4; Iso paper, Alg. 2)."""
+    whitening ``a (a^T a)^{-1/2}`` (the orthogonalisation of TSV-M and Iso-CTS)."""
     u, _, vh = torch.linalg.svd(a, full_matrices=False)
     return u @ vh
 

@@ -5,22 +5,22 @@ Per weight matrix, ``Delta_t = theta_t - theta_0 = U_t S_t V_t^T`` and ``k = flo
 ``r = min(m, n)`` (the paper's "1/T of the rank"; FusionBench's ``int(r * (1 / T))``, equal for every
 ``r, T`` checked up to ``r = 20000, T = 40``):
 
-- TSV-C (Sec. 4.1): task ``t``'s model is ``theta_0 + alpha * U_t[:, :k] S_t[:k] V_t[:, :k]^T``; the other
+- TSV-C: task ``t``'s model is ``theta_0 + alpha * U_t[:, :k] S_t[:k] V_t[:, :k]^T``; the other
   tensors are ``theta_0 + alpha * Delta_t`` (stored whole, as the official code's ``"dim1"`` entries).
-- TSV-M (Sec. 4.2-4.3): concatenate ``U = [U_1[:, :k], ..., U_T[:, :k]]`` (``m x Tk``), ``S`` (``Tk``) and
+- TSV-M: concatenate ``U = [U_1[:, :k], ..., U_T[:, :k]]`` (``m x Tk``), ``S`` (``Tk``) and
   ``V`` likewise, orthogonalise ``U`` and ``V`` by their polar factors (``U_perp = P_U Q_U^T`` for
-  ``U = P_U S_U Q_U^T``: the Procrustes solution, equal to the whitening ``U (U^T U)^{-1/2}`` of the paper's
-  Eq. 11 when ``U`` has full column rank), and add ``alpha * U_perp diag(S) V_perp^T``. Other tensors get
+  ``U = P_U S_U Q_U^T``: the Procrustes solution, equal to the whitening ``U (U^T U)^{-1/2}`` the paper
+  describes when ``U`` has full column rank), and add ``alpha * U_perp diag(S) V_perp^T``. Other tensors get
   ``theta_0 + alpha * mean_t Delta_t`` (the averaged task vectors, as FusionBench and the official code).
 
 Randomized SVD (``svd="randomized"``, :func:`~clmerge.merging.lowrank.svd_factors`: a seeded range finder with
-``p = 10`` extra columns and ``q = 2`` power iterations, Halko et al. 2011, Alg. 4.4): the sketch ``Q`` satisfies
-``E||Delta - Q Q^T Delta||_2 <= [(1 + sqrt(k/(p-1))) s^(2q+1) + (e sqrt(k+p)/p) sqrt(sum_(j>k) s_j^(2(2q+1)))]^(1/(2q+1))``
-with ``s = s_(k+1)`` (their Cor. 10.10), at most ``(1 + sqrt(k/9) + 0.272 sqrt((k+10)(r-k)))^(1/5) s_(k+1)``;
-truncating the sketch to rank ``k`` adds at most ``s_(k+1)`` (triangle inequality, as
-``s_(k+1)(Q^T Delta) <= s_(k+1)``). For ``k = 96``, ``r = 768`` (ViT-B, 8 tasks) the expected spectral error
-is at most ``3.4 s_(k+1)``, against ``s_(k+1)`` for the exact truncation. With ``k >= r / 2`` (two tasks or
-fewer) the exact SVD is used anyway.
+``p = 10`` extra columns and ``q = 2`` power iterations, Halko et al. 2011, Alg. 4.4): the sketch ``Q``
+satisfies ``E||Delta - Q Q^T Delta||_2 <= [(1 + sqrt(k/(p-1))) s^(2q+1) + (e sqrt(k+p)/p) sqrt(sum_(j>k)
+s_j^(2(2q+1)))]^(1/(2q+1))`` with ``s = s_(k+1)`` (their Cor. 10.10), at most ``(1 + sqrt(k/9) + 0.272
+sqrt((k+10)(r-k)))^(1/5) s_(k+1)``; truncating the sketch to rank ``k`` adds at most ``s_(k+1)`` (triangle
+inequality, as ``s_(k+1)(Q^T Delta) <= s_(k+1)``). For ``k = 96``, ``r = 768`` (ViT-B, 8 tasks) the expected
+spectral error is at most ``3.4 s_(k+1)``, against ``s_(k+1)`` for the exact truncation. With ``k >= r / 2``
+(two tasks or fewer) the exact SVD is used anyway.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _check_svd(svd: str) -> None:
 
 
 def tsv_merge_matrix(taus: Tensor, *, svd: str = "exact", seed: int = 0) -> Tensor:
-    """TSV-M's merged update ``U_perp diag(S) V_perp^T`` of one matrix from its task matrices ``(T, m, n)``."""
+    """TSV-M's update ``U_perp diag(S) V_perp^T`` of one matrix from its task matrices ``(T, m, n)``."""
     k = tsv_rank(tuple(taus.shape[1:]), len(taus))
     if k == 0:
         return torch.zeros_like(taus[0])
@@ -94,8 +94,8 @@ def tsv_m(*, base: Any, experts: Sequence[Any], scaling: float = 1.0, svd: str =
 
 @register_merge("tsv_c", "compression: task t's model = base + its own top 1/T singular vectors (TSV-C, "
                 "Gargiulo et al. 2025)")
-def tsv_c(*, base: Any, experts: Sequence[Any], task: int = 0, scaling: float = 1.0, rank_ratio: float | None = None,
-          svd: str = "exact", seed: int = 0, include: str | None = None,
+def tsv_c(*, base: Any, experts: Sequence[Any], task: int = 0, scaling: float = 1.0,
+          rank_ratio: float | None = None, svd: str = "exact", seed: int = 0, include: str | None = None,
           exclude: str | None = DEFAULT_EXCLUDE) -> dict[str, Tensor]:
     """TSV-C: ``theta_0 + alpha * SVD_k(Delta_task)`` per weight matrix, ``theta_0 + alpha * Delta_task`` for
     the other tensors (module docstring).

@@ -16,7 +16,7 @@ Per weight matrix, ``Delta_t = theta_t - theta_0 = U_t S_t V_t^T`` and ``k = flo
 Randomized SVD (``svd="randomized"``, :func:`~clmerge.merging.lowrank.svd_factors`: a seeded range finder with
 ``p = 10`` extra columns and ``q = 2`` power iterations, Halko et al. 2011, Alg. 4.4): the sketch ``Q``
 satisfies ``E||Delta - Q Q^T Delta||_2 <= [(1 + sqrt(k/(p-1))) s^(2q+1) + (e sqrt(k+p)/p) sqrt(sum_(j>k)
-s_j^(2(2q+1)))]^(1/(2q+1))`` with ``s = s_(k+1)`` (their Cor. 10.10), at most ``(1 + sqrt(k/9) + 0.272
+s_j^(2(2q+1)))]^(1/(2q+1))`` with ``s = s_(k+1)`` (their bound for the power scheme), at most ``(1 + sqrt(k/9) + 0.272
 sqrt((k+10)(r-k)))^(1/5) s_(k+1)``; truncating the sketch to rank ``k`` adds at most ``s_(k+1)`` (triangle
 inequality, as ``s_(k+1)(Q^T Delta) <= s_(k+1)``). For ``k = 96``, ``r = 768`` (ViT-B, 8 tasks) the expected
 spectral error is at most ``3.4 s_(k+1)``, against ``s_(k+1)`` for the exact truncation. With ``k >= r / 2``

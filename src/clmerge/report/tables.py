@@ -266,7 +266,8 @@ def _find_group(groups: Sequence[Group], label: str) -> Group:
     for g in groups:
         if g.label == label:
             return g
-    raise UsageError(f"--vs {label}: no such group; groups: {', '.join(g.label for g in groups)}")
+    raise UsageError(f"--vs {label}: no such group; groups (--by values joined by commas): "
+                     + "; ".join(repr(g.label) for g in groups))
 
 
 def build_table(runs: Sequence[Run], *, by: Sequence[str], metrics: Sequence[str], vs: str | None = None,
@@ -360,17 +361,20 @@ def _json(t: ResultsTable) -> str:
 
 
 def _rich(t: ResultsTable, width: int) -> str:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
-    table = Table()
-    for h in _header(t):  # as Text: brackets in config values are not markup
-        table.add_column(Text(h))
-    for g in t.groups:
-        table.add_row(*(Text(c) for c in _cells(t, g)))
-    buf = io.StringIO()
-    Console(file=buf, width=width, no_color=True, highlight=False).print(table, markup=False)
+    head, rows = _header(t), [_cells(t, g) for g in t.groups]
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for i, h in enumerate(head):  # as Text: brackets in config values are not markup
+        table.add_column(Text(h), no_wrap=True, justify="left" if i < len(t.by) else "right")
+    for row in rows:
+        table.add_row(*(Text(c) for c in row))
+    needed = sum(max(len(c) for c in col) + 3 for col in zip(head, *rows)) + 4
+    buf = io.StringIO()  # wider than the terminal rather than cut: the terminal wraps, numbers stay whole
+    Console(file=buf, width=max(width, needed), no_color=True, highlight=False).print(table, markup=False)
     return buf.getvalue() + "".join(f"{n}\n" for n in t.notes())
 
 

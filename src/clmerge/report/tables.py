@@ -288,6 +288,7 @@ def build_table(runs: Sequence[Run], *, by: Sequence[str], metrics: Sequence[str
         _check_group(g, skip)
         g.stats = {m: _stat([v for r in g.runs if (v := metric_value(r, m)) is not None]) for m in metrics}
     ref = _find_group(groups, vs) if vs is not None else None
+    groups.sort(key=lambda g: g is not ref)  # the reference first, the others in the order found
     for g in groups:
         if ref is not None and g is not ref:
             _pair(g, ref, metrics)
@@ -313,7 +314,7 @@ def _header(t: ResultsTable) -> list[str]:
 
 def _cells(t: ResultsTable, g: Group) -> list[str]:
     row = [*(_text(v) for v in g.values), str(len(g.runs))]
-    row += [_pm(g.stats[m]) + ("" if g.stats[m]["n"] == len(g.runs) else f" (n={g.stats[m]['n']})")
+    row += [_pm(g.stats[m]) + (f" (n={g.stats[m]['n']})" if 0 < g.stats[m]["n"] < len(g.runs) else "")
             for m in t.metrics]
     if t.vs is not None:
         row += ["reference" if g.label == t.vs else f"{_pm(g.diffs[m], sign=True)} ({g.diffs[m]['n']})"

@@ -83,8 +83,8 @@ class ResultsTable:
 
     def notes(self) -> list[str]:
         """What the reader must know besides the numbers: unfinished runs, unpaired runs, what the n count."""
-        out = [f"n counts runs over {', '.join(self.seeds_varied) or 'no varied seed key'}"
-               f" (seed keys: {', '.join(SEED_KEYS)})"]
+        varied = " and ".join(self.seeds_varied) or "no seed key"
+        out = [f"runs: the runs averaged; they vary in {varied} (seed keys: {', '.join(SEED_KEYS)})"]
         if self.vs is not None:
             out.append(f"Δ: paired difference to {self.vs} over runs with the same {' and '.join(SEED_KEYS)}, "
                        f"mean ± SE (pairs)")

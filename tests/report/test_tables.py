@@ -177,3 +177,21 @@ def test_terminal_table_keeps_numbers_whole_and_does_not_read_markup(tmp_path):
 def test_the_reference_group_comes_first(sweep):
     assert [g.label for g in _table([sweep]).groups] == ["pm", "seq_lora"]  # in the order found
     assert [g.label for g in _table([sweep], vs="seq_lora").groups] == ["seq_lora", "pm"]
+
+
+def test_ignore_takes_a_section_and_a_run_named_twice_counts_once(tmp_path):
+    write_seed_run(tmp_path / "a", "seq_lora", 0, 80.0, run={"threads": 1, "progress": True})
+    write_seed_run(tmp_path / "b", "seq_lora", 1, 82.0, run={"threads": 2, "progress": False})
+    t = _table([tmp_path, tmp_path / "a", tmp_path / "." / "b"], ignore=["run"], metrics=["acc"])
+    assert t.groups[0].stats["acc"] == pytest.approx({"mean": 81.0, "se": 1.0, "n": 2})
+
+
+def test_config_values_that_are_not_json_are_compared_as_text(tmp_path):
+    for s in (0, 1):
+        run = write_seed_run(tmp_path / f"s{s}", "seq_lora", s, 80.0 + s)
+        (run / "config.yaml").write_text((run / "config.yaml").read_text() + "note: 2026-11-25\n")  # a date
+    assert _table([tmp_path], metrics=["acc"]).groups[0].stats["acc"]["n"] == 2
+    (tmp_path / "s1" / "config.yaml").write_text((tmp_path / "s1" / "config.yaml").read_text()
+                                                 .replace("2026-11-25", "2026-11-26"))
+    with pytest.raises(InputError, match="differ in config keys note"):
+        _table([tmp_path], metrics=["acc"])

@@ -97,7 +97,7 @@ class ResultsTable:
 
 
 def _text(v: Any) -> str:
-    return v if isinstance(v, str) else json.dumps(v)
+    return v if isinstance(v, str) else json.dumps(v, default=str)
 
 
 # -- collecting run directories ------------------------------------------------------------------------------
@@ -132,7 +132,8 @@ def find_runs(dirs: Iterable[str | Path]) -> tuple[list[Path], list[Path]]:
         if not runs:
             raise InputError(f"{d}: no run directory (config.yaml + metrics.json) in it or "
                              f"{SEARCH_DEPTH} levels below")
-        found += [r for r in runs if r not in found]
+        seen = {f.resolve() for f in found}
+        found += [r for r in runs if r.resolve() not in seen]
     done = [r for r in found if (r / "metrics.json").is_file()]
     return done, [r for r in found if r not in done]
 
@@ -210,15 +211,23 @@ def _group(runs: Sequence[Run], by: Sequence[str]) -> list[Group]:
     groups: dict[tuple, Group] = {}
     for r in runs:
         key = tuple(r.config.get(k, _ABSENT) for k in by)
-        groups.setdefault(tuple(json.dumps(v, sort_keys=True) for v in key), Group(key, [])).runs.append(r)
+        groups.setdefault(tuple(_canon(v) for v in key), Group(key, [])).runs.append(r)
     return list(groups.values())
 
 
+def _canon(v: Any) -> str:
+    """A config value as comparable text (YAML may hold dates: ``str`` of them)."""
+    return json.dumps(v, sort_keys=True, default=str)
+
+
+def _skipped(key: str, skip: set[str]) -> bool:
+    """``key`` is in ``skip``, or under a section in it (``run`` skips ``run.threads``)."""
+    return any(key == k or key.startswith(k + ".") for k in skip)
+
+
 def _differing_keys(runs: Sequence[Run], skip: set[str]) -> list[str]:
-    keys = sorted(set().union(*(r.config for r in runs)) - skip)
-    def canon(r: Run, k: str) -> str:
-        return json.dumps(r.config.get(k, _ABSENT), sort_keys=True)
-    return [k for k in keys if len({canon(r, k) for r in runs}) > 1]
+    keys = sorted(k for k in set().union(*(r.config for r in runs)) if not _skipped(k, skip))
+    return [k for k in keys if len({_canon(r.config.get(k, _ABSENT)) for r in runs}) > 1]
 
 
 def _check_group(g: Group, skip: set[str]) -> None:

@@ -17,10 +17,13 @@ from clmerge.cli import app
 
 @pytest.fixture()
 def sweep(tmp_path, monkeypatch):
+    """A folder laid out as ``clmerge sweep`` writes it: sweep.yaml, cells.json and a run directory per cell."""
     for s, (a, b) in enumerate(((80.0, 84.0), (82.0, 85.0), (87.0, 92.0))):
         write_seed_run(tmp_path / "sweep" / f"method.name=seq_lora,seed={s}", "seq_lora", s, a, til_acc=90.0)
         write_seed_run(tmp_path / "sweep" / f"method.name=pm,seed={s}", "pm", s, b, til_acc=91.0)
     write_seed_run(tmp_path / "sweep" / "method.name=pm,seed=3", "pm", 3, None, finished=False)
+    (tmp_path / "sweep" / "sweep.yaml").write_text("grid:\n  method.name: [seq_lora, pm]\n")  # a sweep's own files
+    (tmp_path / "sweep" / "cells.json").write_text("{}")
     monkeypatch.chdir(tmp_path)
     return tmp_path / "sweep"
 

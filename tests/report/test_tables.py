@@ -84,7 +84,7 @@ def test_groups_by_several_dotted_keys(tmp_path):
 def test_refuses_to_average_runs_whose_configs_differ_and_names_the_keys(tmp_path):
     write_seed_run(tmp_path / "a", "seq_lora", 0, 80.0)
     write_seed_run(tmp_path / "b", "seq_lora", 1, 82.0, run={"threads": 2}, optim={"lr": 0.1})
-    with pytest.raises(InputError, match=r"differ in config keys optim.lr, run.threads .*--ignore") as exc:
+    with pytest.raises(InputError, match=r"differ in config keys run.threads, optim.lr .*--ignore") as exc:
         _table([tmp_path])
     assert str(tmp_path / "a") in str(exc.value) and str(tmp_path / "b") in str(exc.value)
     with pytest.raises(InputError, match=r"differ in config keys optim.lr \("):
@@ -194,4 +194,16 @@ def test_config_values_that_are_not_json_are_compared_as_text(tmp_path):
     (tmp_path / "s1" / "config.yaml").write_text((tmp_path / "s1" / "config.yaml").read_text()
                                                  .replace("2026-11-25", "2026-11-26"))
     with pytest.raises(InputError, match="differ in config keys note"):
+        _table([tmp_path], metrics=["acc"])
+
+
+def test_keys_that_differ_between_groups_are_noted_and_present_keys_are_named_first(tmp_path):
+    write_seed_run(tmp_path / "a", "seq_lora", 0, 80.0, head={"classifier": "linear"})
+    write_seed_run(tmp_path / "b", "pm", 0, 82.0, head={"classifier": "ncm"})
+    t = _table([tmp_path], metrics=["acc"])
+    assert t.between == ["head.classifier"]  # method.rank differs too: a method's own option, not noted
+    assert "groups differ also in: head.classifier" in t.notes()
+    write_seed_run(tmp_path / "c", "pm", 1, 82.0, optim={"lr": 0.1}, train={"epochs": 1})
+    with pytest.raises(InputError, match=r"differ in config keys head.classifier, optim.lr, train.epochs "
+                                         r"\(head.classifier: ncm in .*b, <absent> in .*c\)"):
         _table([tmp_path], metrics=["acc"])

@@ -80,6 +80,7 @@ class ResultsTable:
     skipped: list[Path] = field(default_factory=list)
     seeds_varied: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
+    between: list[str] = field(default_factory=list)
 
     def notes(self) -> list[str]:
         """What the reader must know besides the numbers: unfinished runs, unpaired runs, what the n count."""
@@ -88,6 +89,9 @@ class ResultsTable:
         if self.vs is not None:
             out.append(f"Δ: paired difference to {self.vs} over runs with the same {' and '.join(SEED_KEYS)}, "
                        f"mean ± SE (pairs)")
+        if self.between:
+            more = f" and {len(self.between) - 6} more" if len(self.between) > 6 else ""
+            out.append(f"groups differ also in: {', '.join(self.between[:6])}{more}")
         if self.ignored:
             out.append(f"ignored config keys: {', '.join(self.ignored)}")
         out += [f"skipped (no metrics.json, unfinished): {p}" for p in self.skipped]
@@ -226,8 +230,16 @@ def _skipped(key: str, skip: set[str]) -> bool:
 
 
 def _differing_keys(runs: Sequence[Run], skip: set[str]) -> list[str]:
+    """The config keys whose values differ between ``runs``, but ``skip``: keys every run has first."""
     keys = sorted(k for k in set().union(*(r.config for r in runs)) if not _skipped(k, skip))
-    return [k for k in keys if len({_canon(r.config.get(k, _ABSENT)) for r in runs}) > 1]
+    diff = [k for k in keys if len({_canon(r.config.get(k, _ABSENT)) for r in runs}) > 1]
+    return sorted(diff, key=lambda k: any(k not in r.config for r in runs))
+
+
+def _between_groups(groups: Sequence[Group], skip: set[str]) -> list[str]:
+    """Keys outside ``method.`` (a method's own options) whose values differ between groups."""
+    firsts = [g.runs[0] for g in groups]
+    return _differing_keys(firsts, skip | {"method"})
 
 
 def _check_group(g: Group, skip: set[str]) -> None:
@@ -302,7 +314,8 @@ def build_table(runs: Sequence[Run], *, by: Sequence[str], metrics: Sequence[str
         if ref is not None and g is not ref:
             _pair(g, ref, metrics)
     varied = [k for i, k in enumerate(SEED_KEYS) if any(len({r.seeds()[i] for r in g.runs}) > 1 for g in groups)]
-    return ResultsTable(list(by), list(metrics), groups, vs, list(skipped), varied, list(ignore))
+    return ResultsTable(list(by), list(metrics), groups, vs, list(skipped), varied, list(ignore),
+                        _between_groups(groups, skip))
 
 
 # -- rendering -----------------------------------------------------------------------------------------------
@@ -365,7 +378,7 @@ def _json(t: ResultsTable) -> str:
                **({"vs": g.diffs, "unpaired": [str(p) for p in g.unpaired]} if t.vs and g.label != t.vs else {})}
               for g in t.groups]
     doc = {"by": t.by, "metrics": t.metrics, "vs": t.vs, "seed_keys": list(SEED_KEYS),
-           "seeds_varied": t.seeds_varied, "ignored": t.ignored, "groups": groups,
+           "seeds_varied": t.seeds_varied, "ignored": t.ignored, "groups_differ_also_in": t.between, "groups": groups,
            "skipped": [str(p) for p in t.skipped], "notes": t.notes()}
     return json.dumps(doc, indent=2) + "\n"
 

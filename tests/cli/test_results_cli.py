@@ -17,12 +17,12 @@ from clmerge.cli import app
 
 @pytest.fixture()
 def sweep(tmp_path, monkeypatch):
-    """A folder laid out as ``clmerge sweep`` writes it: sweep.yaml, cells.json and a run directory per cell."""
+    """A folder laid out as ``clmerge sweep`` writes it: sweep.yaml, cells.json, a run directory per cell."""
     for s, (a, b) in enumerate(((80.0, 84.0), (82.0, 85.0), (87.0, 92.0))):
         write_seed_run(tmp_path / "sweep" / f"method.name=seq_lora,seed={s}", "seq_lora", s, a, til_acc=90.0)
         write_seed_run(tmp_path / "sweep" / f"method.name=pm,seed={s}", "pm", s, b, til_acc=91.0)
     write_seed_run(tmp_path / "sweep" / "method.name=pm,seed=3", "pm", 3, None, finished=False)
-    (tmp_path / "sweep" / "sweep.yaml").write_text("grid:\n  method.name: [seq_lora, pm]\n")  # a sweep's own files
+    (tmp_path / "sweep" / "sweep.yaml").write_text("grid:\n  method.name: [seq_lora, pm]\n")  # the sweep's
     (tmp_path / "sweep" / "cells.json").write_text("{}")
     monkeypatch.chdir(tmp_path)
     return tmp_path / "sweep"
@@ -53,7 +53,7 @@ def test_output_file_is_written_and_parses_back(sweep):
     assert "wrote tables/results.json" in result.stdout
     seq = next(g for g in doc["groups"] if g["label"] == "seq_lora")
     assert seq["metrics"]["acc"]["se"] == pytest.approx(math.sqrt(13 / 3))
-    assert sorted(p.name for p in (sweep.parent / "tables").iterdir()) == ["results.json"]  # no temp file left
+    assert sorted(p.name for p in (sweep.parent / "tables").iterdir()) == ["results.json"]  # no temp file
 
 
 def test_ignore_lets_runs_that_differ_in_a_key_be_averaged(sweep):

@@ -1,5 +1,5 @@
-"""``clmerge results``: tables across runs (mean ± standard error over seeds, paired differences); the library
-part is :mod:`clmerge.report.tables` (docs/results_tables.md)."""
+"""``clmerge results``: tables across runs (mean ± standard error over seeds, paired differences); the
+library part is :mod:`clmerge.report.tables` (docs/results_tables.md)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def _check_output(output: Path, runs: list[Path]) -> None:
 def results(
     dirs: list[Path] = typer.Argument(..., help="run directories, or folders holding them (a sweep's --out; "
                                       "searched two levels down)"),
-    by: str = typer.Option("method.name", "--by", help="group by these config keys (comma-separated, dotted)"),
+    by: str = typer.Option("method.name", "--by",
+                           help="group by these config keys (comma-separated, dotted)"),
     metrics: str = typer.Option(_METRICS_DEFAULT, "--metrics", help="comma-separated: acc, aaa, forgetting, "
                                 "bwt, fwt, plasticity and their TIL forms til_acc, ..."),
     vs: str = typer.Option(None, "--vs", help="reference group (its --by values joined by commas, e.g. "
@@ -42,7 +43,7 @@ def results(
     output: Path = typer.Option(None, "--output", help="write the table to this file (atomically) instead "
                                 "of printing it"),
 ) -> None:
-    """Mean ± standard error over seeds for each group of runs, and paired differences (docs/results_tables.md)."""
+    """Mean ± standard error over seeds per group of runs, paired differences (docs/results_tables.md)."""
     from ..errors import UsageError
     from ..report import tables
     from ..utils.io import atomic_write_text

@@ -87,7 +87,8 @@ class ResultsTable:
         varied = " and ".join(self.seeds_varied) or "no seed key"
         out = [f"runs: the runs averaged; they vary in {varied} (seed keys: {', '.join(SEED_KEYS)})"]
         if self.vs is not None:
-            out.append(f"Δ: paired difference to {self.vs} over runs with the same {' and '.join(SEED_KEYS)}, "
+            same = " and ".join(SEED_KEYS)
+            out.append(f"Δ: paired difference to {self.vs} over runs with the same {same}, "
                        f"mean ± SE (pairs)")
         if self.between:
             more = f" and {len(self.between) - 6} more" if len(self.between) > 6 else ""
@@ -157,7 +158,8 @@ def flatten(cfg: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def _load_run(path: Path) -> Run:
     cfg = read_yaml(path / "config.yaml")
     if not isinstance(cfg, dict):
-        raise InputError(f"{path / 'config.yaml'}: expected a mapping of config keys, got {type(cfg).__name__}")
+        raise InputError(f"{path / 'config.yaml'}: expected a mapping of config keys, "
+                         f"got {type(cfg).__name__}")
     metrics = read_json(path / "metrics.json")
     if not isinstance(metrics, dict):
         raise InputError(f"{path / 'metrics.json'}: expected a JSON object, got {type(metrics).__name__}")
@@ -171,7 +173,8 @@ def load_runs(paths: Sequence[Path]) -> list[Run]:
 # -- metrics -------------------------------------------------------------------------------------------------
 
 def parse_metrics(text: str) -> list[str]:
-    """``"acc,aaa"`` -> ``["acc", "aaa"]``; an unknown name is a :class:`UsageError` listing the known ones."""
+    """``"acc,aaa"`` -> ``["acc", "aaa"]``; an unknown name is a :class:`UsageError` listing the known
+    ones."""
     names = [m.strip() for m in text.split(",") if m.strip()]
     bad = [m for m in names if m not in METRICS]
     if bad or not names:
@@ -247,8 +250,9 @@ def _check_group(g: Group, skip: set[str]) -> None:
     diff = _differing_keys(g.runs, skip)
     if diff:
         shown = ", ".join(diff[:6]) + (f" and {len(diff) - 6} more" if len(diff) > 6 else "")
-        raise InputError(f"runs of group {g.label!r} differ in config keys {shown} ({_example(g.runs, diff[0])}): "
-                         f"add them to --by, or --ignore them if they do not matter")
+        raise InputError(f"runs of group {g.label!r} differ in config keys {shown} "
+                         f"({_example(g.runs, diff[0])}): add them to --by, or --ignore them if they do "
+                         f"not matter")
     seen: dict[tuple, Path] = {}
     for r in g.runs:
         if r.seeds() in seen:
@@ -313,7 +317,8 @@ def build_table(runs: Sequence[Run], *, by: Sequence[str], metrics: Sequence[str
     for g in groups:
         if ref is not None and g is not ref:
             _pair(g, ref, metrics)
-    varied = [k for i, k in enumerate(SEED_KEYS) if any(len({r.seeds()[i] for r in g.runs}) > 1 for g in groups)]
+    varied = [k for i, k in enumerate(SEED_KEYS)
+              if any(len({r.seeds()[i] for r in g.runs}) > 1 for g in groups)]
     return ResultsTable(list(by), list(metrics), groups, vs, list(skipped), varied, list(ignore),
                         _between_groups(groups, skip))
 
@@ -375,10 +380,12 @@ def _blank(v: Any) -> Any:
 def _json(t: ResultsTable) -> str:
     groups = [{"label": g.label, "values": dict(zip(t.by, g.values)), "runs": [str(r.path) for r in g.runs],
                "seeds": [dict(zip(SEED_KEYS, r.seeds())) for r in g.runs], "metrics": g.stats,
-               **({"vs": g.diffs, "unpaired": [str(p) for p in g.unpaired]} if t.vs and g.label != t.vs else {})}
+               **({"vs": g.diffs, "unpaired": [str(p) for p in g.unpaired]}
+                  if t.vs and g.label != t.vs else {})}
               for g in t.groups]
     doc = {"by": t.by, "metrics": t.metrics, "vs": t.vs, "seed_keys": list(SEED_KEYS),
-           "seeds_varied": t.seeds_varied, "ignored": t.ignored, "groups_differ_also_in": t.between, "groups": groups,
+           "seeds_varied": t.seeds_varied, "ignored": t.ignored, "groups_differ_also_in": t.between,
+           "groups": groups,
            "skipped": [str(p) for p in t.skipped], "notes": t.notes()}
     return json.dumps(doc, indent=2) + "\n"
 

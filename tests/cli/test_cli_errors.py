@@ -690,6 +690,7 @@ RESULTS_CASES = [
     ("results-unknown-vs", ["results", "sw", "--vs", "sd_lora"], USAGE, ["--vs sd_lora", "'seq_lora'"]),
     ("results-missing-dir", ["results", "nope"], INPUT, ["nope", "no such folder"]),
     ("results-no-runs", ["results", "empty_dir"], INPUT, ["empty_dir", "no run directory"]),
+    ("results-dir-is-file", ["results", "tiny.yaml"], INPUT, ["tiny.yaml", "not a folder"]),
     ("results-only-unfinished", ["results", "unfinished"], INPUT, ["no finished run", "unfinished"]),
     ("results-configs-differ", ["results", "mixed"], INPUT,
      ["'seq_lora'", "optim.lr", "mixed/a", "mixed/b", "--ignore"]),

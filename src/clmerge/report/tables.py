@@ -132,7 +132,8 @@ def find_runs(dirs: Iterable[str | Path]) -> tuple[list[Path], list[Path]]:
     found: list[Path] = []
     for d in map(Path, dirs):
         if not d.is_dir():
-            raise InputError(f"{d}: no such folder (expected a run directory or a folder of run directories)")
+            what = "not a folder" if d.exists() else "no such folder"
+            raise InputError(f"{d}: {what} (expected a run directory or a folder of run directories)")
         runs = _search(d, SEARCH_DEPTH)
         if not runs:
             raise InputError(f"{d}: no run directory (config.yaml + metrics.json) in it or "

@@ -31,7 +31,7 @@ from clmerge.utils.io import read_json
 from clmerge.utils.yaml_io import read_yaml
 
 __all__ = ["METRICS", "SEED_KEYS", "FORMATS", "Run", "Group", "ResultsTable", "find_runs", "load_runs",
-           "build_table", "parse_metrics", "render"]
+           "build_table", "flatten", "metric_value", "parse_metrics", "render"]
 
 SEED_KEYS = ("seed", "scenario.seed")
 # name -> path in metrics.json; the TIL ones (task-incremental: the task's own classes only) sit under "til"

@@ -65,3 +65,18 @@ def write_run(run_dir: Path, metrics: dict, *, extras: bool = True) -> Path:
                {"event": "something_new", "x": 1}]
     (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     return run_dir
+
+
+def write_seed_run(run_dir: Path, method: str, seed: int, acc: float | None, *, til_acc: float | None = None,
+                   scenario_seed: int = 0, finished: bool = True, **config: dict) -> Path:
+    """A run directory for the tables across runs: ``config.yaml`` (method, seeds, dataset and ``config``'s
+    sections) and, when ``finished``, a ``metrics.json`` holding ``acc`` and ``til.acc``."""
+    import yaml
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = {"seed": seed, "scenario": {"dataset": "digits", "seed": scenario_seed},
+           "method": {"name": method, "rank": 8 if method == "pm" else 4}, "run": {"threads": 1}, **config}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    if finished:
+        (run_dir / "metrics.json").write_text(json.dumps({"acc": acc, "fwt": None, "til": {"acc": til_acc}}))
+    return run_dir

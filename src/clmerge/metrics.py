@@ -16,10 +16,13 @@ Definitions (T tasks, 0-based):
   OPD_t = max_k R^k_t - min_k R^k_t, where
   R^k_t is the final accuracy on task t (identified by content) under order k; MOPD = max_t OPD_t,
   AOPD = mean_t OPD_t.
+- across runs (seeds): mean ± standard error, SE = s / sqrt(n) with the sample standard deviation
+  s^2 = sum_k (x_k - mean)^2 / (n - 1)
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -36,6 +39,7 @@ __all__ = [
     "plasticity",
     "summarize",
     "order_robustness",
+    "mean_se",
 ]
 
 Matrix = Sequence[Sequence[float | None]]
@@ -149,3 +153,12 @@ def order_robustness(final_acc_by_order: Sequence[dict[str, float]]) -> dict:
             raise ValueError(f"order {k} covers tasks {sorted(d)}, order 0 covers {sorted(keys)}")
     opd = {t: max(d[t] for d in final_acc_by_order) - min(d[t] for d in final_acc_by_order) for t in sorted(keys)}
     return {"opd": opd, "mopd": max(opd.values()), "aopd": float(np.mean(list(opd.values())))}
+
+
+def mean_se(xs: Sequence[float]) -> tuple[float, float]:
+    """``(mean, standard error)`` with the sample standard deviation: ``s / sqrt(n)``, ``s^2 = sum (x -
+    mean)^2 / (n - 1)``; the standard error of a single value is NaN (unknown)."""
+    a = np.asarray(xs, dtype=float)
+    if len(a) < 2:
+        return float(a.mean()), math.nan
+    return float(a.mean()), float(a.std(ddof=1) / math.sqrt(len(a)))

@@ -699,3 +699,46 @@ def test_svd_merge_error_is_short_typed_and_leaves_nothing(ws, argv, code, words
     before = _snapshot(ws)
     result = CliRunner().invoke(app, argv)
     _check(result, code, words, before, ws)
+# -- clmerge results (tables across runs): a sweep folder "sw" of two seeds; "mixed" holds runs of one method
+# whose configs differ in optim.lr; "unfinished" holds only a run without metrics.json; "twice" the same seed
+RESULTS_CASES = [
+    ("results-unknown-metric", ["results", "sw", "--metrics", "acc,accuracy"], USAGE,
+     ["--metrics", "'accuracy'", "known: acc, aaa"]),
+    ("results-unknown-format", ["results", "sw", "--format", "xlsx"], USAGE, ["--format xlsx", "md, csv"]),
+    ("results-unknown-by-key", ["results", "sw", "--by", "method.nmae"], USAGE, ["--by", "method.nmae"]),
+    ("results-empty-by", ["results", "sw", "--by", ","], USAGE, ["--by"]),
+    ("results-unknown-vs", ["results", "sw", "--vs", "sd_lora"], USAGE, ["--vs sd_lora", "'seq_lora'"]),
+    ("results-missing-dir", ["results", "nope"], INPUT, ["nope", "no such folder"]),
+    ("results-no-runs", ["results", "empty_dir"], INPUT, ["empty_dir", "no run directory"]),
+    ("results-dir-is-file", ["results", "tiny.yaml"], INPUT, ["tiny.yaml", "not a folder"]),
+    ("results-only-unfinished", ["results", "unfinished"], INPUT, ["no finished run", "unfinished"]),
+    ("results-configs-differ", ["results", "mixed"], INPUT,
+     ["'seq_lora'", "optim.lr", "mixed/a", "mixed/b", "--ignore"]),
+    ("results-same-seed-twice", ["results", "twice"], INPUT, ["twice/a", "twice/b", "seed=0", "twice"]),
+    ("results-bad-metrics-json", ["results", "badjson"], INPUT, ["badjson/a/metrics.json", "not valid JSON"]),
+    ("results-output-is-dir", ["results", "sw", "--output", "full"], OUTPUT, ["--output full", "folder"]),
+    ("results-output-is-input", ["results", "sw", "--output", "sw/s0/metrics.json"], OUTPUT,
+     ["--output", "input"]),
+    ("results-output-under-file", ["results", "sw", "--output", "foreign.safetensors/t.md"], OUTPUT,
+     ["--output", "is a file"]),
+]
+
+
+def _results_runs(ws: Path) -> None:
+    from report_helpers import write_seed_run
+
+    for s in (0, 1):
+        write_seed_run(ws / "sw" / f"s{s}", "seq_lora", s, 80.0 + s)
+    write_seed_run(ws / "mixed" / "a", "seq_lora", 0, 80.0)
+    write_seed_run(ws / "mixed" / "b", "seq_lora", 1, 80.0, optim={"lr": 0.1})
+    write_seed_run(ws / "unfinished" / "a", "seq_lora", 0, None, finished=False)
+    write_seed_run(ws / "twice" / "a", "seq_lora", 0, 80.0)
+    write_seed_run(ws / "twice" / "b", "seq_lora", 0, 80.0)
+    (write_seed_run(ws / "badjson" / "a", "seq_lora", 0, 80.0) / "metrics.json").write_text("{not json")
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in RESULTS_CASES], ids=[c[0] for c in RESULTS_CASES])
+def test_results_errors_are_short_typed_and_leave_nothing(ws, argv, code, words):
+    _results_runs(ws)
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, argv), code, words, before, ws)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "src" / "clmerge"
-GROUPS = {"base", "run", "pretrain", "merge", "bench", "study"}
+GROUPS = {"base", "run", "results", "pretrain", "merge", "bench", "study"}
 
 
 def _imported_modules(path: Path) -> set[str]:

@@ -29,7 +29,7 @@ def _commands() -> list[str]:
 
 def test_every_command_is_listed():
     assert {"run", "merge", "merges", "merge-bench", "study", "predict", "advise", "export", "extract-lora",
-            "pretrain", "report", "methods", "datasets", "models", "configs"} <= set(_commands())
+            "pretrain", "report", "results", "methods", "datasets", "models", "configs"} <= set(_commands())
 
 
 @pytest.mark.parametrize("argv", [[]] + [[c] for c in _commands()])

@@ -16,19 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from ..metrics import mean_se
 from ..utils.io import atomic_write_text, write_json
 from .merge_bench import ROW_LABELS, protocol_line
 
 __all__ = ["mean_se", "summarise", "summary_markdown"]
-
-
-def mean_se(xs: Sequence[float]) -> tuple[float, float]:
-    """``(mean, standard error)`` with the sample standard deviation: ``s / sqrt(n)``, ``s^2 = sum (x -
-    mean)^2 / (n - 1)``; the standard error of a single value is NaN (unknown)."""
-    a = np.asarray(xs, dtype=float)
-    if len(a) < 2:
-        return float(a.mean()), math.nan
-    return float(a.mean()), float(a.std(ddof=1) / math.sqrt(len(a)))
 
 
 def _pm(xs: Sequence[float]) -> str:

@@ -30,13 +30,18 @@ from .cart import cart, cart_indexing
 from .adamerging import adamerging
 from .slerp import slerp
 from .model_stock import model_stock
-from .breadcrumbs import breadcrumbs
-from .della import della
+from .breadcrumbs import breadcrumbs, breadcrumbs_ties
+from .della import della, della_linear
 from .magmax import magmax
+from .spherical import karcher, multislerp, nuslerp
+from .sce import sce
+from .nearswap import nearswap
+from .arcee_fusion import arcee_fusion
 
 __all__ = [
     "MERGES", "available", "get_method", "merge", "register_merge", "MergeInputError", "ModelSet", "ParamSource",
     "weight_average", "task_arithmetic", "low_rank_task_arithmetic", "ties", "dare", "consensus", "tall_masks",
     "tall_mask_ties", "emr_merging", "fisher_merging", "regmean", "gram_matrices", "cart", "cart_indexing", "adamerging",
     "slerp", "model_stock", "breadcrumbs", "della", "magmax",
+    "breadcrumbs_ties", "della_linear", "nuslerp", "multislerp", "karcher", "sce", "nearswap", "arcee_fusion",
 ]

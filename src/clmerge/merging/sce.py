@@ -22,7 +22,8 @@ def sce_tensor(tvs: Tensor, select_topk: float) -> Tensor:
 
     1. Select: with ``select_topk < 1``, keep only the positions whose variance over the experts is among the
        top ``round(select_topk * m)``, ``m`` the number of positions of nonzero variance (ties to the lower
-       flat index); the rest are zeroed in every task vector.
+       flat index); the rest are zeroed in every task vector. Where no position has nonzero variance (one
+       expert, or identical ones) there is nothing to select and all are kept (mergekit zeroes them all).
     2. Calculate: matrix-level weights ``eta_t = sum(delta_t^2) / sum_s sum(delta_s^2)`` (equal if all zero).
     3. Erase: per position, drop the entries whose sign differs from ``sgn(sum_t delta_t)`` (``+`` where that
        sum is 0; a zero entry never agrees).
@@ -31,8 +32,9 @@ def sce_tensor(tvs: Tensor, select_topk: float) -> Tensor:
     tvs = tvs.double()
     if select_topk < 1.0:
         var = tvs.var(dim=0, unbiased=False)
-        k = keep_count(select_topk, int(torch.count_nonzero(var)))
-        tvs = tvs * top_magnitude_mask(var, k)
+        m = int(torch.count_nonzero(var))
+        if m > 0:
+            tvs = tvs * top_magnitude_mask(var, keep_count(select_topk, m))
     energy = tvs.reshape(tvs.shape[0], -1).pow(2).sum(1)
     total = float(energy.sum())
     eta = torch.full_like(energy, 1.0 / len(energy)) if total == 0.0 else energy / total

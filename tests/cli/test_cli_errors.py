@@ -677,3 +677,31 @@ def test_vocabulary_errors_are_short_typed_and_leave_nothing(ws, argv, code, wor
     (ws / "old_study" / "fits.json").write_bytes((REPO / "benchmarks/theory/interaction/fits.json").read_bytes())
     before = _snapshot(ws)
     _check(CliRunner().invoke(app, argv), code, words, before, ws)
+
+
+# merge with mergekit's other methods: a wrong number of models or a bad value (their own block)
+ONE_EXPERT = ["--base", "base.safetensors", "--expert", "e1.safetensors"]
+MERGEKIT_METHOD_CASES = [
+    ("nuslerp-three-experts", ["merge", "--method", "nuslerp", *ONE_EXPERT, "--expert", "e2.safetensors",
+                               "--expert", "base.safetensors", "--out", "m"], USAGE, ["nuslerp", "two experts", "3"]),
+    ("nuslerp-three-weights", ["merge", "--method", "nuslerp", *ONE_EXPERT, "--expert", "e2.safetensors",
+                               "--set", "weights=[1,2,3]", "--out", "m"], USAGE, ["weights", "3", "2 experts"]),
+    ("nearswap-two-experts", ["merge", "--method", "nearswap", *ONE_EXPERT, "--expert", "e2.safetensors",
+                              "--out", "m"], USAGE, ["nearswap", "exactly one expert"]),
+    ("nearswap-t-zero", ["merge", "--method", "nearswap", *ONE_EXPERT, "--set", "t=0", "--out", "m"], USAGE,
+     ["t must be > 0"]),
+    ("arcee-fusion-two-experts", ["merge", "--method", "arcee_fusion", *ONE_EXPERT, "--expert", "e2.safetensors",
+                                  "--out", "m"], USAGE, ["arcee_fusion", "exactly one expert"]),
+    ("sce-topk-above-one", ["merge", "--method", "sce", *ONE_EXPERT, "--set", "select_topk=1.5", "--out", "m"],
+     USAGE, ["select_topk", "1.5"]),
+    ("della-linear-epsilon", ["merge", "--method", "della_linear", *ONE_EXPERT, "--set", "epsilon=1.2",
+                              "--out", "m"], USAGE, ["epsilon", "1.2"]),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in MERGEKIT_METHOD_CASES],
+                         ids=[c[0] for c in MERGEKIT_METHOD_CASES])
+def test_mergekit_method_errors_are_short_typed_and_leave_nothing(ws, argv, code, words):
+    before = _snapshot(ws)
+    result = CliRunner().invoke(app, argv)
+    _check(result, code, words, before, ws)

@@ -705,3 +705,13 @@ def test_mergekit_method_errors_are_short_typed_and_leave_nothing(ws, argv, code
     before = _snapshot(ws)
     result = CliRunner().invoke(app, argv)
     _check(result, code, words, before, ws)
+
+
+def test_multislerp_of_balanced_opposites_is_a_one_line_error_naming_the_key(ws):
+    w = {"lin.weight": torch.ones(4, 4), "lin.bias": torch.ones(4)}
+    save_file(w, str(ws / "pos.safetensors"))
+    save_file({k: -v for k, v in w.items()}, str(ws / "neg.safetensors"))
+    before = _snapshot(ws)
+    argv = ["merge", "--method", "multislerp", *[a for f in ("pos", "neg", "pos", "neg")
+                                                 for a in ("--expert", f"{f}.safetensors")], "--out", "m"]
+    _check(CliRunner().invoke(app, argv), USAGE, ["multislerp", "'lin.", "weights"], before, ws)

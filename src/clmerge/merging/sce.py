@@ -1,4 +1,4 @@
-"""SCE (Wan et al. 2024, "FuseChat: Knowledge Fusion of Chat Models", Sec. 3.3): Select, Calculate, Erase,
+"""SCE (Wan et al. 2024, "FuseChat: Knowledge Fusion of Chat Models"): Select, Calculate, Erase,
 per tensor, as mergekit's ``sce``."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def sce_tensor(tvs: Tensor, select_topk: float) -> Tensor:
 @register_merge("sce", "select high-variance positions, weight experts by task-vector energy, erase minority "
                 "signs (FuseChat's SCE)")
 def sce(*, base: Any, experts: Sequence[Any], select_topk: float = 1.0) -> dict[str, Tensor]:
-    """SCE, Wan et al. 2024 (FuseChat, Sec. 3.3): ``theta_0 + sce(theta_t - theta_0)`` per tensor, see
+    """SCE, Wan et al. 2024 (FuseChat): ``theta_0 + sce(theta_t - theta_0)`` per tensor, see
     :func:`sce_tensor`.
 
     mergekit's count of selected positions is ``int(select_topk * m)``; here ``round`` with halves up and a

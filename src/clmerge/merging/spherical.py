@@ -96,7 +96,7 @@ def nuslerp(*, base: Any = None, experts: Sequence[Any], weights: Sequence[float
 
 
 def multislerp_tensor(xs: Sequence[Tensor], weights: Tensor, *, eps: float = NORM_EPS, key: str = "") -> Tensor:
-    """Barycentric interpolation on the hypersphere (Goddard 2025, "Multi-SLERP"), one tensor per input.
+    """Barycentric interpolation on the hypersphere (C. Goddard's "Multi-SLERP" blog post, mergekit's reference), one tensor per input.
 
     With ``u_i = x_i / (|x_i| + eps)`` and weights ``w_i``: ``m = sum_i w_i u_i``, ``m^ = m / |m|``; tangent
     vectors ``v_i = u_i - <u_i, m^> m^``, ``v = sum_i w_i v_i``; the exponential map at ``m^`` gives the
@@ -150,7 +150,9 @@ def multislerp(*, base: Any = None, experts: Sequence[Any], weights: Sequence[fl
 
 def karcher_tensor(xs: Sequence[Tensor], weights: Tensor, *, max_iter: int = 10, tol: float = 1e-5) -> Tensor:
     """The weighted Karcher (Riemannian) mean of the directions of ``xs`` on the unit sphere, times the
-    weighted mean norm (Karcher 1977; the fixed-point iteration of Buss & Fillmore 2001, Sec. 3).
+    weighted mean norm (Karcher 1977, "Riemannian center of mass and mollifier smoothing"; the fixed-point
+    iteration of Buss & Fillmore 2001, "Spherical averages and applications to spherical splines and
+    interpolation").
 
     Directions ``u_i = x_i / |x_i|`` of the inputs with ``|x_i| > tol``, weights renormalised over those;
     start at the normalised weighted mean of the ``u_i``; repeat at most ``max_iter`` times

@@ -274,3 +274,43 @@ def test_arcee_fusion_matches_definition():
     want, kept = arcee_ref(base, x)
     assert 0 < kept < base.numel() and bool(want[2, 3] == x[2, 3])
     torch.testing.assert_close(one("arcee_fusion", [x], base=base), want)
+
+
+# ---- on a tiny real-architecture model, streamed through the command line ---------------------------------
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """bf16 Llama base + 2 variants saved with ``save_pretrained`` in 4 KB shards."""
+    import transformers as tf
+
+    from checkpoint_helpers import llama_config, save_variants
+
+    tmp = tmp_path_factory.mktemp("llama")
+    return save_variants(tmp, llama_config(), ["base", "a", "b"], dtype=torch.bfloat16, shard="4KB",
+                         auto=tf.AutoModelForCausalLM)
+
+
+STREAMED = [("nuslerp", 2, ["weights=[1,3]"]), ("multislerp", 2, []), ("karcher", 2, []),
+            ("sce", 2, ["select_topk=0.5"]), ("della_linear", 2, ["density=0.5"]),
+            ("breadcrumbs_ties", 2, ["density=0.3"]), ("task_arithmetic", 2, ["normalize=true"]),
+            ("nearswap", 1, ["t=0.01"]), ("arcee_fusion", 1, [])]
+
+
+@pytest.mark.parametrize("name, n_experts, sets", STREAMED, ids=[s[0] for s in STREAMED])
+def test_streamed_merge_of_a_llama_loads_and_equals_the_api(llama, tmp_path, name, n_experts, sets):
+    import transformers as tf
+    import yaml
+
+    from checkpoint_helpers import folder_state, invoke
+
+    base, *experts = llama
+    experts = experts[:n_experts]
+    args = ["--method", name, "--base", base, *[a for e in experts for a in ("--expert", e)],
+            *[a for s in sets for a in ("--set", s)], "--out", tmp_path / "m"]
+    r = invoke(*args)
+    assert r.exit_code == 0, r.output
+    hp = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in sets)}
+    want = merging.merge(name, base=folder_state(base), experts=[folder_state(e) for e in experts], **hp)
+    got = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "m").state_dict()
+    assert got.keys() == want.keys()
+    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], want[k]) for k in want), name

@@ -56,7 +56,7 @@ def sce(*, base: Any, experts: Sequence[Any], select_topk: float = 1.0) -> dict[
 
     Args:
         select_topk: fraction of positions (of nonzero variance) kept by the Select step (mergekit's
-            ``select_topk``, default 1.0: no selection; the paper uses 0.1).
+            ``select_topk``, default 1.0: no selection).
     """
     if not 0.0 <= select_topk <= 1.0:
         raise ValueError(f"select_topk must be in [0, 1], got {select_topk}")

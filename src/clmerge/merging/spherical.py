@@ -96,7 +96,8 @@ def nuslerp(*, base: Any = None, experts: Sequence[Any], weights: Sequence[float
 
 
 def multislerp_tensor(xs: Sequence[Tensor], weights: Tensor, *, eps: float = NORM_EPS, key: str = "") -> Tensor:
-    """Barycentric interpolation on the hypersphere (C. Goddard's "Multi-SLERP" blog post, mergekit's reference), one tensor per input.
+    """Barycentric interpolation on the hypersphere, one tensor per input (C. Goddard's "Multi-SLERP" blog
+    post, mergekit's reference).
 
     With ``u_i = x_i / (|x_i| + eps)`` and weights ``w_i``: ``m = sum_i w_i u_i``, ``m^ = m / |m|``; tangent
     vectors ``v_i = u_i - <u_i, m^> m^``, ``v = sum_i w_i v_i``; the exponential map at ``m^`` gives the

@@ -742,3 +742,39 @@ def test_results_errors_are_short_typed_and_leave_nothing(ws, argv, code, words)
     _results_runs(ws)
     before = _snapshot(ws)
     _check(CliRunner().invoke(app, argv), code, words, before, ws)
+# merge with mergekit's other methods: a wrong number of models or a bad value (their own block)
+ONE_EXPERT = ["--base", "base.safetensors", "--expert", "e1.safetensors"]
+MERGEKIT_METHOD_CASES = [
+    ("nuslerp-three-experts", ["merge", "--method", "nuslerp", *ONE_EXPERT, "--expert", "e2.safetensors",
+                               "--expert", "base.safetensors", "--out", "m"], USAGE, ["nuslerp", "two experts", "3"]),
+    ("nuslerp-three-weights", ["merge", "--method", "nuslerp", *ONE_EXPERT, "--expert", "e2.safetensors",
+                               "--set", "weights=[1,2,3]", "--out", "m"], USAGE, ["weights", "3", "2 experts"]),
+    ("nearswap-two-experts", ["merge", "--method", "nearswap", *ONE_EXPERT, "--expert", "e2.safetensors",
+                              "--out", "m"], USAGE, ["nearswap", "exactly one expert"]),
+    ("nearswap-t-zero", ["merge", "--method", "nearswap", *ONE_EXPERT, "--set", "t=0", "--out", "m"], USAGE,
+     ["t must be > 0"]),
+    ("arcee-fusion-two-experts", ["merge", "--method", "arcee_fusion", *ONE_EXPERT, "--expert", "e2.safetensors",
+                                  "--out", "m"], USAGE, ["arcee_fusion", "exactly one expert"]),
+    ("sce-topk-above-one", ["merge", "--method", "sce", *ONE_EXPERT, "--set", "select_topk=1.5", "--out", "m"],
+     USAGE, ["select_topk", "1.5"]),
+    ("della-linear-epsilon", ["merge", "--method", "della_linear", *ONE_EXPERT, "--set", "epsilon=1.2",
+                              "--out", "m"], USAGE, ["epsilon", "1.2"]),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in MERGEKIT_METHOD_CASES],
+                         ids=[c[0] for c in MERGEKIT_METHOD_CASES])
+def test_mergekit_method_errors_are_short_typed_and_leave_nothing(ws, argv, code, words):
+    before = _snapshot(ws)
+    result = CliRunner().invoke(app, argv)
+    _check(result, code, words, before, ws)
+
+
+def test_multislerp_of_balanced_opposites_is_a_one_line_error_naming_the_key(ws):
+    w = {"lin.weight": torch.ones(4, 4), "lin.bias": torch.ones(4)}
+    save_file(w, str(ws / "pos.safetensors"))
+    save_file({k: -v for k, v in w.items()}, str(ws / "neg.safetensors"))
+    before = _snapshot(ws)
+    argv = ["merge", "--method", "multislerp", *[a for f in ("pos", "neg", "pos", "neg")
+                                                 for a in ("--expert", f"{f}.safetensors")], "--out", "m"]
+    _check(CliRunner().invoke(app, argv), USAGE, ["multislerp", "'lin.", "weights"], before, ws)

@@ -31,16 +31,22 @@ IDENTITY_HP = {
     "tall_mask_ties": {"density": 1.0, "scaling": 1.0, "tall_lambda": 0.0},
     "breadcrumbs": {"density": 1.0, "beta": 0.0, "scaling": 1.0}, "della": {"density": 1.0, "epsilon": 0.0},
     "slerp": {"t": 1.0}, "magmax": {"scaling": 1.0},
+    "breadcrumbs_ties": {"density": 1.0, "beta": 0.0}, "della_linear": {"density": 1.0, "epsilon": 0.0},
+    "nearswap": {"t": 1e9},
 }
 # Methods whose one-expert merge flattens the expert's spectrum (Iso-C, Iso-CTS): each weight matrix gets
 # base + mean(sigma) U V^T of its task vector, the other tensors the expert's values (checked instead).
 FLAT_SPECTRUM = {"iso_c", "iso_cts"}
-# Methods defined only for a fixed number of models: slerp interpolates base and one expert.
-TWO_MODELS = {"slerp"}
+# Methods defined only for a fixed number of models: slerp, nearswap and arcee_fusion take the base and one
+# expert; nuslerp takes two experts (their task vectors, with a base).
+TWO_MODELS = {"slerp", "nearswap", "arcee_fusion"}
+TWO_EXPERTS = {"nuslerp"}
+# Methods that pick entries from the base or the expert, with no hyperparameters that keep them all.
+SELECTING = {"arcee_fusion"}
 
 
 def experts_for(name: str, experts: list) -> list:
-    return experts[:1] if name in TWO_MODELS else experts
+    return experts[:1] if name in TWO_MODELS else experts[:2] if name in TWO_EXPERTS else experts
 
 
 def test_registry_is_complete_and_rejects_duplicates():
@@ -83,11 +89,15 @@ def test_keys_shapes_dtypes_preserved_and_inputs_not_mutated(name):
 def test_one_expert_is_sensible(name):
     base, ex = make_models(1, seed=2)
     hp = {**IDENTITY_HP.get(name, {}), **extra_kwargs(name, ex)}
-    if name == "model_stock":  # its ratio needs the angle between two task vectors
-        with pytest.raises(ValueError, match="at least 2 experts"):
+    if name in ("model_stock", "nuslerp"):  # model_stock's ratio needs the angle between two task vectors
+        with pytest.raises(ValueError, match="(at least|exactly) (2|two) experts"):
             merging.merge(name, base=base, experts=ex, **hp)
         return
     out = merging.merge(name, base=base, experts=ex, **hp)
+    if name in SELECTING:  # every entry is the base's or the expert's
+        for k in float_keys(base):
+            assert ((out[k] == base[k]) | (out[k] == ex[0][k])).all(), f"{name}: {k}"
+        return
     for k in float_keys(base):
         want = ex[0][k]
         if name in FLAT_SPECTRUM and k in MATS:

@@ -30,12 +30,16 @@ from .cart import cart, cart_indexing
 from .adamerging import adamerging
 from .slerp import slerp
 from .model_stock import model_stock
-from .breadcrumbs import breadcrumbs
-from .della import della
+from .breadcrumbs import breadcrumbs, breadcrumbs_ties
+from .della import della, della_linear
 from .magmax import magmax
 # the SVD family: task singular vectors and isotropic merging
 from .tsv import tsv_c, tsv_m
 from .iso import iso_c, iso_cts
+from .spherical import karcher, multislerp, nuslerp
+from .sce import sce
+from .nearswap import nearswap
+from .arcee_fusion import arcee_fusion
 
 __all__ = [
     "MERGES", "available", "get_method", "merge", "register_merge", "MergeInputError", "ModelSet", "ParamSource",
@@ -43,4 +47,5 @@ __all__ = [
     "tall_mask_ties", "emr_merging", "fisher_merging", "regmean", "gram_matrices", "cart", "cart_indexing", "adamerging",
     "slerp", "model_stock", "breadcrumbs", "della", "magmax",
     "tsv_m", "tsv_c", "iso_c", "iso_cts",
+    "breadcrumbs_ties", "della_linear", "nuslerp", "multislerp", "karcher", "sce", "nearswap", "arcee_fusion",
 ]

@@ -13,9 +13,10 @@ from torch import Tensor
 from .driver import map_keys
 from .registry import register_merge
 from .sources import open_models
-from .trim import keep_count, top_magnitude_mask
+from .ties import ties_from_task_vectors
+from .trim import keep_count, top_magnitude_mask, work_dtype
 
-__all__ = ["breadcrumbs", "breadcrumbs_mask"]
+__all__ = ["breadcrumbs", "breadcrumbs_mask", "breadcrumbs_ties"]
 
 
 def breadcrumbs_mask(tv: Tensor, density: float, beta: float) -> Tensor:
@@ -30,6 +31,13 @@ def breadcrumbs_mask(tv: Tensor, density: float, beta: float) -> Tensor:
     n_keep = keep_count(density, n)
     n_top = min(keep_count(beta, n), n - n_keep)
     return top_magnitude_mask(mag, n_top + n_keep) & ~top_magnitude_mask(mag, n_top)
+
+
+def _check(density: float, beta: float) -> None:
+    if not 0.0 <= density <= 1.0:
+        raise ValueError(f"density must be in [0, 1], got {density}")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
 
 
 @register_merge("breadcrumbs", "per layer, mask each task vector's top-beta outliers and small entries, then "
@@ -49,10 +57,7 @@ def breadcrumbs(*, base: Any, experts: Sequence[Any], density: float = 0.1, beta
             default 0.01 there too).
         scaling: ``alpha``, the task-arithmetic coefficient (tune on validation data).
     """
-    if not 0.0 <= density <= 1.0:
-        raise ValueError(f"density must be in [0, 1], got {density}")
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    _check(density, beta)
     models = open_models(base, experts)
 
     def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
@@ -65,3 +70,36 @@ def breadcrumbs(*, base: Any, experts: Sequence[Any], density: float = 0.1, beta
         return acc.mul_(scaling).add_(b32)
 
     return map_keys(models, kernel, needs_base=True)
+
+
+@register_merge("breadcrumbs_ties", "per layer, mask each task vector's top-beta outliers and small entries, then "
+                "TIES's sign election (mergekit's breadcrumbs_ties)")
+def breadcrumbs_ties(*, base: Any, experts: Sequence[Any], density: float = 0.1, beta: float = 0.01,
+                     scaling: float = 1.0, merge_fn: str = "sum") -> dict[str, Tensor]:
+    """The breadcrumbs mask (Davari & Belilovsky 2023, :func:`breadcrumbs_mask`) in place of TIES's trim, then
+    TIES's Elect and merge (Yadav et al. 2023): ``theta_0 + lambda * tau_m``, ``tau_m`` over the masked task
+    vectors whose sign agrees with ``gamma = sgn(sum_t m_t tau_t)``.
+
+    mergekit's ``breadcrumbs_ties`` sums the agreeing entries (its ``normalize`` is false by default), hence
+    ``merge_fn="sum"``; ``"mean"`` is TIES's disjoint mean. With ``beta = 0`` this is ``ties`` with
+    ``trim_scope="per_tensor"`` and the same density and ``merge_fn``. Zero sums take the model-wide majority
+    sign, as ``ties`` (mergekit: ``+``).
+
+    Args:
+        density: fraction of each layer's task vector kept.
+        beta: fraction of each layer's largest magnitudes masked as outliers (mergekit's ``gamma``, 0.01).
+        scaling: ``lambda`` (mergekit's per-model ``weight``).
+        merge_fn: ``"sum"`` (mergekit's default), ``"mean"`` (TIES's disjoint mean) or ``"max"``.
+    """
+    _check(density, beta)
+    models = open_models(base, experts)
+
+    def masked(key: str, b: Tensor, xs: list[Tensor], idx: list[int]) -> Tensor:
+        dt = work_dtype(b.dtype, *(x.dtype for x in xs))
+        tvs = torch.stack([x.to(dt) for x in xs]) - b.to(dt)
+        for tv in tvs:
+            tv.mul_(breadcrumbs_mask(tv, density, beta))
+        return tvs
+
+    return ties_from_task_vectors(models, masked, density=1.0, scaling=scaling, trim_scope="per_tensor",
+                                  merge_fn=merge_fn)

@@ -10,12 +10,13 @@ import torch
 from torch import Tensor
 
 from .dare import dare_generator
+from .driver import map_keys
 from .registry import register_merge
 from .sources import open_models
 from .ties import ties_from_task_vectors
 from .trim import work_dtype
 
-__all__ = ["della", "magprune_tensor", "magprune_drop_probabilities"]
+__all__ = ["della", "della_linear", "magprune_tensor", "magprune_drop_probabilities"]
 
 
 def magprune_drop_probabilities(tv: Tensor, density: float, epsilon: float) -> Tensor:
@@ -47,6 +48,15 @@ def magprune_tensor(tv: Tensor, density: float, epsilon: float, *, generator: to
     return (tv * keep / (1.0 - p)).to(tv.dtype)
 
 
+def check_magprune(density: float, epsilon: float) -> None:
+    """Raise a one-line error unless ``density`` and ``epsilon`` give drop probabilities in [0, 1]."""
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density}")
+    if epsilon < 0.0 or epsilon / 2 > min(density, 1.0 - density):
+        raise ValueError(f"epsilon must be in [0, 2 * min(density, 1 - density)] = "
+                         f"[0, {2 * min(density, 1.0 - density)}], got {epsilon}")
+
+
 @register_merge("della", "MAGPRUNE (drop small task-vector entries more often, rescale), then TIES's sign "
                 "election and disjoint mean")
 def della(*, base: Any, experts: Sequence[Any], density: float = 0.5, epsilon: float = 0.2, scaling: float = 1.0,
@@ -66,11 +76,7 @@ def della(*, base: Any, experts: Sequence[Any], density: float = 0.5, epsilon: f
         scaling: ``lambda`` applied to the merged task vector.
         seed: the random masks depend only on (seed, key, expert index), as DARE's.
     """
-    if not 0.0 < density <= 1.0:
-        raise ValueError(f"density must be in (0, 1], got {density}")
-    if epsilon < 0.0 or epsilon / 2 > min(density, 1.0 - density):
-        raise ValueError(f"epsilon must be in [0, 2 * min(density, 1 - density)] = "
-                         f"[0, {2 * min(density, 1.0 - density)}], got {epsilon}")
+    check_magprune(density, epsilon)
     models = open_models(base, experts)
 
     def pruned(key: str, b: Tensor, xs: list[Tensor], idx: list[int]) -> Tensor:
@@ -80,3 +86,31 @@ def della(*, base: Any, experts: Sequence[Any], density: float = 0.5, epsilon: f
 
     return ties_from_task_vectors(models, pruned, density=1.0, scaling=scaling, trim_scope="per_tensor",
                                   merge_fn="mean")
+
+
+@register_merge("della_linear", "MAGPRUNE (drop small task-vector entries more often, rescale), then the scaled "
+                "sum of the task vectors (mergekit's della_linear)")
+def della_linear(*, base: Any, experts: Sequence[Any], density: float = 0.5, epsilon: float = 0.2,
+                 scaling: float = 1.0, seed: int = 0) -> dict[str, Tensor]:
+    """DELLA's Drop step (Deep et al. 2024, MAGPRUNE; see :func:`della`) with task arithmetic in place of the
+    sign election: ``theta_0 + lambda * sum_t tau~_t`` (mergekit's ``della_linear``: no consensus, no
+    normalisation). ``density = 1`` (with ``epsilon = 0``) is task arithmetic.
+
+    Args:
+        density: mean fraction kept, ``1 - p``.
+        epsilon: width of the window of drop probabilities around ``1 - density`` (about twice mergekit's
+            ``epsilon``, see :func:`della`).
+        scaling: ``lambda`` (mergekit's per-model ``weight`` times its ``lambda``, both 1 by default).
+        seed: the random masks depend only on (seed, key, expert index): the same masks as ``della``.
+    """
+    check_magprune(density, epsilon)
+    models = open_models(base, experts)
+
+    def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
+        dt = work_dtype(b.dtype, *(x.dtype for x in xs))
+        acc, fb = torch.zeros(b.shape, dtype=dt), b.to(dt)
+        for t, x in enumerate(xs):
+            acc.add_(magprune_tensor(x.to(dt) - fb, density, epsilon, generator=dare_generator(seed, key, t)))
+        return acc.mul_(scaling).add_(fb)
+
+    return map_keys(models, kernel, needs_base=True)

@@ -16,7 +16,8 @@ __all__ = ["task_arithmetic"]
 
 
 @register_merge("task_arithmetic", "pretrained + scaling * sum of task vectors (Ilharco et al. 2023)")
-def task_arithmetic(*, base: Any, experts: Sequence[Any], scaling: float = 0.3) -> dict[str, Tensor]:
+def task_arithmetic(*, base: Any, experts: Sequence[Any], scaling: float = 0.3,
+                    normalize: bool = False) -> dict[str, Tensor]:
     """Task arithmetic, CART Eq. (2): ``theta = theta_0 + lambda * sum_t (theta_t - theta_0)``.
 
     With ``scaling = 1/T`` this is weight averaging.
@@ -26,8 +27,13 @@ def task_arithmetic(*, base: Any, experts: Sequence[Any], scaling: float = 0.3) 
         experts: the fine-tuned parameters ``theta_t``.
         scaling: ``lambda`` (0.3 is the value Ilharco et al. and FusionBench use by default; tune it on
             validation data).
+        normalize: divide the weighted sum by the sum of the weights, as mergekit's ``normalize``: every expert
+            has the weight ``lambda`` here, so this gives ``theta_0 + (1/T) sum_t tau_t`` whatever ``lambda``
+            (a weight sum below 1e-8 in magnitude divides by 1, as mergekit).
     """
     models = open_models(base, experts)
+    if normalize and abs(scaling * models.num_experts) >= 1e-8:
+        scaling = 1.0 / models.num_experts
 
     def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
         # theta_0 + lambda * sum_t (theta_t - theta_0): each difference formed first (exact for nearby

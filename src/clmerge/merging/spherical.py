@@ -1,0 +1,209 @@
+"""Spherical merges of mergekit: NuSLERP, Multi-SLERP and the Karcher mean, tensor by tensor.
+
+Each treats a tensor (or each of its rows) as a point on a hypersphere times a norm: the directions are
+averaged on the sphere and the norms linearly. Arithmetic in float64; results are cast back to the inputs'
+dtype by the driver.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..errors import UsageError
+from .driver import check_experts_weights, map_keys
+from .registry import register_merge
+from .sources import ModelSet, open_models
+from .slerp import NORM_EPS
+
+__all__ = ["nuslerp", "nuslerp_tensor", "multislerp", "multislerp_tensor", "karcher", "karcher_tensor"]
+
+
+def _equal_or(weights: Tensor | None, n: int) -> Tensor:
+    return torch.full((n,), 1.0 / n, dtype=torch.float64) if weights is None else weights
+
+
+def nuslerp_tensor(t: float, v0: Tensor, v1: Tensor, *, row_wise: bool = False, flatten: bool = True,
+                   eps: float = NORM_EPS) -> Tensor:
+    """Slerp of ``v0`` and ``v1`` along vectors of the tensor (Shoemake 1985 on each vector):
+    ``sin((1-t) Omega)/sin(Omega) a + sin(t Omega)/sin(Omega) b``, ``cos(Omega) = <a, b> / (|a| |b|)``.
+
+    ``flatten``: one vector, the whole tensor. Otherwise the vectors run along the last dimension, or along
+    the first with ``row_wise`` (mergekit's ``nuslerp_row_wise``: its vectors are the slices along dim 0).
+    Linear interpolation ``(1-t) a + t b`` where ``|sin(Omega)| < eps`` (colinear) or either norm is at most
+    ``eps`` (mergekit clamps such a norm instead, which makes the angle 90 degrees).
+    """
+    a, b = v0.double(), v1.double()
+    if flatten or a.dim() == 0:
+        a, b = a.reshape(1, -1), b.reshape(1, -1)
+    elif row_wise:
+        a, b = a.movedim(0, -1), b.movedim(0, -1)
+    moved_shape = a.shape
+    a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    na, nb = a.norm(dim=1, keepdim=True), b.norm(dim=1, keepdim=True)
+    cos = ((a * b).sum(1, keepdim=True) / (na * nb).clamp(min=eps)).clamp(-1.0, 1.0)
+    omega = torch.acos(cos)
+    sin = torch.sin(omega)
+    linear = (sin.abs() < eps) | (na <= eps) | (nb <= eps)
+    safe = torch.where(linear, 1.0, sin)
+    ca = torch.where(linear, 1.0 - t, torch.sin((1.0 - t) * omega) / safe)
+    cb = torch.where(linear, t, torch.sin(t * omega) / safe)
+    out = (ca * a + cb * b).reshape(moved_shape)
+    if not flatten and row_wise and v0.dim() > 0:
+        out = out.movedim(-1, 0)
+    return out.reshape(v0.shape)
+
+
+def _two_experts(name: str, models: ModelSet) -> None:
+    if models.num_experts != 2:
+        raise UsageError(f"{name} needs exactly two experts (plus an optional base), got {models.num_experts}")
+
+
+@register_merge("nuslerp", "slerp of two models, or of their task vectors when a base is given; per tensor or "
+                "per row (mergekit's nuslerp)", needs_base=False)
+def nuslerp(*, base: Any = None, experts: Sequence[Any], weights: Sequence[float] | None = None,
+            row_wise: bool = False, flatten: bool = True) -> dict[str, Tensor]:
+    """NuSLERP (mergekit ``nuslerp``): ``t = w_1 / (w_0 + w_1)`` (0.5 when ``|w_0 + w_1| < 1e-6``), then
+    :func:`nuslerp_tensor` of the two experts; with a base, of their task vectors:
+    ``theta_0 + slerp(t, theta_1 - theta_0, theta_2 - theta_0)``.
+
+    Args:
+        weights: ``(w_0, w_1)``, the relative weights of the two experts (mergekit's per-model ``weight``);
+            ``None``: equal (``t = 0.5``).
+        row_wise: interpolate the slices along the first dimension separately (mergekit's
+            ``nuslerp_row_wise``); only with ``flatten=False``.
+        flatten: interpolate each tensor as one vector (mergekit's ``nuslerp_flatten``, default true there
+            too); ``False``: each vector along the last dimension (or the first, with ``row_wise``).
+    """
+    models = open_models(base, experts)
+    _two_experts("nuslerp", models)
+    w = _equal_or(check_experts_weights(weights, 2), 2)
+    total = float(w.sum())
+    t = 0.5 if abs(total) < 1e-6 else float(w[1]) / total
+
+    def kernel(key: str, b: Tensor | None, xs: list[Tensor]) -> Tensor:
+        if b is None:
+            return nuslerp_tensor(t, xs[0], xs[1], row_wise=row_wise, flatten=flatten)
+        b64 = b.double()
+        return b64 + nuslerp_tensor(t, xs[0].double() - b64, xs[1].double() - b64, row_wise=row_wise,
+                                    flatten=flatten)
+
+    return map_keys(models, kernel)
+
+
+def multislerp_tensor(xs: Sequence[Tensor], weights: Tensor, *, eps: float = NORM_EPS, key: str = "") -> Tensor:
+    """Barycentric interpolation on the hypersphere, one tensor per input (C. Goddard's "Multi-SLERP" blog
+    post, mergekit's reference).
+
+    With ``u_i = x_i / (|x_i| + eps)`` and weights ``w_i``: ``m = sum_i w_i u_i``, ``m^ = m / |m|``; tangent
+    vectors ``v_i = u_i - <u_i, m^> m^``, ``v = sum_i w_i v_i``; the exponential map at ``m^`` gives the
+    direction ``cos|v| m^ + sin|v| v / |v|`` (``|v| + eps`` in both places, as mergekit), scaled by
+    ``sum_i w_i |x_i|``. When ``|m| < eps``: two inputs are combined linearly, more are an error.
+    """
+    flat = torch.stack([x.double().reshape(-1) for x in xs])
+    norms = flat.norm(dim=1)
+    units = flat / (norms[:, None] + eps)
+    mean = weights @ units
+    mean_norm = float(mean.norm())
+    if mean_norm < eps:
+        if len(xs) == 2:
+            return (weights @ flat).reshape(xs[0].shape)
+        raise ValueError(f"multislerp: key {key!r}: the weighted mean of the directions is zero (opposite "
+                         "inputs whose weights balance); change the weights")
+    mean = mean / mean_norm
+    tangent = weights @ (units - (units @ mean)[:, None] * mean)
+    tn = float(tangent.norm()) + eps
+    direction = mean * math.cos(tn) + tangent * (math.sin(tn) / tn)
+    return (direction * float(weights @ norms)).reshape(xs[0].shape)
+
+
+@register_merge("multislerp", "spherical barycentre of any number of models (or task vectors with a base), "
+                "tensor by tensor (mergekit's multislerp)", needs_base=False)
+def multislerp(*, base: Any = None, experts: Sequence[Any], weights: Sequence[float] | None = None,
+               normalize_weights: bool = True, eps: float = 1e-8) -> dict[str, Tensor]:
+    """Multi-SLERP (mergekit ``multislerp``): :func:`multislerp_tensor` of the experts, or with a base of their
+    task vectors, ``theta_0 + multislerp(theta_t - theta_0)``. One expert is returned as it is.
+
+    Args:
+        weights: per-expert weights ``w_t`` (mergekit's per-model ``weight``); ``None``: equal.
+        normalize_weights: divide the weights by their sum (mergekit's default, true).
+        eps: the small constant of the normalisations (mergekit's ``eps``, 1e-8).
+    """
+    models = open_models(base, experts)
+    w = _equal_or(check_experts_weights(weights, models.num_experts), models.num_experts)
+    if normalize_weights:
+        w = w / float(w.sum())
+
+    def kernel(key: str, b: Tensor | None, xs: list[Tensor]) -> Tensor:
+        if len(xs) == 1:
+            return xs[0]
+        if b is None:
+            return multislerp_tensor(xs, w, eps=eps, key=key)
+        b64 = b.double()
+        return b64 + multislerp_tensor([x.double() - b64 for x in xs], w, eps=eps, key=key)
+
+    return map_keys(models, kernel)
+
+
+def karcher_tensor(xs: Sequence[Tensor], weights: Tensor, *, max_iter: int = 10, tol: float = 1e-5) -> Tensor:
+    """The weighted Karcher (Riemannian) mean of the directions of ``xs`` on the unit sphere, times the
+    weighted mean norm (Karcher 1977, "Riemannian center of mass and mollifier smoothing"; the fixed-point
+    iteration of Buss & Fillmore 2001, "Spherical averages and applications to spherical splines and
+    interpolation").
+
+    Directions ``u_i = x_i / |x_i|`` of the inputs with ``|x_i| > tol``, weights renormalised over those;
+    start at the normalised weighted mean of the ``u_i``; repeat at most ``max_iter`` times
+    ``v = sum_i w_i theta_i / sin(theta_i) (u_i - cos(theta_i) m)`` (the log map, ``theta_i`` the angle from
+    ``m``, terms with ``theta_i < tol`` skipped) and ``m <- cos|v| m + sin|v| v / |v|`` (the exponential map),
+    stopping once ``|v| < tol``. The result is ``(sum_i w_i |x_i|) m``, over all inputs with the given weights.
+    """
+    flat = torch.stack([x.double().reshape(-1) for x in xs])
+    norms = flat.norm(dim=1)
+    valid = norms > tol
+    if not bool(valid.any()):
+        return torch.zeros(xs[0].shape, dtype=torch.float64)
+    units = flat[valid] / norms[valid, None]
+    alphas = weights[valid] / float(weights[valid].sum())
+    mean = alphas @ units
+    mean = units[0].clone() if float(mean.norm()) < tol else mean / mean.norm()
+    for _ in range(max_iter):
+        cos = (units @ mean).clamp(-1.0, 1.0)
+        theta = torch.acos(cos)
+        far = theta >= tol
+        coef = torch.where(far, alphas * theta / torch.where(far, torch.sin(theta), 1.0), 0.0)
+        tangent = coef @ (units - cos[:, None] * mean)
+        tn = float(tangent.norm())
+        if tn < tol:
+            break
+        mean = math.cos(tn) * mean + math.sin(tn) * tangent / tn
+        mean = mean / mean.norm().clamp(min=tol)
+    return (float(weights @ norms) * mean).reshape(xs[0].shape)
+
+
+@register_merge("karcher", "Riemannian (Karcher) mean of the models' directions on the sphere times their "
+                "mean norm, tensor by tensor (mergekit's karcher)", needs_base=False)
+def karcher(*, base: Any = None, experts: Sequence[Any], weights: Sequence[float] | None = None,
+            max_iter: int = 10, tol: float = 1e-5) -> dict[str, Tensor]:
+    """Karcher mean (mergekit ``karcher``): :func:`karcher_tensor` of the experts' tensors; the base is not
+    used (as mergekit). One expert is returned as it is.
+
+    Args:
+        weights: per-expert weights ``w_t``, normalised to sum to 1; ``None``: equal (mergekit uses equal).
+        max_iter: iterations of the fixed point (mergekit's ``max_iter``, 10).
+        tol: convergence tolerance on the tangent norm, and the norm below which an input has no direction
+            (mergekit's ``tol``, 1e-5).
+    """
+    if max_iter < 0:
+        raise ValueError(f"max_iter must be >= 0, got {max_iter}")
+    models = open_models(base, experts)
+    w = _equal_or(check_experts_weights(weights, models.num_experts), models.num_experts)
+    w = w / float(w.sum())
+
+    def kernel(key: str, b: Tensor | None, xs: list[Tensor]) -> Tensor:
+        return xs[0] if len(xs) == 1 else karcher_tensor(xs, w, max_iter=max_iter, tol=tol)
+
+    return map_keys(models, kernel)

@@ -677,3 +677,23 @@ def test_vocabulary_errors_are_short_typed_and_leave_nothing(ws, argv, code, wor
     (ws / "old_study" / "fits.json").write_bytes((REPO / "benchmarks/theory/interaction/fits.json").read_bytes())
     before = _snapshot(ws)
     _check(CliRunner().invoke(app, argv), code, words, before, ws)
+
+
+# -- rehearsal methods (er, der, derpp): their buffer and loss options are checked before any work
+REHEARSAL_CASES = [
+    ("run: der with an empty buffer", ["run", "--set", "method.name=der", "--set", "method.buffer_size=0",
+                                       "--out", "r"],
+     USAGE, ["method.buffer_size", "greater than or equal to 1", "got 0"]),
+    ("run: der with an unknown logit padding",
+     ["run", "--set", "method.name=der", "--set", "method.logit_padding=pad", "--out", "r"],
+     USAGE, ["method.logit_padding", "'mask' or 'zero'", "got 'pad'"]),
+    ("run: der given derpp's beta", ["run", "--set", "method.name=der", "--set", "method.beta=0.5", "--out", "r"],
+     USAGE, ["method.beta", "'der'", "alpha"]),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in REHEARSAL_CASES],
+                         ids=[c[0] for c in REHEARSAL_CASES])
+def test_a_rehearsal_option_error_is_short_typed_and_leaves_nothing(ws, argv, code, words):
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, argv), code, words, before, ws)

@@ -42,9 +42,9 @@ class ReplayOptions(MethodOptions):
 class DEROptions(ReplayOptions):
     alpha: float = Field(0.3, ge=0, description="logit-replay weight (Mammoth's best for seq-CIFAR-10 at "
                                                 "buffer 200 and 500: 0.3)")
-    logit_padding: Literal["mask", "zero"] = Field(
-        "mask", description="classes added after an example was stored: 'mask' leaves their logits out of the "
-                            "MSE; 'zero' compares them with 0")
+    logit_padding: Literal["zero", "mask"] = Field(
+        "zero", description="classes added after an example was stored: 'zero' compares their logits with 0; "
+                            "'mask' leaves them out of the MSE")
 
 
 class DERppOptions(DEROptions):

@@ -3,10 +3,10 @@
 - ER (Chaudhry et al. 2019, "On Tiny Episodic Memories in Continual Learning"; Riemer et al. 2019): each step
   minimises the mean cross-entropy over the current batch and a batch drawn from the buffer,
   L = CE([x; x_M], [y; y_M]).
-- DER (Buzzega et al. 2020, "Dark Experience for General Continual Learning", Eq. 6): the buffer also keeps
-  the logits z the model gave each example when it was inserted; L = CE(x, y) + alpha * ||f(x') - z'||^2
-  (mean squared error) over a buffer batch (x', z').
-- DER++ (ibid., Eq. 7): L_DER + beta * CE(f(x''), y'') over a second, independent buffer batch.
+- DER (Buzzega et al., NeurIPS 2020, "Dark Experience for General Continual Learning", its DER objective): the
+  buffer also keeps the logits z the model gave each example when it was inserted;
+  L = CE(f(x), y) + alpha * ||f(x') - z'||^2 (as a mean squared error) over a buffer batch (x', z').
+- DER++ (ibid., its DER++ objective): L_DER + beta * CE(f(x''), y'') over a second, independent buffer batch.
 
 As in Mammoth (``models/er.py``, ``der.py``, ``derpp.py``, ``utils/buffer.py``) the buffer is filled by
 reservoir sampling over every training example, after the optimizer step, and the stored logits are those of

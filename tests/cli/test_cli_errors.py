@@ -686,7 +686,7 @@ REHEARSAL_CASES = [
      USAGE, ["method.buffer_size", "greater than or equal to 1", "got 0"]),
     ("run: der with an unknown logit padding",
      ["run", "--set", "method.name=der", "--set", "method.logit_padding=pad", "--out", "r"],
-     USAGE, ["method.logit_padding", "'mask' or 'zero'", "got 'pad'"]),
+     USAGE, ["method.logit_padding", "'zero' or 'mask'", "got 'pad'"]),
     ("run: der given derpp's beta", ["run", "--set", "method.name=der", "--set", "method.beta=0.5", "--out", "r"],
      USAGE, ["method.beta", "'der'", "alpha"]),
 ]

@@ -778,3 +778,21 @@ def test_multislerp_of_balanced_opposites_is_a_one_line_error_naming_the_key(ws)
     argv = ["merge", "--method", "multislerp", *[a for f in ("pos", "neg", "pos", "neg")
                                                  for a in ("--expert", f"{f}.safetensors")], "--out", "m"]
     _check(CliRunner().invoke(app, argv), USAGE, ["multislerp", "'lin.", "weights"], before, ws)
+# -- rehearsal methods (er, der, derpp): their buffer and loss options are checked before any work
+REHEARSAL_CASES = [
+    ("run: der with an empty buffer", ["run", "--set", "method.name=der", "--set", "method.buffer_size=0",
+                                       "--out", "r"],
+     USAGE, ["method.buffer_size", "greater than or equal to 1", "got 0"]),
+    ("run: der with an unknown logit padding",
+     ["run", "--set", "method.name=der", "--set", "method.logit_padding=pad", "--out", "r"],
+     USAGE, ["method.logit_padding", "'zero' or 'mask'", "got 'pad'"]),
+    ("run: der given derpp's beta", ["run", "--set", "method.name=der", "--set", "method.beta=0.5", "--out", "r"],
+     USAGE, ["method.beta", "'der'", "alpha"]),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in REHEARSAL_CASES],
+                         ids=[c[0] for c in REHEARSAL_CASES])
+def test_a_rehearsal_option_error_is_short_typed_and_leaves_nothing(ws, argv, code, words):
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, argv), code, words, before, ws)

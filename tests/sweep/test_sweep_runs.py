@@ -23,6 +23,7 @@ from clmerge.sweep.runner import run_sweep
 from clmerge.sweep.grid import spec_from_dict
 
 from conftest import tiny_config
+from executor_helpers import FakeRay
 
 METHODS = ["seq_lora", "pm", "sd_lora"]
 CELLS = [f"{m}-seed{s}" for m in METHODS for s in (0, 1)]
@@ -145,6 +146,20 @@ def test_library_call_with_a_process_pool(ws):
     status = run_sweep(spec, ws / "pool", jobs=2, log=lambda line: None)
     assert status == {"seed0": "done", "seed1": "done"}
     assert _metrics(ws / "pool/seed0") and _metrics(ws / "pool/seed1")
+
+
+def test_ray_backend_gives_the_local_numbers(ws, monkeypatch):
+    """The real ``RayExecutor`` on an in-process Ray stand-in: every cell through pickled Ray tasks."""
+    fake = FakeRay()
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    spec = spec_from_dict({"base": "tiny.yaml", "grid": {"method.name": ["seq_lora", "pm"]}})
+    assert run_sweep(spec, ws / "local", log=lambda line: None) == {"seq_lora": "done", "pm": "done"}
+    result = _invoke("sweep", "spec.yaml", "--out", "ray", "--backend", "ray", "--dry-run")
+    assert result.exit_code == 0 and fake.calls == 0  # a dry run starts no cluster
+    assert run_sweep(spec, ws / "ray", backend="ray", log=lambda line: None) == {"seq_lora": "done", "pm": "done"}
+    assert fake.calls == 2 and not fake.initialized  # one task per cell; the cluster shut down
+    for cell in ("seq_lora", "pm"):
+        assert _metrics(ws / "ray" / cell) == _metrics(ws / "local" / cell)
 
 
 @pytest.mark.slow  # real processes: a sweep killed with SIGKILL inside a cell, then resumed

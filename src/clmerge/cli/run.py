@@ -16,7 +16,7 @@ import typer
 from rich.table import Table
 
 from .base import app, console, err, exit_with, fail
-from ..errors import UsageError, clip
+from ..errors import UsageError
 
 RUNS_DIR_ENV = "CLMERGE_RUNS_DIR"  # where `clmerge run` puts a run without --out (default: ./runs)
 
@@ -113,26 +113,15 @@ def run(
     console.print(f"run directory: [bold]{out.absolute()}[/] (report: {out.absolute() / 'report.html'})")
 
 
-def parse_seeds(text: str) -> list[int]:
-    """``--seeds 0,1,2`` -> [0, 1, 2] (distinct integers; anything else is a usage error naming the flag)."""
-    try:
-        seeds = [int(w) for w in text.split(",") if w.strip()]
-    except ValueError:
-        seeds = []
-    if not seeds or len(set(seeds)) < len(seeds):
-        raise UsageError(f"--seeds {clip(repr(text), 60)}: expected distinct integers separated by commas, e.g. 0,1,2")
-    return seeds
-
-
 def _run_seeds(config: Path | None, sets: list[str], text: str, out: Path | None, resume: bool, dry_run: bool,
                orders: int | None, nproc: int, cfg) -> None:
     """``clmerge run --seeds 0,1,2``: the sweep whose one grid key is ``seed`` (cells OUT/seed0, ...)."""
     from ..config import apply_overrides
-    from ..sweep.grid import SweepSpec, dotted_items
+    from ..sweep.grid import SweepSpec, dotted_items, parse_seeds
     from .sweep import dry_run_spec, run_spec
 
     if orders is not None or nproc > 1:
-        raise UsageError("--seeds runs one process per seed in turn: it does not combine with --orders or --nproc")
+        raise UsageError("--seeds runs the seeds one after another: it does not combine with --orders or --nproc")
     spec = SweepSpec(base=str(config) if config is not None else None,
                      set=dotted_items(apply_overrides({}, sets)), grid={"seed": parse_seeds(text)})
     if dry_run:

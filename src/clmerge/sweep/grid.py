@@ -21,10 +21,10 @@ from typing import Any
 
 from ..config import (EMBEDDED_DEFAULT, ConfigError, ExperimentConfig, parse_config, read_yaml_mapping,
                       resolve_config_arg)
-from ..errors import clip
+from ..errors import UsageError, clip
 
 __all__ = ["SweepSpec", "Cell", "load_spec", "spec_from_dict", "expand_cells", "cell_name", "cell_config",
-           "base_data", "dotted_items", "set_dotted", "SPEC_KEYS"]
+           "base_data", "dotted_items", "parse_seeds", "set_dotted", "SPEC_KEYS"]
 
 SPEC_KEYS = ("base", "set", "grid")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+=-]")  # characters a cell's folder name does not keep
@@ -168,3 +168,15 @@ def cell_config(base: dict, cell: Cell) -> tuple[dict, ExperimentConfig]:
         return data, parse_config(data)
     except ConfigError as exc:
         raise ConfigError(f"cell {cell.name}: {exc}") from None
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds 0,1,2`` -> [0, 1, 2] (distinct integers; anything else is a usage error naming the flag)."""
+    try:
+        seeds = [int(w) for w in text.split(",") if w.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) < len(seeds):
+        raise UsageError(f"--seeds {clip(repr(text), 60)}: expected distinct integers separated by commas, "
+                         "e.g. 0,1,2")
+    return seeds

@@ -103,6 +103,16 @@ def test_resume_may_add_cells_but_not_change_the_sweep(ws):
     assert sorted(str(p) for p in (ws / "sw").rglob("*")) == before
 
 
+def test_resume_refuses_a_base_file_edited_since_the_cells_ran(ws):
+    _spec(ws / "one.yaml", seeds=[0], methods=["seq_lora"])
+    assert _invoke("sweep", "one.yaml", "--out", "sw").exit_code == 0
+    (ws / "tiny.yaml").write_text(yaml.safe_dump(tiny_config(**{"train.epochs": 1, "optim.lr": 0.5})))
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in (ws / "sw").rglob("*"))
+    result = _invoke("sweep", "one.yaml", "--out", "sw", "--resume")
+    assert result.exit_code == 4 and "seq_lora-seed0" in result.stderr and "optim.lr" in result.stderr, result.stderr
+    assert sorted((str(p), p.stat().st_mtime_ns) for p in (ws / "sw").rglob("*")) == before
+
+
 def test_dry_run_checks_every_cell_and_creates_nothing(ws):
     before = sorted(p.name for p in ws.iterdir())
     result = _invoke("sweep", "spec.yaml", "--out", "sw", "--dry-run")

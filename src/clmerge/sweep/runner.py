@@ -6,7 +6,8 @@
 
 ``resume=True``: a cell with ``metrics.json`` is skipped, a cell with a started run (``config.yaml`` and
 ``manifest.json``) continues through ``run_experiment(resume=True)`` from its last checkpoint, the others
-start. The spec may only add cells: a changed base, ``set`` or a removed or changed cell is refused.
+start. The spec may only add cells: a changed base, ``set`` or a removed or changed cell is refused, and so
+is a cell whose stored ``config.yaml`` differs from the config the spec now gives it (an edited base file).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from ..engine.resume import RUN_FILES
+from ..engine.resume import RUN_FILES, check_same_config, recorded_config_sha256
 from ..errors import ClmergeError, OutputError, RunStateError
 from ..utils.io import atomic_write_text, read_json, write_json
 from ..utils.outpaths import check_output_dir
@@ -68,6 +69,17 @@ def _check_out(out: Path, spec: SweepSpec, cells: list[Cell], resume: bool) -> N
     _check_only_adds(out, spec, cells)
 
 
+def _check_cells_unchanged(out: Path, plan: list[tuple[Cell, dict]]) -> None:
+    """Every cell already on disk was run with the config it has now (a base file edited since: refused,
+    naming the cell's config.yaml and the keys), so a skipped cell never stands for another config."""
+    from ..config import dump_config, parse_config
+
+    for cell, data in plan:
+        cfg_file = out / cell.name / "config.yaml"
+        if cfg_file.is_file():
+            check_same_config(cfg_file, dump_config(parse_config(data)), recorded_config_sha256(out / cell.name))
+
+
 def _check_only_adds(out: Path, spec: SweepSpec, cells: list[Cell]) -> None:
     old = spec_from_dict(read_yaml(out / SPEC_FILE) or {}, source=str(out / SPEC_FILE))
     for key in ("base", "set"):
@@ -93,8 +105,9 @@ def run_sweep(spec: SweepSpec, out: Path, *, resume: bool = False, backend: str 
     out = Path(out)
     plan = plan_sweep(spec)
     _check_out(out, spec, [c for c, _ in plan], resume)
+    if resume:
+        _check_cells_unchanged(out, plan)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / CELLS_FILE, {})  # claims the folder before sweep.yaml says what it holds
     atomic_write_text(out / SPEC_FILE, yaml.safe_dump(spec.as_dict(), sort_keys=False))
     status = {c.name: ("done" if cell_state(out / c.name) == "done" else "pending") for c, _ in plan}
     _write_cells(out, plan, status)

@@ -708,6 +708,8 @@ SWEEP_CASES = [
     ("sweep-out-is-file", ["sweep", "sweep.yaml", "--out", "foreign.safetensors"], OUTPUT, ["not a folder"]),
     ("sweep-resume-no-sweep", ["sweep", "sweep.yaml", "--out", "empty_dir", "--resume"], RUN_STATE,
      ["sweep.yaml", "empty_dir"]),
+    ("sweep-plugin-with-jobs", ["sweep", "sweep.yaml", "--plugin", "x", "--jobs", "2", "--out", "s"], USAGE,
+     ["--plugin", "--jobs"]),
     ("run-seeds-not-integers", [*RUN, "--seeds", "a,b", "--out", "r"], USAGE, ["--seeds", "0,1,2"]),
     ("run-seeds-repeated", [*RUN, "--seeds", "1,1", "--out", "r"], USAGE, ["--seeds", "distinct"]),
     ("run-seeds-with-orders", [*RUN, "--seeds", "0,1", "--orders", "2", "--out", "r"], USAGE, ["--orders"]),

@@ -143,6 +143,21 @@ def test_a_failed_cell_does_not_stop_the_others_and_resume_retries_it(ws, monkey
     assert (ws / "sw/pm-seed0/metrics.json").is_file()
 
 
+def test_a_plugin_method_can_be_swept(ws):
+    from clmerge.methods.base import METHODS as REGISTRY
+
+    (ws / "my_plugin.py").write_text(
+        "from clmerge.methods.seq_lora import SeqLoRA\nfrom clmerge.methods.base import register_method\n\n\n"
+        "@register_method\nclass MySeq(SeqLoRA):\n    name = 'my_seq_sweep'\n    description = 'a plugin'\n")
+    _spec(ws / "s.yaml", seeds=[0], methods=["my_seq_sweep"])
+    try:
+        result = _invoke("sweep", "s.yaml", "--plugin", "my_plugin.py", "--out", "sw")
+    finally:
+        REGISTRY.unregister("my_seq_sweep")
+    assert result.exit_code == 0, result.output
+    assert (ws / "sw/my_seq_sweep-seed0/metrics.json").is_file()
+
+
 def test_run_seeds_writes_one_run_per_seed(ws):
     result = _invoke("run", "tiny.yaml", "--set", "train.epochs=1", "--seeds", "0,2", "--out", "r")
     assert result.exit_code == 0, result.output

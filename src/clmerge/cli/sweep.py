@@ -33,11 +33,19 @@ def sweep_command(
     backend: str = typer.Option("local", "--backend", help="local (in process / --jobs pool) or ray"),
     address: str | None = typer.Option(None, "--address", help="Ray: an existing cluster (auto, HOST:PORT, "
                                        "ray://...); default: start a local one"),
+    plugin: list[str] = typer.Option([], "--plugin", help="import a Python module (a name or a .py file path) "
+                                     "first, so the methods, datasets and backbones it registers can be named "
+                                     "(repeatable; cells then run in this process: docs/extending.md)"),
 ) -> None:
     """Run a grid of experiments (methods x seeds x ...), one run directory per cell."""
     from ..config import ConfigError
+    from ..plugins import load_plugins
     from ..sweep import load_spec
 
+    if plugin and (jobs or backend != "local"):
+        raise UsageError("--plugin registers its names in this process only: it does not combine with --jobs or "
+                         "--backend ray")
+    load_plugins(plugin)
     try:
         sweep = load_spec(spec)
     except ConfigError as exc:

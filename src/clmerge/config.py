@@ -105,7 +105,8 @@ class ScenarioConfig(StrictModel):
     dataset: str = "mnist5k"
     kind: Literal["class_incremental", "task_incremental", "domain_incremental"] = "class_incremental"
     n_tasks: int = Field(5, ge=1)
-    seed: int = 0
+    seed: int = Field(0, description="the class order: which classes form which task (training randomness is "
+                      "the top-level seed; docs/sweeps.md)")
     shuffle_classes: bool = Field(True, description="permute the class order with scenario.seed (else sorted)")
     class_order: list[int] | None = Field(None, description="explicit class order; overrides shuffle_classes")
     classes_per_task: list[int] | None = Field(None, description="uneven splits: classes in each task")
@@ -233,7 +234,8 @@ class MethodConfig(BaseModel):
 
 
 class ExperimentConfig(StrictModel):
-    seed: int = 0
+    seed: int = Field(0, description="training randomness: new parameters' initial values, batch order, dropout "
+                      "(the class order is scenario.seed; docs/sweeps.md)")
     scenario: ScenarioConfig = Field(default_factory=ScenarioConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     head: HeadConfig = Field(default_factory=HeadConfig)

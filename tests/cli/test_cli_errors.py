@@ -796,3 +796,56 @@ REHEARSAL_CASES = [
 def test_a_rehearsal_option_error_is_short_typed_and_leaves_nothing(ws, argv, code, words):
     before = _snapshot(ws)
     _check(CliRunner().invoke(app, argv), code, words, before, ws)
+
+
+# -- sweep and run --seeds: spec errors, output folders (docs/sweeps.md) ----------------------------------------
+
+RUN_STATE = 4
+SWEEP_SPECS = {
+    "sweep.yaml": {"base": "tiny.yaml", "grid": {"seed": [0, 1]}},
+    "unknown-key.yaml": {"base": "tiny.yaml", "grids": {"seed": [0]}},
+    "not-a-list.yaml": {"base": "tiny.yaml", "grid": {"seed": 0}},
+    "bad-value.yaml": {"base": "tiny.yaml", "grid": {"optim.lr": [0.1, "abc"]}},
+    "bad-key.yaml": {"base": "tiny.yaml", "set": {"optim.lrr": 0.1}},
+    "missing-base.yaml": {"base": "nope.yaml", "grid": {"seed": [0]}},
+    "in-both.yaml": {"base": "tiny.yaml", "set": {"seed": 1}, "grid": {"seed": [0]}},
+}
+
+# (id, argv, exit code, words in the message)
+SWEEP_CASES = [
+    ("sweep-missing-spec", ["sweep", "nope.yaml", "--out", "s"], INPUT, ["nope.yaml"]),
+    ("sweep-unknown-key", ["sweep", "unknown-key.yaml", "--out", "s"], USAGE, ["grids", "unknown key"]),
+    ("sweep-grid-not-a-list", ["sweep", "not-a-list.yaml", "--out", "s"], USAGE, ["grid.seed", "list"]),
+    ("sweep-bad-cell-value", ["sweep", "bad-value.yaml", "--out", "s"], USAGE, ["lrabc", "optim.lr"]),
+    ("sweep-bad-set-key", ["sweep", "bad-key.yaml", "--out", "s"], USAGE, ["lrr"]),
+    ("sweep-bad-cell-dry-run", ["sweep", "bad-value.yaml", "--dry-run"], USAGE, ["optim.lr"]),
+    ("sweep-missing-base", ["sweep", "missing-base.yaml", "--out", "s"], INPUT, ["nope.yaml"]),
+    ("sweep-key-in-both", ["sweep", "in-both.yaml", "--out", "s"], USAGE, ["seed", "both"]),
+    ("sweep-no-out", ["sweep", "sweep.yaml"], USAGE, ["--out"]),
+    ("sweep-backend", ["sweep", "sweep.yaml", "--backend", "nope", "--out", "s"], USAGE, ["--backend"]),
+    ("sweep-out-foreign-dir", ["sweep", "sweep.yaml", "--out", "full"], OUTPUT, ["full", "--overwrite"]),
+    ("sweep-out-is-file", ["sweep", "sweep.yaml", "--out", "foreign.safetensors"], OUTPUT, ["not a folder"]),
+    ("sweep-resume-no-sweep", ["sweep", "sweep.yaml", "--out", "empty_dir", "--resume"], RUN_STATE,
+     ["sweep.yaml", "empty_dir"]),
+    ("sweep-plugin-with-jobs", ["sweep", "sweep.yaml", "--plugin", "x", "--jobs", "2", "--out", "s"], USAGE,
+     ["--plugin", "--jobs"]),
+    ("run-seeds-not-integers", [*RUN, "--seeds", "a,b", "--out", "r"], USAGE, ["--seeds", "0,1,2"]),
+    ("run-seeds-repeated", [*RUN, "--seeds", "1,1", "--out", "r"], USAGE, ["--seeds", "distinct"]),
+    ("run-seeds-with-orders", [*RUN, "--seeds", "0,1", "--orders", "2", "--out", "r"], USAGE, ["--orders"]),
+    ("run-seeds-resume-no-out", [*RUN, "--seeds", "0,1", "--resume"], USAGE, ["--out"]),
+    ("run-seeds-out-foreign-dir", [*RUN, "--seeds", "0,1", "--out", "full"], OUTPUT, ["full"]),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in SWEEP_CASES], ids=[c[0] for c in SWEEP_CASES])
+def test_sweep_user_error_is_short_typed_and_leaves_nothing(ws, argv, code, words):
+    for name, spec in SWEEP_SPECS.items():
+        (ws / name).write_text(yaml.safe_dump(spec))
+    before = _snapshot(ws)
+    result = CliRunner().invoke(app, argv)
+    _check(result, code, words, before, ws)
+
+
+def test_sweep_refuses_an_unwritable_out_before_any_work(ws, monkeypatch):
+    (ws / "sweep.yaml").write_text(yaml.safe_dump(SWEEP_SPECS["sweep.yaml"]))
+    test_unwritable_out_is_refused_before_any_work(ws, ["sweep", "sweep.yaml", "--out", "ro/s"], monkeypatch)

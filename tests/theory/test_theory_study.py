@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import pickle
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,8 @@ from clmerge.sweep import finish_study
 from clmerge.sweep import read_results, run_study
 from clmerge.sweep import study as study_mod
 from clmerge.theory.spec import load_study, parse_study
+
+from executor_helpers import FakeRay as _FakeRay
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = "{num_hidden_layers: 1, hidden_size: 32, num_attention_heads: 2, intermediate_size: 64}"
@@ -115,53 +115,6 @@ def test_a_two_point_study_is_identical_on_local_and_ray(tmp_path):
     assert len(local) == 2
     assert _strip(local) == _approx(_strip(ray_rows))
     assert _strip(read_results(tmp_path / "ray")) == _approx(_strip(local))
-
-
-class _FakeRay(types.ModuleType):
-    """The part of Ray's API that ``RayExecutor`` uses, in process, with Ray's argument semantics: a task's
-    top-level object refs are resolved before it runs, refs nested in lists are not (the job must ``get``
-    them), and every argument and result crosses a pickle, as between Ray workers. ``wait`` returns the
-    newest finished task, so results arrive in another order than the local executor's."""
-
-    class ObjectRef:
-        def __init__(self, value=None, error=None):
-            self.value, self.error = value, error
-
-    def __init__(self):
-        super().__init__("ray")
-        self.initialized, self.calls = False, 0
-
-    def is_initialized(self):
-        return self.initialized
-
-    def init(self, **_):
-        self.initialized = True
-
-    def shutdown(self):
-        self.initialized = False
-
-    def put(self, value):
-        return self.ObjectRef(pickle.loads(pickle.dumps(value)))
-
-    def get(self, ref):
-        if ref.error is not None:
-            raise ref.error
-        return ref.value
-
-    def wait(self, refs, num_returns=1):
-        return refs[-num_returns:], refs[:-num_returns]
-
-    def remote(self, **_):
-        def wrap(fn):
-            def call(*args):
-                self.calls += 1
-                args = pickle.loads(pickle.dumps([self.get(a) if isinstance(a, self.ObjectRef) else a for a in args]))
-                try:
-                    return self.ObjectRef(pickle.loads(pickle.dumps(fn(*args))))
-                except Exception as exc:  # delivered at get(), as Ray does
-                    return self.ObjectRef(error=exc)
-            return types.SimpleNamespace(remote=call)
-        return wrap
 
 
 def test_the_ray_backend_protocol_gives_the_local_rows(tmp_path, monkeypatch):

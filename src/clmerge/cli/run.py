@@ -7,6 +7,7 @@ docs/cli.md); the work is :func:`clmerge.engine.run.run_experiment` and its neig
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import typer
 from rich.table import Table
 
 from .base import app, console, err, exit_with, fail
+from ..errors import UsageError
 
 RUNS_DIR_ENV = "CLMERGE_RUNS_DIR"  # where `clmerge run` puts a run without --out (default: ./runs)
 
@@ -61,6 +63,9 @@ def run(
                                    "that holds no run (files of the same names are replaced)"),
     nproc: int = typer.Option(1, "--nproc", min=1, help="data-parallel processes on this machine: relaunches this "
                               "command under torchrun (docs/scaling.md); the batch size stays the global one"),
+    seeds: str | None = typer.Option(None, "--seeds", help="run once per seed (the training seed, `seed`; the "
+                                      "class order is scenario.seed) into OUT/seed<N>: e.g. 0,1,2 (a one-key "
+                                      "`clmerge sweep`, docs/sweeps.md)"),
     plugin: list[str] = typer.Option([], "--plugin", help="import a Python module (a name or a .py file path) "
                                      "before the config is read, so its @register_... methods, datasets and "
                                      "backbones can be named (repeatable; docs/extending.md)"),
@@ -76,6 +81,8 @@ def run(
         cfg = load_config(config, set_)
     except (ConfigError, ValueError) as exc:
         fail(exc)
+    if seeds is not None:
+        return _run_seeds(config, set_, seeds, out, resume, dry_run, orders, nproc, cfg)
     if out is None and not dry_run:
         if resume:
             exit_with("--resume needs --out DIR (the run directory to continue)")
@@ -104,6 +111,28 @@ def run(
         fail(exc)
     print_results(metrics)
     console.print(f"run directory: [bold]{out.absolute()}[/] (report: {out.absolute() / 'report.html'})")
+
+
+def _run_seeds(config: Path | None, sets: list[str], text: str, out: Path | None, resume: bool, dry_run: bool,
+               orders: int | None, nproc: int, cfg) -> None:
+    """``clmerge run --seeds 0,1,2``: the sweep whose one grid key is ``seed`` (cells OUT/seed0, ...)."""
+    from ..config import apply_overrides
+    from ..sweep.grid import SweepSpec, dotted_items, parse_seeds
+    from .sweep import dry_run_spec, run_spec
+
+    if orders is not None or nproc > 1:
+        raise UsageError("--seeds runs the seeds one after another: it does not combine with --orders or --nproc")
+    spec = SweepSpec(base=str(config) if config is not None else None,
+                     set=dotted_items(apply_overrides({}, sets)), grid={"seed": parse_seeds(text)})
+    if dry_run:
+        return dry_run_spec(spec)
+    if out is None:
+        if resume:
+            exit_with("--resume needs --out DIR (the folder of the seeds' runs to continue)")
+        out = default_run_dir(cfg.method.name, cfg.scenario.dataset)
+    words = ["clmerge", "run", *([str(config)] if config else []), *[w for s in sets for w in ("--set", s)],
+             "--seeds", text, "--out", str(out), "--resume"]
+    run_spec(spec, out, resume=resume, resume_command=" ".join(shlex.quote(w) for w in words))
 
 
 def default_run_dir(method: str, dataset: str) -> Path:

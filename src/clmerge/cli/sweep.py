@@ -1,0 +1,98 @@
+"""``clmerge sweep``: a base config crossed with a grid of overrides, one run directory per cell.
+
+The work is :func:`clmerge.sweep.run_sweep` (docs/sweeps.md); ``clmerge run --seeds`` (:mod:`.run`) is its
+one-key form.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import typer
+
+from .base import app, err, fail, make_console
+from ..errors import UsageError, clip
+
+__all__ = ["sweep_command", "run_spec", "dry_run_spec"]
+
+console = make_console()
+
+
+@app.command("sweep")
+def sweep_command(
+    spec: Path = typer.Argument(..., help="sweep spec YAML: base, set, grid (docs/sweeps.md)"),
+    out: Path | None = typer.Option(None, "--out", help="sweep directory: one run directory per cell, sweep.yaml, "
+                                    "cells.json"),
+    resume: bool = typer.Option(False, "--resume", help="skip finished cells, continue interrupted ones (the "
+                                "spec may add grid values)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the cells and check every cell's config; run "
+                                 "and write nothing"),
+    jobs: int = typer.Option(0, "--jobs", min=0, help="local: cells in parallel worker processes (0: one after "
+                             "another in this process)"),
+    backend: str = typer.Option("local", "--backend", help="local (in process / --jobs pool) or ray"),
+    address: str | None = typer.Option(None, "--address", help="Ray: an existing cluster (auto, HOST:PORT, "
+                                       "ray://...); default: start a local one"),
+    plugin: list[str] = typer.Option([], "--plugin", help="import a Python module (a name or a .py file path) "
+                                     "first, so the methods, datasets and backbones it registers can be named "
+                                     "(repeatable; cells then run in this process: docs/extending.md)"),
+) -> None:
+    """Run a grid of experiments (methods x seeds x ...), one run directory per cell."""
+    from ..config import ConfigError
+    from ..plugins import load_plugins
+    from ..sweep import load_spec
+
+    if plugin and (jobs or backend != "local"):
+        raise UsageError("--plugin registers its names in this process only: it does not combine with --jobs or "
+                         "--backend ray")
+    load_plugins(plugin)
+    try:
+        sweep = load_spec(spec)
+    except ConfigError as exc:
+        fail(exc)
+    resume_cmd = f"clmerge sweep {shlex.quote(str(spec))} --out {shlex.quote(str(out))} --resume"
+    if dry_run:
+        return dry_run_spec(sweep)
+    if out is None:
+        raise UsageError("clmerge sweep needs --out DIR (the sweep directory)")
+    run_spec(sweep, out, resume=resume, backend=backend, jobs=jobs, address=address, resume_command=resume_cmd)
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in ("local", "ray"):
+        raise UsageError(f"--backend {clip(repr(backend), 60)}: expected local or ray")
+
+
+def dry_run_spec(sweep) -> None:
+    """Print every cell and its overrides after validating its config; nothing is written."""
+    from ..config import ConfigError
+    from ..sweep import plan_sweep
+
+    try:
+        plan = plan_sweep(sweep)
+    except (ConfigError, ValueError) as exc:
+        fail(exc)
+    for cell, _ in plan:
+        sets = " ".join(f"{k}={v}" for k, v in cell.overrides.items())
+        console.print(f"{cell.name:<30} {sets}", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"{len(plan)} cells; every config is valid", markup=False, highlight=False)
+
+
+def run_spec(sweep, out: Path, *, resume: bool, backend: str = "local", jobs: int = 0,
+             address: str | None = None, resume_command: str) -> None:
+    """Run a sweep from the command line: typed errors as one line, Ctrl-C as the ``--resume`` hint."""
+    from ..config import ConfigError
+    from ..sweep import SweepError, run_sweep
+
+    _check_backend(backend)
+    log = lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
+    try:
+        run_sweep(sweep, out, resume=resume, backend=backend, jobs=jobs, address=address, log=log)
+    except KeyboardInterrupt:
+        err.print(f"\ninterrupted: finished cells and tasks are kept; continue with: {resume_command}",
+                  highlight=False, markup=False, soft_wrap=True)
+        raise typer.Exit(130)
+    except (ConfigError, FileExistsError, FileNotFoundError, ValueError, SweepError) as exc:
+        fail(exc)
+    console.print(f"sweep directory: {out.absolute()} (cells.json lists every cell and its overrides)",
+                  markup=False, highlight=False, soft_wrap=True)

@@ -1,0 +1,182 @@
+"""Sweep specs (``clmerge sweep SPEC.yaml``): a base config crossed with a grid of overrides.
+
+A spec is a YAML mapping with three keys (docs/sweeps.md)::
+
+    base: my.yaml                 # a config file or a shipped config name; omitted: the embedded default
+    set: {scenario.n_tasks: 2}    # dotted keys fixed for every cell
+    grid: {method.name: [seq_lora, pm], seed: [0, 1]}   # dotted keys crossed: one cell per combination
+
+Every cell is one ``clmerge run`` with the base config, then ``set``, then its own grid values. A cell is
+named by its grid values (:func:`cell_name`), e.g. ``method.name=pm, seed=1`` -> ``pm-seed1``.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import (EMBEDDED_DEFAULT, ConfigError, ExperimentConfig, parse_config, read_yaml_mapping,
+                      resolve_config_arg)
+from ..errors import UsageError, clip
+
+__all__ = ["SweepSpec", "Cell", "load_spec", "spec_from_dict", "expand_cells", "cell_name", "cell_config",
+           "base_data", "dotted_items", "parse_seeds", "set_dotted", "SPEC_KEYS"]
+
+SPEC_KEYS = ("base", "set", "grid")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._+=-]")  # characters a cell's folder name does not keep
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+@dataclass
+class SweepSpec:
+    """``base`` (a config path or shipped name; None: the embedded default), ``set`` (dotted key -> value,
+    every cell) and ``grid`` (dotted key -> list of values, crossed in the order given)."""
+
+    base: str | None = None
+    set: dict[str, Any] = field(default_factory=dict)
+    grid: dict[str, list[Any]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"base": self.base, "set": dict(self.set), "grid": {k: list(v) for k, v in self.grid.items()}}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One combination of grid values: its folder name and its overrides (dotted key -> value)."""
+
+    name: str
+    overrides: dict[str, Any]
+
+
+def load_spec(path: str | Path) -> SweepSpec:
+    """Read and check a sweep spec file (unknown keys, a grid key with no list, a bad dotted key: ConfigError
+    naming the key; a missing or unreadable file: ConfigFileError)."""
+    return spec_from_dict(read_yaml_mapping(path, what="sweep spec"), source=str(path))
+
+
+def spec_from_dict(data: dict, source: str = "sweep spec") -> SweepSpec:
+    unknown = [k for k in data if k not in SPEC_KEYS]
+    if unknown:
+        raise ConfigError(f"{source}: unknown key {clip(repr(unknown[0]), 60)} (expected {', '.join(SPEC_KEYS)})")
+    base = data.get("base")
+    if base is not None and not isinstance(base, str):
+        raise ConfigError(f"{source}: base: expected a config file or a shipped config name, got {clip(base, 40)}")
+    fixed = _mapping(data.get("set"), "set", source)
+    grid = _mapping(data.get("grid"), "grid", source)
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"{source}: grid.{key}: expected a non-empty list of values, got {clip(values, 40)}")
+        if len({repr(v) for v in values}) < len(values):
+            raise ConfigError(f"{source}: grid.{key}: a value is listed twice")
+    both = sorted(set(fixed) & set(grid))
+    if both:
+        raise ConfigError(f"{source}: {both[0]} is in both set and grid; keep it in one")
+    return SweepSpec(base=base, set=fixed, grid=grid)
+
+
+def _mapping(value: Any, name: str, source: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: {name}: expected a mapping of dotted.key: value, got {clip(value, 40)}")
+    for key in value:
+        if not isinstance(key, str) or not _KEY.match(key):
+            raise ConfigError(f"{source}: {name}: {clip(repr(key), 60)} is not a dotted config key")
+    return dict(value)
+
+
+def _label(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "_".join(_label(v) for v in value)
+    return _UNSAFE.sub("_", str(value))
+
+
+def _prefixes(keys: list[str]) -> dict[str, str]:
+    """What a key's value is prefixed with in a cell name: nothing for a ``*.name`` key (the value is its own
+    label), else the key's last part, or the whole dotted key when another grid key ends the same way."""
+    last = [k.rsplit(".", 1)[-1] for k in keys]
+    return {k: "" if tail == "name" else (k if last.count(tail) > 1 else tail) for k, tail in zip(keys, last)}
+
+
+def cell_name(overrides: dict[str, Any], prefixes: dict[str, str] | None = None) -> str:
+    """A readable folder name: ``{method.name: pm, seed: 1}`` -> ``pm-seed1``; ``optim.lr: 0.001`` ->
+    ``lr0.001``; ``{seed: 0, scenario.seed: 2}`` -> ``seed0-scenario.seed2``. Characters other than
+    letters, digits and ``._+=-`` become ``_``."""
+    prefixes = prefixes if prefixes is not None else _prefixes(list(overrides))
+    return "-".join(f"{prefixes[k]}{_label(v)}" for k, v in overrides.items()) or "base"
+
+
+def expand_cells(spec: SweepSpec) -> list[Cell]:
+    """Every combination of the grid's values (the first key varies slowest), each with its unique name."""
+    keys = list(spec.grid)
+    prefixes = _prefixes(keys)
+    cells = [Cell(cell_name(dict(zip(keys, combo)), prefixes), dict(zip(keys, combo)))
+             for combo in itertools.product(*spec.grid.values())]
+    seen: dict[str, Cell] = {}
+    for c in cells:
+        if c.name in seen:
+            raise ConfigError(f"grid: cells {seen[c.name].overrides} and {c.overrides} would share the folder "
+                              f"{c.name!r}; make the values differ in letters or digits")
+        seen[c.name] = c
+    return cells
+
+
+def set_dotted(data: dict, key: str, value: Any) -> None:
+    """``data[a][b][c] = value`` for ``key`` ``a.b.c`` (sections created as needed)."""
+    node = data
+    parts = key.split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{clip(key, 80)}: {p!r} is not a section")
+    node[parts[-1]] = copy.deepcopy(value)
+
+
+def dotted_items(data: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as dotted key -> leaf value: ``{optim: {lr: 0.1}}`` -> ``{"optim.lr": 0.1}``."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            out.update(dotted_items(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def base_data(spec: SweepSpec) -> dict:
+    """The base config's mapping (file, shipped name or the embedded default) with ``set`` applied."""
+    data = read_yaml_mapping(resolve_config_arg(spec.base)) if spec.base else copy.deepcopy(EMBEDDED_DEFAULT)
+    for key, value in spec.set.items():
+        set_dotted(data, key, value)
+    return data
+
+
+def cell_config(base: dict, cell: Cell) -> tuple[dict, ExperimentConfig]:
+    """A cell's config mapping and its validated config (a bad value: ConfigError naming the cell)."""
+    from .. import methods  # noqa: F401  (registers the methods a config's method section is checked against)
+
+    data = copy.deepcopy(base)
+    for key, value in cell.overrides.items():
+        set_dotted(data, key, value)
+    try:
+        return data, parse_config(data)
+    except ConfigError as exc:
+        raise ConfigError(f"cell {cell.name}: {exc}") from None
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds 0,1,2`` -> [0, 1, 2] (distinct integers; anything else is a usage error naming the flag)."""
+    try:
+        seeds = [int(w) for w in text.split(",") if w.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) < len(seeds):
+        raise UsageError(f"--seeds {clip(repr(text), 60)}: expected distinct integers separated by commas, "
+                         "e.g. 0,1,2")
+    return seeds

@@ -1,0 +1,154 @@
+"""Run a sweep (``clmerge sweep``, ``clmerge run --seeds``): one run directory per cell, on an executor.
+
+``DIR/sweep.yaml`` is the spec as run, ``DIR/cells.json`` maps each cell's name to its overrides and status
+(``done``, ``failed: ...``, ``pending``), and ``DIR/<cell>/`` is an ordinary run directory written by
+:func:`clmerge.engine.run.run_experiment`. Every cell's config is validated before the first one runs.
+
+``resume=True``: a cell with ``metrics.json`` is skipped, a cell with a started run (``config.yaml`` and
+``manifest.json``) continues through ``run_experiment(resume=True)`` from its last checkpoint, the others
+start. The spec may only add cells: a changed base, ``set`` or a removed or changed cell is refused, and so
+is a cell whose stored ``config.yaml`` differs from the config the spec now gives it (an edited base file).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..engine.resume import RUN_FILES, check_same_config, recorded_config_sha256
+from ..errors import ClmergeError, OutputError, RunStateError
+from ..utils.io import atomic_write_text, read_json, write_json
+from ..utils.outpaths import check_output_dir
+from ..utils.yaml_io import read_yaml
+from .executors import Executor, make_executor
+from .grid import Cell, SweepSpec, base_data, cell_config, expand_cells, spec_from_dict
+
+__all__ = ["SweepError", "plan_sweep", "run_sweep", "run_cell", "cell_state", "read_cells"]
+
+SPEC_FILE, CELLS_FILE = "sweep.yaml", "cells.json"
+
+
+class SweepError(ClmergeError, RuntimeError):
+    """Some cells failed; the others are on disk and ``--resume`` retries the failed ones (exit code 1)."""
+
+
+def plan_sweep(spec: SweepSpec) -> list[tuple[Cell, dict]]:
+    """Every cell with its config mapping, each validated (the first bad one: ConfigError naming it)."""
+    base = base_data(spec)
+    return [(cell, cell_config(base, cell)[0]) for cell in expand_cells(spec)]
+
+
+def cell_state(cell_dir: Path) -> str:
+    """``done`` (metrics.json), ``started`` (a run's first files, no metrics) or ``new``."""
+    if (cell_dir / "metrics.json").is_file():
+        return "done"
+    return "started" if all((cell_dir / f).is_file() for f in RUN_FILES) else "new"
+
+
+def run_cell(data: dict, out: str, resume: bool) -> dict[str, Any]:
+    """Job: run (or continue) one cell into ``out``; the run's headline metrics."""
+    from ..config import parse_config
+    from ..engine.run import run_experiment
+
+    metrics = run_experiment(parse_config(data), Path(out), resume=resume)
+    return {k: metrics.get(k) for k in ("acc", "aaa", "forgetting")}
+
+
+def _check_out(out: Path, spec: SweepSpec, cells: list[Cell], resume: bool) -> None:
+    """A new sweep needs a new or empty folder; ``--resume`` needs this sweep's folder, a spec that only adds."""
+    if not (out / SPEC_FILE).is_file():
+        if resume:
+            raise RunStateError(f"{out}: holds no sweep to resume (no {SPEC_FILE}); drop --resume to start one")
+        check_output_dir(out)
+        return
+    if not resume:
+        raise OutputError(f"--out {out}: already holds a sweep; pass --resume to continue it or choose another --out")
+    _check_only_adds(out, spec, cells)
+
+
+def _check_cells_unchanged(out: Path, plan: list[tuple[Cell, dict]]) -> None:
+    """Every cell already on disk was run with the config it has now (a base file edited since: refused,
+    naming the cell's config.yaml and the keys), so a skipped cell never stands for another config."""
+    from ..config import dump_config, parse_config
+
+    for cell, data in plan:
+        cfg_file = out / cell.name / "config.yaml"
+        if cfg_file.is_file():
+            check_same_config(cfg_file, dump_config(parse_config(data)), recorded_config_sha256(out / cell.name))
+
+
+def _check_only_adds(out: Path, spec: SweepSpec, cells: list[Cell]) -> None:
+    old = spec_from_dict(read_yaml(out / SPEC_FILE) or {}, source=str(out / SPEC_FILE))
+    for key in ("base", "set"):
+        if getattr(old, key) != getattr(spec, key):
+            raise RunStateError(f"{out}: the spec's {key} differs from the sweep's {SPEC_FILE}; a resumed sweep "
+                                "may only add grid values (start a new --out)")
+    new = {c.name: c.overrides for c in cells}
+    for cell in expand_cells(old):
+        if new.get(cell.name) != cell.overrides:
+            raise RunStateError(f"{out}: cell {cell.name} of the sweep is not in the new spec; a resumed sweep may "
+                                "only add grid values (start a new --out)")
+
+
+def run_sweep(spec: SweepSpec, out: Path, *, resume: bool = False, backend: str = "local", jobs: int = 0,
+              address: str | None = None, log: Callable[[str], None] = print) -> dict[str, str]:
+    """Run every cell of ``spec`` into ``out/<cell>``; returns cell name -> status.
+
+    Raises:
+        ConfigError: a bad spec or cell config (before anything is written).
+        OutputError, RunStateError: ``out`` cannot take this sweep.
+        SweepError: some cells failed (the rest are written; ``resume=True`` retries them).
+    """
+    out = Path(out)
+    plan = plan_sweep(spec)
+    _check_out(out, spec, [c for c, _ in plan], resume)
+    if resume:
+        _check_cells_unchanged(out, plan)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / SPEC_FILE, yaml.safe_dump(spec.as_dict(), sort_keys=False))
+    status = {c.name: ("done" if cell_state(out / c.name) == "done" else "pending") for c, _ in plan}
+    _write_cells(out, plan, status)
+    todo = [(c, d) for c, d in plan if status[c.name] != "done"]
+    log(f"{len(plan)} cells, {len(plan) - len(todo)} already done, {len(todo)} to run -> {out}")
+    _run_cells(make_executor(backend, workers=jobs, address=address), out, plan, todo, status, log)
+    failed = [n for n, s in status.items() if s.startswith("failed")]
+    if failed:
+        raise SweepError(f"{len(failed)} of {len(plan)} cells failed ({', '.join(failed[:3])}: {status[failed[0]]});"
+                         f" see {out / CELLS_FILE}; --resume retries them")
+    return status
+
+
+def _run_cells(ex: Executor, out: Path, plan: list, todo: list, status: dict[str, str],
+               log: Callable[[str], None]) -> None:
+    try:
+        handles = {ex.submit(run_cell, data, str(out / c.name), cell_state(out / c.name) == "started"): c
+                   for c, data in todo}
+        while handles:
+            h = ex.wait_any(list(handles))
+            cell = handles.pop(h)
+            try:
+                m = ex.result(h)
+                status[cell.name] = "done"
+                log(f"{cell.name}: done (acc {_pct(m.get('acc'))})")
+            except Exception as exc:  # noqa: BLE001  (one failed cell does not stop the others)
+                status[cell.name] = f"failed: {type(exc).__name__}: {exc}"
+                log(f"{cell.name}: {status[cell.name]}")
+            _write_cells(out, plan, status)
+    finally:
+        ex.close()
+
+
+def _pct(v: Any) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _write_cells(out: Path, plan: list, status: dict[str, str]) -> None:
+    write_json(out / CELLS_FILE, {c.name: {"overrides": c.overrides, "status": status[c.name]} for c, _ in plan})
+
+
+def read_cells(out: Path) -> dict[str, dict]:
+    """``out/cells.json``: cell name -> {overrides, status}."""
+    return read_json(Path(out) / CELLS_FILE)

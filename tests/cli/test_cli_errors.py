@@ -677,3 +677,13 @@ def test_vocabulary_errors_are_short_typed_and_leave_nothing(ws, argv, code, wor
     (ws / "old_study" / "fits.json").write_bytes((REPO / "benchmarks/theory/interaction/fits.json").read_bytes())
     before = _snapshot(ws)
     _check(CliRunner().invoke(app, argv), code, words, before, ws)
+
+
+# -- log sinks (run.log): a sink whose package is missing, before the run directory exists
+@pytest.mark.parametrize("sink", ["tensorboard", "wandb"])
+def test_a_log_sink_without_its_package_is_one_input_error_line(ws, monkeypatch, sink):
+    monkeypatch.setitem(sys.modules, sink, None)  # as if not installed
+    before = _snapshot(ws)
+    words = [f"run.log: {sink}", f'pip install "clmerge[{sink}]"']
+    _check(CliRunner().invoke(app, [*RUN, "--set", f"run.log=[{sink}]", "--out", "r"]), INPUT, words, before, ws)
+

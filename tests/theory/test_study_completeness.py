@@ -132,3 +132,10 @@ def test_an_interrupted_study_prints_a_working_resume_line(tmp_path, monkeypatch
     from clmerge.theory.spec import load_study
 
     assert load_study(out / "study.yaml", []) == spec
+
+
+def test_results_without_class_counts_say_chance_was_not_checked():
+    spec = _spec({"lr": [0.01, 0.02, 0.04]})
+    rows = [{k: v for k, v in r.items() if k != "n_classes"} for r in _rows(spec, loss=lambda p: 2.2 + p.lr)]
+    text = advise(rows, fit_study(rows, spec, n_boot=10))
+    assert text.splitlines()[1].startswith("Not checked against chance: these results do not record the class counts")

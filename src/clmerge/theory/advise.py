@@ -60,7 +60,10 @@ def _headline(best: list[dict]) -> list[str]:
         return [f"No merged model is called best: every merged loss is near chance (at least {NEAR_CHANCE:g} x ln C, "
                 f"with ln C = {b['chance_loss']:.4f} for C classes). The lowest is {said}."]
     lines = [f"Best merged model: {said}."]
-    if near:
+    if b["chance_loss"] is None:
+        lines.append("Not checked against chance: these results do not record the class counts C (results written "
+                     "before they were); a loss near ln C (2.303 for 10 classes) is a guess, not a model.")
+    elif near:
         lines.append(f"{near} of {len(best)} merged settings have losses near chance (at least {NEAR_CHANCE:g} x ln C).")
     return lines
 

@@ -211,6 +211,9 @@ class RunConfig(StrictModel):
     keep_checkpoints: int = Field(1, ge=1, description="how many per-task checkpoints to keep (newest)")
     report: bool = Field(True, description="write report.html at the end")
     eval_til: bool = Field(True, description="class-incremental: also report task-id-known accuracy")
+    log: list[Literal["csv", "tensorboard", "wandb"]] = Field(
+        default_factory=list, description="log sinks for every logged scalar besides events.jsonl: csv "
+        "(OUT/scalars.csv), tensorboard (OUT/tensorboard; the tensorboard extra), wandb (offline; the wandb extra)")
 
     @field_validator("threads")
     @classmethod

@@ -849,3 +849,13 @@ def test_sweep_user_error_is_short_typed_and_leaves_nothing(ws, argv, code, word
 def test_sweep_refuses_an_unwritable_out_before_any_work(ws, monkeypatch):
     (ws / "sweep.yaml").write_text(yaml.safe_dump(SWEEP_SPECS["sweep.yaml"]))
     test_unwritable_out_is_refused_before_any_work(ws, ["sweep", "sweep.yaml", "--out", "ro/s"], monkeypatch)
+
+
+# -- log sinks (run.log): a sink whose package is missing, before the run directory exists
+@pytest.mark.parametrize("sink", ["tensorboard", "wandb"])
+def test_a_log_sink_without_its_package_is_one_input_error_line(ws, monkeypatch, sink):
+    monkeypatch.setitem(sys.modules, sink, None)  # as if not installed
+    before = _snapshot(ws)
+    words = [f"run.log: {sink}", f'pip install "clmerge[{sink}]"']
+    _check(CliRunner().invoke(app, [*RUN, "--set", f"run.log=[{sink}]", "--out", "r"]), INPUT, words, before, ws)
+

@@ -77,7 +77,9 @@ def test_predict_and_advise_commands(smoke):
     bad = runner.invoke(app, ["predict", str(out), "momentum=0.9"])
     assert bad.exit_code == 2 and "no fitted law" in bad.output
     adv = runner.invoke(app, ["advise", str(out)])
-    assert adv.exit_code == 0 and "Best merged model" in adv.output and "dominates" in adv.output
+    assert adv.exit_code == 0 and "dominates" in adv.output
+    # a random-init one-layer ViT after a few steps merges at chance: no model is called best
+    assert adv.output.startswith("No merged model is called best: every merged loss is near chance")
 
 
 def test_resume_skips_finished_points(smoke, monkeypatch):

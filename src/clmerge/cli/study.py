@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from .base import app, fail, make_console, print_warning, renamed_option
+from .base import app, err, fail, make_console, print_warning, renamed_option
 from ..errors import InputError, UsageError, clip
 
 __all__ = ["study_command", "predict_command", "advise_command"]
@@ -54,10 +54,37 @@ def study_command(
             run_study(study, out, backend=backend, workers=jobs, address=address, num_cpus=num_cpus,
                       resume=resume, cache=cache, log=console.print)
         fits = finish_study(out)
+    except KeyboardInterrupt:
+        _interrupted(_resume_command(spec, set_, out, backend=backend, address=address, jobs=jobs,
+                                     num_cpus=num_cpus, cache=cache))
     except (ConfigError, FileExistsError, FileNotFoundError, ValueError, StudyError) as exc:
         fail(exc)
     n = sum(len(v) for v in fits["laws"].values())
     console.print(f"{n} law fits -> {out / 'fits.json'}; report: {out / 'report.html'}")
+
+
+def _resume_command(spec: Path, sets: list[str], out: Path, *, backend: str, address: str | None, jobs: int,
+                    num_cpus: int | None, cache: Path | None) -> str:
+    """The command that continues an interrupted study: the study directory's own ``study.yaml`` (the spec with
+    every ``--set`` applied, so later edits of the original file cannot change it), else the spec as given with
+    its ``--set`` overrides, and the same backend options."""
+    import shlex
+
+    saved = out / "study.yaml"
+    words = ["clmerge", "study", str(saved)] if saved.is_file() else \
+        ["clmerge", "study", str(spec), *[w for s in sets for w in ("--set", s)]]
+    words += ["--out", str(out), "--resume"]
+    words += [*(["--backend", backend] if backend != "local" else []), *(["--address", address] if address else []),
+              *(["--jobs", str(jobs)] if jobs else []), *(["--num-cpus", str(num_cpus)] if num_cpus else []),
+              *(["--cache", str(cache)] if cache else [])]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def _interrupted(command: str) -> None:
+    """Exit 130 (docs/cli_errors.md) with the line that resumes: finished points are in results.jsonl."""
+    err.print(f"\ninterrupted: finished points are kept in results.jsonl; continue with: {command}",
+              highlight=False, markup=False, soft_wrap=True)
+    raise typer.Exit(130)
 
 
 def _parse_assignments(items: list[str]) -> dict[str, float]:

@@ -38,6 +38,7 @@ from .resume import (CONFIG_SHA_KEY, check_resumable, check_same_config, events_
 from . import distributed
 from ..utils.precision import autocast, check_precision, fp32_region
 from .training import fit
+from .sinks import Sinks, check_sinks
 
 __all__ = ["run_experiment", "prepare", "prepare_run", "build_heads", "Run", "RunState", "task_generator",
            "resolve_device", "fresh_objects", "share_state", "train_task", "evaluate_row", "restore",
@@ -80,6 +81,7 @@ class Run:
     device: torch.device
     heads: HeadSuite | None = None
     state: RunState = field(default_factory=RunState)
+    sinks: Sinks | None = None  # run.log's sinks (process 0, opened after a resume restored events.jsonl)
     manifest: dict = field(default_factory=dict)
     fresh: Callable[[], tuple[ContinualClassifier, ContinualMethod, HeadSuite]] | None = None
 
@@ -401,8 +403,11 @@ def _validation(run: Run, model) -> None:
 
 
 def _log(run: Run, event: dict) -> None:
-    append_jsonl(run.out / "events.jsonl", {"time": round(time.time(), 3), **event})
+    event = {"time": round(time.time(), 3), **event}
+    append_jsonl(run.out / "events.jsonl", event)
     run.state.events_lines += 1
+    if run.sinks is not None:
+        run.sinks.write(event)
 
 
 def final_metrics(run: Run) -> dict:
@@ -450,6 +455,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool =
                          "each process needs at least one sample per batch")
     main = distributed.is_main()
     cfg_text = dump_config(cfg)
+    check_sinks(cfg.run.log)  # a missing package, before anything is written
     if main:
         if resume:  # before the lock, which would create a mistyped directory
             check_resumable(out)
@@ -474,12 +480,13 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool =
             start = distributed.broadcast_json(dp, start)
             share_state(dp, run)
         run.model.to(device)
-        bar = Progress(range(start, len(run.scenario)), desc="tasks", enabled=cfg.run.progress and main)
-        for t in bar:
-            train_task(run, t)
-            if main:
-                _end_task(run, t, bar)
-        bar.close()
+        if main and cfg.run.log:
+            run.sinks = Sinks(out, cfg.run.log)
+        try:
+            _train_tasks(run, start, main)
+        finally:
+            if run.sinks is not None:
+                run.sinks.close()
         if not main:
             return {}
         metrics = final_metrics(run)
@@ -489,6 +496,15 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool =
 
             build_report(out)
     return metrics
+
+
+def _train_tasks(run: Run, start: int, main: bool) -> None:
+    bar = Progress(range(start, len(run.scenario)), desc="tasks", enabled=run.cfg.run.progress and main)
+    for t in bar:
+        train_task(run, t)
+        if main:
+            _end_task(run, t, bar)
+    bar.close()
 
 
 def _end_task(run: Run, t: int, bar: Progress) -> None:

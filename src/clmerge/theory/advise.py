@@ -2,6 +2,10 @@
 
 "Why" is read off the fitted laws (which term of each form dominates at the defaults) and the
 measured terms of the stability bound (Theorem 1: ``sigma_i^2/n_i`` vs ``3 b_i zeta_i^2/n_i``).
+
+The advice says first when the study is partial (points missing), and it calls no merged model "best" when
+even the lowest merged loss is near chance: within :data:`NEAR_CHANCE` of ``ln C``, the cross-entropy of a
+uniform guess over ``C`` classes (the mean of ``ln C_i`` over the point's tasks).
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import numpy as np
 from .laws import FORMS, evaluate_form
 from .spec import HYPERPARAMETERS
 
-__all__ = ["advise", "best_settings"]
+__all__ = ["advise", "best_settings", "chance_loss", "NEAR_CHANCE"]
+
+NEAR_CHANCE = 0.9  # a merged loss at or above this fraction of ln C is "near chance"
 
 
 def _g(v: float | None) -> str:
@@ -28,16 +34,57 @@ def best_settings(rows: list[dict]) -> list[dict[str, Any]]:
         if r["kind"] == "grid":
             groups[(r["method"], *(r[h] for h in HYPERPARAMETERS))].append(r)
     out = [{"method": k[0], **dict(zip(HYPERPARAMETERS, k[1:])), "n": len(v),
-            "loss": float(np.mean([r["merged_loss"] for r in v])), "acc": float(np.mean([r["merged_acc"] for r in v]))}
-           for k, v in groups.items()]
+            "loss": float(np.mean([r["merged_loss"] for r in v])), "acc": float(np.mean([r["merged_acc"] for r in v])),
+            "chance_loss": chance_loss(v)} for k, v in groups.items()]
     return sorted(out, key=lambda s: s["loss"])
+
+
+def chance_loss(rows: list[dict]) -> float | None:
+    """``ln C``, the loss of a uniform guess, averaged over the rows' tasks (``None``: rows from before the
+    class counts were recorded)."""
+    counts = [c for r in rows for c in r.get("n_classes") or []]
+    return float(np.mean(np.log(counts))) if counts else None
+
+
+def _near_chance(s: dict) -> bool:
+    return s["chance_loss"] is not None and s["loss"] >= NEAR_CHANCE * s["chance_loss"]
+
+
+def _headline(best: list[dict]) -> list[str]:
+    """The best setting, or why none is called best (every merged loss near chance)."""
+    b = best[0]
+    hp = ", ".join(f"{h}={b[h]}" for h in HYPERPARAMETERS)
+    said = f"{b['method']} with {hp}: loss {b['loss']:.4f}, accuracy {b['acc']:.1f}% (mean of {b['n']} seed/group runs)"
+    near = sum(_near_chance(s) for s in best)
+    if _near_chance(b):
+        return [f"No merged model is called best: every merged loss is near chance (at least {NEAR_CHANCE:g} x ln C, "
+                f"with ln C = {b['chance_loss']:.4f} for C classes). The lowest is {said}."]
+    lines = [f"Best merged model: {said}."]
+    if b["chance_loss"] is None:
+        lines.append("Not checked against chance: these results do not record the class counts C (results written "
+                     "before they were); a loss near ln C (2.303 for 10 classes) is a guess, not a model.")
+    elif near:
+        lines.append(f"{near} of {len(best)} merged settings have losses near chance (at least {NEAR_CHANCE:g} x ln C).")
+    return lines
+
+
+def _partial_line(fits: dict) -> list[str]:
+    if not fits.get("partial"):
+        return []
+    return [f"PARTIAL STUDY: {fits['points_done']} of {fits['points_expected']} points finished, "
+            f"{fits['points_missing']} missing; finish it with `clmerge study` --resume before trusting these fits."]
+
+
+def _verdict(fit: dict) -> str:
+    """``fits.json`` written before verdicts existed has only ``agrees``."""
+    return fit.get("verdict") or ("agrees" if fit["agrees"] else "does NOT agree")
 
 
 def _law_line(name: str, fit: dict) -> str:
     form, c, x0 = FORMS[name], fit["coef"], fit["default_x"]
     parts = evaluate_form(form, np.diag(c), x0)[:, 0]  # each term's value at the default
     tail = f"R^2 {_g(fit['r2'])}; paper: {fit['paper_trend']}, here: {fit['observed_trend']} " \
-           f"({'agrees' if fit['agrees'] else 'does NOT agree'})"
+           f"({_verdict(fit)}, {fit.get('levels', len(set(fit['x'])))} levels)"
     xs = sorted(set(fit["x"]))
     if name in ("steps", "n_experts", "batch_size"):
         up, down = parts[2], parts[1]
@@ -101,15 +148,13 @@ def advise(rows: list[dict], fits: dict) -> str:
     best = best_settings(rows)
     if not best:
         return "No grid results yet: run `clmerge study` first."
-    b = best[0]
-    hp = ", ".join(f"{h}={b[h]}" for h in HYPERPARAMETERS)
-    lines = [f"Best merged model: {b['method']} with {hp}: loss {b['loss']:.4f}, accuracy {b['acc']:.1f}% "
-             f"(mean of {b['n']} seed/group runs)."]
+    lines = _partial_line(fits) + _headline(best)
     for method in fits.get("methods", []):
-        laws = {n: per[method] for n, per in fits.get("laws", {}).items() if method in per}
+        laws = [_law_line(n, per[method]) for n, per in fits.get("laws", {}).items() if method in per]
+        laws += [f"- {n}: not fitted: {per[method]}" for n, per in (fits.get("not_fitted") or {}).items()
+                 if method in per]
         if laws:
-            lines.append(f"\nLaws for {method}:")
-            lines += [_law_line(n, f) for n, f in laws.items()]
+            lines += [f"\nLaws for {method}:", *laws]
     extra = _terms_lines(fits) + _other_lines(fits)
     if extra:
         lines += ["\nTerms of the bound and the other claims:"] + extra

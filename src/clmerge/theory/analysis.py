@@ -1,8 +1,11 @@
 """From a study's results to ``fits.json``, and predictions from the fits.
 
+* ``partial``, ``points_expected`` / ``points_done`` / ``points_missing``: whether every point of the spec has a
+  result (an interrupted study is fitted on what it has, and says so); ``name``: the spec's name.
 * ``laws``: every form of :data:`~.laws.FORMS` fitted per merge method to the merged test loss of the
   one-at-a-time slice that varies its variable (all other hyperparameters at the defaults; seeds and task
-  groups are replicates).
+  groups are replicates). ``not_fitted``: per law and method, why it was not fitted (fewer distinct values of
+  its variable than coefficients), so no law disappears without a word.
 * ``stability``: log-log slopes of the measured ``||x_1 - x~_1||^2`` (mean over the replaced indices and
   seeds) in ``eta``, ``K`` and ``n`` (Theorem 1 predicts 2, 1 and -1), with the count of exact zeros.
 * ``sparsification``: mean ``H(M) / H(id)`` of TIES and DARE (Corollary 1 predicts < 1).
@@ -21,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .laws import FORMS, evaluate_form, fit_form, power_slope
-from .spec import HYPERPARAMETERS, StudySpec, canonical_method
+from .spec import HYPERPARAMETERS, StudySpec, canonical_method, expand_points
 
 __all__ = ["fit_study", "predict", "law_slice"]
 
@@ -36,17 +39,30 @@ def law_slice(rows: list[dict], defaults: dict, variable: str, method: str) -> t
     return np.array([r[variable] for r in sel], dtype=float), np.array([r["merged_loss"] for r in sel], dtype=float)
 
 
-def _fit_laws(rows: list[dict], defaults: dict, methods: list[str], n_boot: int) -> dict[str, dict]:
+def _fit_laws(rows: list[dict], defaults: dict, methods: list[str], n_boot: int) -> tuple[dict, dict]:
+    """``(laws, not_fitted)``: the fits per law and method, and for each law left unfitted, why (never silent)."""
     laws: dict[str, dict] = {}
+    skipped: dict[str, dict] = {}
     for name, form in FORMS.items():
         for m in methods:
             x, y = law_slice(rows, defaults, form.column, m)
-            if len(np.unique(x)) < len(form.terms):
-                continue  # fewer distinct values of the variable than coefficients: not identifiable
+            levels = len(np.unique(x))
+            if levels < len(form.terms):  # fewer distinct values of the variable than coefficients: not identifiable
+                skipped.setdefault(name, {})[m] = (f"{levels} distinct value(s) of {form.column} in {len(x)} finished "
+                                                   f"point(s); its form has {len(form.terms)} coefficients")
+                continue
             fit = fit_form(form, x, y, n_boot=n_boot)
             fit["default_x"] = defaults[form.column]
             laws.setdefault(name, {})[m] = fit
-    return laws
+    return laws, skipped
+
+
+def _completeness(rows: list[dict], spec: StudySpec) -> dict[str, Any]:
+    """How many of the spec's points have a result: ``partial`` is true while any is missing."""
+    expected = {p.id for p in expand_points(spec)}
+    done = expected & {r.get("point_id") for r in rows}
+    return {"partial": len(done) < len(expected), "points_expected": len(expected), "points_done": len(done),
+            "points_missing": len(expected) - len(done)}
 
 
 def _interaction(rows: list[dict], defaults: dict, methods: list[str], n_boot: int) -> dict[str, Any]:
@@ -146,7 +162,9 @@ def fit_study(rows: list[dict], spec: StudySpec, *, n_boot: int = 200) -> dict[s
     """Everything ``fits.json`` holds (see the module docstring)."""
     defaults = spec.defaults.model_dump()
     methods = list(dict.fromkeys(m["name"] for m in spec.methods))
-    return {"defaults": defaults, "methods": methods, "laws": _fit_laws(rows, defaults, methods, n_boot),
+    laws, not_fitted = _fit_laws(rows, defaults, methods, n_boot)
+    return {"name": spec.name, **_completeness(rows, spec), "defaults": defaults, "methods": methods,
+            "laws": laws, "not_fitted": not_fitted,
             "stability": _stability(rows, defaults, n_boot), "sparsification": _sparsification(rows),
             "weighting": _weighting(rows), "terms": _terms(rows, defaults),
             "interaction": _interaction(rows, defaults, methods, n_boot), "n_rows": len(rows)}

@@ -190,6 +190,7 @@ def merge_job(point: dict[str, Any], spec: dict[str, Any], experts: list[dict], 
         tvs = q.task_vectors(base, bbs)
         rec |= _gradient_terms(s, cfgs, p.tasks) | _heterogeneity_terms(p, tvs)
         rec["n_train"] = [len(d["train"][1]) for d in data]
+        rec["n_classes"] = [h.out_features for h in heads]  # chance loss ln C per task (clmerge advise)
         if twins:
             rec |= _stability_terms(bbs[0], originals or [], twins)
         if refs is not None:

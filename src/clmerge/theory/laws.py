@@ -5,7 +5,9 @@ sigma, zeta; lambda_i = 1/N), one hyperparameter varied at a time; the paper fit
 linear in free non-negative coefficients ``c``, so a fit is a non-negative least-squares problem on a basis
 matrix (columns scaled to unit norm first).
 Confidence intervals come from a case bootstrap (rows resampled with replacement), R^2 from the residuals,
-and each fit is compared with the paper's stated trend direction (Sec. V-B, App. A-A1).
+and each fit is compared with the paper's stated trend direction (Sec. V-B, App. A-A1). A fit gets an
+"agrees" / "does not agree" verdict only with at least :data:`MIN_LEVELS` distinct values of its variable and
+more points than coefficients; otherwise its verdict is "not enough levels" (two levels fix no shape).
 
 | law | form | paper's claim |
 |---|---|---|
@@ -25,7 +27,11 @@ import numpy as np
 
 from ..utils.extras import require_extra
 
-__all__ = ["LawForm", "FORMS", "fit_form", "evaluate_form", "observed_trend", "power_slope"]
+__all__ = ["LawForm", "FORMS", "MIN_LEVELS", "NOT_ENOUGH_LEVELS", "fit_form", "evaluate_form", "observed_trend",
+           "power_slope", "verdict"]
+
+MIN_LEVELS = 3  # distinct values of a law's variable before its trend is judged against the paper's
+NOT_ENOUGH_LEVELS = "not enough levels"
 
 
 @dataclass(frozen=True)
@@ -138,13 +144,22 @@ def _agrees(form: LawForm, trend: str, c: np.ndarray, lo: np.ndarray) -> bool:
     return trend == form.paper_trend
 
 
+def verdict(form: LawForm, x: np.ndarray, agrees: bool) -> str:
+    """``"agrees"``, ``"does not agree"`` or, with fewer than :data:`MIN_LEVELS` distinct ``x`` or no more points
+    than coefficients, :data:`NOT_ENOUGH_LEVELS`."""
+    if len(np.unique(x)) < MIN_LEVELS or len(x) <= len(form.terms):
+        return NOT_ENOUGH_LEVELS
+    return "agrees" if agrees else "does not agree"
+
+
 def fit_form(form: LawForm, x: np.ndarray, y: np.ndarray, *, n_boot: int = 200, seed: int = 0,
              level: float = 0.95) -> dict:
     """Fit ``form`` to ``(x, y)`` by NNLS with a case-bootstrap confidence interval.
 
     Returns:
         A JSON-ready dict: ``coef``, ``ci_low``/``ci_high`` (percentile, ``level``), ``r2``, ``optimum`` and its
-        interval (trade-off forms), ``observed_trend``, ``spearman``, ``paper_trend``, ``agrees``, the data
+        interval (trade-off forms), ``observed_trend``, ``spearman``, ``paper_trend``, ``verdict`` (see
+        :func:`verdict`), ``agrees`` (``None`` when the verdict is "not enough levels"), ``levels``, the data
         ``x``/``y`` and the bootstrap coefficient samples ``boot`` (used by :func:`clmerge.theory.predict`).
     """
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
@@ -157,6 +172,7 @@ def fit_form(form: LawForm, x: np.ndarray, y: np.ndarray, *, n_boot: int = 200, 
     lo, hi = np.quantile(boot, a, axis=0), np.quantile(boot, 1 - a, axis=0)
     opts = [o for o in (optimum(form, b) for b in boot) if o is not None]
     trend, rho = observed_trend(x, y)
+    says = verdict(form, x, _agrees(form, trend, c, lo))
     return {
         "law": form.name, "variable": form.column, "equation": form.equation, "terms": list(form.terms),
         "roles": list(form.roles), "coef": c.tolist(), "ci_low": lo.tolist(), "ci_high": hi.tolist(), "level": level,
@@ -167,7 +183,8 @@ def fit_form(form: LawForm, x: np.ndarray, y: np.ndarray, *, n_boot: int = 200, 
         "optimum_ci": [float(np.quantile(opts, a)), float(np.quantile(opts, 1 - a))] if len(opts) > 1 else None,
         "optimum_share": len(opts) / n_boot,
         "observed_trend": trend, "spearman": rho, "paper_trend": form.paper_trend, "claim": form.claim,
-        "agrees": _agrees(form, trend, c, lo), "x": x.tolist(), "y": y.tolist(), "boot": boot.tolist(),
+        "verdict": says, "agrees": None if says == NOT_ENOUGH_LEVELS else says == "agrees",
+        "levels": len(np.unique(x)), "x": x.tolist(), "y": y.tolist(), "boot": boot.tolist(),
     }
 
 

@@ -77,9 +77,26 @@ def _fits_table(laws: dict[str, dict[str, dict]]) -> str:
                              for t, c, lo, hi in zip(f["terms"], f["coef"], f["ci_low"], f["ci_high"]))
             rows.append([name, method, f["equation"], coef, "—" if f["r2"] is None else f"{f['r2']:.3f}",
                          "—" if f["optimum"] is None else f"{f['optimum']:.3g}", f["paper_trend"],
-                         f["observed_trend"], "yes" if f["agrees"] else "no"])
-    return table(["law", "method", "form", "coefficients [95% CI]", "R²", "optimum", "paper", "observed", "agrees"],
+                         f["observed_trend"], f.get("verdict") or ("agrees" if f["agrees"] else "does not agree")])
+    return table(["law", "method", "form", "coefficients [95% CI]", "R²", "optimum", "paper", "observed", "verdict"],
                   rows, numeric_from=4)
+
+
+def _not_fitted(fits: dict[str, Any]) -> str:
+    """The laws left unfitted, each with its reason (empty when every law was fitted)."""
+    rows = [[name, method, why] for name, per in (fits.get("not_fitted") or {}).items() for method, why in per.items()]
+    return table(["law", "method", "not fitted because"], rows) if rows else ""
+
+
+def _header(out: Path, rows: list[dict], fits: dict[str, Any]) -> tuple[str, str]:
+    """``(title, header HTML)``: the spec's ``name`` (the directory's name for fits written without one), the
+    point counts, and a "partial" label with the missing points counted."""
+    name = fits.get("name") or out.name
+    n_grid = sum(r["kind"] == "grid" for r in rows)
+    partial = (f"<span><strong>partial</strong>: {fits['points_done']} of {fits['points_expected']} points, "
+               f"{fits['points_missing']} missing</span>" if fits.get("partial") else "")
+    return name, (f"<h1>Study: {escape(name)}</h1><p class=\"meta\">{partial}<span>{n_grid} merged grid points</span>"
+                  f"<span>{len(rows) - n_grid} weighting points</span></p>")
 
 
 def _stability_table(stab: dict[str, Any]) -> str:
@@ -95,16 +112,15 @@ def build_study_report(out: str | Path, rows: list[dict], fits: dict[str, Any], 
     """Write ``out/report.html`` and return its path."""
     out = Path(out)
     sections = [section("Advice", f"<pre>{escape(advice)}</pre>"),
-                section("Fitted laws (Theorem 3, one variable at a time)", _fits_table(fits.get("laws", {})))]
+                section("Fitted laws (Theorem 3, one variable at a time)",
+                        _fits_table(fits.get("laws", {})) + _not_fitted(fits))]
     plots = [img(law_plot(n, per), f"law {n}") for n, per in fits.get("laws", {}).items()]
     sections.append(section("Data against fits", "\n".join(plots) or '<p class="note">no law could be fitted</p>'))
     stab = fits.get("stability") or {}
     if any(isinstance(v, dict) and "slope" in v for v in stab.values()):
         sections.append(section("L2 stability (Theorem 1)",
                                  img(stability_plot(stab), "stability") + _stability_table(stab)))
-    n_grid = sum(r["kind"] == "grid" for r in rows)
-    header = (f"<h1>Study: {escape(out.name)}</h1><p class=\"meta\"><span>{n_grid} merged grid points</span>"
-              f"<span>{len(rows) - n_grid} weighting points</span></p>")
+    name, header = _header(out, rows, fits)
     path = out / "report.html"
-    atomic_write_text(path, page(f"clmerge study {out.name}", header, sections))
+    atomic_write_text(path, page(f"clmerge study {name}", header, sections))
     return path

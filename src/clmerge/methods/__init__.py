@@ -22,6 +22,7 @@ from . import magmax  # noqa: E402,F401
 from . import prompts  # noqa: E402,F401  (L2P, DualPrompt, CODA-Prompt, HiDe-Prompt)
 from . import frozen_backbone  # noqa: E402,F401  (SimpleCIL, RanPAC)
 from . import rehearsal  # noqa: E402,F401  (ER, DER, DER++)
+from . import slca  # noqa: E402,F401
 
 __all__ = [
     "METHODS",

@@ -15,6 +15,8 @@ Exit codes (distinct per kind, so scripts can tell them apart):
 
 from __future__ import annotations
 
+import re
+
 __all__ = ["clip", "ClmergeError", "UsageError", "InputError", "RunStateError", "OutputError", "TrainingError"]
 
 
@@ -58,5 +60,6 @@ class TrainingError(ClmergeError, RuntimeError):
 def clip(text: object, width: int = 120) -> str:
     """``text`` on one line, cut to ``width`` characters with an ellipsis: every message that echoes user
     input goes through it, so a huge value (a YAML alias bomb's expansion) never makes a huge message."""
-    flat = " ".join(str(text).split())
+    # line breaks and tabs become one space; runs of plain spaces stay (they may be part of a key's name)
+    flat = re.sub(r"\s*[^\S ]\s*", " ", str(text)).strip()
     return flat if len(flat) <= width else flat[: width - 1] + "…"

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROTOCOL = ["scenario.dataset=digits", "scenario.n_tasks=5", "head.classifier=linear", "train.adapt_tasks=null",
             "run.report=false", "run.progress=false"]
 METHODS = ("sd_lora,seq_lora,pm,inflora,sd_lora_rr,sd_lora_kd,ewc,halrp,magmax,l2p,dualprompt,coda_prompt,"
-           "hide_prompt,finetune,l2,gpm,stl,lora_avg,lora_dare,coma,cofima,simplecil,ranpac")
+           "hide_prompt,finetune,l2,gpm,stl,lora_avg,lora_dare,coma,cofima,simplecil,ranpac,er,der,derpp,slca")
 
 
 def run_one(method: str, threads: int, seed: int, work: Path, extra: list[str]) -> Path:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from clmerge.config import parse_config
-from clmerge.engine import run as engine_run
+from clmerge.engine import setup as engine_setup
 from clmerge.engine.heads import HeadSuite
 from clmerge.utils.precision import autocast, check_precision, full_precision, grad_scaler
 from clmerge.engine.run import run_experiment
@@ -65,7 +65,7 @@ def test_bf16_and_fp16_runs_stay_close_to_fp32(tmp_path):
 
 def _hostile(monkeypatch):
     """Every method's and head suite's end-of-task work called inside a bf16 autocast region."""
-    build = engine_run.build_method
+    build = engine_setup.build_method
 
     def build_hostile(*args, **kwargs):
         method = build(*args, **kwargs)
@@ -79,7 +79,7 @@ def _hostile(monkeypatch):
             setattr(method, hook, wrapped)
         return method
 
-    monkeypatch.setattr(engine_run, "build_method", build_hostile)
+    monkeypatch.setattr(engine_setup, "build_method", build_hostile)  # prepare() builds the method there
     end = HeadSuite.end_task
 
     def heads_hostile(self, *args, **kwargs):

@@ -235,7 +235,7 @@ def test_an_hf_text_backbone_passes_its_tokenizer_to_a_text_source():
     from types import SimpleNamespace
 
     from clmerge.config import parse_config
-    from clmerge.engine.run import _data_options
+    from clmerge.engine.setup import _data_options
 
     model = SimpleNamespace(backbone=SimpleNamespace(tokenizer_source="/models/my-bert"))
     cfg = parse_config({"scenario": {"dataset": "wordnet_supersense"}, "model": {"name": "hf-text"}})

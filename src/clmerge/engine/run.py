@@ -1,4 +1,5 @@
-"""The continual loop: config -> scenario, model, method -> train/evaluate/checkpoint per task -> metrics.
+"""The continual loop: config -> scenario, model, method (built by :mod:`.setup`) -> train/evaluate/checkpoint
+per task -> metrics.
 
 Reads top to bottom (docs/architecture.md, "The data flow of a continual run"). Randomness is derived from
 ``(seed, task)`` at the start of every task, so a run resumed at task t+1 from the checkpoint of task t gives
@@ -9,167 +10,37 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import platform
-import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from .. import __version__
 from ..adapters.structure import model_structure, rebuild_structure
 from ..config import ExperimentConfig, dump_config
-from ..data import build_dataset, build_scenario
-from ..data.scenarios import Scenario, configure_loading
-from ..methods import build_method
-from ..methods.base import ContinualMethod, TaskContext
+from ..methods.base import TaskContext
 from ..metrics import summarize
-from ..models import ContinualClassifier, IncrementalHead, build_backbone
+from ..models import ContinualClassifier
 from ..utils.io import append_jsonl, atomic_write_text, read_json, sha256_bytes, sha256_file, write_json
 from ..utils.progress import Progress
 from .checkpoint import (RECORD_KEY, ResumeError, RunLock, checkpoint_contents, checkpoint_record,
                          load_checkpoint, load_head_tensors, resume_checkpoint, save_checkpoint)
 from .evaluate import evaluate_tasks
-from .heads import VARIANTS, HeadSuite, check_head_support
+from .heads import VARIANTS
 from .resume import (CONFIG_SHA_KEY, check_resumable, check_same_config, events_sha256, finished_tasks_in_events,
                      recorded_config_sha256, thread_history, verify_events)
 from . import distributed
 from ..utils.precision import autocast, check_precision, fp32_region
 from .training import fit
+from .setup import (Run, RunState, build_classifier, build_heads, fresh_objects, head_variant_needs_features,
+                    prepare, prepare_run, resolve_device, task_generator)
 from .sinks import Sinks, check_sinks
 
-__all__ = ["run_experiment", "prepare", "prepare_run", "build_heads", "Run", "RunState", "task_generator",
-           "resolve_device", "fresh_objects", "share_state", "train_task", "evaluate_row", "restore",
-           "load_into", "final_metrics"]
+# the names of .setup are re-exported: callers build a run with clmerge.engine.run.prepare_run, as before
+__all__ = ["run_experiment", "prepare", "prepare_run", "build_heads", "build_classifier", "Run", "RunState",
+           "task_generator", "resolve_device", "fresh_objects", "head_variant_needs_features", "share_state",
+           "train_task", "evaluate_row", "restore", "load_into", "final_metrics"]
 
 log_warning = logging.getLogger("clmerge.engine").warning  # one line on stderr ("warning: ...")
-
-
-@dataclass
-class RunState:
-    rows: list[list[float | None]] = field(default_factory=list)
-    til_rows: list[list[float | None]] = field(default_factory=list)
-    task_seconds: list[float] = field(default_factory=list)
-    initial: list[float] | None = None
-    events_lines: int = 0
-    head_rows: dict[str, dict[str, list]] = field(default_factory=dict)  # shadow heads: {variant: rows, til_rows}
-    head_val: dict[str, float] = field(default_factory=dict)  # final validation CIL accuracy per head variant
-    warned_untrained: bool = False  # the train.adapt_tasks=0 warning was printed in this process (not saved)
-
-    def to_meta(self) -> dict:
-        return {"rows": self.rows, "til_rows": self.til_rows, "task_seconds": self.task_seconds,
-                "initial": self.initial, "events_lines": self.events_lines, "head_rows": self.head_rows,
-                "head_val": self.head_val}
-
-
-@dataclass
-class Run:
-    """One run's objects, built once (:func:`prepare_run`) and handed to every step of the run
-    (:func:`restore`, :func:`train_task`, :func:`evaluate_row`, :func:`final_metrics`).
-
-    ``model``, ``method`` and ``heads`` may be replaced after a task: in a data-parallel run, the processes
-    other than 0 load process 0's state into new objects (:func:`share_state`), built by ``fresh`` (default
-    :func:`fresh_objects`)."""
-
-    cfg: ExperimentConfig
-    scenario: Scenario
-    model: ContinualClassifier
-    method: ContinualMethod
-    out: Path
-    device: torch.device
-    heads: HeadSuite | None = None
-    state: RunState = field(default_factory=RunState)
-    sinks: Sinks | None = None  # run.log's sinks (process 0, opened after a resume restored events.jsonl)
-    manifest: dict = field(default_factory=dict)
-    fresh: Callable[[], tuple[ContinualClassifier, ContinualMethod, HeadSuite]] | None = None
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def task_generator(seed: int, task: int) -> torch.Generator:
-    """The per-task RNG; also reseeds torch's global RNG so dropout and ad-hoc draws repeat on resume."""
-    s = (seed * 1_000_003 + task * 7919 + 17) % (2**63 - 1)
-    torch.manual_seed(s)
-    return torch.Generator().manual_seed(s)
-
-
-def build_classifier(cfg: ExperimentConfig) -> ContinualClassifier:
-    torch.manual_seed(cfg.seed)  # random-init backbones (pretrained: false) depend on the seed
-    m = cfg.model
-    backbone = build_backbone(m.name, pretrained=m.pretrained, source=m.source, config=m.config)
-    return ContinualClassifier(backbone, IncrementalHead(backbone.feature_dim, bias=m.head_bias))
-
-
-def prepare(cfg: ExperimentConfig) -> tuple[Scenario, ContinualClassifier, ContinualMethod, dict]:
-    """Build the scenario, the model and the method (with ``setup`` applied) and the run manifest."""
-    s = cfg.scenario
-    model = build_classifier(cfg)
-    image_size = s.image_size or getattr(model.backbone, "image_size", None)
-    splits = build_dataset(s.dataset, data_root=s.data_root, image_size=image_size, seed=s.seed,
-                           **_data_options(cfg, model))
-    scenario = build_scenario(
-        splits, kind=s.kind, n_tasks=s.n_tasks, seed=s.seed, shuffle_classes=s.shuffle_classes,
-        class_order=s.class_order, classes_per_task=s.classes_per_task, transform=s.transform, rotations=s.rotations,
-        permute_first_task=s.permute_first_task, train_per_class=s.train_per_class, test_per_class=s.test_per_class,
-        train_per_task=s.train_per_task, val_fraction=s.val_fraction, task_order=s.task_order,
-    )
-    configure_loading(scenario, num_workers=cfg.train.num_workers, pin_memory=cfg.train.pin_memory,
-                      fast_jpeg=cfg.train.fast_jpeg)
-    method = build_method(cfg.method.name, cfg.method_options(), seed=cfg.seed)
-    method.setup(model)
-    manifest = {
-        "clmerge_version": __version__, "python": sys.version.split()[0], "torch": torch.__version__,
-        "platform": platform.platform(), "seed": cfg.seed, "scenario_seed": s.seed, "kind": scenario.kind,
-        "dataset": s.dataset, "class_order": scenario.class_order, "class_names": list(scenario.class_names),
-        "tasks": [t.describe() for t in scenario.tasks],
-        "data": splits.fingerprint, "backbone": dict(getattr(model.backbone, "info", {})), "method": cfg.method.name,
-        "trainable_params_after_setup": sum(p.numel() for p in model.parameters() if p.requires_grad),
-    }
-    return scenario, model, method, manifest
-
-
-def prepare_run(cfg: ExperimentConfig, out: str | Path, device: torch.device | str, *,
-                heads: bool = True) -> Run:
-    """The :class:`Run` of ``cfg`` writing into ``out``: :func:`prepare`'s objects and, unless ``heads`` is
-    False, the head suite (:func:`build_heads`)."""
-    scenario, model, method, manifest = prepare(cfg)
-    suite = build_heads(cfg, model, method) if heads else None
-    return Run(cfg, scenario, model, method, Path(out), torch.device(device), suite, manifest=manifest)
-
-
-def _data_options(cfg: ExperimentConfig, model: ContinualClassifier) -> dict:
-    """``scenario.options``, plus the text backbone's own tokenizer for a text source that was not given one
-    (``hf-text`` with ``model.source``: its tokenizer folder or hub id; the ``minilm-l6`` preset is the
-    sources' default already)."""
-    import inspect
-
-    from ..data.base import DATASETS
-
-    opts = dict(cfg.scenario.options)
-    source = getattr(model.backbone, "tokenizer_source", None)
-    fn = DATASETS.get(cfg.scenario.dataset, (None,))[0]
-    if (source and "tokenizer" not in opts and cfg.model.name != "minilm-l6" and fn is not None
-            and "tokenizer" in inspect.signature(fn).parameters):
-        opts["tokenizer"] = source
-    return opts
-
-
-def build_heads(cfg: ExperimentConfig, model: ContinualClassifier, method: ContinualMethod) -> HeadSuite:
-    """The run's head suite; a feature-based head on a method without one shared backbone is a config error."""
-    if head_variant_needs_features(cfg):
-        check_head_support(cfg.head, cfg.method.name, method.inference_model())
-    return HeadSuite(cfg.head, seed=cfg.seed, feature_dim=model.head.in_features, head_bias=cfg.model.head_bias)
-
-
-def head_variant_needs_features(cfg: ExperimentConfig) -> bool:
-    h = cfg.head
-    return h.compare or h.align or h.classifier != "linear"
 
 
 def _check_run_dir(out: Path, cfg_text: str, resume: bool) -> None:
@@ -274,14 +145,6 @@ def _fit_task(run: Run, t: int, ctx: TaskContext, gen: torch.Generator) -> None:
         p.requires_grad_(True)
 
 
-def fresh_objects(cfg: ExperimentConfig) -> tuple[ContinualClassifier, ContinualMethod, HeadSuite]:
-    """A new model, method (after ``setup``) and head suite of ``cfg``, as :func:`prepare` builds them."""
-    model = build_classifier(cfg)
-    method = build_method(cfg.method.name, cfg.method_options(), seed=cfg.seed)
-    method.setup(model)
-    return model, method, build_heads(cfg, model, method)
-
-
 def share_state(dp, run: Run) -> None:
     """Process 0's model, method and head state (what a checkpoint holds) to every process; the others load it
     into fresh objects (``run.fresh``, default :func:`fresh_objects`), as ``--resume`` does, and put them in
@@ -317,8 +180,6 @@ def load_into(model, method, heads, meta: dict, model_state: dict, method_tensor
     method.load_state({k: v.to(device) for k, v in method_tensors.items()}, meta["method"])
     if heads is not None and heads.needs_features:
         heads.load_state(head_tensors, meta["heads"])
-
-
 
 
 def _adapted_groups(cfg, t: int, groups: list[dict]) -> tuple[list[dict], list]:

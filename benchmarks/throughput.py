@@ -246,9 +246,9 @@ def run_cell(job: dict, context) -> dict:
 
 def _cache_datasets() -> None:
     """Parse each dataset once in the parent (mnist5k is a 4-s text parse); forked cells inherit it."""
-    import clmerge.engine.run as engine_run
+    import clmerge.engine.setup as engine_setup
 
-    build, cache = engine_run.build_dataset, {}
+    build, cache = engine_setup.build_dataset, {}
 
     def cached(name, **kw):
         key = json.dumps([name, kw], sort_keys=True, default=str)
@@ -256,7 +256,7 @@ def _cache_datasets() -> None:
             cache[key] = build(name, **kw)
         return cache[key]
 
-    engine_run.build_dataset = cached
+    engine_setup.build_dataset = cached
 
 
 def _warm_parent(suites: dict, a) -> None:

@@ -215,14 +215,51 @@ class RunLock:
 
     def __enter__(self) -> "RunLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.is_file():
+        for _ in range(8):  # each pass either takes the lock, refuses, or clears one stale lock
+            if self._claim():
+                return self
             holder = lock_holder(self.path)
             if holder is not None:
-                raise RunStateError(f"{self.path.parent} is in use by {holder} (its {self.path.name}); wait for "
-                                    f"it to finish or choose another --out")
-            self._stale = (self.path.read_bytes(), self.path.stat())
-        self.path.write_text(json.dumps(_lock_record(os.getpid())))
-        return self
+                raise self._in_use(holder)
+            self._clear_stale()
+        raise RunStateError(f"could not take the lock {self.path}: other runs keep claiming it; retry")
+
+    def _in_use(self, holder: str) -> RunStateError:
+        return RunStateError(f"{self.path.parent} is in use by {holder} (its {self.path.name}); wait for it to "
+                             f"finish or choose another --out")
+
+    def _claim(self) -> bool:
+        """Create the lock file with its full record in one step: the record is written to a private file,
+        then hard-linked to ``.lock``, which fails when the name exists. Two runs that start together can
+        therefore never both hold the lock, and nobody ever reads a half-written record."""
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(_lock_record(os.getpid())))
+        try:
+            os.link(tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _clear_stale(self) -> None:
+        """Move a stale lock aside (a rename succeeds for one claimant only), keeping its bytes for __exit__.
+        If what was moved turns out to be a live run's lock (it replaced the stale one in between), put it
+        back and refuse."""
+        aside = self.path.with_name(f"{self.path.name}.{os.getpid()}.stale")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return  # another run cleared it first; try to claim again
+        holder = lock_holder(aside)
+        if holder is not None:
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, self.path)
+            aside.unlink(missing_ok=True)
+            raise self._in_use(holder)
+        if self._stale is None:
+            self._stale = (aside.read_bytes(), aside.stat())
+        aside.unlink(missing_ok=True)
 
     def __exit__(self, exc_type, *exc) -> None:
         if self._stale is not None and exc_type is not None and issubclass(exc_type, RunStateError):

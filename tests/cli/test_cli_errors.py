@@ -859,3 +859,12 @@ def test_a_log_sink_without_its_package_is_one_input_error_line(ws, monkeypatch,
     words = [f"run.log: {sink}", f'pip install "clmerge[{sink}]"']
     _check(CliRunner().invoke(app, [*RUN, "--set", f"run.log=[{sink}]", "--out", "r"]), INPUT, words, before, ws)
 
+
+
+# -- data sources: an option the source does not take (builders swallow the engine's generic arguments with
+# `**_`, so a misspelt option used to vanish without a word)
+def test_an_unknown_data_option_is_one_usage_line_naming_it(ws):
+    before = _snapshot(ws)
+    argv = [*RUN, "--set", "scenario.options.test_fractoin=0.5", "--out", "r"]
+    words = ["scenario.options.test_fractoin", "test_fraction"]
+    _check(CliRunner().invoke(app, argv), USAGE, words, before, ws)

@@ -28,6 +28,7 @@ __all__ = [
     "FileListData",
     "DataSplits",
     "register_dataset",
+    "check_source_options",
     "build_dataset",
     "available_datasets",
     "DATASETS",
@@ -199,6 +200,27 @@ def available_datasets() -> dict[str, str]:
 def build_dataset(name: str, **kwargs) -> DataSplits:
     fn = DATASETS.get(name).fn
     return fn(**_typed_options(name, fn, kwargs))
+
+
+def check_source_options(name: str, keys) -> None:
+    """Refuse ``scenario.options`` keys that the data source ``name`` does not take. Builders accept ``**_`` so
+    that the engine can pass its generic arguments (``data_root``, ``image_size``, ``seed``) to every source;
+    a user's misspelt option would vanish there, so the user's keys are checked against the named
+    parameters (a builder whose ``**kwargs`` has another name than ``_`` uses them, and is not checked)."""
+    import inspect
+
+    from ..errors import UsageError, clip
+
+    fn = DATASETS.get(name).fn
+    sig = inspect.signature(fn).parameters.values()
+    if any(p.kind == p.VAR_KEYWORD and p.name != "_" for p in sig):
+        return  # a builder that uses its **kwargs (a plugin's, say) judges them itself
+    params = [p.name for p in sig if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    for key in keys:
+        if key not in params:
+            valid = ", ".join(params) or "(none)"
+            raise UsageError(f"unknown data option {clip(repr(f'scenario.options.{key}'), 80)} for dataset "
+                             f"{name!r}; it takes: {clip(valid, 300)}")
 
 
 def _plain_data(value: object) -> bool:

@@ -120,9 +120,10 @@ def _data_options(cfg: ExperimentConfig, model: ContinualClassifier) -> dict:
     sources' default already)."""
     import inspect
 
-    from ..data.base import DATASETS
+    from ..data.base import DATASETS, check_source_options
 
     opts = dict(cfg.scenario.options)
+    check_source_options(cfg.scenario.dataset, opts)
     source = getattr(model.backbone, "tokenizer_source", None)
     fn = DATASETS.get(cfg.scenario.dataset, (None,))[0]
     if (source and "tokenizer" not in opts and cfg.model.name != "minilm-l6" and fn is not None

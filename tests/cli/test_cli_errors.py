@@ -868,3 +868,14 @@ def test_an_unknown_data_option_is_one_usage_line_naming_it(ws):
     argv = [*RUN, "--set", "scenario.options.test_fractoin=0.5", "--out", "r"]
     words = ["scenario.options.test_fractoin", "test_fraction"]
     _check(CliRunner().invoke(app, argv), USAGE, words, before, ws)
+
+
+# -- worker pools of a mistyped size are refused before anything forks (at most 4 x the CPUs)
+@pytest.mark.parametrize("argv", [["sweep", "sweep.yaml", "--jobs", "100000", "--out", "s"],
+                                  ["study", str(STUDY_SPEC), "--jobs", "100000", "--out", "s"],
+                                  [*RUN, "--nproc", "100000", "--out", "r"]],
+                         ids=["sweep", "study", "run-nproc"])
+def test_a_huge_jobs_count_is_one_usage_line(ws, argv):
+    (ws / "sweep.yaml").write_text(yaml.safe_dump(SWEEP_SPECS["sweep.yaml"]))
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, argv), USAGE, [argv[-3], "100000", "CPUs"], before, ws)

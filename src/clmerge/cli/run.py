@@ -17,6 +17,7 @@ from rich.table import Table
 
 from .base import app, console, err, exit_with, fail
 from ..errors import UsageError
+from ..utils.threads import check_jobs
 
 RUNS_DIR_ENV = "CLMERGE_RUNS_DIR"  # where `clmerge run` puts a run without --out (default: ./runs)
 
@@ -79,6 +80,7 @@ def run(
     load_plugins(plugin)
     try:
         cfg = load_config(config, set_)
+        check_jobs(nproc, "--nproc")
     except (ConfigError, ValueError) as exc:
         fail(exc)
     if seeds is not None:

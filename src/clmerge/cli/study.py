@@ -41,8 +41,13 @@ def study_command(
     from ..theory.spec import load_study
     from ..utils.extras import require_extra
     from ..utils.outpaths import check_writable
+    from ..utils.threads import check_jobs
 
     jobs = renamed_option("--workers", "--jobs", workers, jobs, 0)
+    try:
+        check_jobs(jobs)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if backend not in ("local", "ray"):  # before the study directory is created
         raise UsageError(f"--backend {clip(repr(backend), 60)}: expected local or ray")
     try:

@@ -40,8 +40,13 @@ def sweep_command(
     """Run a grid of experiments (methods x seeds x ...), one run directory per cell."""
     from ..config import ConfigError
     from ..plugins import load_plugins
+    from ..utils.threads import check_jobs
     from ..sweep import load_spec
 
+    try:
+        check_jobs(jobs)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if plugin and (jobs or backend != "local"):
         raise UsageError("--plugin registers its names in this process only: it does not combine with --jobs or "
                          "--backend ray")

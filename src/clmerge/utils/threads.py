@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 __all__ = ["default_threads", "io_threads", "set_threads", "THREADS_PER_CPU", "max_threads", "threads_problem",
-           "check_threads"]
+           "check_threads", "check_jobs"]
 
 _IO_THREADS = {"on": False}
 
@@ -64,4 +64,13 @@ def check_threads(n: int, name: str = "--threads") -> int:
     problem = threads_problem(n)
     if problem is not None:
         raise ValueError(f"{name}: {problem}, got {n}")
+    return n
+
+
+def check_jobs(n: int, name: str = "--jobs") -> int:
+    """``n`` worker processes (0: none) when at most :func:`max_threads`; else ``ValueError`` naming ``name``.
+    A worker pool of a mistyped size (``--jobs 100000``) would fork until the machine falls over."""
+    if n < 0 or n > max_threads():
+        raise ValueError(f"{name}: should be 0 to {max_threads()} ({THREADS_PER_CPU} x the "
+                         f"{max_threads() // THREADS_PER_CPU} CPUs here), got {n}")
     return n

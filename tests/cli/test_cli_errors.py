@@ -879,3 +879,9 @@ def test_a_huge_jobs_count_is_one_usage_line(ws, argv):
     (ws / "sweep.yaml").write_text(yaml.safe_dump(SWEEP_SPECS["sweep.yaml"]))
     before = _snapshot(ws)
     _check(CliRunner().invoke(app, argv), USAGE, [argv[-3], "100000", "CPUs"], before, ws)
+
+
+def test_pretrain_with_zero_epochs_is_refused_not_ignored(ws):
+    """``--epochs 0`` used to fall back to the preset's epochs without a word and train for minutes."""
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, ["pretrain", "--epochs", "0", "--out", "p"]), USAGE, ["--epochs", "greater than or equal to 1"], before, ws)

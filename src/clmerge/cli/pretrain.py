@@ -14,7 +14,7 @@ def pretrain(
     preset: str = typer.Option("vit-tiny-fmnist", "--preset", help="what to pretrain"),
     out: Path | None = typer.Option(None, "--out", help="output directory (default: ./pretrained/<preset>; the "
                                     "shipped weights are in clmerge/assets/<preset>)"),
-    epochs: int | None = typer.Option(None, "--epochs", help="override the preset's epochs"),
+    epochs: int | None = typer.Option(None, "--epochs", min=1, help="override the preset's epochs"),
     data_root: str | None = typer.Option(None, "--data-root", help="where the Fashion-MNIST IDX files are"),
     threads: int = typer.Option(1, "--threads", help="torch threads (the shipped weights used 1; bit-exact "
                                 "reproduction needs the same count)"),
@@ -37,6 +37,6 @@ def pretrain(
     if out is None:
         err.print(f"writing to {target.absolute()} (give --out to choose; the shipped weights are in clmerge/assets)",
                   highlight=False, soft_wrap=True)
-    kwargs = {"data_root": data_root, "threads": threads} | ({"epochs": epochs} if epochs else {})
+    kwargs = {"data_root": data_root, "threads": threads} | ({"epochs": epochs} if epochs is not None else {})
     prov = PRESETS[preset](target, **kwargs)
     console.print(f"wrote {target}: test accuracy {prov['test_accuracy']:.2f}%, sha256 {prov['sha256'][:16]}…")

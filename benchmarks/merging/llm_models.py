@@ -81,11 +81,15 @@ def _tokenizer(out: Path, vocab_size: int) -> bool:
         return False
 
 
-def make_models(data_dir: Path, *, tiny: bool = False, seed: int = 0, shard: str = "500MB") -> dict[str, Any]:
-    """Write ``base/`` and ``variant{1..3}/`` under ``data_dir``; skipped when ``spec.json`` matches."""
+def make_models(data_dir: Path, *, tiny: bool = False, seed: int = 0, shard: str = "500MB",
+                layers: int | None = None) -> dict[str, Any]:
+    """Write ``base/`` and ``variant{1..3}/`` under ``data_dir``; skipped when ``spec.json`` matches.
+    ``layers``: TinyLlama's widths with that many decoder layers (a quicker set with the same tensor shapes)."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     shapes_cfg = TINY if tiny else LLAMA_1B
+    if layers is not None:
+        shapes_cfg = {**shapes_cfg, "num_hidden_layers": layers}
     spec = {"config": shapes_cfg, "seed": seed, "shard": shard, "variants": VARIANTS, "version": SPEC_VERSION}
     spec_file = data_dir / "spec.json"
     if spec_file.exists():

@@ -267,11 +267,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--redo", action="store_true", help="measure finished cells again")
     p.add_argument("--keep-outputs", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model (a smoke test of the script)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="TinyLlama's widths with this many layers (the same tensor shapes, a quicker set)")
     p.add_argument("--json", type=Path, default=HERE / "llm_scale.json")
     p.add_argument("--out", type=Path, default=HERE / "llm_scale.md")
     args = p.parse_args(argv)
     t_start = time.time()
-    spec = make_models(args.data, tiny=True, shard="200KB") if args.tiny else make_models(args.data)
+    spec = (make_models(args.data, tiny=True, shard="200KB", layers=args.layers) if args.tiny
+            else make_models(args.data, layers=args.layers))
     res = json.loads(args.json.read_text()) if args.json.exists() else {"cells": {}}
     res |= {"spec": spec, "threads": args.threads, "shard": args.shard, "cpus": os.cpu_count(),
             "mem_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}

@@ -73,10 +73,12 @@ def dare(*, base: Any, experts: Sequence[Any], drop_rate: float = 0.5, rescale: 
             # sum_t m_t * tau_t accumulated in place (float32, float64 for float64 inputs); the 1/(1-p)
             # rescale applied once at the end
             dt = work_dtype(b.dtype, *(x.dtype for x in xs))
-            acc, fb = torch.zeros(b.shape, dtype=dt), b.to(dt)
+            acc, fb, tv = torch.zeros(b.shape, dtype=dt), b.to(dt), torch.empty(b.shape, dtype=dt)
             for t, x in enumerate(xs):
-                keep = torch.rand(x.shape, generator=dare_generator(seed, key, t)) >= drop_rate
-                acc.add_((x.to(dt) - fb).mul_(keep))
+                # the mask as 0/1 in the random draw's own buffer, and one fused multiply-add: the same numbers
+                # as ``acc += (x - b) * (rand >= p)`` (a product with 0 or 1 is exact) with two passes fewer
+                keep = torch.rand(x.shape, generator=dare_generator(seed, key, t)).ge_(drop_rate).to(dt)
+                acc.addcmul_(torch.sub(x, fb, out=tv), keep)
             factor = scaling / (1.0 - drop_rate) if rescale else scaling
             return acc.mul_(factor).add_(b)
 

@@ -101,8 +101,8 @@ def global_trim(models: ModelSet, density: float, tv_fn: TaskVectorFn,
             bounds.append(pos)
         out[t] = kth_smallest(buf.abs_(), k)
         if want_ties:
-            above[t] = int((buf > out[t]).sum())
-            ties[t] = [int((buf[i:j] == out[t]).sum()) for i, j in zip(bounds[:-1], bounds[1:])]
+            above[t] = int(torch.count_nonzero(buf > out[t]))
+            ties[t] = [int(torch.count_nonzero(buf[i:j] == out[t])) for i, j in zip(bounds[:-1], bounds[1:])]
     if not want_ties:
         return out, None
     return out, allocate_tie_quotas(keys, ties, [kept - a for a in above])
@@ -179,9 +179,9 @@ def _streamed_thresholds(models: ModelSet, keys: list[str], total: int, k: int, 
         if int(below[t]) < k <= int(below[t]) + vals.numel():
             out[t] = vals.kthvalue(k - int(below[t])).values
             if want_ties:
-                above[t] = total - int(below[t]) - int((vals <= out[t]).sum())
+                above[t] = total - int(below[t]) - int(torch.count_nonzero(vals <= out[t]))
                 ends = starts[t][1:] + [fill[t]]
-                ties[t] = [int((vals[i:j] == out[t]).sum()) for i, j in zip(starts[t], ends)]
+                ties[t] = [int(torch.count_nonzero(vals[i:j] == out[t])) for i, j in zip(starts[t], ends)]
     return out, above, ties
 
 

@@ -64,7 +64,7 @@ def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int
         torch.ge(torch.abs(tv, out=tmp), thr_c, out=mask)
         for t, rem in enumerate(remaining):
             if rem > 0:  # the one key (per expert) where the quota of threshold-equal entries runs out
-                remaining[t] = max(0, rem - int((tmp[t] == thr32[t]).sum()))
+                remaining[t] = max(0, rem - int(torch.count_nonzero(tmp[t] == thr32[t])))
                 add_ties(mask[t], tmp[t], thr32[t], rem)
         tv.mul_(mask)  # trimmed
         torch.sign(torch.sum(tv, 0, out=total), out=sign)

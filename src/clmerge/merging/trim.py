@@ -88,7 +88,7 @@ def kth_smallest(x: Tensor, k: int, *, sample: int = 1 << 16) -> Tensor:
     lo_i, hi_i = math.floor((q - margin) * n), math.ceil((q + margin) * n)
     lo = s.kthvalue(lo_i).values if lo_i >= 1 else x.new_tensor(-math.inf)
     hi = s.kthvalue(hi_i).values if hi_i <= n else x.new_tensor(math.inf)
-    below = int((x < lo).sum())
+    below = int(torch.count_nonzero(x < lo))
     inside = x[(x >= lo) & (x <= hi)]
     if below < k <= below + inside.numel():
         return inside.kthvalue(k - below).values
@@ -108,7 +108,7 @@ def top_magnitude_mask(mag: Tensor, k: int) -> Tensor:
         return torch.zeros(mag.shape, dtype=torch.bool)
     v = _kth_largest(mag, k)
     keep = mag > v
-    return add_ties(keep, mag, v, k - int(keep.sum()))
+    return add_ties(keep, mag, v, k - int(torch.count_nonzero(keep)))
 
 
 def exact_trim_rows(tvs: Tensor, density: float) -> Tensor:
@@ -138,7 +138,7 @@ def tensor_trim_spec(mags: Tensor, density: float) -> tuple[Tensor, list[int]]:
     thr, quotas = [], []
     for m in mags:
         v = _kth_largest(m, k)
-        above, ties = int((m > v).sum()), int((m == v).sum())
+        above, ties = int(torch.count_nonzero(m > v)), int(torch.count_nonzero(m == v))
         quota = k - above
         thr.append(v)
         quotas.append(TIE_ALL if quota >= ties else quota)

@@ -254,11 +254,11 @@ def _sweep_options_unused(options: dict, run_dir: Path) -> None:
 
 def _sweep_report(sweep_dir: Path, by: str | None, vs: str | None, metrics: str | None, ignore: list[str]) -> Path:
     from ..report import sweep_page, tables
-    from .results import split_keys
+    from .results import _keys
 
     names = tables.parse_metrics(metrics) if metrics is not None else list(sweep_page.DEFAULT_METRICS)
-    return sweep_page.build_sweep_page(sweep_dir, by=split_keys([by]) if by else None, metrics=names, vs=vs,
-                                       ignore=split_keys(ignore))
+    return sweep_page.build_sweep_page(sweep_dir, by=_keys([by]) if by else None, metrics=names, vs=vs,
+                                       ignore=_keys(ignore))
 
 
 @app.command()

@@ -144,3 +144,42 @@ def test_cli_report_on_a_sweep_directory_writes_one_page(sweep):
     assert result.exit_code == 0, result.output
     html = (sweep / "report.html").read_text()
     assert "Δacc" in html and "til_acc" not in html.split("<h2>Accuracy over tasks")[0].split("</table>")[0]
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def screenshot(page: Path, png: Path, profile: Path, height: int = 2400) -> None:
+    """Render ``page`` with headless Chromium into ``png`` (1280 px wide), offline and without a profile."""
+    import subprocess
+
+    argv = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            f"--user-data-dir={profile}", f"--screenshot={png}", f"--window-size=1280,{height}",
+            page.resolve().as_uri()]
+    subprocess.run(argv, check=True, capture_output=True, timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CHROMIUM.is_file(), reason="no /usr/bin/chromium (apt-get install chromium) to render "
+                    "the page in a real browser")
+def test_the_page_of_a_real_tiny_sweep_renders_in_chromium(tmp_path, monkeypatch):
+    from matplotlib.image import imread
+    import numpy as np
+
+    from conftest import tiny_config
+
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(tiny_config(**{"train.epochs": 1})))
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump({"base": "tiny.yaml", "grid": {
+        "method.name": ["seq_lora", "pm"], "seed": [0, 1]}}))
+    monkeypatch.chdir(tmp_path)
+    assert CliRunner().invoke(app, ["sweep", "spec.yaml", "--out", "sw"]).exit_code == 0
+    result = CliRunner().invoke(app, ["report", "sw", "--vs", "seq_lora"])
+    assert result.exit_code == 0, result.output
+    screenshot(tmp_path / "sw" / "report.html", tmp_path / "shot.png", tmp_path / "profile")
+    pixels = imread(tmp_path / "shot.png")[..., :3]
+    assert pixels.shape[:2] == (2400, 1280)
+    colours = np.unique((pixels.reshape(-1, 3) * 255).round().astype(np.uint8), axis=0)
+    assert len(colours) > 500, "the screenshot is (nearly) one colour: the page did not render"
+    plots_band = pixels[600:1600]  # the first plots sit below the table: blue, orange lines and bands
+    assert (np.abs(plots_band[..., 2] - plots_band[..., 0]) > 0.3).any(), "no coloured plot on the page"

@@ -81,6 +81,7 @@ def test_page_table_values_links_and_generated_cell_pages(sweep):
     assert out == sweep / "report.html"
     assert "63.50 ± 3.50" in html and "76.00 ± 2.00" in html  # acc (60, 67) and (74, 78)
     assert "+12.50 ± 1.50 (2)" in html  # paired: 74 - 60, 78 - 67
+    assert "<h3>Paired differences to seq_lora</h3>" in html
     assert "<th>method.name</th><th>runs</th>" in html
     hrefs = re.findall(r'<a href="([^"]+)"', html)
     assert sorted(hrefs) == sorted(f"{m}-seed{s}/report.html" for m in MATRICES for s in (0, 1))

@@ -97,13 +97,20 @@ def _header(title: str, sweep_dir: Path, t: tables.ResultsTable) -> str:
 
 
 def _table_section(t: tables.ResultsTable) -> str:
+    """The results table, split in two when it has paired differences: the groups' own values, then the
+    differences to the reference (one wide table would not fit the page)."""
     head, rows = tables.table_rows(t)
+    own = len(t.by) + 1 + len(t.metrics)
     caption = ("Each metric: mean ± standard error over the group's runs (seeds); <i>runs</i> is n. "
                "Accuracies in percent, forgetting in percentage points; <code>til_</code>: the task id is "
-               "given at test time. The same table as <code>clmerge results</code>.")
+               "given at test time. The same numbers as <code>clmerge results</code>.")
+    body = table(head[:own], [r[:own] for r in rows], numeric_from=len(t.by))
+    if t.vs is not None:
+        keep = list(range(len(t.by))) + list(range(own, len(head)))
+        body += (f"<h3>Paired differences to {escape(t.vs)}</h3>"
+                 + table([head[k] for k in keep], [[r[k] for k in keep] for r in rows], numeric_from=len(t.by)))
     notes = "".join(f"<li>{escape(n)}</li>" for n in t.notes())
-    return section("Comparison", table(head, rows, numeric_from=len(t.by)) + f'<p class="note">{caption}</p>'
-                   + f'<ul class="note">{notes}</ul>')
+    return section("Comparison", body + f'<p class="note">{caption}</p><ul class="note">{notes}</ul>')
 
 
 def _bands(t: tables.ResultsTable, per_run: Callable[[dict[str, Any]], Any]) -> dict[str, Band]:

@@ -764,6 +764,18 @@ def test_sweep_report_errors_are_short_typed_and_leave_nothing(ws, argv, code, w
     _results_runs(ws)
     before = _snapshot(ws)
     _check(CliRunner().invoke(app, argv), code, words, before, ws)
+
+
+def test_sweep_report_in_an_unwritable_folder_writes_no_run_page_either(ws, monkeypatch):
+    from report_helpers import write_matrix_run
+
+    for s in (0, 1):
+        write_matrix_run(ws / "ro" / f"seed{s}", "seq_lora", s, [[90.0, None], [50.0, 80.0 + s]])
+    real_access = os.access  # deny writing in "ro" in the check itself (root writes anywhere)
+    monkeypatch.setattr(outpaths.os, "access", lambda p, mode: real_access(p, mode) and
+                        not (Path(p).resolve() == (ws / "ro").resolve() and mode & os.W_OK))
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, ["report", "ro"]), OUTPUT, ["ro/report.html", "permission denied"], before, ws)
 # merge with mergekit's other methods: a wrong number of models or a bad value (their own block)
 ONE_EXPERT = ["--base", "base.safetensors", "--expert", "e1.safetensors"]
 MERGEKIT_METHOD_CASES = [

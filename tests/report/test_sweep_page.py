@@ -15,30 +15,16 @@ import yaml
 from typer.testing import CliRunner
 
 from clmerge.cli import app
-from clmerge.metrics import summarize
 from clmerge.report import plots, sweep_page, tables
 from clmerge.report.sweep_data import cil_curve, old_new_split, seed_band
+
+from report_helpers import write_matrix_run
 
 # method -> seed -> CIL accuracy matrix (2 tasks); acc = mean of the last row
 MATRICES = {
     "seq_lora": {0: [[90.0, None], [40.0, 80.0]], 1: [[94.0, None], [50.0, 84.0]]},  # acc 60, 67
     "pm": {0: [[88.0, None], [70.0, 78.0]], 1: [[92.0, None], [76.0, 80.0]]},  # acc 74, 78
 }
-TIL = [[99.0, None], [95.0, 97.0]]
-
-
-def write_matrix_run(run_dir: Path, method: str, seed: int, R: list, *, til: bool = True) -> Path:
-    """A finished run directory: config.yaml and a metrics.json computed from ``R`` (clmerge.metrics)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = {"seed": seed, "scenario": {"dataset": "digits", "seed": 0}, "method": {"name": method}}
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
-    metrics = {"accuracy_matrix": R, **summarize(R), "method": method}
-    if til:
-        metrics |= {"til_accuracy_matrix": TIL, "til": summarize(TIL)}
-    (run_dir / "metrics.json").write_text(json.dumps(metrics))
-    return run_dir
-
-
 @pytest.fixture()
 def sweep(tmp_path):
     """A sweep directory as ``clmerge sweep`` writes it: sweep.yaml, cells.json, one run per cell."""

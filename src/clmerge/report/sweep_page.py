@@ -23,6 +23,7 @@ from clmerge.report.html import build_report, check_accuracy_matrix
 from clmerge.report.sweep_data import Band, cil_curve, forgetting_values, old_new_split, seed_band, til_curve
 from clmerge.utils.extras import MissingExtraError, require_extra
 from clmerge.utils.io import atomic_write_text
+from clmerge.utils.outpaths import check_writable
 from clmerge.utils.yaml_io import read_yaml
 
 __all__ = ["PAGE", "DEFAULT_METRICS", "is_run_dir", "default_by", "build_sweep_page", "sweep_page_html", "sweep_figures"]
@@ -60,18 +61,19 @@ def build_sweep_page(sweep_dir: str | Path, *, by: Sequence[str] | None = None,
         InputError: no run directory, runs that cannot be averaged (tables.build_table), a metrics.json
             without a usable accuracy matrix; nothing is written then.
         UsageError: a ``by`` key in no config, an unknown ``vs`` group.
+        OutputError: the page cannot be written in ``sweep_dir`` (checked before anything is written).
     """
     sweep_dir = Path(sweep_dir)
     done, unfinished = tables.find_runs([sweep_dir])
     t = tables.build_table(tables.load_runs(done), by=list(by or default_by(sweep_dir)), metrics=list(metrics),
                            vs=vs, ignore=list(ignore), skipped=unfinished)
-    for g in t.groups:
-        for r in g.runs:
-            check_accuracy_matrix(r.metrics, r.path / "metrics.json")
+    for r in _runs(t):
+        check_accuracy_matrix(r.metrics, r.path / "metrics.json")
+    out = sweep_dir / PAGE
+    check_writable(out, "report")
     for r in _runs(t):
         if not (r.path / PAGE).is_file():
             build_report(r.path)
-    out = sweep_dir / PAGE
     atomic_write_text(out, sweep_page_html(sweep_dir, t))
     return out
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from .base import app, console, err, exit_with, fail
+from .base import app, console, err, exit_with, fail, split_keys
 from ..errors import UsageError
 
 RUNS_DIR_ENV = "CLMERGE_RUNS_DIR"  # where `clmerge run` puts a run without --out (default: ./runs)
@@ -232,9 +232,9 @@ def report(
     ignore: list[str] = typer.Option([], "--ignore", help="sweep: config keys whose differences do not matter"),
 ) -> None:
     """(Re)build RUN_DIR/report.html, or a sweep's DIR/report.html (docs/report.md, docs/sweeps.md)."""
-    from ..report import build_report
+    from ..report import build_report, sweep_page
 
-    if not run_dir.is_dir() or (run_dir / "metrics.json").is_file() or (run_dir / "config.yaml").is_file():
+    if not run_dir.is_dir() or sweep_page.is_run_dir(run_dir):
         _sweep_options_unused({"--by": by, "--vs": vs, "--metrics": metrics, "--ignore": ignore}, run_dir)
         try:
             path = build_report(run_dir)
@@ -248,17 +248,17 @@ def report(
 def _sweep_options_unused(options: dict, run_dir: Path) -> None:
     given = [k for k, v in options.items() if v]
     if given:
-        raise UsageError(f"{', '.join(given)}: only for a sweep directory; {run_dir} is a run directory "
-                         f"(or no folder)")
+        what = "a run directory" if run_dir.is_dir() else "no folder"
+        raise UsageError(f"{', '.join(given)}: only for a sweep directory (a folder of run directories); "
+                         f"{run_dir} is {what}")
 
 
 def _sweep_report(sweep_dir: Path, by: str | None, vs: str | None, metrics: str | None, ignore: list[str]) -> Path:
     from ..report import sweep_page, tables
-    from .results import _keys
 
     names = tables.parse_metrics(metrics) if metrics is not None else list(sweep_page.DEFAULT_METRICS)
-    return sweep_page.build_sweep_page(sweep_dir, by=_keys([by]) if by else None, metrics=names, vs=vs,
-                                       ignore=_keys(ignore))
+    return sweep_page.build_sweep_page(sweep_dir, by=split_keys([by]) if by else None, metrics=names, vs=vs,
+                                       ignore=split_keys(ignore))
 
 
 @app.command()

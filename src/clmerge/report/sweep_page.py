@@ -26,7 +26,8 @@ from clmerge.utils.io import atomic_write_text
 from clmerge.utils.outpaths import check_writable
 from clmerge.utils.yaml_io import read_yaml
 
-__all__ = ["PAGE", "DEFAULT_METRICS", "is_run_dir", "default_by", "build_sweep_page", "sweep_page_html", "sweep_figures"]
+__all__ = ["PAGE", "DEFAULT_METRICS", "is_run_dir", "default_by", "build_sweep_page", "sweep_page_html",
+           "sweep_figures"]
 
 PAGE = "report.html"
 SPEC_FILE = "sweep.yaml"

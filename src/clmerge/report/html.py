@@ -1,4 +1,6 @@
-"""Self-contained HTML reports: one page per run (``clmerge report RUN_DIR``) and one per sweep.
+"""Self-contained HTML reports: one page per run (``clmerge report RUN_DIR``) and the page comparing the runs
+of ``clmerge run --orders`` (:func:`build_sweep_report`); the page of a sweep directory is
+:mod:`clmerge.report.sweep_page`'s.
 
 The pages embed every image as a base64 ``data:`` URI and carry their CSS inline; they contain no
 JavaScript and no external links, so they open offline and can be mailed or archived as a single file.

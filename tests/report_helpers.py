@@ -80,3 +80,23 @@ def write_seed_run(run_dir: Path, method: str, seed: int, acc: float | None, *, 
     if finished:
         (run_dir / "metrics.json").write_text(json.dumps({"acc": acc, "fwt": None, "til": {"acc": til_acc}}))
     return run_dir
+
+
+TIL_R2 = [[99.0, None], [95.0, 97.0]]
+
+
+def write_matrix_run(run_dir: Path, method: str, seed: int, R: list, *, til: bool = True) -> Path:
+    """A finished run directory for the sweep page: ``config.yaml`` (method, seed, dataset) and a
+    ``metrics.json`` computed from the accuracy matrix ``R`` by clmerge.metrics (a fixed 2-task TIL matrix)."""
+    import yaml
+
+    from clmerge.metrics import summarize
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = {"seed": seed, "scenario": {"dataset": "digits", "seed": 0}, "method": {"name": method}}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    metrics = {"accuracy_matrix": R, **summarize(R), "method": method}
+    if til:
+        metrics |= {"til_accuracy_matrix": TIL_R2, "til": summarize(TIL_R2)}
+    (run_dir / "metrics.json").write_text(json.dumps(metrics))
+    return run_dir

@@ -742,6 +742,40 @@ def test_results_errors_are_short_typed_and_leave_nothing(ws, argv, code, words)
     _results_runs(ws)
     before = _snapshot(ws)
     _check(CliRunner().invoke(app, argv), code, words, before, ws)
+
+
+# -- clmerge report on a sweep directory: the folders of the results block above (their runs have no accuracy
+# matrix); nothing is written, not even the runs' own pages, when the page cannot be made
+REPORT_SWEEP_CASES = [
+    ("report-sweep-no-matrix", ["report", "sw"], INPUT, ["sw/s0/metrics.json", "accuracy_matrix"]),
+    ("report-sweep-configs-differ", ["report", "mixed"], INPUT, ["optim.lr", "--ignore"]),
+    ("report-sweep-unknown-vs", ["report", "sw", "--vs", "sd_lora"], USAGE, ["--vs sd_lora", "'seq_lora'"]),
+    ("report-sweep-unknown-by", ["report", "sw", "--by", "method.nmae"], USAGE, ["--by", "method.nmae"]),
+    ("report-sweep-unknown-metric", ["report", "sw", "--metrics", "accuracy"], USAGE, ["--metrics", "'accuracy'"]),
+    ("report-sweep-no-runs", ["report", "empty_dir"], INPUT, ["empty_dir", "no run directory"]),
+    ("report-sweep-only-unfinished", ["report", "unfinished"], INPUT, ["no finished run"]),
+    ("report-run-with-vs", ["report", "sw/s0", "--vs", "seq_lora"], USAGE, ["--vs", "only for a sweep directory"]),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in REPORT_SWEEP_CASES],
+                         ids=[c[0] for c in REPORT_SWEEP_CASES])
+def test_sweep_report_errors_are_short_typed_and_leave_nothing(ws, argv, code, words):
+    _results_runs(ws)
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, argv), code, words, before, ws)
+
+
+def test_sweep_report_in_an_unwritable_folder_writes_no_run_page_either(ws, monkeypatch):
+    from report_helpers import write_matrix_run
+
+    for s in (0, 1):
+        write_matrix_run(ws / "ro" / f"seed{s}", "seq_lora", s, [[90.0, None], [50.0, 80.0 + s]])
+    real_access = os.access  # deny writing in "ro" in the check itself (root writes anywhere)
+    monkeypatch.setattr(outpaths.os, "access", lambda p, mode: real_access(p, mode) and
+                        not (Path(p).resolve() == (ws / "ro").resolve() and mode & os.W_OK))
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, ["report", "ro"]), OUTPUT, ["ro/report.html", "permission denied"], before, ws)
 # merge with mergekit's other methods: a wrong number of models or a bad value (their own block)
 ONE_EXPERT = ["--base", "base.safetensors", "--expert", "e1.safetensors"]
 MERGEKIT_METHOD_CASES = [

@@ -31,7 +31,8 @@ from typer.core import TyperCommand, TyperGroup
 from ..errors import ClmergeError, InputError, OutputError, UsageError
 
 __all__ = ["app", "main", "console", "err", "as_user_error", "debug_enabled", "exit_with", "fail",
-           "handle_errors", "make_console", "print_error", "print_warning", "renamed_option", "set_debug"]
+           "handle_errors", "make_console", "print_error", "print_warning", "renamed_option", "set_debug",
+           "split_keys"]
 
 FALLBACK_WIDTH = 120  # columns when stdout/stderr is not a terminal (rich's own fallback, 80, wraps paths)
 MAX_ERROR_LINES = 3
@@ -85,6 +86,11 @@ def renamed_option(old: str, new: str, old_value: Any, new_value: Any, default: 
         raise UsageError(f"{old} is the old spelling of {new}: give only {new}")
     print_warning(f"{old} is deprecated and will be removed in the next release: use {new} (the same option)")
     return old_value
+
+
+def split_keys(values: list[str]) -> list[str]:
+    """Comma-separated option values, repeated or not: ``["a.b,c", "d"]`` -> ``["a.b", "c", "d"]``."""
+    return [k.strip() for v in values for k in v.split(",") if k.strip()]
 
 
 def exit_with(message: str, code: int = 2) -> NoReturn:

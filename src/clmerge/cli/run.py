@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from .base import app, console, err, exit_with, fail
+from .base import app, console, err, exit_with, fail, split_keys
 from ..errors import UsageError
 from ..utils.threads import check_jobs
 
@@ -223,15 +223,44 @@ def _run_orders(cfg, out: Path, n: int, resume: bool, resume_command: str) -> No
 
 
 @app.command()
-def report(run_dir: Path = typer.Argument(..., help="a run directory")) -> None:
-    """(Re)build RUN_DIR/report.html."""
-    from ..report import build_report
+def report(
+    run_dir: Path = typer.Argument(..., help="a run directory, or a sweep directory (a folder of run "
+                                   "directories): one page comparing its runs"),
+    by: str = typer.Option(None, "--by", help="sweep: group by these config keys (comma-separated, dotted; "
+                           "default: the sweep's grid keys but the seeds, else method.name)"),
+    vs: str = typer.Option(None, "--vs", help="sweep: reference group for paired differences (e.g. seq_lora)"),
+    metrics: str = typer.Option(None, "--metrics", help="sweep: the table's metrics (default "
+                                "acc,aaa,forgetting,til_acc)"),
+    ignore: list[str] = typer.Option([], "--ignore", help="sweep: config keys whose differences do not matter"),
+) -> None:
+    """(Re)build RUN_DIR/report.html, or a sweep's DIR/report.html (docs/report.md, docs/sweeps.md)."""
+    from ..report import build_report, sweep_page
 
-    try:
-        path = build_report(run_dir)
-    except (FileNotFoundError, ValueError) as exc:
-        fail(exc)
-    console.print(f"wrote {path}")
+    if not run_dir.is_dir() or sweep_page.is_run_dir(run_dir):
+        _sweep_options_unused({"--by": by, "--vs": vs, "--metrics": metrics, "--ignore": ignore}, run_dir)
+        try:
+            path = build_report(run_dir)
+        except (FileNotFoundError, ValueError) as exc:
+            fail(exc)
+    else:
+        path = _sweep_report(run_dir, by, vs, metrics, ignore)
+    console.print(f"wrote {path}", highlight=False, markup=False)
+
+
+def _sweep_options_unused(options: dict, run_dir: Path) -> None:
+    given = [k for k, v in options.items() if v]
+    if given:
+        what = "a run directory" if run_dir.is_dir() else "no folder"
+        raise UsageError(f"{', '.join(given)}: only for a sweep directory (a folder of run directories); "
+                         f"{run_dir} is {what}")
+
+
+def _sweep_report(sweep_dir: Path, by: str | None, vs: str | None, metrics: str | None, ignore: list[str]) -> Path:
+    from ..report import sweep_page, tables
+
+    names = tables.parse_metrics(metrics) if metrics is not None else list(sweep_page.DEFAULT_METRICS)
+    return sweep_page.build_sweep_page(sweep_dir, by=split_keys([by]) if by else None, metrics=names, vs=vs,
+                                       ignore=split_keys(ignore))
 
 
 @app.command()

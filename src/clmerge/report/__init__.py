@@ -6,5 +6,6 @@ Layer: above data; reads run directories, never the engine that wrote them (docs
 from __future__ import annotations
 
 from clmerge.report.html import build_report, build_sweep_report
+from clmerge.report.sweep_page import build_sweep_page
 
-__all__ = ["build_report", "build_sweep_report"]
+__all__ = ["build_report", "build_sweep_page", "build_sweep_report"]

@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from html import escape
 from typing import Any
 
-__all__ = ["MISSING", "is_number", "format_number", "format_value", "table", "img", "section", "page", "details"]
+__all__ = ["MISSING", "Html", "is_number", "format_number", "format_value", "table", "img", "link", "section", "page",
+           "details"]
 
 MISSING = "—"
 SIGNIFICANT = 4  # significant digits of a float shown in a table
@@ -25,12 +26,22 @@ h3 { margin: 1.2em 0 0.3em; font-size: 1.05em; }
 .meta { color: #555; } .meta span { margin-right: 1.5em; }
 table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.92em; }
 th, td { border: 1px solid #ccc; padding: 0.25em 0.7em; text-align: left; vertical-align: top; }
-th { background: #f3f3f3; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+th { background: #f3f3f3; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 img { max-width: 100%; height: auto; margin: 0.4em 1em 0.4em 0; }
 pre { background: #f7f7f7; border: 1px solid #ddd; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
 details summary { cursor: pointer; color: #555; }
 .note { color: #777; font-style: italic; }
 """
+
+
+class Html(str):
+    """Markup already escaped (built by :func:`link`): :func:`table` puts it in a cell as it is."""
+
+
+def link(href: str, text: str) -> Html:
+    """``<a href=...>text</a>``, both escaped; ``href`` is a relative URL the caller built (quoted)."""
+    return Html(f'<a href="{escape(href)}">{escape(text)}</a>')
 
 
 def is_number(value: Any) -> bool:
@@ -75,16 +86,21 @@ def format_value(value: Any, depth: int = 0) -> str:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric_from: int = 1) -> str:
-    """An HTML table; every header and cell is escaped. Columns from ``numeric_from`` on are right-aligned."""
+    """An HTML table; every header and cell is escaped (but :class:`Html` cells, escaped when made). Columns
+    from ``numeric_from`` on are right-aligned."""
     head = "".join(f"<th>{escape(h)}</th>" for h in headers)
     body = []
     for row in rows:
         cells = "".join(
-            f'<td class="num">{escape(c)}</td>' if k >= numeric_from else f"<td>{escape(c)}</td>"
+            f'<td class="num">{_cell(c)}</td>' if k >= numeric_from else f"<td>{_cell(c)}</td>"
             for k, c in enumerate(row)
         )
         body.append(f"<tr>{cells}</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _cell(c: str) -> str:
+    return c if isinstance(c, Html) else escape(c)
 
 
 def img(png: bytes, alt: str) -> str:

@@ -1,4 +1,6 @@
-"""Self-contained HTML reports: one page per run (``clmerge report RUN_DIR``) and one per sweep.
+"""Self-contained HTML reports: one page per run (``clmerge report RUN_DIR``) and the page comparing the runs
+of ``clmerge run --orders`` (:func:`build_sweep_report`); the page of a sweep directory is
+:mod:`clmerge.report.sweep_page`'s.
 
 The pages embed every image as a base64 ``data:`` URI and carry their CSS inline; they contain no
 JavaScript and no external links, so they open offline and can be mailed or archived as a single file.
@@ -27,7 +29,7 @@ from clmerge.report.method_values import method_values_html
 from clmerge.errors import InputError
 from clmerge.utils.io import atomic_write_text, read_json
 
-__all__ = ["build_report", "build_sweep_report", "load_run", "format_number"]
+__all__ = ["build_report", "build_sweep_report", "check_accuracy_matrix", "load_run", "format_number"]
 
 # (label, task-weighted key, sample-weighted key or None); values are percent / percentage points.
 METRIC_ROWS: tuple[tuple[str, str, str | None], ...] = (
@@ -65,6 +67,21 @@ def _read_events(path: Path) -> tuple[list[dict], int]:
     return events, bad
 
 
+def check_accuracy_matrix(metrics: Mapping[str, Any], metrics_path: Path) -> None:
+    """Refuse a ``metrics.json`` whose ``accuracy_matrix`` cannot be drawn (names the file and the key).
+
+    Raises:
+        InputError: not a non-empty list of rows of numbers or nulls.
+    """
+    R = metrics.get("accuracy_matrix")
+    if not isinstance(R, list) or not R or not all(isinstance(row, list) for row in R):
+        raise InputError(f"{metrics_path}: 'accuracy_matrix' must be a non-empty list of rows, got {R!r:.80}")
+    try:
+        plots.matrix_to_array(R)
+    except ValueError as exc:
+        raise InputError(f"{metrics_path}: {exc}") from exc
+
+
 def load_run(run_dir: str | Path) -> dict[str, Any]:
     """Read the files of a run directory that the report uses.
 
@@ -87,13 +104,7 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     metrics = read_json(metrics_path)
     if not isinstance(metrics, dict):
         raise InputError(f"{metrics_path}: expected a JSON object, got {type(metrics).__name__}")
-    R = metrics.get("accuracy_matrix")
-    if not isinstance(R, list) or not R or not all(isinstance(row, list) for row in R):
-        raise InputError(f"{metrics_path}: 'accuracy_matrix' must be a non-empty list of rows, got {R!r:.80}")
-    try:
-        plots.matrix_to_array(R)
-    except ValueError as exc:
-        raise InputError(f"{metrics_path}: {exc}") from exc
+    check_accuracy_matrix(metrics, metrics_path)
     manifest_path, config_path = run_dir / "manifest.json", run_dir / "config.yaml"
     manifest = read_json(manifest_path) if manifest_path.is_file() else {}
     events, bad = _read_events(run_dir / "events.jsonl")

@@ -28,20 +28,27 @@ __all__ = [
     "new_figure",
     "to_png",
     "matrix_to_array",
+    "ACCURACY_LIMITS",
+    "fix_accuracy_axis",
     "accuracy_heatmap",
+    "accuracy_heatmap_figure",
     "accuracy_curves",
+    "accuracy_curves_figure",
     "forgetting_bars",
     "epoch_losses",
     "step_losses",
     "loss_curve",
     "value_panels",
     "multi_order_curves",
+    "multi_order_curves_figure",
     "metric_bars",
+    "metric_bars_figure",
 ]
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _DPI = 100
 MAX_LEGEND = 12  # series per panel that still get a readable legend
+ACCURACY_LIMITS = (0.0, 100.0)  # every accuracy axis (and colour scale) spans 0-100 %, so plots compare
 
 
 def new_figure(width: float, height: float) -> Figure:
@@ -61,6 +68,11 @@ def to_png(fig: Figure) -> bytes:
     # No "Software" tEXt chunk: keeps the bytes free of the matplotlib URL and version.
     fig.savefig(buf, format="png", dpi=_DPI, bbox_inches="tight", metadata={"Software": None})
     return buf.getvalue()
+
+
+def fix_accuracy_axis(ax: Any) -> None:
+    """Pin the y axis of ``ax`` to :data:`ACCURACY_LIMITS`: plots of different runs read alike."""
+    ax.set_ylim(*ACCURACY_LIMITS)
 
 
 def _label(names: Sequence[str] | None, j: int) -> str:
@@ -100,6 +112,15 @@ def accuracy_heatmap(
     task_names: Sequence[str] | None = None,
     title: str = "Accuracy matrix",
 ) -> bytes:
+    """:func:`accuracy_heatmap_figure` as PNG bytes."""
+    return to_png(accuracy_heatmap_figure(R, task_names, title))
+
+
+def accuracy_heatmap_figure(
+    R: Sequence[Sequence[float | None]],
+    task_names: Sequence[str] | None = None,
+    title: str = "Accuracy matrix",
+) -> Figure:
     """Heatmap of the accuracy matrix with every evaluated cell annotated.
 
     Rows are "after training task i", columns "evaluated on task j". Missing entries (``None``, normally
@@ -111,14 +132,15 @@ def accuracy_heatmap(
         title: the figure title.
 
     Returns:
-        The PNG image as bytes.
+        The figure; its colour scale spans :data:`ACCURACY_LIMITS`.
     """
     A = matrix_to_array(R)
     T = A.shape[0]
     side = min(2.0 + 0.55 * T, 12.0)
     fig = new_figure(side + 1.2, side)
     ax = fig.add_subplot()
-    im = ax.imshow(np.ma.masked_invalid(A), cmap="viridis", vmin=0.0, vmax=100.0)
+    im = ax.imshow(np.ma.masked_invalid(A), cmap="viridis", vmin=ACCURACY_LIMITS[0],
+                   vmax=ACCURACY_LIMITS[1])
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="accuracy (%)")
     fontsize = max(5.0, min(9.0, 120.0 / T))
     for i in range(T):
@@ -132,7 +154,7 @@ def accuracy_heatmap(
     ax.set_xlabel("evaluated on task j")
     ax.set_ylabel("after training task i")
     ax.set_title(title)
-    return to_png(fig)
+    return fig
 
 
 def _average_curve(A: np.ndarray) -> list[float]:
@@ -145,6 +167,11 @@ def _average_curve(A: np.ndarray) -> list[float]:
 
 
 def accuracy_curves(R: Sequence[Sequence[float | None]], task_names: Sequence[str] | None = None) -> bytes:
+    """:func:`accuracy_curves_figure` as PNG bytes."""
+    return to_png(accuracy_curves_figure(R, task_names))
+
+
+def accuracy_curves_figure(R: Sequence[Sequence[float | None]], task_names: Sequence[str] | None = None) -> Figure:
     """Accuracy on each task j as later tasks are learned (i >= j), plus the bold average curve.
 
     The average at step i is the task-weighted mean of ``R[i][j]`` over the evaluated j <= i, i.e. the
@@ -155,7 +182,7 @@ def accuracy_curves(R: Sequence[Sequence[float | None]], task_names: Sequence[st
         task_names: labels for the tasks (legend); ``task j`` where missing.
 
     Returns:
-        The PNG image as bytes.
+        The figure; its y axis spans :data:`ACCURACY_LIMITS`.
     """
     A = matrix_to_array(R)
     T = A.shape[0]
@@ -172,10 +199,11 @@ def accuracy_curves(R: Sequence[Sequence[float | None]], task_names: Sequence[st
     ax.set_xticks(steps)
     ax.set_xlabel("after training task i")
     ax.set_ylabel("accuracy (%)")
+    fix_accuracy_axis(ax)
     ax.set_title("Accuracy over tasks")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=max(1, (T + 1) // 12), loc="center left", bbox_to_anchor=(1.01, 0.5))
-    return to_png(fig)
+    return fig
 
 
 def forgetting_bars(
@@ -332,13 +360,18 @@ def value_panels(panels: Mapping[str, Mapping[str, Sequence[float | None]]], xla
 
 
 def multi_order_curves(curves: Mapping[str, Sequence[float | None]]) -> bytes:
+    """:func:`multi_order_curves_figure` as PNG bytes."""
+    return to_png(multi_order_curves_figure(curves))
+
+
+def multi_order_curves_figure(curves: Mapping[str, Sequence[float | None]]) -> Figure:
     """Average-accuracy curve of each run (e.g. one per task order), on shared axes.
 
     Args:
         curves: label -> accuracy curve (percent after each task; ``None`` leaves a gap).
 
     Returns:
-        The PNG image as bytes.
+        The figure; its y axis spans :data:`ACCURACY_LIMITS`.
     """
     fig = new_figure(6.4, 4.0)
     ax = fig.add_subplot()
@@ -349,14 +382,20 @@ def multi_order_curves(curves: Mapping[str, Sequence[float | None]]) -> bytes:
     ax.set_xticks(range(longest))
     ax.set_xlabel("after training task i")
     ax.set_ylabel("average accuracy (%)")
+    fix_accuracy_axis(ax)
     ax.set_title("Accuracy curve per run")
     ax.grid(alpha=0.3)
     if curves:
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    return to_png(fig)
+    return fig
 
 
 def metric_bars(values: Mapping[str, Mapping[str, float | None]], metrics: Sequence[str]) -> bytes:
+    """:func:`metric_bars_figure` as PNG bytes."""
+    return to_png(metric_bars_figure(values, metrics))
+
+
+def metric_bars_figure(values: Mapping[str, Mapping[str, float | None]], metrics: Sequence[str]) -> Figure:
     """Grouped bar chart comparing runs: one group per run, one bar per metric.
 
     Args:
@@ -364,7 +403,8 @@ def metric_bars(values: Mapping[str, Mapping[str, float | None]], metrics: Seque
         metrics: which metric names to draw, in order.
 
     Returns:
-        The PNG image as bytes.
+        The figure; its y axis spans :data:`ACCURACY_LIMITS`, reaching below 0 only for a negative value
+        (forgetting or transfer can be).
     """
     labels = list(values)
     n, m = len(labels), max(len(metrics), 1)
@@ -378,7 +418,9 @@ def metric_bars(values: Mapping[str, Mapping[str, float | None]], metrics: Seque
         ax.bar(xs + (k - (m - 1) / 2) * width, np.nan_to_num(ys), width, label=metric)
     ax.set_xticks(xs, labels, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("percent / points")
+    lowest = min([0.0, *(float(np.nanmin(b.datavalues)) for b in ax.containers if len(b.datavalues))])
+    ax.set_ylim(lowest - (5.0 if lowest < 0 else 0.0), ACCURACY_LIMITS[1])
     ax.set_title("Runs compared")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    return to_png(fig)
+    return fig

@@ -31,7 +31,7 @@ from clmerge.utils.io import read_json
 from clmerge.utils.yaml_io import read_yaml
 
 __all__ = ["METRICS", "SEED_KEYS", "FORMATS", "Run", "Group", "ResultsTable", "find_runs", "load_runs",
-           "build_table", "flatten", "metric_value", "parse_metrics", "render"]
+           "build_table", "flatten", "metric_value", "parse_metrics", "render", "table_rows"]
 
 SEED_KEYS = ("seed", "scenario.seed")
 # name -> path in metrics.json; the TIL ones (task-incremental: the task's own classes only) sit under "til"
@@ -348,6 +348,11 @@ def _cells(t: ResultsTable, g: Group) -> list[str]:
         row += ["reference" if g.label == t.vs else f"{_pm(g.diffs[m], sign=True)} ({g.diffs[m]['n']})"
                 for m in t.metrics]
     return row
+
+
+def table_rows(t: ResultsTable) -> tuple[list[str], list[list[str]]]:
+    """The header and the rows of every format's table, as text (the HTML sweep page shows them too)."""
+    return _header(t), [_cells(t, g) for g in t.groups]
 
 
 def _markdown(t: ResultsTable) -> str:

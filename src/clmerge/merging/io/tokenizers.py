@@ -51,9 +51,9 @@ def load_tokenizer(folder: Path | None, name: str) -> InputTokenizer:
         MergeInputError: no folder or no tokenizer files there, or ``transformers`` cannot read them.
     """
     if folder is None or not _VOCAB_FILES & set(model_files(None, Path(folder))):
-        where = f"{folder}" if folder is not None else "a weights file"
-        raise MergeInputError(f"{name}: no tokenizer in {where} (looked for tokenizer.json, tokenizer.model, "
-                              "vocab.json); matching rows by token needs every input's tokenizer")
+        where = (f"no tokenizer in {folder} (looked for tokenizer.json, tokenizer.model, vocab.json)"
+                 if folder is not None else "a weights file has no tokenizer: give its model folder")
+        raise MergeInputError(f"{name}: {where}; matching rows by token needs every input's tokenizer")
     from transformers import AutoTokenizer
 
     try:

@@ -876,6 +876,7 @@ def _vocab_ws(ws: Path) -> None:
     recipes = {"emb_value": {**files, "embeddings": "everything"},
                "fill_value": {**files, "embeddings": "union", "fill": "random"},
                "no_tok_file": {**files, "embeddings": "union"},
+               "fill_alone": {**files, "fill": "zero"},
                "no_tok_folder": {"method": "task_arithmetic", "base": "tokbase", "models": ["notok"],
                                  "embeddings": "union"},
                "no_matrix": {"method": "task_arithmetic", "base": "tokbase", "models": ["tokexp"],
@@ -891,6 +892,7 @@ def _vocab_ws(ws: Path) -> None:
 VOCAB_CASES = [
     ("vocab-unknown-embeddings", "emb_value", USAGE, ["emb_value.yaml", "embeddings", "'union'"]),
     ("vocab-unknown-fill", "fill_value", USAGE, ["fill", "'present'"]),
+    ("vocab-fill-without-embeddings", "fill_alone", USAGE, ["fill", "only with embeddings"]),
     ("vocab-weights-file-has-no-tokenizer", "no_tok_file", INPUT, ["e1.safetensors", "has no tokenizer"]),
     ("vocab-folder-without-tokenizer", "no_tok_folder", INPUT, ["notok", "no tokenizer in notok"]),
     ("vocab-no-embedding-matrix", "no_matrix", INPUT, ["tokbase", "no embedding matrix", "embed_tokens"]),

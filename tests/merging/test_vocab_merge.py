@@ -193,3 +193,53 @@ def test_tokenizer_from_picks_the_reference_vocabulary(zoo):
     res, out = merge(zoo, "ref_b", "weight_average", ["a", "b"], embeddings="base", tokenizer_from="b")
     assert res.exit_code == 0, res.output
     assert vocab_of(out) == vocab_of(zoo / "b")
+
+
+class _Counting:
+    """A dict source that counts the reads of each key."""
+
+    def __init__(self, tensors: dict, name: str) -> None:
+        from clmerge.merging.io import ParamSource
+
+        self.src, self.name, self.reads = ParamSource(tensors, name), name, {}
+
+    def keys(self):
+        return self.src.keys()
+
+    def meta(self, key):
+        return self.src.meta(key)
+
+    def get(self, key):
+        self.reads[key] = self.reads.get(key, 0) + 1
+        return self.src.get(key)
+
+
+def test_present_fill_uses_the_base_row_for_a_model_and_the_models_mean_for_the_base():
+    from clmerge.merging.vocab import ReindexedSource, plan_vocab
+
+    vocabs = {"base": {"a": 0, "b": 1}, "m1": {"b": 0, "a": 1, "x": 2}, "m2": {"a": 0, "x": 1, "y": 2}}
+    mats = {n: torch.arange(len(v) * 2, dtype=torch.float32).reshape(-1, 2) + 10 * i
+            for i, (n, v) in enumerate(vocabs.items())}
+    sources = [_Counting({"emb.weight": mats[n]}, n) for n in vocabs]
+    out = {"a": 0, "b": 1, "x": 2, "y": 3}
+    plan = plan_vocab(mode="union", fill="present", out_vocab=out, added=["x", "y"],
+                      inputs=[(n, v, len(v)) for n, v in vocabs.items()], keys={"emb.weight": "input"},
+                      has_base=True, tied=False)
+    got = [ReindexedSource(s, plan, i, sources).get("emb.weight") for i, s in enumerate(sources)]
+    m1, m2, base = mats["m1"], mats["m2"], mats["base"]
+    assert torch.equal(got[0], torch.stack([base[0], base[1], (m1[2] + m2[1]) / 2, m2[2]]))  # base: models' mean
+    assert torch.equal(got[1], torch.stack([m1[1], m1[0], m1[2], m2[2]]))  # lacks y: only m2 has it
+    assert torch.equal(got[2], torch.stack([m2[0], base[1], m2[1], m2[2]]))  # lacks b: the base's row
+    # the stand-ins are gathered once (one more read per input), and hold only the missing rows
+    assert [s.reads["emb.weight"] for s in sources] == [2, 2, 2]
+    assert [None if t is None else tuple(t.shape) for t in plan.standins("emb.weight", sources)] == \
+        [(2, 2), (1, 2), (1, 2)]
+
+
+def test_dry_run_shows_the_vocabulary_and_writes_nothing(zoo):
+    recipe = zoo / "dry.yaml"
+    recipe.write_text(yaml.safe_dump({"method": "weight_average", "models": [str(zoo / "a"), str(zoo / "b")],
+                                      "embeddings": "union"}))
+    res = invoke(recipe, "--dry-run")
+    assert res.exit_code == 0, res.output
+    assert "vocabulary (union, fill present): 26 rows; 1 added, 0 dropped, 3 filled" in res.output  # a is the reference

@@ -192,9 +192,7 @@ def execute(prep: Prepared, out: Path, kind: str, *, io_threads: bool = False, h
     """
     prep.models.prefetch = io_threads
     if prep.vocab is not None:
-        rep = prep.vocab.report
-        log(f"vocabulary ({rep['embeddings']}, fill {rep['fill']}): {rep['rows']} rows; {rep['added']['count']} "
-            f"added, {rep['dropped']['count']} dropped, {rep['filled_rows']} filled (merge_report.json)")
+        log(prep.vocab.summary() + " (merge_report.json)")
     files = [f for s in [prep.models.base, *prep.models.experts] if s is not None for f in getattr(s, "files", [])]
     if kind == "folder":
         model_files(*_model_folders(prep))  # refuse a config or tokenizer file that leads out, before any work
@@ -274,6 +272,8 @@ def dry_run_text(prep: Prepared) -> str:
     for hp, keys in prep.groups:
         shown = ", ".join(keys[:3]) + (f", … ({len(keys)} keys)" if len(keys) > 3 else "")
         lines.append(f"  {prep.method.name} {hp or '{defaults}'}: {shown}")
+    if prep.vocab is not None:
+        lines.append(prep.vocab.summary())
     if ms.mixed:
         lines.append(f"mixed input dtypes on {len(ms.mixed)} keys: upcast to {ms.compute_dtype}")
     return "\n".join(lines)

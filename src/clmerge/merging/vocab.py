@@ -89,6 +89,12 @@ class VocabPlan:
     def rows(self) -> int:
         return len(self.vocab)
 
+    def summary(self) -> str:
+        """One line: the mode, the output's rows and the counts of the report."""
+        rep = self.report
+        return (f"vocabulary ({rep['embeddings']}, fill {rep['fill']}): {rep['rows']} rows; {rep['added']['count']} "
+                f"added, {rep['dropped']['count']} dropped, {rep['filled_rows']} filled")
+
     def tied_pair(self) -> tuple[str, str] | None:
         """``(input key, output key)`` when tied and both are in the checkpoint."""
         ins = [k for k, r in self.keys.items() if r == "input"]
@@ -137,14 +143,15 @@ class VocabPlan:
         """Input ``i``'s matrix ``key`` in the output vocabulary's row order, missing rows filled."""
         idx = self.index[i]
         have = idx >= 0
-        out = raw.new_empty((self.rows, *raw.shape[1:]))
-        out[have] = raw[idx[have]]
+        out = raw.index_select(0, idx.clamp(min=0))  # the only full-size copy; missing rows are set below
         if bool(have.all()):
             return out
         if self.fill == "zero":
             out[~have] = 0
         elif self.fill == "mean":
-            out[~have] = raw[self.known[i]].to(torch.float32).mean(0).to(raw.dtype)
+            known = self.known[i]
+            rows = raw if len(known) == raw.shape[0] else raw.index_select(0, known)
+            out[~have] = (rows.sum(0, dtype=torch.float32) / max(len(known), 1)).to(raw.dtype)
         else:
             out[~have] = self.standins(key, sources)[i].to(raw.dtype)
         return out
@@ -281,6 +288,9 @@ def prepare_vocab(recipe: Any, base: Any, experts: list[Any]) -> tuple[VocabPlan
     ``chat_template_from``."""
     from .io.tokenizers import load_tokenizer, output_tokenizer
 
+    if recipe.embeddings is None and "fill" in recipe.model_fields_set:
+        raise ValueError(f"fill: {recipe.fill!r} applies only with embeddings: base, union or intersection "
+                         "(rows are merged by index without it)")
     if recipe.embeddings is None and recipe.chat_template_from is None:
         return None, None, base, experts
     sources = ([base] if base is not None else []) + list(experts)

@@ -1,4 +1,5 @@
-"""``embeddings: union`` against mergekit 0.1.5's ``tokenizer_source: union`` on tiny Llama models (slow).
+"""``embeddings: union | base`` against mergekit 0.1.5's ``tokenizer_source: union | base`` on tiny Llama
+models (slow).
 
 mergekit is an oracle, not a dependency: it runs as ``mergekit-yaml`` from its own venv (``CLMERGE_MERGEKIT_VENV``,
 default ``/work/venvs/mergekit``; benchmarks/merging/README.md says how to make it); without it the test is
@@ -38,35 +39,39 @@ def zoo(tmp_path_factory) -> Path:
     return d
 
 
-def _mergekit(zoo: Path, method: str, base: bool) -> Path:
-    cfg = {"merge_method": method, "dtype": "float32", "tokenizer_source": "union",
+def _mergekit(zoo: Path, method: str, base: bool, mode: str) -> Path:
+    cfg = {"merge_method": method, "dtype": "float32", "tokenizer_source": mode,
            "models": [{"model": str(zoo / m), "parameters": {"weight": 1.0}} for m in ("a", "d")]}
     if base:
         cfg["base_model"] = str(zoo / "base")
-    (zoo / f"mk_{method}.yml").write_text(yaml.safe_dump(cfg))
-    out = zoo / f"mk_{method}"
+    (zoo / f"mk_{method}_{mode}.yml").write_text(yaml.safe_dump(cfg))
+    out = zoo / f"mk_{method}_{mode}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-    subprocess.run([str(VENV / "bin" / "mergekit-yaml"), str(zoo / f"mk_{method}.yml"), str(out)], check=True,
+    subprocess.run([str(VENV / "bin" / "mergekit-yaml"), str(zoo / f"mk_{method}_{mode}.yml"), str(out)], check=True,
                    env=env, capture_output=True, timeout=300)
     return out
 
 
-def _clmerge(zoo: Path, method: str, base: bool) -> Path:
-    recipe = {"method": method, "models": [str(zoo / m) for m in ("a", "d")], "embeddings": "union"}
+def _clmerge(zoo: Path, method: str, base: bool, mode: str) -> Path:
+    recipe = {"method": method, "models": [str(zoo / m) for m in ("a", "d")], "embeddings": mode}
     if base:
         recipe.update(base=str(zoo / "base"), parameters={"scaling": 1.0})
-    (zoo / f"cl_{method}.yaml").write_text(yaml.safe_dump(recipe))
-    res = invoke(zoo / f"cl_{method}.yaml", "--out", zoo / f"cl_{method}", "--no-hash-inputs")
+    out = zoo / f"cl_{method}_{mode}"
+    (zoo / f"{out.name}.yaml").write_text(yaml.safe_dump(recipe))
+    res = invoke(zoo / f"{out.name}.yaml", "--out", out, "--no-hash-inputs")
     assert res.exit_code == 0, res.output
-    return zoo / f"cl_{method}"
+    return out
 
 
-@pytest.mark.parametrize("ours, theirs, base", [("task_arithmetic", "task_arithmetic", True),
-                                                 ("weight_average", "linear", False)])
-def test_union_rows_match_mergekit_by_token(zoo, ours, theirs, base):
-    cl, mk = _clmerge(zoo, ours, base), _mergekit(zoo, theirs, base)
+@pytest.mark.parametrize("ours, theirs, base, mode, rows", [
+    ("task_arithmetic", "task_arithmetic", True, "union", len(CORE) + 4),
+    ("weight_average", "linear", False, "union", len(CORE) + 4),
+    ("task_arithmetic", "task_arithmetic", True, "base", len(CORE)),
+])
+def test_rows_match_mergekit_by_token(zoo, ours, theirs, base, mode, rows):
+    cl, mk = _clmerge(zoo, ours, base, mode), _mergekit(zoo, theirs, base, mode)
     vc, vm = vocab_of(cl), vocab_of(mk)
-    assert set(vc) == set(vm) and len(vc) == len(CORE) + 4
+    assert set(vc) == set(vm) and len(vc) == rows
     sc, sm = folder_state(cl), folder_state(mk)
     assert sc.keys() == sm.keys()
     for key in sc:

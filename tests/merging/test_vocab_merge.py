@@ -243,3 +243,12 @@ def test_dry_run_shows_the_vocabulary_and_writes_nothing(zoo):
     res = invoke(recipe, "--dry-run")
     assert res.exit_code == 0, res.output
     assert "vocabulary (union, fill present): 26 rows; 1 added, 0 dropped, 3 filled" in res.output  # a is the reference
+
+
+def test_a_single_safetensors_output_is_refused_when_the_tokenizer_changes(zoo):
+    recipe = zoo / "to_file.yaml"
+    recipe.write_text(yaml.safe_dump({"method": "weight_average", "models": [str(zoo / "a"), str(zoo / "b")],
+                                      "embeddings": "union"}))
+    res = invoke(recipe, "--out", zoo / "merged.safetensors")
+    assert res.exit_code == 2 and "give --out a folder" in res.output
+    assert not (zoo / "merged.safetensors").exists()

@@ -252,3 +252,13 @@ def test_a_single_safetensors_output_is_refused_when_the_tokenizer_changes(zoo):
     res = invoke(recipe, "--out", zoo / "merged.safetensors")
     assert res.exit_code == 2 and "give --out a folder" in res.output
     assert not (zoo / "merged.safetensors").exists()
+
+
+def test_chat_template_from_without_embeddings_keeps_a_tokenizer_from_outside_the_inputs(zoo):
+    from transformers import AutoTokenizer
+
+    res, out = merge(zoo, "chat_only", "weight_average", ["a"], tokenizer_from="base", chat_template_from="a")
+    assert res.exit_code == 0, res.output
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert tok.get_vocab() == vocab_of(zoo / "base") and tok.chat_template == "A: {{ messages }}"
+    assert not (out / "merge_report.json").exists()

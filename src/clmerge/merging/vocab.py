@@ -25,6 +25,7 @@ import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -252,7 +253,7 @@ def _config(src: Any) -> dict:
 
 def _tied(ref: Any, sources: Sequence[Any], keys: dict[str, str]) -> bool:
     """Tied input and output embeddings: the reference's config says so, or every input's two matrices are
-    equal (read one input at a time)."""
+    equal (read one input at a time; an untied model stops at the first input)."""
     if _config(ref).get("tie_word_embeddings") is True:
         return True
     ins = [k for k, r in keys.items() if r == "input"]
@@ -262,7 +263,7 @@ def _tied(ref: Any, sources: Sequence[Any], keys: dict[str, str]) -> bool:
     return all(torch.equal(source_get(s, ins[0]), source_get(s, outs[0])) for s in sources)
 
 
-def _reference(recipe: Any, names: list[str], sources: list[Any]) -> int:
+def _reference(recipe: Any, names: list[str]) -> int:
     """Which input's tokenizer is the reference: ``tokenizer_from`` (it must be an input), else input 0."""
     if recipe.tokenizer_from is None:
         return 0
@@ -296,10 +297,12 @@ def prepare_vocab(recipe: Any, base: Any, experts: list[Any]) -> tuple[VocabPlan
     sources = ([base] if base is not None else []) + list(experts)
     names = ([recipe.base] if base is not None else []) + [m.model for m in recipe.models]
     template = _chat_template(recipe, names, sources)
-    r = _reference(recipe, names, sources)
-    if recipe.embeddings is None:  # only the chat template changes
-        ref = load_tokenizer(getattr(sources[r], "folder", None), names[r])
+    if recipe.embeddings is None:  # only the chat template changes: the tokenizer of tokenizer_from or the base
+        own = recipe.tokenizer_from is not None and recipe.tokenizer_from not in names
+        folder = Path(recipe.tokenizer_from) if own else getattr(sources[_reference(recipe, names)], "folder", None)
+        ref = load_tokenizer(folder, recipe.tokenizer_from if own else names[_reference(recipe, names)])
         return None, output_tokenizer("base", ref, [], template), base, experts
+    r = _reference(recipe, names)
     toks = [load_tokenizer(getattr(s, "folder", None), n) for s, n in zip(sources, names)]
     out = output_tokenizer(recipe.embeddings, toks[r], toks[:r] + toks[r + 1:], template)
     keys = embedding_keys(sources[0].keys(), lambda k: sources[0].meta(k)[0])
@@ -358,7 +361,6 @@ def write_vocab_files(folder: Any, plan: VocabPlan) -> None:
     """In the merge's (temporary) output folder: ``config.json`` and ``generation_config.json`` with the new
     ``vocab_size`` and token ids, and ``merge_report.json`` with the rows added, dropped and filled."""
     import json
-    from pathlib import Path
 
     from ..utils.io import write_json
 

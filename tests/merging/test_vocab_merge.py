@@ -27,6 +27,7 @@ def zoo(tmp_path_factory) -> Path:
     tiny_lm(d / "b", seed=2, added=["<img>"])
     tiny_lm(d / "b_perm", seed=2, core=REORDERED, added=["<img>"])
     tiny_lm(d / "c", seed=3, core=CORE[:-1])
+    tiny_lm(d / "z", seed=4, added=["zz"])
     tiny_lm(d / "tbase", seed=0, tie=True)
     tiny_lm(d / "ta", seed=1, tie=True, added=["<tool>"])
     for name, seed, added in (("ebase", 0, []), ("ea", 1, ["<tool>"]), ("eb", 2, [])):
@@ -142,6 +143,17 @@ def test_intersection_drops_the_added_tokens_some_model_lacks(zoo):
     assert torch.allclose(rows(out)["w7"], (token_row("w7", 1) + token_row("w7", 2)) / 2, atol=1e-6)
     report = json.loads((out / "merge_report.json").read_text())["vocabulary"]
     assert report["dropped"]["count"] == 3 and report["filled_rows"] == 0
+
+
+def test_intersection_moves_the_added_tokens_after_a_dropped_one_down(zoo):
+    from transformers import AutoTokenizer
+
+    res, out = merge(zoo, "inter_renumber", "weight_average", ["a", "z"], embeddings="intersection")
+    assert res.exit_code == 0, res.output
+    vocab = vocab_of(out)
+    assert sorted(vocab, key=vocab.get) == CORE + ["zz"]  # <tool> (23) dropped: zz moves from 24 to 23
+    assert torch.allclose(rows(out)["zz"], (token_row("zz", 1) + token_row("zz", 4)) / 2, atol=1e-6)
+    assert AutoTokenizer.from_pretrained(str(out))("w2 zz").input_ids == [vocab["w2"], vocab["zz"]]
 
 
 def test_intersection_that_would_cut_the_tokenizer_model_is_refused(zoo):
@@ -262,3 +274,14 @@ def test_chat_template_from_without_embeddings_keeps_a_tokenizer_from_outside_th
     tok = AutoTokenizer.from_pretrained(str(out))
     assert tok.get_vocab() == vocab_of(zoo / "base") and tok.chat_template == "A: {{ messages }}"
     assert not (out / "merge_report.json").exists()
+
+
+def test_embedding_keys_are_found_by_name_outside_the_numbered_layers():
+    from clmerge.merging.vocab import embedding_keys
+
+    shapes = {"model.embed_tokens.weight": (8, 4), "lm_head.weight": (8, 4), "transformer.wte.weight": (8, 4),
+              "model.layers.0.attention.output.weight": (4, 4), "output.weight": (8, 4), "model.norm.weight": (4,),
+              "model.embed_tokens.bias": (8,)}
+    assert embedding_keys(list(shapes), shapes.get) == {
+        "model.embed_tokens.weight": "input", "lm_head.weight": "output", "transformer.wte.weight": "input",
+        "output.weight": "output"}

@@ -45,11 +45,14 @@ _SHOWN = 5  # tokens the report lists per count
 
 def embedding_keys(keys: Sequence[str], rows_of: Any) -> dict[str, str]:
     """``{key: "input" | "output"}`` of the 2-D embedding matrices among ``keys`` (``rows_of(key)`` gives its
-    shape): named as in :data:`EMBEDDING_NAMES` (``model.embed_tokens.weight``, ``lm_head.weight``)."""
+    shape): named as in :data:`EMBEDDING_NAMES` (``model.embed_tokens.weight``, ``lm_head.weight``), outside the
+    numbered layers (``layers.3.attention.output.weight`` is not one)."""
+    from .recipes import layer_index
+
     out = {}
     for key in keys:
         m = _NAME.search(key)
-        if m is None or len(rows_of(key)) != 2:
+        if m is None or len(rows_of(key)) != 2 or layer_index(key) is not None:
             continue
         for role, names in zip(("input", "output"), EMBEDDING_NAMES):
             if m.group(1) in names:

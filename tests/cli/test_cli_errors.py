@@ -919,3 +919,48 @@ def test_pretrain_with_zero_epochs_is_refused_not_ignored(ws):
     """``--epochs 0`` used to fall back to the preset's epochs without a word and train for minutes."""
     before = _snapshot(ws)
     _check(CliRunner().invoke(app, ["pretrain", "--epochs", "0", "--out", "p"]), USAGE, ["--epochs", "greater than or equal to 1"], before, ws)
+# -- merging models whose vocabularies differ (recipe keys embeddings, fill, chat_template_from)
+def _vocab_ws(ws: Path) -> None:
+    """Recipes for the vocabulary cases; tokbase / tokexp: folders with a tokenizer (and no embedding matrix),
+    notok: a model folder without one."""
+    from vocab_helpers import tiny_tokenizer
+
+    for name in ("tokbase", "tokexp", "notok"):
+        (ws / name).mkdir()
+        (ws / name / "model.safetensors").write_bytes((ws / "e1.safetensors").read_bytes())
+        if name != "notok":
+            tiny_tokenizer(["<unk>", "<s>", "</s>", "a"]).save_pretrained(ws / name)
+    files = {"models": ["e1.safetensors", "e2.safetensors"], "method": "weight_average"}
+    recipes = {"emb_value": {**files, "embeddings": "everything"},
+               "fill_value": {**files, "embeddings": "union", "fill": "random"},
+               "no_tok_file": {**files, "embeddings": "union"},
+               "fill_alone": {**files, "fill": "zero"},
+               "no_tok_folder": {"method": "task_arithmetic", "base": "tokbase", "models": ["notok"],
+                                 "embeddings": "union"},
+               "no_matrix": {"method": "task_arithmetic", "base": "tokbase", "models": ["tokexp"],
+                             "embeddings": "union"},
+               "chat_other": {"method": "task_arithmetic", "base": "tokbase", "models": ["tokexp"],
+                              "embeddings": "union", "chat_template_from": "elsewhere"},
+               "tok_other": {"method": "task_arithmetic", "base": "tokbase", "models": ["tokexp"],
+                             "embeddings": "base", "tokenizer_from": "elsewhere"}}
+    for name, recipe in recipes.items():
+        (ws / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
+
+
+VOCAB_CASES = [
+    ("vocab-unknown-embeddings", "emb_value", USAGE, ["emb_value.yaml", "embeddings", "'union'"]),
+    ("vocab-unknown-fill", "fill_value", USAGE, ["fill", "'present'"]),
+    ("vocab-fill-without-embeddings", "fill_alone", USAGE, ["fill", "only with embeddings"]),
+    ("vocab-weights-file-has-no-tokenizer", "no_tok_file", INPUT, ["e1.safetensors", "has no tokenizer"]),
+    ("vocab-folder-without-tokenizer", "no_tok_folder", INPUT, ["notok", "no tokenizer in notok"]),
+    ("vocab-no-embedding-matrix", "no_matrix", INPUT, ["tokbase", "no embedding matrix", "embed_tokens"]),
+    ("vocab-chat-template-not-an-input", "chat_other", USAGE, ["chat_template_from", "'elsewhere'"]),
+    ("vocab-tokenizer-from-not-an-input", "tok_other", USAGE, ["tokenizer_from", "'elsewhere'"]),
+]
+
+
+@pytest.mark.parametrize("recipe, code, words", [c[1:] for c in VOCAB_CASES], ids=[c[0] for c in VOCAB_CASES])
+def test_vocabulary_merge_error_is_short_typed_and_leaves_nothing(ws, recipe, code, words):
+    _vocab_ws(ws)
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, ["merge", f"{recipe}.yaml", "--out", "m"]), code, words, before, ws)

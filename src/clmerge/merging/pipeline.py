@@ -21,10 +21,12 @@ import torch
 from .hparams import DATA_HPARAMS, HParam, coerce_value, method_hparams, per_expert_name
 from .io.output import InputHashes, OutputTarget, copy_model_files, model_files, write_model_card
 from .io.readers import open_checkpoint, resolve_hub_id
+from .io.tokenizers import write_tokenizer
 from .io.writer import BackgroundWriter, ShardedWriter, parse_size
 from .recipes import key_groups
 from .registry import MergeMethod, get_method
 from .sources import ModelSet
+from .vocab import VocabPlan, prepare_vocab, write_vocab_files
 
 __all__ = ["Prepared", "dry_run_text", "execute", "prepare"]
 
@@ -43,6 +45,8 @@ class Prepared:
     out_dtype: torch.dtype | None
     shard_size: int
     plan: list[tuple[str, tuple[int, ...], torch.dtype]] = field(default_factory=list)
+    vocab: VocabPlan | None = None
+    tokenizer: Any = None  # an OutputTokenizer to write instead of copying the tokenizer files
 
 
 def _check_params(method: MergeMethod, hps: dict[str, HParam], params: dict[str, Any], where: str,
@@ -119,6 +123,7 @@ def prepare(recipe: Any, *, task: str | int | None = None, where: str = "paramet
     per_model = _per_model(method, hps, recipe)
     base = None if recipe.base is None else open_checkpoint(recipe.base, name=recipe.base)
     experts = [open_checkpoint(m.model, base=base, name=m.model) for m in recipe.models]
+    vocab, tokenizer, base, experts = prepare_vocab(recipe, base, experts)
     compute = _DTYPES[recipe.compute_dtype]
     models = ModelSet(base, experts, compute_dtype=compute)
     tasks = _tasks(method, hps, task, models.num_experts)
@@ -129,7 +134,8 @@ def prepare(recipe: Any, *, task: str | int | None = None, where: str = "paramet
         raise ValueError(f"{method.name}: missing required hyperparameter {', '.join(missing)} "
                          f"(--set {missing[0]}=...)")
     out_dtype = None if recipe.out_dtype is None else _DTYPES[recipe.out_dtype]
-    prep = Prepared(recipe, method, models, groups, tasks, out_dtype, parse_size(recipe.out_shard_size))
+    prep = Prepared(recipe, method, models, groups, tasks, out_dtype, parse_size(recipe.out_shard_size),
+                    vocab=vocab, tokenizer=tokenizer)
     ref = models.base if models.base is not None else models.experts[0]
     for key in models.keys():
         shape, dtype = ref.meta(key)
@@ -168,6 +174,9 @@ def _merge_into(prep: Prepared, writer: ShardedWriter | BackgroundWriter, task: 
             elif hasattr(res, "flush"):  # a SinkView: write back a tensor the method patched in place
                 res.flush()
             del res
+        pair = prep.vocab.tied_pair() if prep.vocab is not None else None
+        if pair is not None:  # tied embeddings stay tied: the output projection is the merged input matrix
+            writer.write(pair[1], writer.read(pair[0]))
     finally:
         prep.models.sink = None
 
@@ -182,6 +191,8 @@ def execute(prep: Prepared, out: Path, kind: str, *, io_threads: bool = False, h
         hash_inputs: record every input file's sha256 in the model card.
     """
     prep.models.prefetch = io_threads
+    if prep.vocab is not None:
+        log(prep.vocab.summary() + " (merge_report.json)")
     files = [f for s in [prep.models.base, *prep.models.experts] if s is not None for f in getattr(s, "files", [])]
     if kind == "folder":
         model_files(*_model_folders(prep))  # refuse a config or tokenizer file that leads out, before any work
@@ -213,11 +224,17 @@ def _model_folders(prep: Prepared) -> tuple[Path | None, Path | None]:
     ref = prep.models.base if prep.models.base is not None else prep.models.experts[0]
     model_folder = getattr(ref, "folder", None)
     tok = prep.recipe.tokenizer_from
+    if prep.tokenizer is not None:  # built for the merged vocabulary, written by _write_folder_files
+        return model_folder, None
     return model_folder, (_folder_of(tok) if tok else model_folder)
 
 
 def _write_folder_files(prep: Prepared, folder: Path, recipe: Any, hashes: InputHashes, task: int | None) -> None:
+    if prep.tokenizer is not None:
+        write_tokenizer(folder, prep.tokenizer)
     copy_model_files(folder, *_model_folders(prep), _config_dtype(prep))
+    if prep.vocab is not None:
+        write_vocab_files(folder, prep.vocab)
     text = recipe.to_yaml() + (f"# this folder: task {task}\n" if task is not None else "")
     (folder / "clmerge_recipe.yaml").write_text(text)
     inputs = ([("base", prep.models.base.name, prep.models.base.files)] if prep.models.base is not None else [])
@@ -255,6 +272,8 @@ def dry_run_text(prep: Prepared) -> str:
     for hp, keys in prep.groups:
         shown = ", ".join(keys[:3]) + (f", … ({len(keys)} keys)" if len(keys) > 3 else "")
         lines.append(f"  {prep.method.name} {hp or '{defaults}'}: {shown}")
+    if prep.vocab is not None:
+        lines.append(prep.vocab.summary())
     if ms.mixed:
         lines.append(f"mixed input dtypes on {len(ms.mixed)} keys: upcast to {ms.compute_dtype}")
     return "\n".join(lines)

@@ -15,6 +15,10 @@ out_dtype: bfloat16                     # default: the base's dtype
 compute_dtype: float32
 tokenizer_from: path                    # default: the base
 out_shard_size: 5GB
+# models whose vocabularies differ (docs/merging_checkpoints.md, "Models with different vocabularies"):
+embeddings: union                       # base | union | intersection; unset: rows merged by index
+fill: present                           # a token an input lacks: present | mean | zero
+chat_template_from: path/to/expert_a    # the chat template of this input (default: the reference's)
 ```
 
 Keys are grouped by equal hyperparameters and each group is merged on its own (a method's global statistics,
@@ -73,6 +77,10 @@ class Recipe(StrictModel):
     compute_dtype: Literal["float32", "float64"] = "float32"
     tokenizer_from: str | None = None
     out_shard_size: str | int = "5GB"
+    # vocabularies that differ: rows matched by token string (clmerge.merging.vocab)
+    embeddings: Literal["base", "union", "intersection"] | None = None
+    fill: Literal["present", "mean", "zero"] = "present"
+    chat_template_from: str | None = None
 
     def to_yaml(self) -> str:
         """The recipe as YAML (defaults left out), as recorded in the output folder."""

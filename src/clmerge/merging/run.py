@@ -99,6 +99,9 @@ def run_merge(recipe: Any, out: Path | None, *, task: str | None = None, dry_run
         raise ValueError("--out PATH is required (a new folder, or a .safetensors file)")
     kind = check_out(out, [s for s in [prep.models.base, *prep.models.experts] if s is not None],
                      overwrite=overwrite)
+    if kind == "file" and prep.tokenizer is not None:
+        raise ValueError(f"--out {out}: embeddings / chat_template_from build a tokenizer for the merged rows, "
+                         "which a single .safetensors file cannot hold: give --out a folder")
     if kind == "file" and len(prep.tasks) > 1:
         raise ValueError("--task all writes one folder per task: give --out a folder, not a .safetensors file")
     return pipeline.execute(prep, out, kind, io_threads=io_threads(), hash_inputs=hash_inputs, log=log)

@@ -90,8 +90,10 @@ class ModelSet:
                 check_dtype(other, k, d2)
                 if s1 != s2 or (d1 != d2 and not (d1.is_floating_point and d2.is_floating_point)):
                     what = "shape" if s1 != s2 else "dtype"
+                    hint = ("; if their vocabularies differ, set embeddings: union, base or intersection in the "
+                            "recipe" if len(s1) == len(s2) == 2 and s1[1:] == s2[1:] else "")
                     raise MergeInputError(f"key {k!r}: {what} mismatch: {ref.name} has {list(s1)} {d1}, "
-                                          f"{other.name} has {list(s2)} {d2}")
+                                          f"{other.name} has {list(s2)} {d2}{hint}")
                 if d1 != d2:
                     self.mixed.add(k)
         if self.mixed:

@@ -859,3 +859,55 @@ def test_a_log_sink_without_its_package_is_one_input_error_line(ws, monkeypatch,
     words = [f"run.log: {sink}", f'pip install "clmerge[{sink}]"']
     _check(CliRunner().invoke(app, [*RUN, "--set", f"run.log=[{sink}]", "--out", "r"]), INPUT, words, before, ws)
 
+
+
+# --- merge recipes with layer slices (frankenmerges): each error names the slice, exit code 3 (its own block) ---
+
+def _layers_file(path: Path, n: int, width: int = 4) -> None:
+    g = torch.Generator().manual_seed(n + width)
+    sd = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(width, 4, generator=g) for i in range(n)}
+    sd["model.embed_tokens.weight"] = torch.randn(8, 4, generator=g)
+    save_file(sd, str(path))
+
+
+def _slice_recipe(name: str, *sources: list, method: str = "passthrough") -> list[str]:
+    Path(name).write_text(yaml.safe_dump({"method": method,
+                                          "slices": [{"sources": list(s)} for s in sources]}))
+    return ["merge", name, "--out", "m"]
+
+
+def _src(model: str, a: int, b: int) -> dict:
+    return {"model": model, "layer_range": [a, b]}
+
+
+SLICE_CASES = [
+    ("slice-range-past-end", lambda: _slice_recipe("r.yaml", [_src("l2.safetensors", 0, 2)],
+                                                   [_src("l2.safetensors", 1, 3)]),
+     INPUT, ["slices[1].sources[0]", "layer_range [1, 3]", "2 layers"]),
+    ("slice-range-empty", lambda: _slice_recipe("r.yaml", [_src("l2.safetensors", 1, 1)]),
+     INPUT, ["slices[0].sources[0]", "layer_range [1, 1]"]),
+    ("slice-unknown-model", lambda: _slice_recipe("r.yaml", [_src("l2.safetensors", 0, 1)],
+                                                  [_src("nope_model", 0, 1)]),
+     INPUT, ["slices[1].sources[0]", "nope_model"]),
+    ("slice-shape-mismatch", lambda: _slice_recipe("r.yaml", [_src("l2.safetensors", 0, 1)],
+                                                   [_src("wide.safetensors", 0, 1)]),
+     INPUT, ["slices[1].sources[0]", "wide.safetensors", "[6, 4]", "[4, 4]"]),
+    ("slice-uneven-sources", lambda: _slice_recipe("r.yaml", [_src("l2.safetensors", 0, 2),
+                                                               _src("l3.safetensors", 0, 3)],
+                                                  method="weight_average"),
+     INPUT, ["slices[0]", "different numbers of layers"]),
+    ("slice-passthrough-two-sources", lambda: _slice_recipe("r.yaml", [_src("l2.safetensors", 0, 2),
+                                                                        _src("l3.safetensors", 0, 2)]),
+     INPUT, ["slices[0]", "passthrough", "weight_average"]),
+]
+
+
+@pytest.mark.parametrize("make, code, words", [c[1:] for c in SLICE_CASES], ids=[c[0] for c in SLICE_CASES])
+def test_slice_recipe_errors_name_the_slice(ws, make, code, words):
+    _layers_file(ws / "l2.safetensors", 2)
+    _layers_file(ws / "l3.safetensors", 3)
+    _layers_file(ws / "wide.safetensors", 2, width=6)
+    argv = make()
+    before = _snapshot(ws)
+    result = CliRunner().invoke(app, argv)
+    _check(result, code, words, before, ws)

@@ -22,6 +22,7 @@ from .io.readers import open_checkpoint
 from .lora_merge import merge_adapters
 from .recipes import load_recipe
 from .registry import get_method
+from .slices import run_slices
 
 __all__ = ["build_recipe", "parse_set", "run_merge"]
 
@@ -83,6 +84,10 @@ def run_merge(recipe: Any, out: Path | None, *, task: str | None = None, dry_run
         KeyError, ValueError, FileNotFoundError, MergeInputError: bad method, arguments or inputs; nothing is
         written then.
     """
+    if recipe.slices:
+        if adapter_out != "full" or task is not None:
+            raise ValueError("a slice recipe writes a full model folder: drop --adapter-out / --task")
+        return run_slices(recipe, out, dry_run=dry_run, overwrite=overwrite, hash_inputs=hash_inputs, log=log)
     get_method(recipe.method)
     if adapter_out != "full":
         return _adapter_merge(recipe, out, adapter_out, adapter_rank, overwrite)

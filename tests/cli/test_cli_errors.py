@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -861,7 +862,7 @@ def test_a_log_sink_without_its_package_is_one_input_error_line(ws, monkeypatch,
 
 
 
-# --- merge recipes with layer slices (frankenmerges): each error names the slice, exit code 3 (its own block) ---
+# --- merge recipes with layer slices (each error names the slice, exit code 3) and stages (its own block) ---
 
 def _layers_file(path: Path, n: int, width: int = 4) -> None:
     g = torch.Generator().manual_seed(n + width)
@@ -899,7 +900,20 @@ SLICE_CASES = [
     ("slice-passthrough-two-sources", lambda: _slice_recipe("r.yaml", [_src("l2.safetensors", 0, 2),
                                                                         _src("l3.safetensors", 0, 2)]),
      INPUT, ["slices[0]", "passthrough", "weight_average"]),
+    ("stage-unknown-name", lambda: _stage_recipe("st.yaml", "s2"),
+     INPUT, ["the final merge", "models[0].model", "'s2'", "earlier stage (s1)"]),
+    ("stage-unnamed", lambda: _stage_recipe("st.yaml", "s1", name=None),
+     USAGE, ["stages[0]", "needs a name"]),
 ]
+
+
+def _stage_recipe(path: str, ref: str, **stage: Any) -> list[str]:
+    first = {"name": "s1", "method": "task_arithmetic", "base": "base.safetensors", "models": ["e1.safetensors"],
+             **stage}
+    Path(path).write_text(yaml.safe_dump({"stages": [{k: v for k, v in first.items() if v is not None}],
+                                          "method": "ties", "base": "base.safetensors",
+                                          "models": [ref, "e2.safetensors"]}))
+    return ["merge", path, "--out", "m"]
 
 
 @pytest.mark.parametrize("make, code, words", [c[1:] for c in SLICE_CASES], ids=[c[0] for c in SLICE_CASES])

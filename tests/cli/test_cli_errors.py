@@ -925,3 +925,34 @@ def test_slice_recipe_errors_name_the_slice(ws, make, code, words):
     before = _snapshot(ws)
     result = CliRunner().invoke(app, argv)
     _check(result, code, words, before, ws)
+
+
+# --- clmerge moe: recipe keys, prompts, inputs (its own block) ---
+
+def _moe_recipe(**over: Any) -> list[str]:
+    data = {"base_model": "base.safetensors", "gate_mode": "random",
+            "experts": [{"source_model": "e1.safetensors"}, {"source_model": "e2.safetensors"}], **over}
+    Path("moe.yaml").write_text(yaml.safe_dump(data))
+    return ["moe", "moe.yaml", "--out", "m"]
+
+
+MOE_CASES = [
+    ("moe-unknown-key", lambda: _moe_recipe(gate_mod="hidden"), USAGE, ["gate_mod", "gate_mode"]),
+    ("moe-no-prompts", lambda: _moe_recipe(gate_mode="hidden"), USAGE, ["experts[0].positive_prompts", "random"]),
+    ("moe-too-many-per-token", lambda: _moe_recipe(experts_per_token=3), USAGE, ["experts_per_token", "2 experts"]),
+    ("moe-base-without-config", lambda: _moe_recipe(), INPUT, ["base_model base.safetensors", "config.json"]),
+    ("moe-missing-expert", lambda: _moe_recipe(base_model="llama", experts=[{"source_model": "nope"},
+                                                                             {"source_model": "e1.safetensors"}]),
+     INPUT, ["experts[0].source_model", "nope"]),
+]
+
+
+@pytest.mark.parametrize("make, code, words", [c[1:] for c in MOE_CASES], ids=[c[0] for c in MOE_CASES])
+def test_moe_errors_are_one_line_and_leave_nothing(ws, make, code, words):
+    (ws / "llama").mkdir()
+    (ws / "llama" / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 1}))
+    save_file({"model.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)}, str(ws / "llama" / "model.safetensors"))
+    argv = make()
+    before = _snapshot(ws)
+    result = CliRunner().invoke(app, argv)
+    _check(result, code, words, before, ws)

@@ -106,3 +106,28 @@ def test_dry_run_lists_the_output_layers_and_writes_nothing(llamas, tmp_path):
     assert res.exit_code == 0, res.output
     assert "output layers: 3" in res.output and "layers 2..2" in res.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+
+
+def test_the_documented_recipes_are_valid(tmp_path):
+    """Every YAML recipe of the docs' section on slices, stages and MoE assembly validates."""
+    import re
+    import textwrap
+    from pathlib import Path
+
+    from clmerge.merging.moe import load_moe_recipe
+    from clmerge.merging.recipes import load_recipe
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "merging_checkpoints.md").read_text()
+    section = doc.split("## Frankenmerges, multi-stage recipes and MoE assembly", 1)[1].split("\n## ", 1)[0]
+    blocks = [textwrap.dedent(body) for _, body in re.findall(r"( *)```yaml\n(.*?)\1```", section, re.S)]
+    assert len(blocks) == 4
+    kinds = []
+    for i, text in enumerate(blocks):
+        data = yaml.safe_load(text)
+        if "experts" in data:
+            (tmp_path / f"m{i}.yaml").write_text(text)
+            kinds.append(type(load_moe_recipe(tmp_path / f"m{i}.yaml")).__name__)
+        else:
+            recipe = load_recipe("", data)
+            kinds.append("stages" if recipe.stages else "slices")
+    assert kinds == ["slices", "slices", "stages", "MoeRecipe"]

@@ -131,3 +131,11 @@ def test_the_documented_recipes_are_valid(tmp_path):
             recipe = load_recipe("", data)
             kinds.append("stages" if recipe.stages else "slices")
     assert kinds == ["slices", "slices", "stages", "MoeRecipe"]
+
+
+def test_a_slice_recipe_into_one_safetensors_file_is_an_output_error(llamas, tmp_path):
+    _, a, _ = llamas
+    recipe = _recipe(tmp_path, {"method": "passthrough", "slices": [[{"model": str(a), "layer_range": [0, 1]}]]})
+    res = invoke(recipe, "--out", tmp_path / "m.safetensors")
+    assert res.exit_code == 5 and "model folder" in res.stderr, res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]

@@ -43,6 +43,7 @@ from pydantic import Field
 from torch import Tensor
 
 from ..config import ConfigError, StrictModel, check_keys, read_yaml_mapping, validate_strict
+from ..errors import OutputError
 from .io.base import MergeInputError
 from .io.output import InputHashes, OutputTarget, check_out, copy_model_files, model_files, write_model_card
 from .io.readers import open_checkpoint
@@ -235,7 +236,7 @@ def run_moe(recipe: MoeRecipe, out: Path, *, overwrite: bool = False, hash_input
     """Check the inputs, initialise the routers, then stream the MoE model into the folder ``out``."""
     base, experts, config = _open_inputs(recipe)
     if check_out(out, [base, *experts], overwrite=overwrite) != "folder":
-        raise ValueError(f"--out {out}: an MoE model is a folder (with its config.json), not one .safetensors file")
+        raise OutputError(f"--out {out}: an MoE model is a folder (with its config.json), not one .safetensors file")
     layers = int(config["num_hidden_layers"])
     hidden = base.meta("model.embed_tokens.weight")[0][1]
     gates = router_rows(recipe, base, layers, hidden)

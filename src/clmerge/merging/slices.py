@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..errors import OutputError
 from .hparams import method_hparams
 from .io.base import MergeInputError
 from .io.output import InputHashes, OutputTarget, check_out, copy_model_files, model_files, write_model_card
@@ -314,7 +315,7 @@ def run_slices(recipe: Any, out: Path | None, *, dry_run: bool = False, overwrit
     if out is None:
         raise ValueError("--out PATH is required (a new folder)")
     if check_out(out, list(sp.sources.values()), overwrite=overwrite) != "folder":
-        raise ValueError(f"--out {out}: a slice recipe writes a model folder (its config.json names the new "
+        raise OutputError(f"--out {out}: a slice recipe writes a model folder (its config.json names the new "
                          "layer count), not one .safetensors file")
     ref = _ref_folder(sp)
     tok = Path(recipe.tokenizer_from) if recipe.tokenizer_from else ref

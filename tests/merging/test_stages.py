@@ -41,6 +41,8 @@ def test_two_stages_equal_the_two_merges_run_by_hand_and_leave_no_intermediates(
     res = invoke(tmp_path / "r.yaml", "--out", tmp_path / "final")
     assert res.exit_code == 0, res.output
     assert _listing(tmp_path) == ["final", "r.yaml"]  # the stage folder is gone
+    recorded = yaml.safe_load((tmp_path / "final" / "clmerge_recipe.yaml").read_text())
+    assert recorded["stages"][0]["name"] == "s1" and recorded["models"][0]["model"] == "s1"  # names, not removed folders
 
     hand = tmp_path / "hand"
     hand.mkdir()

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from ..config import ConfigError, StrictModel, check_keys, read_yaml_mapping, validate_strict
 
@@ -119,9 +119,18 @@ class Recipe(StrictModel):
     stages: list[Recipe] = Field(default_factory=list)
 
     _layout = model_validator(mode="after")(_check_layout)
+    _recorded: str | None = PrivateAttr(default=None)
+
+    def recorded_as(self, text: str) -> Recipe:
+        """Record ``text`` in the output folder instead of this recipe (the final merge of a multi-stage
+        recipe records the whole recipe, stage names and all, not the stages' temporary folders)."""
+        self._recorded = text
+        return self
 
     def to_yaml(self) -> str:
         """The recipe as YAML (defaults left out), as recorded in the output folder."""
+        if self._recorded is not None:
+            return self._recorded
         return yaml.safe_dump(self.model_dump(exclude_defaults=True), sort_keys=False)
 
 

@@ -139,3 +139,18 @@ def test_a_slice_recipe_into_one_safetensors_file_is_an_output_error(llamas, tmp
     res = invoke(recipe, "--out", tmp_path / "m.safetensors")
     assert res.exit_code == 5 and "model folder" in res.stderr, res.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+
+
+def test_a_depth_gradient_runs_over_each_slices_own_layers(llamas, tmp_path):
+    _, a, b = llamas
+    both = [{"model": str(a), "layer_range": [0, 2]}, {"model": str(b), "layer_range": [0, 2]}]
+    recipe = _recipe(tmp_path, {"method": "slerp", "parameters": {"t": [0.0, 1.0]},
+                                "slices": [{"sources": both}, {"sources": both}]})
+    res = invoke(recipe, "--out", tmp_path / "out")
+    assert res.exit_code == 0, res.output
+    got, sa, sb = folder_state(tmp_path / "out"), folder_state(a), folder_state(b)
+    k = "mlp.down_proj.weight"
+    for out_layer in (0, 2):  # each slice's first layer: t = 0, the first model
+        torch.testing.assert_close(got[f"model.layers.{out_layer}.{k}"], sa[f"model.layers.0.{k}"])
+    for out_layer in (1, 3):  # each slice's last layer: t = 1, the second model
+        torch.testing.assert_close(got[f"model.layers.{out_layer}.{k}"], sb[f"model.layers.1.{k}"])

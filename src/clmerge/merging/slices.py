@@ -30,7 +30,7 @@ from ..errors import OutputError
 from .hparams import method_hparams
 from .io.base import MergeInputError
 from .io.output import InputHashes, OutputTarget, check_out, copy_model_files, model_files, write_model_card
-from .io.readers import open_checkpoint
+from .io.readers import open_checkpoint, resolve_hub_id
 from .io.writer import ShardedWriter, parse_size
 from .pipeline import check_params, per_model_params
 from .recipes import PASSTHROUGH, key_groups
@@ -288,6 +288,15 @@ def _rewrite_config(folder: Path, sp: SlicePlan) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def _tokenizer_folder(spec: str) -> Path:
+    """``tokenizer_from``: a local folder, else a hub id (fetched or found in the cache)."""
+    if Path(spec).is_dir():
+        return Path(spec)
+    if Path(spec).exists():
+        raise MergeInputError(f"tokenizer_from {spec}: is a file; expected a model folder with tokenizer files")
+    return resolve_hub_id(spec)
+
+
 def _ref_folder(sp: SlicePlan) -> Path | None:
     model = sp.recipe.base or sp.recipe.slices[0].sources[0].model
     return getattr(sp.sources[model], "folder", None)
@@ -318,7 +327,7 @@ def run_slices(recipe: Any, out: Path | None, *, dry_run: bool = False, overwrit
         raise OutputError(f"--out {out}: a slice recipe writes a model folder (its config.json names the new "
                          "layer count), not one .safetensors file")
     ref = _ref_folder(sp)
-    tok = Path(recipe.tokenizer_from) if recipe.tokenizer_from else ref
+    tok = _tokenizer_folder(recipe.tokenizer_from) if recipe.tokenizer_from else ref
     model_files(ref, tok)  # refuse a config or tokenizer file that leads out, before any work
     files = [f for s in sp.sources.values() for f in getattr(s, "files", [])]
     hashes = InputHashes(files, enabled=hash_inputs)

@@ -154,3 +154,14 @@ def test_a_depth_gradient_runs_over_each_slices_own_layers(llamas, tmp_path):
         torch.testing.assert_close(got[f"model.layers.{out_layer}.{k}"], sa[f"model.layers.0.{k}"])
     for out_layer in (1, 3):  # each slice's last layer: t = 1, the second model
         torch.testing.assert_close(got[f"model.layers.{out_layer}.{k}"], sb[f"model.layers.1.{k}"])
+
+
+def test_tokenizer_from_names_the_folder_whose_tokenizer_is_copied(llamas, tmp_path):
+    _, a, _ = llamas
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text('{"marker": 1}')
+    recipe = _recipe(tmp_path, {"method": "passthrough", "tokenizer_from": str(tmp_path / "tok"),
+                                "slices": [[{"model": str(a), "layer_range": [0, 1]}]]})
+    res = invoke(recipe, "--out", tmp_path / "out")
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == '{"marker": 1}'

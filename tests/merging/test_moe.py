@@ -78,7 +78,7 @@ def test_the_moe_loads_and_routes_an_experts_prompt_to_that_expert_in_the_first_
 
 def test_experts_mlps_become_w1_w2_w3_and_the_rest_comes_from_the_base(dense, tmp_path):
     _, paths = dense
-    out = _moe(tmp_path, paths, mode)
+    out = _moe(tmp_path, paths, "random")
     got = folder_state(out)
     base, experts = folder_state(paths[0]), [folder_state(p) for p in paths[1:]]
     for e, sd in enumerate(experts):

@@ -99,3 +99,18 @@ def test_the_intermediates_are_removed_on_a_failure_and_on_sigterm(llamas, tmp_p
     with pytest.raises(Exception, match="NaN or Inf"):
         run_merge(load_recipe("", bad), tmp_path / "final")
     assert _listing(tmp_path) == []
+
+
+def test_a_slice_recipe_can_stack_the_layers_of_a_stage(llamas, tmp_path):
+    base, e1, e2, _ = llamas
+    data = {"stages": [{"name": "avg", "method": "weight_average", "models": [str(e1), str(e2)]}],
+            "method": "passthrough", "slices": [[{"model": "avg", "layer_range": [0, 2]}],
+                                                [{"model": str(base), "layer_range": [1, 2]}]]}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(data))
+    res = invoke(tmp_path / "r.yaml", "--out", tmp_path / "final")
+    assert res.exit_code == 0, res.output
+    got, s1, s2, sb = (folder_state(p) for p in (tmp_path / "final", e1, e2, base))
+    k = "mlp.up_proj.weight"
+    torch.testing.assert_close(got[f"model.layers.1.{k}"], (s1[f"model.layers.1.{k}"] + s2[f"model.layers.1.{k}"]) / 2)
+    assert torch.equal(got[f"model.layers.2.{k}"], sb[f"model.layers.1.{k}"])
+    assert _listing(tmp_path) == ["final", "r.yaml"]

@@ -900,6 +900,9 @@ SLICE_CASES = [
     ("slice-passthrough-two-sources", lambda: _slice_recipe("r.yaml", [_src("l2.safetensors", 0, 2),
                                                                         _src("l3.safetensors", 0, 2)]),
      INPUT, ["slices[0]", "passthrough", "weight_average"]),
+    ("slice-nan-input", lambda: _slice_recipe("r.yaml", [_src("l2.safetensors", 0, 1)],
+                                              [_src("nan.safetensors", 1, 2)]),
+     INPUT, ["slices[1]", "'model.layers.1.mlp.up_proj.weight'", "nan.safetensors", "NaN"]),
     ("stage-unknown-name", lambda: _stage_recipe("st.yaml", "s2"),
      INPUT, ["the final merge", "models[0].model", "'s2'", "earlier stage (s1)"]),
     ("stage-unnamed", lambda: _stage_recipe("st.yaml", "s1", name=None),
@@ -921,6 +924,9 @@ def test_slice_recipe_errors_name_the_slice(ws, make, code, words):
     _layers_file(ws / "l2.safetensors", 2)
     _layers_file(ws / "l3.safetensors", 3)
     _layers_file(ws / "wide.safetensors", 2, width=6)
+    save_file({"model.layers.0.mlp.up_proj.weight": torch.zeros(4, 4),
+               "model.layers.1.mlp.up_proj.weight": torch.full((4, 4), float("nan")),
+               "model.embed_tokens.weight": torch.zeros(8, 4)}, str(ws / "nan.safetensors"))
     argv = make()
     before = _snapshot(ws)
     result = CliRunner().invoke(app, argv)

@@ -42,7 +42,8 @@ def test_two_stages_equal_the_two_merges_run_by_hand_and_leave_no_intermediates(
     assert res.exit_code == 0, res.output
     assert _listing(tmp_path) == ["final", "r.yaml"]  # the stage folder is gone
     recorded = yaml.safe_load((tmp_path / "final" / "clmerge_recipe.yaml").read_text())
-    assert recorded["stages"][0]["name"] == "s1" and recorded["models"][0]["model"] == "s1"  # names, not removed folders
+    # the stages' names, not their removed folders
+    assert recorded["stages"][0]["name"] == "s1" and recorded["models"][0]["model"] == "s1"
 
     hand = tmp_path / "hand"
     hand.mkdir()

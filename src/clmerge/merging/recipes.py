@@ -38,7 +38,8 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from ..config import ConfigError, StrictModel, check_keys, read_yaml_mapping, validate_strict
 
-__all__ = ["DTYPES", "PASSTHROUGH", "ModelEntry", "Override", "Recipe", "Slice", "SliceSource", "key_groups", "layer_index", "load_recipe"]
+__all__ = ["DTYPES", "PASSTHROUGH", "ModelEntry", "Override", "Recipe", "Slice", "SliceSource", "key_groups",
+           "layer_index", "load_recipe"]
 
 DTYPES = Literal["float32", "bfloat16", "float16", "float64"]
 
@@ -97,7 +98,8 @@ def _check_layout(recipe: Recipe) -> Recipe:
         if stage.stages:
             raise ValueError(f"stages[{i}] ({stage.name}): stages cannot hold stages of their own")
         if names.index(stage.name) != i:
-            raise ValueError(f"stages[{i}]: the name {stage.name!r} is already used by stages[{names.index(stage.name)}]")
+            first = names.index(stage.name)
+            raise ValueError(f"stages[{i}]: the name {stage.name!r} is already used by stages[{first}]")
     return recipe
 
 

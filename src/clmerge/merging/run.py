@@ -134,7 +134,8 @@ def _run_stages(recipe: Any, out: Path | None, *, dry_run: bool, overwrite: bool
             run_merge(with_stage_paths(stage, done), tmp / f"stage_{i}", hash_inputs=False, log=log)
             done[stage.name] = tmp / f"stage_{i}"
             log(f"stage {stage.name}: merged")
-        info = run_merge(with_stage_paths(recipe, done).recorded_as(recipe.to_yaml()), out, overwrite=overwrite, hash_inputs=hash_inputs,
+        final_recipe = with_stage_paths(recipe, done).recorded_as(recipe.to_yaml())
+        info = run_merge(final_recipe, out, overwrite=overwrite, hash_inputs=hash_inputs,
                          log=log, **final)
     return {**info, "stages": [s.name for s in recipe.stages]}
 

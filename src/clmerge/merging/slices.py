@@ -29,6 +29,7 @@ import torch
 from ..errors import OutputError
 from .hparams import method_hparams
 from .io.base import MergeInputError
+from .io.checks import is_finite
 from .io.output import InputHashes, OutputTarget, check_out, copy_model_files, model_files, write_model_card
 from .io.readers import open_checkpoint, resolve_hub_id
 from .io.writer import ShardedWriter, parse_size
@@ -68,6 +69,10 @@ class RenamedSource:
 
     def get(self, key: str) -> torch.Tensor:
         return self.src.get(self._keys[key])
+
+    def source_key(self, key: str) -> str:
+        """The input's name for the output key ``key``."""
+        return self._keys[key]
 
 
 @dataclass
@@ -234,7 +239,11 @@ def _read_config(src: Any) -> dict | None:
 def _copy_segment(seg: Segment, writer: Any) -> None:
     view = seg.views[0]
     for key in view.keys():
-        writer.write(key, view.get(key))
+        tensor = view.get(key)
+        if not is_finite(tensor):
+            raise MergeInputError(f"{seg.label}: key {view.source_key(key)!r} in {view.name} contains NaN or Inf; "
+                                  "expected finite weights")
+        writer.write(key, tensor)
 
 
 def _merge_segment(sp: SlicePlan, seg: Segment, writer: Any) -> None:

@@ -119,7 +119,8 @@ def test_base_io_module_imports_no_other_merging_module():
 def test_merge_commands_hold_only_the_typer_commands():
     tree = ast.parse((PKG / "cli/merge.py").read_text())
     defs = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    assert defs == {"merge_command", "list_methods", "extract_lora_command", "export_command", "_summary"}
+    assert defs == {"merge_command", "list_methods", "extract_lora_command", "export_command", "moe_command",
+                    "_summary"}
     assert not [n for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) and
                 not any(getattr(t, "id", "") == "__all__" for t in getattr(n, "targets", []))]  # no module state
 

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -964,3 +965,103 @@ def test_vocabulary_merge_error_is_short_typed_and_leaves_nothing(ws, recipe, co
     _vocab_ws(ws)
     before = _snapshot(ws)
     _check(CliRunner().invoke(app, ["merge", f"{recipe}.yaml", "--out", "m"]), code, words, before, ws)
+# --- merge recipes with layer slices (each error names the slice, exit code 3) and stages (its own block) ---
+
+def _layers_file(path: Path, n: int, width: int = 4) -> None:
+    g = torch.Generator().manual_seed(n + width)
+    sd = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(width, 4, generator=g) for i in range(n)}
+    sd["model.embed_tokens.weight"] = torch.randn(8, 4, generator=g)
+    save_file(sd, str(path))
+
+
+def _slice_recipe(name: str, *sources: list, method: str = "passthrough") -> list[str]:
+    Path(name).write_text(yaml.safe_dump({"method": method,
+                                          "slices": [{"sources": list(s)} for s in sources]}))
+    return ["merge", name, "--out", "m"]
+
+
+def _src(model: str, a: int, b: int) -> dict:
+    return {"model": model, "layer_range": [a, b]}
+
+
+SLICE_CASES = [
+    ("slice-range-past-end", lambda: _slice_recipe("r.yaml", [_src("l2.safetensors", 0, 2)],
+                                                   [_src("l2.safetensors", 1, 3)]),
+     INPUT, ["slices[1].sources[0]", "layer_range [1, 3]", "2 layers"]),
+    ("slice-range-empty", lambda: _slice_recipe("r.yaml", [_src("l2.safetensors", 1, 1)]),
+     INPUT, ["slices[0].sources[0]", "layer_range [1, 1]"]),
+    ("slice-unknown-model", lambda: _slice_recipe("r.yaml", [_src("l2.safetensors", 0, 1)],
+                                                  [_src("nope_model", 0, 1)]),
+     INPUT, ["slices[1].sources[0]", "nope_model"]),
+    ("slice-shape-mismatch", lambda: _slice_recipe("r.yaml", [_src("l2.safetensors", 0, 1)],
+                                                   [_src("wide.safetensors", 0, 1)]),
+     INPUT, ["slices[1].sources[0]", "wide.safetensors", "[6, 4]", "[4, 4]"]),
+    ("slice-uneven-sources", lambda: _slice_recipe("r.yaml", [_src("l2.safetensors", 0, 2),
+                                                               _src("l3.safetensors", 0, 3)],
+                                                  method="weight_average"),
+     INPUT, ["slices[0]", "different numbers of layers"]),
+    ("slice-passthrough-two-sources", lambda: _slice_recipe("r.yaml", [_src("l2.safetensors", 0, 2),
+                                                                        _src("l3.safetensors", 0, 2)]),
+     INPUT, ["slices[0]", "passthrough", "weight_average"]),
+    ("slice-nan-input", lambda: _slice_recipe("r.yaml", [_src("l2.safetensors", 0, 1)],
+                                              [_src("nan.safetensors", 1, 2)]),
+     INPUT, ["slices[1]", "'model.layers.1.mlp.up_proj.weight'", "nan.safetensors", "NaN"]),
+    ("stage-unknown-name", lambda: _stage_recipe("st.yaml", "s2"),
+     INPUT, ["the final merge", "models[0].model", "'s2'", "earlier stage (s1)"]),
+    ("stage-unnamed", lambda: _stage_recipe("st.yaml", "s1", name=None),
+     USAGE, ["stages[0]", "needs a name"]),
+]
+
+
+def _stage_recipe(path: str, ref: str, **stage: Any) -> list[str]:
+    first = {"name": "s1", "method": "task_arithmetic", "base": "base.safetensors", "models": ["e1.safetensors"],
+             **stage}
+    Path(path).write_text(yaml.safe_dump({"stages": [{k: v for k, v in first.items() if v is not None}],
+                                          "method": "ties", "base": "base.safetensors",
+                                          "models": [ref, "e2.safetensors"]}))
+    return ["merge", path, "--out", "m"]
+
+
+@pytest.mark.parametrize("make, code, words", [c[1:] for c in SLICE_CASES], ids=[c[0] for c in SLICE_CASES])
+def test_slice_recipe_errors_name_the_slice(ws, make, code, words):
+    _layers_file(ws / "l2.safetensors", 2)
+    _layers_file(ws / "l3.safetensors", 3)
+    _layers_file(ws / "wide.safetensors", 2, width=6)
+    save_file({"model.layers.0.mlp.up_proj.weight": torch.zeros(4, 4),
+               "model.layers.1.mlp.up_proj.weight": torch.full((4, 4), float("nan")),
+               "model.embed_tokens.weight": torch.zeros(8, 4)}, str(ws / "nan.safetensors"))
+    argv = make()
+    before = _snapshot(ws)
+    result = CliRunner().invoke(app, argv)
+    _check(result, code, words, before, ws)
+
+
+# --- clmerge moe: recipe keys, prompts, inputs (its own block) ---
+
+def _moe_recipe(**over: Any) -> list[str]:
+    data = {"base_model": "base.safetensors", "gate_mode": "random",
+            "experts": [{"source_model": "e1.safetensors"}, {"source_model": "e2.safetensors"}], **over}
+    Path("moe.yaml").write_text(yaml.safe_dump(data))
+    return ["moe", "moe.yaml", "--out", "m"]
+
+
+MOE_CASES = [
+    ("moe-unknown-key", lambda: _moe_recipe(gate_mod="hidden"), USAGE, ["gate_mod", "gate_mode"]),
+    ("moe-no-prompts", lambda: _moe_recipe(gate_mode="hidden"), USAGE, ["experts[0].positive_prompts", "random"]),
+    ("moe-too-many-per-token", lambda: _moe_recipe(experts_per_token=3), USAGE, ["experts_per_token", "2 experts"]),
+    ("moe-base-without-config", lambda: _moe_recipe(), INPUT, ["base_model base.safetensors", "config.json"]),
+    ("moe-missing-expert", lambda: _moe_recipe(base_model="llama", experts=[{"source_model": "nope"},
+                                                                             {"source_model": "e1.safetensors"}]),
+     INPUT, ["experts[0].source_model", "nope"]),
+]
+
+
+@pytest.mark.parametrize("make, code, words", [c[1:] for c in MOE_CASES], ids=[c[0] for c in MOE_CASES])
+def test_moe_errors_are_one_line_and_leave_nothing(ws, make, code, words):
+    (ws / "llama").mkdir()
+    (ws / "llama" / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 1}))
+    save_file({"model.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)}, str(ws / "llama" / "model.safetensors"))
+    argv = make()
+    before = _snapshot(ws)
+    result = CliRunner().invoke(app, argv)
+    _check(result, code, words, before, ws)

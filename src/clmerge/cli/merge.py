@@ -20,7 +20,7 @@ from ..merging.registry import available, get_method
 from ..merging.run import build_recipe, run_merge
 from .base import app, console, exit_with, fail
 
-__all__ = ["export_command", "extract_lora_command", "list_methods", "merge_command"]
+__all__ = ["export_command", "extract_lora_command", "list_methods", "merge_command", "moe_command"]
 
 
 @app.command("merge")
@@ -161,3 +161,23 @@ def export_command(
     else:
         console.print(f"wrote {out}: HF model folder, head.safetensors, classes.json ({res['method']}, "
                       f"{len(res['adapted_modules'])} LoRA-adapted modules folded)")
+
+
+@app.command("moe")
+def moe_command(
+    recipe: Path = typer.Argument(..., help="a YAML MoE recipe: base_model, experts, gate_mode "
+                                  "(docs/merging_checkpoints.md)"),
+    out: Path = typer.Option(..., "--out", help="new model folder (a Mixtral-style MoE)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out"),
+    hash_inputs: bool = typer.Option(True, "--hash-inputs/--no-hash-inputs",
+                                     help="record each input file's sha256 in the model card"),
+) -> None:
+    """Assemble a Mixtral-style mixture of experts from a dense Llama/Mistral base and dense experts."""
+    from ..merging.moe import load_moe_recipe, run_moe
+
+    try:
+        info = run_moe(load_moe_recipe(recipe), out, overwrite=overwrite, hash_inputs=hash_inputs,
+                       log=lambda s: typer.echo(s, err=True))
+    except (KeyError, ValueError, FileNotFoundError, TypeError, OSError) as exc:
+        fail(exc)
+    typer.echo(f"wrote {info['out']} ({info['experts']} experts, {info['layers']} layers, {info['keys']} tensors)")

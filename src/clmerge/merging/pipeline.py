@@ -28,7 +28,7 @@ from .registry import MergeMethod, get_method
 from .sources import ModelSet
 from .vocab import VocabPlan, prepare_vocab, write_vocab_files
 
-__all__ = ["Prepared", "dry_run_text", "execute", "prepare"]
+__all__ = ["Prepared", "check_params", "dry_run_text", "execute", "per_model_params", "prepare"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -49,7 +49,7 @@ class Prepared:
     tokenizer: Any = None  # an OutputTokenizer to write instead of copying the tokenizer files
 
 
-def _check_params(method: MergeMethod, hps: dict[str, HParam], params: dict[str, Any], where: str,
+def check_params(method: MergeMethod, hps: dict[str, HParam], params: dict[str, Any], where: str,
                   gradient_ok: bool) -> None:
     for name, value in params.items():
         if name not in hps or name in DATA_HPARAMS:
@@ -67,7 +67,7 @@ def _check_params(method: MergeMethod, hps: dict[str, HParam], params: dict[str,
             coerce_value(method.name, hps[name], value, f"{where}{name}")
 
 
-def _per_model(method: MergeMethod, hps: dict[str, HParam], recipe: Any) -> dict[str, list]:
+def per_model_params(method: MergeMethod, hps: dict[str, HParam], recipe: Any) -> dict[str, list]:
     names = [set(m.parameters) for m in recipe.models]
     if not any(names):
         return {}
@@ -117,10 +117,10 @@ def prepare(recipe: Any, *, task: str | int | None = None, where: str = "paramet
         raise ValueError(f"{method.name} needs --base PATH (the pretrained weights)")
     task = recipe.parameters.get("task", task) if task is None else task
     params = {k: v for k, v in recipe.parameters.items() if k != "task"}
-    _check_params(method, hps, params, where, True)
+    check_params(method, hps, params, where, True)
     for i, o in enumerate(recipe.overrides):
-        _check_params(method, hps, o.parameters, f"overrides[{i}].parameters.", True)
-    per_model = _per_model(method, hps, recipe)
+        check_params(method, hps, o.parameters, f"overrides[{i}].parameters.", True)
+    per_model = per_model_params(method, hps, recipe)
     base = None if recipe.base is None else open_checkpoint(recipe.base, name=recipe.base)
     experts = [open_checkpoint(m.model, base=base, name=m.model) for m in recipe.models]
     vocab, tokenizer, base, experts = prepare_vocab(recipe, base, experts)

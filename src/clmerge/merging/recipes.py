@@ -21,6 +21,11 @@ fill: present                           # a token an input lacks: present | mean
 chat_template_from: path/to/expert_a    # the chat template of this input (default: the reference's)
 ```
 
+A frankenmerge lists ``slices`` instead of ``models`` (mergekit's ``slices:``): each slice's ``sources`` give a model
+and a half-open ``layer_range: [a, b]``; one source is copied (``method: passthrough``), several are merged
+with ``method`` layer by layer. A recipe can also define named ``stages`` (each a full recipe with a ``name``)
+whose results later stages and the final merge use as inputs by that name (:mod:`.slices`, :mod:`.stages`).
+
 Keys are grouped by equal hyperparameters and each group is merged on its own (a method's global statistics,
 such as TIES's model-wide top-k, are then per group).
 """
@@ -33,11 +38,12 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, field_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from ..config import ConfigError, StrictModel, check_keys, read_yaml_mapping, validate_strict
 
-__all__ = ["DTYPES", "ModelEntry", "Override", "Recipe", "key_groups", "layer_index", "load_recipe"]
+__all__ = ["DTYPES", "PASSTHROUGH", "ModelEntry", "Override", "Recipe", "Slice", "SliceSource", "key_groups",
+           "layer_index", "load_recipe"]
 
 DTYPES = Literal["float32", "bfloat16", "float16", "float64"]
 
@@ -67,10 +73,47 @@ class Override(StrictModel):
         return fnmatch.fnmatchcase(key, self.pattern)
 
 
+# --- layer slices and stages (frankenmerges, multi-stage recipes) ---
+
+PASSTHROUGH = "passthrough"  # the method name of a slice recipe whose slices each copy one source
+
+
+class SliceSource(StrictModel):
+    model: str
+    layer_range: list[int] = Field(min_length=2, max_length=2)  # [first, end): half-open, as mergekit
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+
+class Slice(StrictModel):
+    sources: list[SliceSource] = Field(min_length=1)
+
+
+def _check_layout(recipe: Recipe) -> Recipe:
+    """Exactly one of ``models`` and ``slices``; stage names given, unique, and only at the top level."""
+    if bool(recipe.models) == bool(recipe.slices):
+        raise ValueError("give either models (a merge of whole models) or slices (layer ranges), not "
+                         + ("both" if recipe.models else "neither"))
+    if recipe.method == PASSTHROUGH and not recipe.slices:
+        raise ValueError("method passthrough copies layer ranges: it needs slices, not models")
+    names = [s.name for s in recipe.stages]
+    for i, stage in enumerate(recipe.stages):
+        if not stage.name:
+            raise ValueError(f"stages[{i}]: needs a name (the name later stages use as a model)")
+        if stage.stages:
+            raise ValueError(f"stages[{i}] ({stage.name}): stages cannot hold stages of their own")
+        if names.index(stage.name) != i:
+            first = names.index(stage.name)
+            raise ValueError(f"stages[{i}]: the name {stage.name!r} is already used by stages[{first}]")
+    return recipe
+
+
+# --- end of layer slices and stages ---
+
+
 class Recipe(StrictModel):
     method: str
     base: str | None = None
-    models: list[ModelEntry] = Field(min_length=1)
+    models: list[ModelEntry] = Field(default_factory=list)
     parameters: dict[str, Any] = Field(default_factory=dict)
     overrides: list[Override] = Field(default_factory=list)
     out_dtype: DTYPES | None = None
@@ -81,26 +124,57 @@ class Recipe(StrictModel):
     embeddings: Literal["base", "union", "intersection"] | None = None
     fill: Literal["present", "mean", "zero"] = "present"
     chat_template_from: str | None = None
+    slices: list[Slice] = Field(default_factory=list)
+    name: str | None = None
+    stages: list[Recipe] = Field(default_factory=list)
+
+    _layout = model_validator(mode="after")(_check_layout)
+    _recorded: str | None = PrivateAttr(default=None)
+
+    def recorded_as(self, text: str) -> Recipe:
+        """Record ``text`` in the output folder instead of this recipe (the final merge of a multi-stage
+        recipe records the whole recipe, stage names and all, not the stages' temporary folders)."""
+        self._recorded = text
+        return self
 
     def to_yaml(self) -> str:
         """The recipe as YAML (defaults left out), as recorded in the output folder."""
+        if self._recorded is not None:
+            return self._recorded
         return yaml.safe_dump(self.model_dump(exclude_defaults=True), sort_keys=False)
 
 
 def load_recipe(path: str, data: dict | None = None) -> Recipe:
     """Read and validate a recipe file: unknown keys name the nearest valid key, bad values name their key."""
     data = read_yaml_mapping(path, "merge recipe") if data is None else data
-    models = data.get("models")
-    if isinstance(models, list):
-        data = {**data, "models": [{"model": m} if isinstance(m, str) else m for m in models]}
-        for i, m in enumerate(data["models"]):
-            check_keys(m, ModelEntry, f"models[{i}].")
-    for i, o in enumerate(data.get("overrides") or []):
-        check_keys(o, Override, f"overrides[{i}].")
+    data = _normalize(data, "")
     try:
         return validate_strict(Recipe, data)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}" if path else str(exc)) from None
+
+
+def _normalize(data: dict, where: str) -> dict:
+    """Plain model strings become ``{model: ...}``; unknown keys in nested entries name the nearest valid key."""
+    models = data.get("models")
+    if isinstance(models, list):
+        data = {**data, "models": [{"model": m} if isinstance(m, str) else m for m in models]}
+        for i, m in enumerate(data["models"]):
+            check_keys(m, ModelEntry, f"{where}models[{i}].")
+    for i, o in enumerate(data.get("overrides") or []):
+        check_keys(o, Override, f"{where}overrides[{i}].")
+    for i, sl in enumerate(data.get("slices") or []):
+        if isinstance(sl, list):  # a bare list of sources
+            data = {**data, "slices": [*data["slices"][:i], {"sources": sl}, *data["slices"][i + 1:]]}
+            sl = data["slices"][i]
+        check_keys(sl, Slice, f"{where}slices[{i}].")
+        for j, src in enumerate(sl.get("sources") or [] if isinstance(sl, dict) else []):
+            check_keys(src, SliceSource, f"{where}slices[{i}].sources[{j}].")
+    stages = data.get("stages")
+    if isinstance(stages, list):
+        data = {**data, "stages": [_normalize(st, f"{where}stages[{i}].") if isinstance(st, dict) else st
+                                   for i, st in enumerate(stages)]}
+    return data
 
 
 _LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")

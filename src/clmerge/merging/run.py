@@ -20,8 +20,10 @@ from .io.output import check_out
 from .io.peft import is_peft_adapter
 from .io.readers import open_checkpoint
 from .lora_merge import merge_adapters
-from .recipes import load_recipe
+from .recipes import PASSTHROUGH, load_recipe
 from .registry import get_method
+from .slices import run_slices
+from .stages import check_stage_refs, intermediate_folder, model_refs, with_stage_paths
 
 __all__ = ["build_recipe", "parse_set", "run_merge"]
 
@@ -83,6 +85,13 @@ def run_merge(recipe: Any, out: Path | None, *, task: str | None = None, dry_run
         KeyError, ValueError, FileNotFoundError, MergeInputError: bad method, arguments or inputs; nothing is
         written then.
     """
+    if recipe.stages:
+        return _run_stages(recipe, out, dry_run=dry_run, overwrite=overwrite, hash_inputs=hash_inputs, log=log,
+                           task=task, adapter_out=adapter_out, adapter_rank=adapter_rank, where=where)
+    if recipe.slices:
+        if adapter_out != "full" or task is not None:
+            raise ValueError("a slice recipe writes a full model folder: drop --adapter-out / --task")
+        return run_slices(recipe, out, dry_run=dry_run, overwrite=overwrite, hash_inputs=hash_inputs, log=log)
     get_method(recipe.method)
     if adapter_out != "full":
         return _adapter_merge(recipe, out, adapter_out, adapter_rank, overwrite)
@@ -105,6 +114,33 @@ def run_merge(recipe: Any, out: Path | None, *, task: str | None = None, dry_run
     if kind == "file" and len(prep.tasks) > 1:
         raise ValueError("--task all writes one folder per task: give --out a folder, not a .safetensors file")
     return pipeline.execute(prep, out, kind, io_threads=io_threads(), hash_inputs=hash_inputs, log=log)
+
+
+def _run_stages(recipe: Any, out: Path | None, *, dry_run: bool, overwrite: bool, hash_inputs: bool, log: Any,
+                **final: Any) -> dict:
+    """Run the named stages in order into a temporary folder beside ``out``, then the final merge into ``out``;
+    the intermediates are removed whatever happens (:mod:`.stages`). Every reference and method is checked
+    before the first stage runs."""
+    check_stage_refs(recipe)
+    for stage in [*recipe.stages, recipe]:
+        if stage.method != PASSTHROUGH:
+            get_method(stage.method)
+    if dry_run:
+        lines = [f"stage {s.name}: {s.method} of {', '.join(r for _, r in model_refs(s))}" for s in recipe.stages]
+        return {"plan": "\n".join([*lines, f"final: {recipe.method} of {', '.join(r for _, r in model_refs(recipe))}"])}
+    if out is None:
+        raise ValueError("--out PATH is required (a new folder, or a .safetensors file)")
+    check_out(out, [], overwrite=overwrite)  # a bad --out fails before the first stage
+    done: dict[str, Path] = {}
+    with intermediate_folder(out) as tmp:
+        for i, stage in enumerate(recipe.stages):
+            run_merge(with_stage_paths(stage, done), tmp / f"stage_{i}", hash_inputs=False, log=log)
+            done[stage.name] = tmp / f"stage_{i}"
+            log(f"stage {stage.name}: merged")
+        final_recipe = with_stage_paths(recipe, done).recorded_as(recipe.to_yaml())
+        info = run_merge(final_recipe, out, overwrite=overwrite, hash_inputs=hash_inputs,
+                         log=log, **final)
+    return {**info, "stages": [s.name for s in recipe.stages]}
 
 
 def _adapter_merge(recipe: Any, out: Path | None, form: str, rank: int | None, overwrite: bool) -> dict:

@@ -1,0 +1,361 @@
+"""Layer slicing (frankenmerges): an output model whose layers are layer ranges of other models, stacked.
+
+A recipe's ``slices`` (mergekit's ``slices:``) list output slices in order; each has ``sources``, each a model and
+a half-open ``layer_range: [a, b]``. A slice of one source copies layers ``a..b-1``; a slice of several
+sources (all covering the same number of layers) merges them layer by layer with the recipe's method, the
+source whose model is the recipe's ``base`` serving as the base. The output's per-layer keys
+(``model.layers.{i}.``) are renumbered ``0..N-1`` in slice order and ``num_hidden_layers`` in ``config.json``
+becomes ``N``.
+
+The non-layer tensors (embeddings, final norm, ``lm_head``) come from the recipe's ``base`` when it names one;
+otherwise, as mergekit, the embeddings come from the first slice's sources and the other non-layer tensors
+from the last slice's (merged when that slice has several sources). Depth gradients in ``overrides`` run over
+each slice's own layers (``t = i / (n - 1)`` within the slice, as mergekit). Everything streams: one tensor
+per source at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from ..errors import OutputError
+from .hparams import method_hparams
+from .io.base import MergeInputError
+from .io.checks import is_finite
+from .io.output import InputHashes, OutputTarget, check_out, copy_model_files, model_files, write_model_card
+from .io.readers import open_checkpoint, resolve_hub_id
+from .io.writer import ShardedWriter, parse_size
+from .pipeline import check_params, per_model_params
+from .recipes import PASSTHROUGH, key_groups
+from .registry import get_method
+from .sources import ModelSet
+
+__all__ = ["LAYER_KEY", "SlicePlan", "plan_slices", "run_slices", "split_layer_key"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+# a per-layer key: "<prefix>.layers.<i>.<rest>" (Llama, Mistral, Qwen), also GPT-2's ".h.<i>." and ".blocks.<i>."
+LAYER_KEY = re.compile(r"^(?P<head>(?:.*\.)?(?:layers|h|blocks))\.(?P<i>\d+)\.(?P<tail>.+)$")
+_EMBED = re.compile(r"embed|(?:^|\.)(?:wte|wpe)\.")
+_LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def split_layer_key(key: str) -> tuple[str, int, str] | None:
+    """``model.layers.7.mlp.up_proj.weight`` -> ``("model.layers", 7, "mlp.up_proj.weight")``; else ``None``."""
+    m = LAYER_KEY.match(key)
+    return (m["head"], int(m["i"]), m["tail"]) if m else None
+
+
+class RenamedSource:
+    """A view of ``src`` under other key names: ``keys`` maps each output key to the key it reads."""
+
+    def __init__(self, src: Any, keys: dict[str, str]) -> None:
+        self.src, self._keys = src, keys
+        self.name, self.files, self.folder = src.name, getattr(src, "files", []), getattr(src, "folder", None)
+
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def meta(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        return self.src.meta(self._keys[key])
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.src.get(self._keys[key])
+
+    def source_key(self, key: str) -> str:
+        """The input's name for the output key ``key``."""
+        return self._keys[key]
+
+
+@dataclass
+class Segment:
+    """Output keys made from the same sources: one slice's layers, or the non-layer keys before / after them."""
+
+    label: str
+    entries: list[Any]  # SliceSource-like (model, parameters) per source
+    views: list[RenamedSource]
+    local: dict[str, str] = field(default_factory=dict)  # output key -> the key as numbered within the slice
+
+
+@dataclass
+class SlicePlan:
+    """A checked slice recipe: the segments in output order, the output tensors and the layer count."""
+
+    recipe: Any
+    sources: dict[str, Any]
+    segments: list[Segment]
+    plan: list[tuple[str, tuple[int, ...], torch.dtype]]
+    num_layers: int
+    layer_types: list[Any] | None = None
+
+
+def _open_all(recipe: Any) -> dict[str, Any]:
+    refs = [(f"slices[{i}].sources[{j}]", s.model) for i, sl in enumerate(recipe.slices)
+            for j, s in enumerate(sl.sources)]
+    refs += [("base", recipe.base)] if recipe.base else []
+    opened: dict[str, Any] = {}
+    for where, model in refs:
+        if model in opened:
+            continue
+        try:
+            opened[model] = open_checkpoint(model, name=model)
+        except (FileNotFoundError, MergeInputError) as exc:
+            raise MergeInputError(f"{where}: model {model!r}: {exc}") from None
+    return opened
+
+
+def _layers(src: Any) -> dict[int, list[str]]:
+    """``{layer index: [key tails]}`` of a source, in its key order."""
+    out: dict[int, list[str]] = {}
+    for key in src.keys():
+        parts = split_layer_key(key)
+        if parts is not None:
+            out.setdefault(parts[1], []).append(key)
+    return out
+
+
+def _check_range(where: str, model: str, rng: list[int], n: int) -> None:
+    a, b = rng
+    if not 0 <= a < b <= n:
+        raise MergeInputError(f"{where}: layer_range [{a}, {b}] does not fit {model}, which has {n} layers "
+                              f"(expected 0 <= first < end <= {n}; the end is excluded)")
+
+
+def _slice_segment(i: int, sl: Any, sources: dict[str, Any], start: int, ref: dict[str, tuple]) -> Segment:
+    """The output keys of slice ``i`` (output layers from ``start``), checked against the reference shapes ``ref``
+    (``{head.tail: shape}`` of the first slice's layers; filled by the first slice)."""
+    where = f"slices[{i}]"
+    counts = [s.layer_range[1] - s.layer_range[0] for s in sl.sources]
+    for j, s in enumerate(sl.sources):
+        _check_range(f"{where}.sources[{j}]", s.model, s.layer_range, len(_layers(sources[s.model])))
+    if len(set(counts)) > 1:
+        shown = ", ".join(f"{c} from {s.model}" for c, s in zip(counts, sl.sources))
+        raise MergeInputError(f"{where}: its sources cover different numbers of layers ({shown}); expected the "
+                              "same count from every source of a slice")
+    seg = Segment(where, list(sl.sources), [])
+    maps: list[dict[str, str]] = [{} for _ in sl.sources]
+    for idx in range(counts[0]):
+        first = sl.sources[0]
+        for key in _layers(sources[first.model])[first.layer_range[0] + idx]:
+            head, _, tail = split_layer_key(key)
+            out_key = f"{head}.{start + idx}.{tail}"
+            seg.local[out_key] = f"{head}.{idx}.{tail}"
+            for j, s in enumerate(sl.sources):
+                in_key = f"{head}.{s.layer_range[0] + idx}.{tail}"
+                shape = _shape_of(sources[s.model], in_key, f"{where}.sources[{j}]", s.model)
+                want = ref.setdefault(f"{head}.{tail}", (shape, f"{where}.sources[{j}] ({s.model})"))
+                if tuple(shape) != tuple(want[0]):
+                    raise MergeInputError(f"{where}.sources[{j}]: {s.model} key {in_key!r} has shape {list(shape)}, "
+                                          f"but {want[1]} has {list(want[0])}; expected equal shapes in every "
+                                          "output layer")
+                maps[j][out_key] = in_key
+    seg.views = [RenamedSource(sources[s.model], m) for s, m in zip(sl.sources, maps)]
+    return seg
+
+
+def _shape_of(src: Any, key: str, where: str, model: str) -> tuple[int, ...]:
+    try:
+        return tuple(src.meta(key)[0])
+    except KeyError:
+        raise MergeInputError(f"{where}: {model} has no key {key!r}; expected the same layer keys in every "
+                              "source") from None
+
+
+def _outer_segments(recipe: Any, sources: dict[str, Any]) -> tuple[Segment, Segment]:
+    """The non-layer keys: embeddings (before the layers) and the rest (after), with the sources they come from."""
+    if recipe.base:
+        first = last = [SimpleNamespace(model=recipe.base, parameters={})]
+    else:
+        first, last = recipe.slices[0].sources, recipe.slices[-1].sources
+    ref = sources[first[0].model]
+    outer = [k for k in ref.keys() if split_layer_key(k) is None]
+    pre = [k for k in outer if _EMBED.search(k)]
+    post = [k for k in outer if not _EMBED.search(k)]
+    segs = []
+    for label, entries, keys in (("embeddings", first, pre), ("final norm and head", last, post)):
+        for j, e in enumerate(entries):
+            for k in keys:
+                _shape_of(sources[e.model], k, label, e.model)
+        segs.append(Segment(label, list(entries), [RenamedSource(sources[e.model], {k: k for k in keys})
+                                                    for e in entries]))
+    return segs[0], segs[1]
+
+
+def plan_slices(recipe: Any) -> SlicePlan:
+    """Open the slice recipe's models (headers only) and check every slice; raises one-line errors naming it."""
+    if recipe.method != PASSTHROUGH:
+        get_method(recipe.method)
+    sources = _open_all(recipe)
+    segments, ref, start = [], {}, 0
+    for i, sl in enumerate(recipe.slices):
+        if recipe.method == PASSTHROUGH and len(sl.sources) > 1:
+            raise MergeInputError(f"slices[{i}]: method passthrough copies one source per slice, this slice has "
+                                  f"{len(sl.sources)}; name a merge method (e.g. weight_average) to merge them")
+        segments.append(_slice_segment(i, sl, sources, start, ref))
+        start += sl.sources[0].layer_range[1] - sl.sources[0].layer_range[0]
+    pre, post = _outer_segments(recipe, sources)
+    segments = [pre, *segments, post]
+    out_dtype = None if recipe.out_dtype is None else _DTYPES[recipe.out_dtype]
+    plan = []
+    for seg in segments:
+        for key in seg.views[0].keys():
+            shape, dtype = seg.views[0].meta(key)
+            plan.append((key, tuple(shape), out_dtype if out_dtype is not None and dtype.is_floating_point else dtype))
+    return SlicePlan(recipe, sources, segments, plan, start, _layer_types(recipe, sources))
+
+
+def _layer_types(recipe: Any, sources: dict[str, Any]) -> list[Any] | None:
+    """The output's ``layer_types`` (per-layer attention kinds in newer configs), sliced as the layers are."""
+    out = []
+    for sl in recipe.slices:
+        s = sl.sources[0]
+        config = _read_config(sources[s.model])
+        types = config.get("layer_types") if config else None
+        if not isinstance(types, list):
+            return None
+        out += types[s.layer_range[0]:s.layer_range[1]]
+    return out
+
+
+def _read_config(src: Any) -> dict | None:
+    folder = getattr(src, "folder", None)
+    if folder is None or not (Path(folder) / "config.json").is_file():
+        return None
+    try:
+        data = json.loads(model_files(Path(folder), None)["config.json"].read_text())
+    except (KeyError, ValueError, OSError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _copy_segment(seg: Segment, writer: Any) -> None:
+    view = seg.views[0]
+    for key in view.keys():
+        tensor = view.get(key)
+        if not is_finite(tensor):
+            raise MergeInputError(f"{seg.label}: key {view.source_key(key)!r} in {view.name} contains NaN or Inf; "
+                                  "expected finite weights")
+        writer.write(key, tensor)
+
+
+def _merge_segment(sp: SlicePlan, seg: Segment, writer: Any) -> None:
+    """Merge a segment's sources with the recipe's method (the recipe's base, if among them, as the base)."""
+    recipe, method = sp.recipe, get_method(sp.recipe.method)
+    hps = method_hparams(method)
+    is_base = [e.model == recipe.base for e in seg.entries]
+    base = seg.views[is_base.index(True)] if any(is_base) else None
+    experts = [v for v, b in zip(seg.views, is_base) if not b]
+    entries = [e for e, b in zip(seg.entries, is_base) if not b]
+    if method.needs_base and base is None:
+        raise MergeInputError(f"{seg.label}: {method.name} needs a base: list the recipe's base ({recipe.base}) "
+                              "among this slice's sources" if recipe.base else
+                              f"{seg.label}: {method.name} needs a base: set the recipe's base to one of its sources")
+    params = {k: v for k, v in recipe.parameters.items() if k != "task"}
+    check_params(method, hps, params, "parameters.", True)
+    per_model = per_model_params(method, hps, SimpleNamespace(models=entries))
+    models = ModelSet(base, experts, compute_dtype=_DTYPES[recipe.compute_dtype])
+    local = seg.local or {k: k for k in models.keys()}
+    back = {v: k for k, v in local.items()}
+    list_params = {n for n, h in hps.items() if h.is_list}
+    models.sink = writer
+    for hp, keys in key_groups([local[k] for k in models.keys()], {**params, **per_model}, recipe.overrides,
+                               list_params):
+        res = method.fn(base=models.base, experts=models.subset([back[k] for k in keys]), **hp)
+        if isinstance(res, dict):
+            for k, v in res.items():
+                writer.write(k, v)
+        elif hasattr(res, "flush"):
+            res.flush()
+
+
+def _config_dtype(plan: list) -> torch.dtype:
+    sizes: dict[torch.dtype, int] = {}
+    for _, shape, dtype in plan:
+        if dtype.is_floating_point:
+            sizes[dtype] = sizes.get(dtype, 0) + int(torch.Size(shape).numel())
+    return max(sizes, key=sizes.get) if sizes else torch.float32
+
+
+def _rewrite_config(folder: Path, sp: SlicePlan) -> None:
+    path = folder / "config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    for key in _LAYER_COUNT_KEYS:
+        if key in config:
+            config[key] = sp.num_layers
+    if sp.layer_types is not None and "layer_types" in config:
+        config["layer_types"] = sp.layer_types
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _tokenizer_folder(spec: str) -> Path:
+    """``tokenizer_from``: a local folder, else a hub id (fetched or found in the cache)."""
+    if Path(spec).is_dir():
+        return Path(spec)
+    if Path(spec).exists():
+        raise MergeInputError(f"tokenizer_from {spec}: is a file; expected a model folder with tokenizer files")
+    return resolve_hub_id(spec)
+
+
+def _ref_folder(sp: SlicePlan) -> Path | None:
+    model = sp.recipe.base or sp.recipe.slices[0].sources[0].model
+    return getattr(sp.sources[model], "folder", None)
+
+
+def dry_run_text(sp: SlicePlan) -> str:
+    """The plan: which output layers come from which sources."""
+    lines = [f"slices: {len(sp.recipe.slices)}; output layers: {sp.num_layers}; method: {sp.recipe.method}"]
+    start = 0
+    for i, sl in enumerate(sp.recipe.slices):
+        n = sl.sources[0].layer_range[1] - sl.sources[0].layer_range[0]
+        srcs = " + ".join(f"{s.model} {list(s.layer_range)}" for s in sl.sources)
+        lines.append(f"  layers {start}..{start + n - 1} <- {srcs}")
+        start += n
+    lines.append(f"tensors: {len(sp.plan)}")
+    return "\n".join(lines)
+
+
+def run_slices(recipe: Any, out: Path | None, *, dry_run: bool = False, overwrite: bool = False,
+               hash_inputs: bool = True, log: Callable[[str], None] = lambda s: None) -> dict:
+    """Check the slice recipe, then stream the output model into ``out`` (a folder); returns a summary."""
+    sp = plan_slices(recipe)
+    if dry_run:
+        return {"plan": dry_run_text(sp)}
+    if out is None:
+        raise ValueError("--out PATH is required (a new folder)")
+    if check_out(out, list(sp.sources.values()), overwrite=overwrite) != "folder":
+        raise OutputError(f"--out {out}: a slice recipe writes a model folder (its config.json names the new "
+                         "layer count), not one .safetensors file")
+    ref = _ref_folder(sp)
+    tok = _tokenizer_folder(recipe.tokenizer_from) if recipe.tokenizer_from else ref
+    model_files(ref, tok)  # refuse a config or tokenizer file that leads out, before any work
+    files = [f for s in sp.sources.values() for f in getattr(s, "files", [])]
+    hashes = InputHashes(files, enabled=hash_inputs)
+    with OutputTarget(out, "folder", log=log) as target:
+        writer = ShardedWriter(target.tmp, sp.plan, shard_size=parse_size(recipe.out_shard_size),
+                               metadata={"clmerge_method": recipe.method})
+        try:
+            for seg in sp.segments:
+                (_copy_segment if len(seg.views) == 1 else lambda s, w: _merge_segment(sp, s, w))(seg, writer)
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        copy_model_files(target.tmp, ref, tok, _config_dtype(sp.plan))
+        _rewrite_config(target.tmp, sp)
+        text = recipe.to_yaml()
+        (target.tmp / "clmerge_recipe.yaml").write_text(text)
+        inputs = [("model", name, getattr(s, "files", [])) for name, s in sp.sources.items()]
+        write_model_card(target.tmp, recipe_yaml=text, inputs=inputs, hashes=hashes.get(), base_model=recipe.base)
+        target.commit()
+    log(f"sliced {len(recipe.slices)} slices into {sp.num_layers} layers ({len(sp.plan)} tensors)")
+    return {"method": recipe.method, "keys": len(sp.plan), "out": str(out), "layers": sp.num_layers}

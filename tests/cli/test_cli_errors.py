@@ -420,6 +420,8 @@ ADAPTER_METHOD_CASES = [  # (what, method, config overrides, exit code, words): 
      ["head.classifier=linear", "'aper'"]),
     ("run: aper with an unknown variant", "aper", {"method": {"name": "aper", "variant": "lora"}}, USAGE,
      ["variant", "lora"]),
+    ("run: ease with a feature head", "ease", {"head": {"classifier": "ncm"}}, USAGE,
+     ["head.classifier=ncm", "'ease'", "EaseClassifier"]),
 ]
 
 

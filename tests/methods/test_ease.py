@@ -146,3 +146,13 @@ def test_the_pretrained_subspace_joins_with_use_init_ptm(tmp_path):
     _, tensors, _ = load_checkpoint(tmp_path / "run" / "checkpoints" / "task_001.safetensors")
     assert tensors["protos"].shape == (4, 3, 32)
     assert all(v is not None for v in result["accuracy_matrix"][1])
+
+
+def test_a_task_that_reuses_old_outputs_is_refused():
+    """Domain-incremental tasks share their classes: no new classes, no subspace prototypes to complete."""
+    from types import SimpleNamespace
+
+    m = _method()
+    m.ranges = [(0, 2)]
+    with pytest.raises(ValueError, match="scenario.kind: ease needs new classes in every task"):
+        m.begin_task(SimpleNamespace(index=1, offset=0, n_classes=2), None)

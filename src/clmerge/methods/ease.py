@@ -102,12 +102,14 @@ class EaseClassifier(nn.Module):
         protos: (C, S, d) prototypes.
         class_task: (C,) task index of every class.
         weights: (n_tasks, S) subspace weights, or None for the cosine of the concatenated vectors.
+        fallback: what predicts while there are no subspaces yet (the untrained model, before the first task ends).
     """
 
     def __init__(self, backbone: nn.Module, subspaces: list[str], protos: torch.Tensor, class_task: torch.Tensor,
-                 weights: torch.Tensor | None) -> None:
+                 weights: torch.Tensor | None, fallback: nn.Module | None = None) -> None:
         super().__init__()
         self.backbone = backbone
+        self._fallback = [fallback]  # a plain list: not a submodule of the classifier
         self.subspaces = subspaces
         self.register_buffer("protos", protos.float().clone(), persistent=False)
         self.register_buffer("class_task", class_task.long().clone(), persistent=False)
@@ -130,6 +132,8 @@ class EaseClassifier(nn.Module):
         return (cos * w).sum(-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.subspaces:
+            return self._fallback[0](x)
         return self.logits_from(self.features(x))
 
 
@@ -171,8 +175,12 @@ class EASE(ContinualMethod):
         super().setup(model)
         model.backbone.requires_grad_(False)
         adapter_bank(model.backbone)  # exists from the start, so a resumed run rebuilds its sets into it
+        self._inference = EaseClassifier(model.backbone, [], torch.zeros(0, 0, 0), torch.zeros(0), None, model)
 
     def begin_task(self, task, ctx) -> None:
+        if task.offset < (self.ranges[-1][1] if self.ranges else 0):
+            raise ValueError(f"scenario.kind: ease needs new classes in every task (class- or task-incremental); "
+                             f"task {task.index} reuses outputs from {task.offset}")
         super().begin_task(task, ctx)
         o, bb = self.options, self.model.backbone
         for s in adapter_sets(bb).values():
@@ -224,10 +232,11 @@ class EASE(ContinualMethod):
         class_task = torch.cat([torch.full((hi - lo,), k) for k, (lo, hi) in enumerate(self.ranges)])
         weights = subspace_weights(len(self.ranges), alpha=o.alpha, beta=o.beta,
                                    use_init_ptm=o.use_init_ptm) if o.reweight else None
-        self._inference = EaseClassifier(self.model.backbone, self._subspaces(), self.protos, class_task, weights)
+        self._inference = EaseClassifier(self.model.backbone, self._subspaces(), self.protos, class_task, weights,
+                                         self.model)
 
     def inference_model(self) -> nn.Module:
-        return self.model if self._inference is None else self._inference
+        return self._inference
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"protos": self.protos.clone()} if self.ranges else {}

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .trim import TIE_ALL, add_ties
 
-__all__ = ["Work", "ties_key_streamed", "negative_choice", "fix_values"]
+__all__ = ["Work", "ties_key_streamed", "negative_choice", "fix_values", "sum_rows"]
 
 
 def negative_choice(cols: Tensor, merge_fn: str) -> Tensor:
@@ -30,9 +30,26 @@ class Work:
     def __init__(self, num: int, chunk: int, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype
         self.tv, self.tmp = torch.empty(num, chunk, dtype=dtype), torch.empty(num, chunk, dtype=dtype)
-        self.mask = torch.empty(num, chunk, dtype=torch.bool)
+        # masks are 0/1 in the work dtype: comparisons into a float buffer and products with it run several
+        # times faster on the CPU than bool masks (which take a type-promoting, unvectorised path)
+        self.mask = torch.empty(num, chunk, dtype=dtype)
         self.total, self.sign, self.pick, self.count, self.res = (torch.empty(chunk, dtype=dtype) for _ in range(5))
-        self.zero, self.flag = torch.empty(chunk, dtype=torch.bool), torch.empty(chunk, dtype=torch.bool)
+        self.zero = torch.empty(chunk, dtype=dtype)
+
+
+ROW_SUM_MAX = 4  # up to this many experts a sum over them is the same numbers as torch.sum(x, 0)
+
+
+def sum_rows(x: Tensor, out: Tensor) -> Tensor:
+    """``torch.sum(x, 0, out=out)`` for ``x`` ``(T, n)``. A dim-0 reduction over a few rows is ~20x slower
+    than adding the rows one by one on the CPU; up to :data:`ROW_SUM_MAX` rows torch sums them in row order
+    too, so the row adds give the same numbers (tested), and more rows keep torch's own order."""
+    if x.shape[0] > ROW_SUM_MAX:
+        return torch.sum(x, 0, out=out)
+    out.copy_(x[0])
+    for row in x[1:]:
+        out.add_(row)
+    return out
 
 
 def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int], scaling: float,
@@ -51,40 +68,45 @@ def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int
     thr32 = thr.to(w.dtype)
     # ">= v" keeps all ties; ">= next float above v" is "> v" (ties added below, up to the quota)
     up = torch.nextafter(thr32, thr32.new_tensor(math.inf))
-    thr_c = torch.where(torch.tensor([q == TIE_ALL for q in quotas]), thr32, up)[:, None]
+    thr_c = torch.where(torch.tensor([q == TIE_ALL for q in quotas]), thr32, up)
     remaining = [q if q != TIE_ALL else 0 for q in quotas]
     sign_sum, fixes, chunk = 0.0, [], w.tv.shape[1]
     for i in range(0, fb.numel(), chunk):
         n = min(chunk, fb.numel() - i)
         tv, tmp, mask = w.tv[:, :n], w.tmp[:, :n], w.mask[:, :n]
         total, sign, pick, count, res = w.total[:n], w.sign[:n], w.pick[:n], w.count[:n], w.res[:n]
-        zero, flag = w.zero[:n], w.flag[:n]
+        zero = w.zero[:n]
         for t, x in enumerate(fx):
             torch.sub(x[i:i + n], fb[i:i + n], out=tv[t])
-        torch.ge(torch.abs(tv, out=tmp), thr_c, out=mask)
+        torch.abs(tv, out=tmp)
+        for t in range(len(fx)):
+            torch.ge(tmp[t], thr_c[t], out=mask[t])
         for t, rem in enumerate(remaining):
             if rem > 0:  # the one key (per expert) where the quota of threshold-equal entries runs out
                 remaining[t] = max(0, rem - int(torch.count_nonzero(tmp[t] == thr32[t])))
-                add_ties(mask[t], tmp[t], thr32[t], rem)
-        tv.mul_(mask)  # trimmed
-        torch.sign(torch.sum(tv, 0, out=total), out=sign)
+                mask[t].copy_(add_ties(mask[t].bool(), tmp[t], thr32[t], rem))
+        tv.mul_(mask)  # trimmed (a product with 1 or 0, as with a bool mask)
+        torch.sign(sum_rows(tv, total), out=sign)
         sign_sum += float(sign.sum())
-        torch.eq(total, 0, out=zero)
-        pick.copy_(sign).masked_fill_(zero, 1.0)
-        sign.masked_fill_(zero, 1.0)
+        torch.eq(total, 0, out=zero)  # 1 where the sum is zero; sign is 0 there, so sign + zero puts +1 there
+        torch.add(sign, zero, out=pick)
+        sign.add_(zero)
         tv.mul_(pick).clamp_(min=0)  # |tau_hat_t| where it agrees with the elected sign
-        torch.sum(torch.sign(tv, out=tmp), 0, out=count)
-        if torch.gt(count, 0, out=flag).logical_and_(zero).any():
+        sum_rows(torch.sign(tv, out=tmp), count)  # counts of 0/1: exact in any order
+        ambiguous = float(torch.dot(count, zero))  # > 0: some zero sum over nonzero entries (count >= 0)
+        if ambiguous > 0 or ambiguous != ambiguous:  # NaN: decide entry by entry, as below
             # zero sum over nonzero entries: the value depends on the model-wide majority, known at the end;
             # the trimmed columns are formed again from the inputs (the buffer now holds only positives)
-            pos = flag.nonzero().squeeze(1)
-            cols = torch.stack([x[i:i + n][pos].to(w.dtype) for x in fx]).sub_(fb[i:i + n][pos]).mul_(mask[:, pos])
-            fixes.append(fix_values(pos + i, negative_choice(cols, merge_fn), fb[i:i + n][pos], scaling,
-                                     merge_fn, out.dtype))
+            pos = ((count > 0) & (zero > 0)).nonzero().squeeze(1)
+            if pos.numel():
+                cols = torch.stack([x[i:i + n][pos].to(w.dtype) for x in fx]).sub_(fb[i:i + n][pos])
+                cols.mul_(mask[:, pos])
+                fixes.append(fix_values(pos + i, negative_choice(cols, merge_fn), fb[i:i + n][pos], scaling,
+                                         merge_fn, out.dtype))
         if merge_fn == "max":
             torch.amax(tv, 0, out=res).mul_(sign)
         else:
-            torch.sum(tv, 0, out=res).mul_(pick)
+            sum_rows(tv, res).mul_(pick)
             if merge_fn == "mean":
                 res.div_(count.clamp_(min=1))
         fo[i:i + n] = res.mul_(scaling).add_(fb[i:i + n])

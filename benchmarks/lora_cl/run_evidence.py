@@ -20,17 +20,25 @@ on the same backbone (``head.compare: true``: linear, linear+align, ncm, ranpac)
 (method, head) pair.
 
 Hyperparameter selection uses VALIDATION data only, never test: every run holds out
-``scenario.val_fraction = 0.1`` of each task's training set. Phase 1 trains each method with every learning
-rate of its grid (seed 0) and scores the final model on the held-out validation parts of all tasks
-(class-incremental accuracy, ``split="val"``); phase 2 runs the selected learning rate with seeds 0, 1, 2
-(the same held-out split, so the reported test numbers never informed a choice). The selection is written to
-``<out>/selected.json`` and into the results table.
+``scenario.val_fraction = 0.1`` of each task's training set. Each (benchmark, method) is one ``clmerge sweep``
+(the library's sweep and selection code, docs/sweeps.md) into ``<out>/main/<benchmark>/<method>/``: its config
+as base, one cell per seed (``seed0``, ...; ``scenario.seed`` linked to ``seed``), and a ``select:`` block on
+``optim.lr``. Phase 1 trains the method with every learning rate of its grid (seed 0, cells under ``select/``)
+and scores the final model on the held-out validation parts of all tasks (class-incremental accuracy of the
+linear head, ``head.val_acc``), extending the grid by up to ``EXTEND`` steps when the best rate is at an edge;
+phase 2 runs the selected rate with seeds 0, 1, 2 (seed 0 is the phase-1 run, copied). The same held-out split is
+used throughout, so the reported test numbers never informed a choice. Each sweep's choice is in its
+``selected.json``; the script gathers them into ``<out>/selected.json`` and the results table. A variant whose
+parent was not asked for runs the parent's selection alone under ``<out>/select-only/``.
 
 Every finished run's ``metrics.json`` is kept in the committed archive ``runs.json`` (``--archive``): results.md is
 built from the archive plus the run directories, so a session that runs some cells keeps the others' rows.
 
-Resumable: a run with ``metrics.json`` is skipped, an interrupted one is continued with ``--resume``.
-Commands (``--jobs`` runs that many runs at once, one thread each):
+Resumable (the sweep's ``--resume``): finished cells are skipped, an interrupted one continues from its last task.
+A sweep whose rate changed since (an edited grid, another ``--reuse-selection``) is refused with a message naming
+the cell; use a new ``--out`` for it.
+
+Commands (``--jobs N`` runs up to N cells of a sweep at once in worker processes, one thread each):
 
     python benchmarks/lora_cl/run_evidence.py --jobs 2
     python benchmarks/lora_cl/run_evidence.py --methods pm,seq_lora --seeds 0 --benchmarks split_mnist5k

@@ -886,7 +886,7 @@ SELECT_SPECS = {
 # (id, spec file, words in the message): each a usage error (exit 2) before anything runs
 SELECT_CASES = [
     ("select-unknown-key", "sel-unknown.yaml", ["select", "'metrics'", "unknown key"]),
-    ("select-not-a-mapping", "sel-not-mapping.yaml", ["select", "mapping"]),
+    ("select-not-a-mapping", "sel-not-mapping.yaml", ["select: expected a mapping"]),
     ("select-no-key", "sel-no-key.yaml", ["select.key", "dotted config key"]),
     ("select-key-in-grid", "sel-key-in-grid.yaml", ["select.key", "optim.lr", "grid"]),
     ("select-empty-values", "sel-empty-values.yaml", ["select.values", "non-empty list"]),

@@ -21,7 +21,7 @@ console = make_console()
 
 @app.command("sweep")
 def sweep_command(
-    spec: Path = typer.Argument(..., help="sweep spec YAML: base, set, grid (docs/sweeps.md)"),
+    spec: Path = typer.Argument(..., help="sweep spec YAML: base, set, grid, link, select (docs/sweeps.md)"),
     out: Path | None = typer.Option(None, "--out", help="sweep directory: one run directory per cell, sweep.yaml, "
                                     "cells.json"),
     resume: bool = typer.Option(False, "--resume", help="skip finished cells, continue interrupted ones (the "

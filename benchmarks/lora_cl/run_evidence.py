@@ -20,17 +20,25 @@ on the same backbone (``head.compare: true``: linear, linear+align, ncm, ranpac)
 (method, head) pair.
 
 Hyperparameter selection uses VALIDATION data only, never test: every run holds out
-``scenario.val_fraction = 0.1`` of each task's training set. Phase 1 trains each method with every learning
-rate of its grid (seed 0) and scores the final model on the held-out validation parts of all tasks
-(class-incremental accuracy, ``split="val"``); phase 2 runs the selected learning rate with seeds 0, 1, 2
-(the same held-out split, so the reported test numbers never informed a choice). The selection is written to
-``<out>/selected.json`` and into the results table.
+``scenario.val_fraction = 0.1`` of each task's training set. Each (benchmark, method) is one ``clmerge sweep``
+(the library's sweep and selection code, docs/sweeps.md) into ``<out>/main/<benchmark>/<method>/``: its config
+as base, one cell per seed (``seed0``, ...; ``scenario.seed`` linked to ``seed``), and a ``select:`` block on
+``optim.lr``. Phase 1 trains the method with every learning rate of its grid (seed 0, cells under ``select/``)
+and scores the final model on the held-out validation parts of all tasks (class-incremental accuracy of the
+linear head, ``head.val_acc``), extending the grid by up to ``EXTEND`` steps when the best rate is at an edge;
+phase 2 runs the selected rate with seeds 0, 1, 2 (seed 0 is the phase-1 run, copied). The same held-out split is
+used throughout, so the reported test numbers never informed a choice. Each sweep's choice is in its
+``selected.json``; the script gathers them into ``<out>/selected.json`` and the results table. A variant whose
+parent was not asked for runs the parent's selection alone under ``<out>/select-only/``.
 
 Every finished run's ``metrics.json`` is kept in the committed archive ``runs.json`` (``--archive``): results.md is
 built from the archive plus the run directories, so a session that runs some cells keeps the others' rows.
 
-Resumable: a run with ``metrics.json`` is skipped, an interrupted one is continued with ``--resume``.
-Commands (``--jobs`` runs that many runs at once, one thread each):
+Resumable (the sweep's ``--resume``): finished cells are skipped, an interrupted one continues from its last task.
+A sweep whose rate changed since (an edited grid, another ``--reuse-selection``) is refused with a message naming
+the cell; use a new ``--out`` for it.
+
+Commands (``--jobs N`` runs up to N cells of a sweep at once in worker processes, one thread each):
 
     python benchmarks/lora_cl/run_evidence.py --jobs 2
     python benchmarks/lora_cl/run_evidence.py --methods pm,seq_lora --seeds 0 --benchmarks split_mnist5k
@@ -43,9 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -122,6 +128,9 @@ LR_FROM = {"sd_lora_rr": "sd_lora", "sd_lora_kd": "sd_lora", "pm_m": "pm", "pm_g
            "lora_avg": "seq_lora", "lora_dare": "seq_lora", "coma": "seq_lora", "cofima": "seq_lora",
            "inflora_fsa": "inflora", "seq_lora_fsa": "seq_lora", "frozen": "seq_lora"}
 SEEDS = [0, 1, 2]
+# A choice at the edge of its grid extends the grid by up to this many geometric steps (clmerge.sweep.select):
+# the hand-extended grids above (l2p, dualprompt, hide_prompt, magmax, text pm) came from that rule.
+EXTEND = 2
 VAL_FRACTION = 0.1
 # Every LoRA method adapts the same sites, the key and value projections: the official P&M and InfLoRA code
 # (and SD-LoRA's, built on InfLoRA's) put LoRA on k and v, while clmerge's seq_lora / sd_lora option default is
@@ -160,37 +169,6 @@ def make_config(bench: str, label: str, seed: int, lr: float, *, smoke: bool) ->
             "run": {"progress": False, "report": False, "threads": 1, "keep_checkpoints": 1}}
 
 
-def run_one(cfg: dict, out: Path) -> str:
-    """Run (or resume, or skip) one config into ``out`` in a subprocess; returns done / skipped / failed.
-    A run directory trained at another learning rate (the selection changed since) is moved aside, not reused."""
-    old_cfg = out / "config.yaml"
-    if old_cfg.exists():
-        old_lr = (yaml.safe_load(old_cfg.read_text()) or {}).get("optim", {}).get("lr")
-        new_lr = cfg.get("optim", {}).get("lr")
-        if old_lr is not None and new_lr is not None and float(old_lr) != float(new_lr):
-            out.rename(out.with_name(f"stale-lr{float(old_lr):g}-{out.name}"))  # not matched by seed*
-    if (out / "metrics.json").exists():
-        return "skipped"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    cfg_file = out.parent / f"{out.name}.yaml"
-    cfg_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    cmd = [sys.executable, "-m", "clmerge.cli", "run", str(cfg_file), "--out", str(out)]
-    if out.exists():
-        cmd.append("--resume")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    with open(out.parent / f"{out.name}.log", "w") as log:
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    return "done" if rc == 0 else "failed"
-
-
-def reuse_run(select_dir: Path, out: Path, *, seed: int) -> None:
-    """Seed 0 of phase 2 is the phase-1 run of the selected lr (same config): copy it instead of re-running."""
-    if seed == 0 and not out.exists() and (select_dir / "metrics.json").exists():
-        import shutil
-
-        shutil.copytree(select_dir, out)
-
-
 def val_accuracy(out: Path, head: str = "linear") -> float:
     """Final class-incremental accuracy of the run's last checkpoint on the held-out validation data (of one
     head variant: runs made with head.compare record it in metrics.json for every variant)."""
@@ -217,15 +195,6 @@ def val_accuracy(out: Path, head: str = "linear") -> float:
     return acc
 
 
-def _parallel(jobs: list[tuple[dict, Path]], n: int) -> list[str]:
-    with ThreadPoolExecutor(max_workers=max(1, n)) as pool:
-        status = list(pool.map(lambda j: run_one(*j), jobs))
-    for (_, out), s in zip(jobs, status):
-        if s == "failed":
-            print(f"FAILED: {out} (see {out}.log)", flush=True)
-    return status
-
-
 def lr_grid(bench: str, label: str, smoke: bool = False) -> list[float]:
     """The learning rates phase 1 tries for ``label`` on ``bench`` (the text benchmark's LoRA grid is its own)."""
     grid = METHODS[label][1]
@@ -234,31 +203,87 @@ def lr_grid(bench: str, label: str, smoke: bool = False) -> list[float]:
     return grid[:1] if smoke else grid
 
 
-def select(benches, labels, out_root: Path, *, jobs: int, smoke: bool) -> dict:
-    """Phase 1: every lr of each method's grid on seed 0 of each benchmark in ``benches``; pick the best
-    validation accuracy. Labels in ``LR_FROM`` take their parent's choice (the parent is selected too)."""
-    children = [m for m in labels if m in LR_FROM]
-    labels = list(dict.fromkeys([m for m in labels if m not in LR_FROM] + [LR_FROM[m] for m in children]))
-    grid = [(b, m, lr) for b in benches for m in labels for lr in lr_grid(b, m, smoke)]
-    todo = [(make_config(b, m, 0, lr, smoke=smoke), out_root / "select" / b / m / f"lr{lr:g}") for b, m, lr in grid]
-    _parallel(todo, jobs)
-    sel_file = out_root / "selected.json"
-    selected = json.loads(sel_file.read_text()) if sel_file.exists() else {}
-    for b in benches:
-        for m in labels:
-            scores = {}
-            for lr in lr_grid(b, m, smoke):
-                out = out_root / "select" / b / m / f"lr{lr:g}"
-                if (out / "metrics.json").exists():
-                    scores[lr] = val_accuracy(out)
-            if scores:
-                best = max(scores, key=lambda k: (scores[k], -k))
-                selected.setdefault(b, {})[m] = {"lr": best, "val_acc": scores}
-        for m in children:
-            if LR_FROM[m] in selected.get(b, {}):
-                selected[b][m] = {"lr": selected[b][LR_FROM[m]]["lr"], "selected_on": f"{LR_FROM[m]}'s selection"}
-    sel_file.write_text(json.dumps(selected, indent=1, default=str))
+def _spec(base_file: Path, seeds: list[int], lrs: list[float] | None) -> dict:
+    """The sweep spec of one (benchmark, method): its config as base, one cell per seed (the class order follows
+    the seed: ``scenario.seed`` linked to ``seed``), and, with ``lrs``, the learning rate chosen on validation at
+    seed 0 (the library's selection: clmerge.sweep.select; docs/sweeps.md)."""
+    spec = {"base": str(base_file), "grid": {"seed": list(seeds)}, "link": {"scenario.seed": "seed"}}
+    if lrs is not None:
+        spec["select"] = {"key": "optim.lr", "values": list(lrs), "metric": "acc", "seeds": [0],
+                          "extend": EXTEND if len(lrs) > 1 else 0}
+    return spec
+
+
+def run_sweep_of(out_root: Path, bench: str, label: str, seeds: list[int], lr: float | None, *, jobs: int,
+                 smoke: bool, where: str = "main") -> dict | None:
+    """Run one (benchmark, method) as a ``clmerge sweep`` into ``out_root/<where>/<bench>/<label>`` (resumed
+    when it is there): at the learning rate ``lr``, or (None) at the one its grid's phase 1 selects. Returns the
+    sweep's selection record (``selected.json``'s group), None without one; a failed sweep is reported, not
+    raised, so the other methods still run."""
+    from clmerge.errors import ClmergeError
+    from clmerge.sweep import run_sweep
+    from clmerge.sweep.grid import spec_from_dict
+
+    lrs = None if lr is not None else lr_grid(bench, label, smoke)
+    base = make_config(bench, label, 0, lr if lr is not None else lrs[0], smoke=smoke)
+    base_file = out_root / "specs" / f"{bench}-{label}.yaml"
+    base_file.parent.mkdir(parents=True, exist_ok=True)
+    base_file.write_text(yaml.safe_dump(base, sort_keys=False))
+    out = out_root / where / bench / label
+    spec = spec_from_dict(_spec(base_file, seeds, lrs), source=f"{bench}/{label}")
+    try:
+        run_sweep(spec, out, resume=(out / "sweep.yaml").is_file(), jobs=jobs if jobs > 1 else 0,
+                  log=lambda line: print(f"[{bench}/{label}] {line}", flush=True))
+    except ClmergeError as exc:
+        print(f"FAILED: {out}: {exc}", flush=True)
+        return None
+    sel_file = out / "selected.json"
+    return json.loads(sel_file.read_text())["groups"]["all"] if lrs is not None and sel_file.exists() else None
+
+
+def _choice(record: dict) -> dict:
+    """The results table's entry of a selection record: the rate and every tried rate's validation accuracy."""
+    return {"lr": record["value"], "val_acc": {f"{r['value']:g}": r["val_acc"] for r in record["scores"]},
+            **({"extended": record["extended"]} if record["extended"] else {}),
+            **({"at_edge": True} if record["at_edge"] else {})}
+
+
+def run_benchmarks(benches: list[str], sel_benches: list[str], labels: list[str], seeds: list[int], out_root: Path,
+                   *, jobs: int, smoke: bool, reused: dict | None) -> dict:
+    """Every (benchmark, method) sweep; returns benchmark -> method -> its rate entry (results.md's column).
+
+    On a benchmark of ``sel_benches`` a method selects its rate on validation (its sweep's phase 1, seed 0) and a
+    variant in ``LR_FROM`` takes its parent's choice (a parent not asked for runs its selection alone, under
+    ``select-only/``); another benchmark takes the first one's choices; ``reused`` (``--reuse-selection``) fixes
+    every rate beforehand."""
+    selected: dict = {b: dict(v) for b, v in (reused or {}).items()}
+    parents = list(dict.fromkeys(LR_FROM.get(m, m) for m in labels))
+    for b in dict.fromkeys(sel_benches + benches):
+        local = b in sel_benches
+        for m in parents + [m for m in labels if m in LR_FROM]:
+            wanted = b in benches and m in labels
+            own = reused is None and local and m not in LR_FROM
+            fixed = None if own else _fixed_rate(selected, b, m, sel_benches[0], local)
+            if fixed is not None:
+                selected.setdefault(b, {})[m] = fixed
+            if (wanted or own) and (own or fixed is not None):
+                rec = run_sweep_of(out_root, b, m, seeds if wanted else [0], None if own else fixed["lr"], jobs=jobs,
+                                   smoke=smoke, where="main" if wanted else "select-only")
+                if own and rec is not None:
+                    selected.setdefault(b, {})[m] = _choice(rec)
     return selected
+
+
+def _fixed_rate(selected: dict, bench: str, label: str, first: str, local: bool) -> dict | None:
+    """The rate of a sweep without its own selection: the first benchmark's choice (``local`` False), else a
+    reused one or the parent's choice on ``bench``; None when there is none."""
+    if not local:
+        entry = selected.get(first, {}).get(label)
+        return None if entry is None else {"lr": entry["lr"], "selected_on": first}
+    if label in selected.get(bench, {}):
+        return selected[bench][label]
+    parent = selected.get(bench, {}).get(LR_FROM.get(label))
+    return None if parent is None else {"lr": parent["lr"], "selected_on": f"{LR_FROM[label]}'s selection"}
 
 
 def reused_selection(out_root: Path, benches: list[str], labels: list[str]) -> dict:
@@ -314,35 +339,22 @@ def main(argv: list[str] | None = None) -> None:
     if any(b not in BENCHMARKS for b in sel_benches):
         ap.error(f"unknown --select-on benchmarks {sel_benches}; known: {list(BENCHMARKS)}")
     if not a.report_only:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        reused = None
         if a.reuse_selection:
             try:
-                selected = reused_selection(a.out, sel_benches, labels)
+                reused = reused_selection(a.out, sel_benches, labels)
             except ValueError as exc:  # one line, no usage block: the arguments parsed fine
                 raise SystemExit(f"run_evidence.py: error: {exc}") from None
-            a.out.mkdir(parents=True, exist_ok=True)
-        else:
-            selected = select(sel_benches, labels, a.out, jobs=a.jobs, smoke=a.smoke)
-        for b in benches:  # a benchmark without its own selection takes the first selected benchmark's choice
-            for m in labels:
-                if m not in selected.get(b, {}) and m in selected.get(sel_benches[0], {}):
-                    choice = selected[sel_benches[0]][m]
-                    selected.setdefault(b, {})[m] = {"lr": choice["lr"], "selected_on": sel_benches[0]}
+        a.out.mkdir(parents=True, exist_ok=True)
+        selected = run_benchmarks(benches, sel_benches, labels, seeds, a.out, jobs=a.jobs, smoke=a.smoke,
+                                  reused=reused)
         # merged into what earlier invocations selected (a run over a subset of methods keeps the others')
         sel_file = a.out / "selected.json"
         merged = json.loads(sel_file.read_text()) if sel_file.exists() else {}
         for b, per in selected.items():
             merged.setdefault(b, {}).update(per)
         sel_file.write_text(json.dumps(merged, indent=1, default=str))
-        todo = []
-        for b in benches:
-            for m in labels:
-                for s in seeds:
-                    if m not in selected.get(b, {}):
-                        continue
-                    lr, out = selected[b][m]["lr"], a.out / "main" / b / m / f"seed{s}"
-                    reuse_run(a.out / "select" / b / m / f"lr{lr:g}", out, seed=s)
-                    todo.append((make_config(b, m, s, lr, smoke=a.smoke), out))
-        _parallel(todo, a.jobs)
     archive_path = a.archive if a.archive is not None else (None if a.smoke else HERE / "runs.json")
     archive = load_archive(archive_path)
     write_results(a.out, a.results, list(BENCHMARKS), list(METHODS), smoke=a.smoke, val_fn=val_accuracy,

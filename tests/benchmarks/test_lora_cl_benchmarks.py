@@ -61,9 +61,8 @@ def test_evidence_config_holds_out_validation() -> None:
     assert sites == {("key", "value")}
 
 
-def test_text_benchmark_config_grid_and_stale_runs(tmp_path) -> None:
-    """wordnet10 (the text regime) runs MiniLM on the WordNet source with its own LoRA grid; a run directory trained
-    at another learning rate than the one now selected is moved aside (not reused, not counted as a seed)."""
+def test_text_benchmark_config_and_grid(tmp_path) -> None:
+    """wordnet10 (the text regime) runs MiniLM on the WordNet source with its own LoRA grid."""
     from clmerge.config import parse_config
 
     ev = _load("run_evidence")
@@ -74,16 +73,18 @@ def test_text_benchmark_config_grid_and_stale_runs(tmp_path) -> None:
     assert ev.lr_grid("wordnet10", "seq_lora") == ev.TEXT_LORA_LRS != ev.lr_grid("split_mnist5k", "seq_lora")
     assert ev.lr_grid("wordnet10", "finetune") == ev.FULL_LRS
     assert "wordnet10" not in ev.DEFAULT_BENCHMARKS
-    out = tmp_path / "seed0"
-    out.mkdir()
-    (out / "config.yaml").write_text("optim: {lr: 0.003}\n")
-    (out / "metrics.json").write_text("{}")
-    new = ev.make_config("split_mnist5k", "pm", 0, 1e-3, smoke=True)
-    import unittest.mock as mock
 
-    with mock.patch.object(ev.subprocess, "call", return_value=0) as call:
-        assert ev.run_one(new, out) == "done"
-    assert (tmp_path / "stale-lr0.003-seed0" / "metrics.json").exists() and call.call_count == 1
+
+def test_each_method_is_a_sweep_spec_with_the_class_order_linked_to_the_seed(tmp_path) -> None:
+    """run_evidence.py builds clmerge sweep specs: one cell per seed, scenario.seed following seed (as the
+    script's runs always had it), and the learning rate chosen by the sweep's select: block at seed 0."""
+    from clmerge.sweep.grid import expand_cells, spec_from_dict
+
+    ev = _load("run_evidence")
+    spec = spec_from_dict(ev._spec(tmp_path / "base.yaml", [0, 1, 2], ev.LORA_LRS))
+    assert [c.overrides for c in expand_cells(spec)] == [{"seed": s, "scenario.seed": s} for s in (0, 1, 2)]
+    assert (spec.select.key, spec.select.values, spec.select.seeds) == ("optim.lr", ev.LORA_LRS, [0])
+    assert spec.select.extend == ev.EXTEND and spec_from_dict(ev._spec(tmp_path, [0], None)).select is None
 
 
 def test_reuse_selection_takes_the_stored_rate_and_never_the_image_rate_for_text(tmp_path) -> None:
@@ -118,15 +119,16 @@ def test_evidence_smoke_runs_selects_on_val_and_resumes(tmp_path) -> None:
     assert set(sel["split_mnist5k"]) == {"sd_lora_kd", "pm", "sd_lora"}
     assert sel["split_mnist5k"]["sd_lora_kd"]["lr"] == sel["split_mnist5k"]["sd_lora"]["lr"]
     assert "sd_lora" in sel["split_mnist5k"]["sd_lora_kd"]["selected_on"]
-    assert not (tmp_path / "runs" / "select" / "split_mnist5k" / "sd_lora_kd").exists()
+    assert not (tmp_path / "runs" / "main" / "split_mnist5k" / "sd_lora_kd" / "select").exists()
+    assert (tmp_path / "runs" / "select-only" / "split_mnist5k" / "sd_lora" / "selected.json").is_file()
     # the selection read each run's validation accuracy from metrics.json (recorded per head with head.compare)
-    run = json.loads((tmp_path / "runs" / "select" / "split_mnist5k" / "pm" / "lr0.002" / "metrics.json").read_text())
+    pm = tmp_path / "runs" / "main" / "split_mnist5k" / "pm"
+    run = json.loads((pm / "select" / "seed0-lr0.002" / "metrics.json").read_text())
     assert sel["split_mnist5k"]["pm"]["val_acc"]["0.002"] == run["heads"]["linear"]["val_acc"]
     assert (tmp_path / "fig" / "split_mnist5k_pm_alpha.png").exists()
     assert (tmp_path / "fig" / "split_mnist5k_sd_lora_kd_kd.png").exists()
     done = tmp_path / "runs" / "main" / "split_mnist5k" / "pm" / "seed0" / "metrics.json"
     stamp = done.stat().st_mtime_ns
-    assert ev.run_one({}, done.parent) == "skipped"
     ev.main(args)  # everything finished: nothing reruns
     assert done.stat().st_mtime_ns == stamp
 

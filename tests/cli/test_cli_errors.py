@@ -1089,3 +1089,52 @@ def test_moe_errors_are_one_line_and_leave_nothing(ws, make, code, words):
     before = _snapshot(ws)
     result = CliRunner().invoke(app, argv)
     _check(result, code, words, before, ws)
+# -- sweep select: / link: blocks (a key chosen on validation; docs/sweeps.md) -----------------------------------
+
+_SEL_BASE = {"base": "tiny.yaml", "set": {"scenario.val_fraction": 0.2}, "grid": {"method.name": ["seq_lora"],
+                                                                                   "seed": [0, 1]}}
+_SEL = {"key": "optim.lr", "values": [1e-3, 1e-2]}
+SELECT_SPECS = {
+    "sel-unknown.yaml": {**_SEL_BASE, "select": {**_SEL, "metrics": "acc"}},
+    "sel-not-mapping.yaml": {**_SEL_BASE, "select": ["optim.lr"]},
+    "sel-no-key.yaml": {**_SEL_BASE, "select": {"values": [1e-3]}},
+    "sel-key-in-grid.yaml": {**_SEL_BASE, "grid": {"optim.lr": [0.1], "seed": [0]}, "select": _SEL},
+    "sel-empty-values.yaml": {**_SEL_BASE, "select": {**_SEL, "values": []}},
+    "sel-extend-one-value.yaml": {**_SEL_BASE, "select": {**_SEL, "values": [1e-3], "extend": 1}},
+    "sel-extend-not-numbers.yaml": {**_SEL_BASE, "select": {**_SEL, "values": ["a", "b"], "extend": 1}},
+    "sel-extend-negative.yaml": {**_SEL_BASE, "select": {**_SEL, "extend": -1}},
+    "sel-metric.yaml": {**_SEL_BASE, "select": {**_SEL, "metric": "test_acc"}},
+    "sel-seeds.yaml": {**_SEL_BASE, "select": {**_SEL, "seeds": [0, 0]}},
+    "sel-per-not-grid.yaml": {**_SEL_BASE, "select": {**_SEL, "per": ["optim.name"]}},
+    "sel-no-val.yaml": {**_SEL_BASE, "set": {}, "select": _SEL},
+    "link-not-grid.yaml": {**_SEL_BASE, "link": {"scenario.seed": "optim.lr"}},
+    "link-in-set.yaml": {**_SEL_BASE, "link": {"scenario.val_fraction": "seed"}},
+}
+
+# (id, spec file, words in the message): each a usage error (exit 2) before anything runs
+SELECT_CASES = [
+    ("select-unknown-key", "sel-unknown.yaml", ["select", "'metrics'", "unknown key"]),
+    ("select-not-a-mapping", "sel-not-mapping.yaml", ["select: expected a mapping"]),
+    ("select-no-key", "sel-no-key.yaml", ["select.key", "dotted config key"]),
+    ("select-key-in-grid", "sel-key-in-grid.yaml", ["select.key", "optim.lr", "grid"]),
+    ("select-empty-values", "sel-empty-values.yaml", ["select.values", "non-empty list"]),
+    ("select-extend-one-value", "sel-extend-one-value.yaml", ["select.values", "extend", "two positive numbers"]),
+    ("select-extend-not-numbers", "sel-extend-not-numbers.yaml", ["select.values", "positive numbers"]),
+    ("select-extend-negative", "sel-extend-negative.yaml", ["select.extend", ">= 0"]),
+    ("select-metric", "sel-metric.yaml", ["select.metric", "test_acc", "acc"]),
+    ("select-seeds-repeated", "sel-seeds.yaml", ["select.seeds", "distinct integers"]),
+    ("select-per-not-a-grid-key", "sel-per-not-grid.yaml", ["select.per", "optim.name", "method.name"]),
+    ("select-no-validation-split", "sel-no-val.yaml", ["scenario.val_fraction", "select"]),
+    ("link-leader-not-in-grid", "link-not-grid.yaml", ["link.scenario.seed", "optim.lr", "grid key"]),
+    ("link-follower-in-set", "link-in-set.yaml", ["link", "scenario.val_fraction", "neither grid nor set"]),
+]
+
+
+@pytest.mark.parametrize("dry_run", [False, True], ids=["out", "dry-run"])
+@pytest.mark.parametrize("spec, words", [c[1:] for c in SELECT_CASES], ids=[c[0] for c in SELECT_CASES])
+def test_sweep_select_spec_error_is_one_usage_line_and_leaves_nothing(ws, spec, words, dry_run):
+    for name, data in SELECT_SPECS.items():
+        (ws / name).write_text(yaml.safe_dump(data))
+    before = _snapshot(ws)
+    result = CliRunner().invoke(app, ["sweep", spec, *(["--dry-run"] if dry_run else ["--out", "s"])])
+    _check(result, USAGE, words, before, ws)

@@ -21,7 +21,7 @@ console = make_console()
 
 @app.command("sweep")
 def sweep_command(
-    spec: Path = typer.Argument(..., help="sweep spec YAML: base, set, grid (docs/sweeps.md)"),
+    spec: Path = typer.Argument(..., help="sweep spec YAML: base, set, grid, link, select (docs/sweeps.md)"),
     out: Path | None = typer.Option(None, "--out", help="sweep directory: one run directory per cell, sweep.yaml, "
                                     "cells.json"),
     resume: bool = typer.Option(False, "--resume", help="skip finished cells, continue interrupted ones (the "
@@ -69,18 +69,34 @@ def _check_backend(backend: str) -> None:
 
 
 def dry_run_spec(sweep) -> None:
-    """Print every cell and its overrides after validating its config; nothing is written."""
+    """Print every cell and its overrides after validating its config; nothing is written. With a ``select``
+    block, the selection cells first, then the grid's cells with the key shown as chosen on validation."""
     from ..config import ConfigError
-    from ..sweep import plan_sweep
+    from ..sweep.runner import plan_selection, plan_sweep
 
     try:
-        plan = plan_sweep(sweep)
+        plan, sel_plan = plan_sweep(sweep), plan_selection(sweep)
     except (ConfigError, ValueError) as exc:
         fail(exc)
+    key = sweep.select.key if sweep.select is not None else None
+    if sel_plan:
+        _say(f"phase 1, selection of {key} on validation (scored on the val split only; extended at an edge "
+             f"up to {sweep.select.extend} more values per group):")
+        _print_cells(sel_plan, None)
+        _say(f"phase 2, the grid with the {key} chosen on validation:")
+    _print_cells(plan, key)
+    n = f"{len(sel_plan)} selection cells + {len(plan)} cells" if sel_plan else f"{len(plan)} cells"
+    _say(f"{n}; every config is valid")
+
+
+def _say(line: str) -> None:
+    console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _print_cells(plan: list, chosen_key: str | None) -> None:
     for cell, _ in plan:
-        sets = " ".join(f"{k}={v}" for k, v in cell.overrides.items())
-        console.print(f"{cell.name:<30} {sets}", markup=False, highlight=False, soft_wrap=True)
-    console.print(f"{len(plan)} cells; every config is valid", markup=False, highlight=False)
+        sets = " ".join(f"{k}={'(chosen on validation)' if k == chosen_key else v}" for k, v in cell.overrides.items())
+        _say(f"{cell.name:<30} {sets}")
 
 
 def run_spec(sweep, out: Path, *, resume: bool, backend: str = "local", jobs: int = 0,

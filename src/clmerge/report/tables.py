@@ -12,6 +12,10 @@ Statistics (:func:`clmerge.metrics.mean_se`): mean and SE = s / sqrt(n), s the s
 the group's runs. A paired difference against the reference group takes, for every seed (the values of the
 seed keys) present in both groups, ``x_group - x_reference``, and reports the mean and standard error of those
 differences and the number of pairs; runs without a partner are listed, not dropped silently.
+
+A sweep with a ``select:`` block (``selected.json`` beside its cells) chose a key on validation: its
+selection runs (``select/``) are not results and are skipped, and the table gets a column with the chosen
+value(s) of that key in each group.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ METRICS: dict[str, tuple[str, ...]] = {
 }
 FORMATS = ("table", "md", "csv", "json")
 SEARCH_DEPTH = 2  # a sweep folder holds run directories one or two levels down
+SELECTED_FILE, SELECT_DIR = "selected.json", "select"  # a sweep's choice on validation and its selection runs
 _ABSENT = "<absent>"
 
 
@@ -51,6 +56,7 @@ class Run:
     path: Path
     config: dict[str, Any]
     metrics: dict[str, Any]
+    selected: list[str] = field(default_factory=list)  # config keys its sweep chose on validation
 
     def seeds(self) -> tuple:
         return tuple(self.config.get(k) for k in SEED_KEYS)
@@ -81,6 +87,7 @@ class ResultsTable:
     seeds_varied: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
     between: list[str] = field(default_factory=list)
+    selected: list[str] = field(default_factory=list)
 
     def notes(self) -> list[str]:
         """What the reader must know besides the numbers: unfinished runs, unpaired runs, what the n count."""
@@ -95,6 +102,8 @@ class ResultsTable:
             out.append(f"groups differ also in: {', '.join(self.between[:6])}{more}")
         if self.ignored:
             out.append(f"ignored config keys: {', '.join(self.ignored)}")
+        for k in self.selected:
+            out.append(f"{k} (val-selected): chosen on validation data by the sweep ({SELECTED_FILE})")
         out += [f"skipped (no metrics.json, unfinished): {p}" for p in self.skipped]
         for g in self.groups:
             out += [f"unpaired against {self.vs} (no run with the same seeds): {p}" for p in g.unpaired]
@@ -117,7 +126,8 @@ def _search(folder: Path, depth: int) -> list[Path]:
         return [folder]
     if depth == 0:
         return []
-    kids = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    skip = SELECT_DIR if (folder / SELECTED_FILE).is_file() else None  # selection runs: not results
+    kids = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != skip)
     return [r for k in kids for r in _search(k, depth - 1)]
 
 
@@ -164,7 +174,18 @@ def _load_run(path: Path) -> Run:
     metrics = read_json(path / "metrics.json")
     if not isinstance(metrics, dict):
         raise InputError(f"{path / 'metrics.json'}: expected a JSON object, got {type(metrics).__name__}")
-    return Run(path, flatten(cfg), metrics)
+    return Run(path, flatten(cfg), metrics, _selected_keys(path.parent / SELECTED_FILE))
+
+
+def _selected_keys(path: Path) -> list[str]:
+    """The key a sweep chose on validation, from its ``selected.json`` (none without one)."""
+    if not path.is_file():
+        return []
+    doc = read_json(path)
+    key = doc.get("key") if isinstance(doc, dict) else None
+    if not isinstance(key, str):
+        raise InputError(f"{path}: key: expected the config key the sweep selected, got {key!r}")
+    return [key]
 
 
 def load_runs(paths: Sequence[Path]) -> list[Run]:
@@ -320,8 +341,15 @@ def build_table(runs: Sequence[Run], *, by: Sequence[str], metrics: Sequence[str
             _pair(g, ref, metrics)
     varied = [k for i, k in enumerate(SEED_KEYS)
               if any(len({r.seeds()[i] for r in g.runs}) > 1 for g in groups)]
+    selected = [k for k in dict.fromkeys(k for r in runs for k in r.selected) if k not in by]
     return ResultsTable(list(by), list(metrics), groups, vs, list(skipped), varied, list(ignore),
-                        _between_groups(groups, skip))
+                        _between_groups(groups, skip), selected)
+
+
+def _chosen(t: ResultsTable, g: Group) -> list[str]:
+    """Each selected key's value(s) in the group's runs (``/``-joined when the group holds several)."""
+    return ["/".join(dict.fromkeys(_text(r.config.get(k)) for r in g.runs if k in r.selected)) or "-"
+            for k in t.selected]
 
 
 # -- rendering -----------------------------------------------------------------------------------------------
@@ -334,14 +362,14 @@ def _pm(s: Mapping[str, Any], sign: bool = False) -> str:
 
 
 def _header(t: ResultsTable) -> list[str]:
-    cols = [*t.by, "runs", *t.metrics]
+    cols = [*t.by, "runs", *(f"{k} (val-selected)" for k in t.selected), *t.metrics]
     if t.vs is not None:
         cols += [f"Δ{m}" for m in t.metrics]
     return cols
 
 
 def _cells(t: ResultsTable, g: Group) -> list[str]:
-    row = [*(_text(v) for v in g.values), str(len(g.runs))]
+    row = [*(_text(v) for v in g.values), str(len(g.runs)), *_chosen(t, g)]
     row += [_pm(g.stats[m]) + (f" (n={g.stats[m]['n']})" if 0 < g.stats[m]["n"] < len(g.runs) else "")
             for m in t.metrics]
     if t.vs is not None:
@@ -364,14 +392,14 @@ def _markdown(t: ResultsTable) -> str:
 
 
 def _csv(t: ResultsTable) -> str:
-    head = [*t.by, "runs"] + [f"{m}_{s}" for m in t.metrics for s in ("mean", "se", "n")]
+    head = [*t.by, "runs", *(f"{k} (val-selected)" for k in t.selected)] + [f"{m}_{s}" for m in t.metrics for s in ("mean", "se", "n")]
     if t.vs is not None:
         head += [f"d_{m}_{s}" for m in t.metrics for s in ("mean", "se", "n")]
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(head)
     for g in t.groups:
-        row = [*(_text(v) for v in g.values), len(g.runs)]
+        row = [*(_text(v) for v in g.values), len(g.runs), *_chosen(t, g)]
         row += [_blank(g.stats[m][s]) for m in t.metrics for s in ("mean", "se", "n")]
         if t.vs is not None:
             row += [_blank(g.diffs.get(m, {}).get(s)) for m in t.metrics for s in ("mean", "se", "n")]
@@ -386,6 +414,7 @@ def _blank(v: Any) -> Any:
 def _json(t: ResultsTable) -> str:
     groups = [{"label": g.label, "values": dict(zip(t.by, g.values)), "runs": [str(r.path) for r in g.runs],
                "seeds": [dict(zip(SEED_KEYS, r.seeds())) for r in g.runs], "metrics": g.stats,
+               **({"val_selected": dict(zip(t.selected, _chosen(t, g)))} if t.selected else {}),
                **({"vs": g.diffs, "unpaired": [str(p) for p in g.unpaired]}
                   if t.vs and g.label != t.vs else {})}
               for g in t.groups]

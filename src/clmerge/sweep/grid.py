@@ -1,10 +1,12 @@
 """Sweep specs (``clmerge sweep SPEC.yaml``): a base config crossed with a grid of overrides.
 
-A spec is a YAML mapping with three keys (docs/sweeps.md)::
+A spec is a YAML mapping (docs/sweeps.md)::
 
     base: my.yaml                 # a config file or a shipped config name; omitted: the embedded default
     set: {scenario.n_tasks: 2}    # dotted keys fixed for every cell
     grid: {method.name: [seq_lora, pm], seed: [0, 1]}   # dotted keys crossed: one cell per combination
+    link: {scenario.seed: seed}   # optional: keys that follow a grid key in every cell
+    select: {key: optim.lr, values: [1e-3, 3e-3]}       # optional: a key chosen on validation (.select)
 
 Every cell is one ``clmerge run`` with the base config, then ``set``, then its own grid values. A cell is
 named by its grid values (:func:`cell_name`), e.g. ``method.name=pm, seed=1`` -> ``pm-seed1``.
@@ -22,11 +24,12 @@ from typing import Any
 from ..config import (EMBEDDED_DEFAULT, ConfigError, ExperimentConfig, parse_config, read_yaml_mapping,
                       resolve_config_arg)
 from ..errors import UsageError, clip
+from .select_spec import SelectSpec, parse_link, parse_select
 
 __all__ = ["SweepSpec", "Cell", "load_spec", "spec_from_dict", "expand_cells", "cell_name", "cell_config",
-           "base_data", "dotted_items", "parse_seeds", "set_dotted", "SPEC_KEYS"]
+           "base_data", "dotted_items", "parse_seeds", "set_dotted", "linked", "SPEC_KEYS"]
 
-SPEC_KEYS = ("base", "set", "grid")
+SPEC_KEYS = ("base", "set", "grid", "link", "select")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+=-]")  # characters a cell's folder name does not keep
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
@@ -34,14 +37,22 @@ _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 @dataclass
 class SweepSpec:
     """``base`` (a config path or shipped name; None: the embedded default), ``set`` (dotted key -> value,
-    every cell) and ``grid`` (dotted key -> list of values, crossed in the order given)."""
+    every cell), ``grid`` (dotted key -> list of values, crossed in the order given), ``link`` (key -> the grid
+    key whose value it takes) and ``select`` (a key chosen on validation, :mod:`.select`)."""
 
     base: str | None = None
     set: dict[str, Any] = field(default_factory=dict)
     grid: dict[str, list[Any]] = field(default_factory=dict)
+    link: dict[str, str] = field(default_factory=dict)
+    select: SelectSpec | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"base": self.base, "set": dict(self.set), "grid": {k: list(v) for k, v in self.grid.items()}}
+        out = {"base": self.base, "set": dict(self.set), "grid": {k: list(v) for k, v in self.grid.items()}}
+        if self.link:
+            out["link"] = dict(self.link)
+        if self.select is not None:
+            out["select"] = self.select.as_dict()
+        return out
 
 
 @dataclass(frozen=True)
@@ -75,7 +86,8 @@ def spec_from_dict(data: dict, source: str = "sweep spec") -> SweepSpec:
     both = sorted(set(fixed) & set(grid))
     if both:
         raise ConfigError(f"{source}: {both[0]} is in both set and grid; keep it in one")
-    return SweepSpec(base=base, set=fixed, grid=grid)
+    return SweepSpec(base=base, set=fixed, grid=grid, link=parse_link(data.get("link"), grid, fixed, source),
+                     select=parse_select(data.get("select"), grid, fixed, source))
 
 
 def _mapping(value: Any, name: str, source: str) -> dict[str, Any]:
@@ -112,11 +124,17 @@ def cell_name(overrides: dict[str, Any], prefixes: dict[str, str] | None = None)
     return "-".join(f"{prefixes[k]}{_label(v)}" for k, v in overrides.items()) or "base"
 
 
+def linked(overrides: dict[str, Any], link: dict[str, str]) -> dict[str, Any]:
+    """``overrides`` plus each ``link`` follower set to its leader's value (every leader is a grid key)."""
+    return {**overrides, **{dst: overrides[src] for dst, src in link.items() if src in overrides}}
+
+
 def expand_cells(spec: SweepSpec) -> list[Cell]:
-    """Every combination of the grid's values (the first key varies slowest), each with its unique name."""
+    """Every combination of the grid's values (the first key varies slowest), each with its unique name (the
+    name is the grid values'; the overrides carry the linked keys too)."""
     keys = list(spec.grid)
     prefixes = _prefixes(keys)
-    cells = [Cell(cell_name(dict(zip(keys, combo)), prefixes), dict(zip(keys, combo)))
+    cells = [Cell(cell_name(dict(zip(keys, combo)), prefixes), linked(dict(zip(keys, combo)), spec.link))
              for combo in itertools.product(*spec.grid.values())]
     seen: dict[str, Cell] = {}
     for c in cells:

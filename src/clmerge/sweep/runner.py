@@ -8,6 +8,11 @@
 ``manifest.json``) continues through ``run_experiment(resume=True)`` from its last checkpoint, the others
 start. The spec may only add cells: a changed base, ``set`` or a removed or changed cell is refused, and so
 is a cell whose stored ``config.yaml`` differs from the config the spec now gives it (an edited base file).
+
+With a ``select:`` block (:mod:`.select`), phase 1 runs the selection cells under ``DIR/select/`` (their
+statuses in ``DIR/select/cells.json``) and writes ``DIR/selected.json``; then the grid's cells run with the
+chosen values. A grid cell whose config is a finished selection cell's (the chosen value at a selection seed)
+is copied from it instead of run again.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import os
+import shutil
 
 import yaml
 
@@ -25,8 +33,9 @@ from ..utils.outpaths import check_output_dir
 from ..utils.yaml_io import read_yaml
 from .executors import Executor, make_executor
 from .grid import Cell, SweepSpec, base_data, cell_config, expand_cells, spec_from_dict
+from .select import SELECT_DIR, SELECTED_FILE, group_label, groups, phase2_cells, run_selection, selection_plan
 
-__all__ = ["SweepError", "plan_sweep", "run_sweep", "run_cell", "cell_state", "read_cells"]
+__all__ = ["SweepError", "plan_sweep", "plan_selection", "run_sweep", "run_cell", "cell_state", "read_cells"]
 
 SPEC_FILE, CELLS_FILE = "sweep.yaml", "cells.json"
 
@@ -35,10 +44,20 @@ class SweepError(ClmergeError, RuntimeError):
     """Some cells failed; the others are on disk and ``--resume`` retries the failed ones (exit code 1)."""
 
 
-def plan_sweep(spec: SweepSpec) -> list[tuple[Cell, dict]]:
-    """Every cell with its config mapping, each validated (the first bad one: ConfigError naming it)."""
+def plan_sweep(spec: SweepSpec, chosen: dict[str, Any] | None = None) -> list[tuple[Cell, dict]]:
+    """Every cell with its config mapping, each validated (the first bad one: ConfigError naming it). With a
+    ``select`` block: the grid's cells with ``chosen`` (group label -> value; None: the first candidate)."""
     base = base_data(spec)
-    return [(cell, cell_config(base, cell)[0]) for cell in expand_cells(spec)]
+    cells = expand_cells(spec) if spec.select is None else phase2_cells(spec, chosen)
+    return [(cell, cell_config(base, cell)[0]) for cell in cells]
+
+
+def plan_selection(spec: SweepSpec) -> list[tuple[Cell, dict]]:
+    """The selection cells of the spec's candidate values (before any extension), each validated."""
+    if spec.select is None:
+        return []
+    return selection_plan(spec, base_data(spec), {group_label(g): (g, list(spec.select.values))
+                                                  for g in groups(spec)})
 
 
 def cell_state(cell_dir: Path) -> str:
@@ -82,7 +101,7 @@ def _check_cells_unchanged(out: Path, plan: list[tuple[Cell, dict]]) -> None:
 
 def _check_only_adds(out: Path, spec: SweepSpec, cells: list[Cell]) -> None:
     old = spec_from_dict(read_yaml(out / SPEC_FILE) or {}, source=str(out / SPEC_FILE))
-    for key in ("base", "set"):
+    for key in ("base", "set", "link", "select"):
         if getattr(old, key) != getattr(spec, key):
             raise RunStateError(f"{out}: the spec's {key} differs from the sweep's {SPEC_FILE}; a resumed sweep "
                                 "may only add grid values (start a new --out)")
@@ -103,17 +122,22 @@ def run_sweep(spec: SweepSpec, out: Path, *, resume: bool = False, backend: str 
         SweepError: some cells failed (the rest are written; ``resume=True`` retries them).
     """
     out = Path(out)
-    plan = plan_sweep(spec)
-    _check_out(out, spec, [c for c, _ in plan], resume)
+    plan, sel_plan = plan_sweep(spec), plan_selection(spec)
+    _check_out(out, spec, expand_cells(spec), resume)
     if resume:
-        _check_cells_unchanged(out, plan)
+        _check_cells_unchanged(out, sel_plan or plan)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / SPEC_FILE, yaml.safe_dump(spec.as_dict(), sort_keys=False))
+    new_executor = lambda: make_executor(backend, workers=jobs, address=address)  # noqa: E731
+    if spec.select is not None:
+        plan = _select(spec, out, new_executor, log)
+        if resume:
+            _check_cells_unchanged(out, plan)
     status = {c.name: ("done" if cell_state(out / c.name) == "done" else "pending") for c, _ in plan}
-    _write_cells(out, plan, status)
+    _write_cells(out / CELLS_FILE, plan, status)
     todo = [(c, d) for c, d in plan if status[c.name] != "done"]
     log(f"{len(plan)} cells, {len(plan) - len(todo)} already done, {len(todo)} to run -> {out}")
-    _run_cells(make_executor(backend, workers=jobs, address=address), out, plan, todo, status, log)
+    _run_cells(new_executor(), out, todo, status, log, lambda: _write_cells(out / CELLS_FILE, plan, status))
     failed = [n for n, s in status.items() if s.startswith("failed")]
     if failed:
         raise SweepError(f"{len(failed)} of {len(plan)} cells failed ({', '.join(failed[:3])}: {status[failed[0]]});"
@@ -121,8 +145,60 @@ def run_sweep(spec: SweepSpec, out: Path, *, resume: bool = False, backend: str 
     return status
 
 
-def _run_cells(ex: Executor, out: Path, plan: list, todo: list, status: dict[str, str],
-               log: Callable[[str], None]) -> None:
+def _select(spec: SweepSpec, out: Path, new_executor: Callable[[], Executor],
+            log: Callable[[str], None]) -> list[tuple[Cell, dict]]:
+    """Phase 1 (:func:`.select.run_selection`), ``selected.json`` (a resumed sweep must choose what it chose
+    before), then the grid's plan with the chosen values, finished selection runs copied into it."""
+    def run(plan: list) -> None:
+        status = {c.name: ("done" if cell_state(out / c.name) == "done" else "pending") for c, _ in plan}
+        todo = [(c, d) for c, d in plan if status[c.name] != "done"]
+        log(f"selection on validation: {len(plan)} cells, {len(plan) - len(todo)} already done, {len(todo)} to run")
+        save = lambda: _write_cells(out / SELECT_DIR / CELLS_FILE, plan, status)  # noqa: E731
+        (out / SELECT_DIR).mkdir(exist_ok=True)
+        save()
+        if todo:
+            _run_cells(new_executor(), out, todo, status, log, save)
+        failed = [n for n, s in status.items() if s.startswith("failed")]
+        if failed:
+            raise SweepError(f"selection cell {failed[0]} {status[failed[0]]}; no value is chosen without it; "
+                             f"see {out / SELECT_DIR / CELLS_FILE}; --resume retries it")
+
+    records, sel_plan = run_selection(spec, base_data(spec), out, run, log)
+    _check_same_choice(out / SELECTED_FILE, records)
+    write_json(out / SELECTED_FILE, {"key": spec.select.key, "metric": spec.select.metric, "split": "val",
+                                     "seeds": spec.select.seeds, "groups": records})
+    for label, r in records.items():
+        edge = " (at the edge of the values tried)" if r["at_edge"] else ""
+        log(f"selected {spec.select.key}={r['value']} for {label} on validation{edge}")
+    plan = plan_sweep(spec, {label: r["value"] for label, r in records.items()})
+    _copy_selection_runs(out, plan, sel_plan, log)
+    return plan
+
+
+def _check_same_choice(path: Path, records: dict[str, dict]) -> None:
+    old = read_json(path).get("groups", {}) if path.is_file() else {}
+    for label, r in records.items():
+        if label in old and old[label].get("value") != r["value"]:
+            raise RunStateError(f"{path}: {label} chose {old[label].get('value')!r}, the selection cells now give "
+                                f"{r['value']!r}; start a new --out")
+
+
+def _copy_selection_runs(out: Path, plan: list, sel_plan: list, log: Callable[[str], None]) -> None:
+    """A grid cell not started whose config is a finished selection cell's: a copy of that run."""
+    for cell, data in plan:
+        if (out / cell.name).exists():
+            continue
+        src = next((c for c, d in sel_plan if d == data and cell_state(out / c.name) == "done"), None)
+        if src is not None:
+            tmp = out / f".{cell.name}.copy"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(out / src.name, tmp)
+            os.replace(tmp, out / cell.name)
+            log(f"{cell.name}: the selection run {src.name} (same config), copied")
+
+
+def _run_cells(ex: Executor, out: Path, todo: list, status: dict[str, str], log: Callable[[str], None],
+               save: Callable[[], None]) -> None:
     try:
         handles = {ex.submit(run_cell, data, str(out / c.name), cell_state(out / c.name) == "started"): c
                    for c, data in todo}
@@ -136,7 +212,7 @@ def _run_cells(ex: Executor, out: Path, plan: list, todo: list, status: dict[str
             except Exception as exc:  # noqa: BLE001  (one failed cell does not stop the others)
                 status[cell.name] = f"failed: {type(exc).__name__}: {exc}"
                 log(f"{cell.name}: {status[cell.name]}")
-            _write_cells(out, plan, status)
+            save()
     finally:
         ex.close()
 
@@ -145,8 +221,8 @@ def _pct(v: Any) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
-def _write_cells(out: Path, plan: list, status: dict[str, str]) -> None:
-    write_json(out / CELLS_FILE, {c.name: {"overrides": c.overrides, "status": status[c.name]} for c, _ in plan})
+def _write_cells(path: Path, plan: list, status: dict[str, str]) -> None:
+    write_json(path, {c.name: {"overrides": c.overrides, "status": status[c.name]} for c, _ in plan})
 
 
 def read_cells(out: Path) -> dict[str, dict]:

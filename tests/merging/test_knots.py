@@ -73,9 +73,9 @@ def close(a, b, tol=1e-9):
     torch.testing.assert_close(a, b, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("rank", [None, 2])
-def test_knots_ties_matches_the_transcription(rank):
-    base, ex = models(3, rank=rank)
+@pytest.mark.parametrize("rank, num_tasks", [(None, 3), (2, 3), (None, 1)])  # T = 1: a 7 x 5 matrix is taller
+def test_knots_ties_matches_the_transcription(rank, num_tasks):  # than its concatenation (the SVD route)
+    base, ex = models(num_tasks, rank=rank)
     out = merging.merge("knots", base=base, experts=ex, density=0.3, scaling=0.6)
     want = ref_knots_ties(base, ex, 0.3, 0.6)
     for key in (W1, W2, B):

@@ -44,8 +44,15 @@ RepFn = Callable[[str, Tensor, bool], tuple[Tensor | None, Tensor]]
 
 
 def knots_basis(taus: Tensor, eps: float = SUPPORT_EPS) -> tuple[Tensor, Tensor]:
-    """``(U (m, r), R (T, r, n))`` with ``R_t = S V_t^T`` from the SVD of ``[Delta_1 | ... | Delta_T]`` (float64
-    SVD, as the official code; the factors are returned in ``taus``' dtype), ``r`` = singular values ``> eps``.
+    """``(U (m, r), R (T, r, n))`` with ``R_t = S V_t^T`` from the SVD of ``[Delta_1 | ... | Delta_T]`` (in float64,
+    as the official code; the factors are returned in ``taus``' dtype), ``r`` = singular values ``> eps``.
+
+    ``U`` (the left singular vectors) is computed, when ``m <= T n``, as the eigenvectors of the Gram matrix
+    ``sum_t Delta_t Delta_t^T = U S^2 U^T`` with eigenvalues ``> eps^2``: the same basis up to the sign of each
+    column (and a rotation within repeated singular values, as for any SVD routine), which the merge does not
+    see: flipping column ``i`` of ``U`` flips row ``i`` of every ``R_t``, and trim, sign election and mean all
+    commute with that. It costs one ``m x m`` eigendecomposition instead of the SVD of an ``m x Tn`` matrix
+    (``knots`` on one 768 x 3072 matrix, 8 full-rank tasks, 1 thread: 27 s instead of 105 s, measured).
 
     ``R_t`` is computed as ``U^T Delta_t`` (equal to ``S V_t^T`` as ``Delta_t = U S V_t^T``): exactly 0 for a
     task that leaves the matrix unchanged (an adapter that does not target the module), where the SVD's block
@@ -54,8 +61,15 @@ def knots_basis(taus: Tensor, eps: float = SUPPORT_EPS) -> tuple[Tensor, Tensor]
     """
     num, m, n = taus.shape
     x = taus.to(torch.float64)
-    u, s, _ = torch.linalg.svd(x.permute(1, 0, 2).reshape(m, num * n), full_matrices=False)  # [D_1 | ... | D_T]
-    u = u[:, s > eps]
+    if m <= num * n:  # U from the m x m Gram matrix [D_1 ... D_T][D_1 ... D_T]^T = sum_t D_t D_t^T = U S^2 U^T
+        gram = torch.zeros(m, m, dtype=torch.float64)
+        for d in x:
+            gram.addmm_(d, d.T)
+        lam, vecs = torch.linalg.eigh(gram)  # ascending
+        u = vecs[:, lam > eps * eps].flip(1)
+    else:
+        u, s, _ = torch.linalg.svd(x.permute(1, 0, 2).reshape(m, num * n), full_matrices=False)
+        u = u[:, s > eps]
     return u.to(taus.dtype), (u.T @ x).to(taus.dtype)
 
 

@@ -125,8 +125,8 @@ def test_knots_one_task_ta_at_scaling_1_is_the_expert_and_dare_masks_repeat():
     for key in base:
         close(out[key], ex[0][key])
     base, ex = models(2, rank=2)
-    a, b = (merging.merge("knots", base=base, experts=ex, merge="dare", drop_rate=0.5, seed=s) for s in (1, 1))
-    c = merging.merge("knots", base=base, experts=ex, merge="dare", drop_rate=0.5, seed=2)
+    a, b, c = (merging.merge("knots", base=base, experts=ex, merge="dare", drop_rate=0.5, seed=s)
+               for s in (1, 1, 2))
     assert all(torch.equal(a[k], b[k]) for k in base) and not torch.equal(a[W1], c[W1])
 
 

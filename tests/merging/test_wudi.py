@@ -1,5 +1,6 @@
 """WUDI-Merging: the objective against a transcription of the paper's, the closed-form gradient against
-autograd, the optimiser against FusionBench's loop written out, the known minimisers, streaming, determinism."""
+autograd, the optimiser against FusionBench's loop written out, the known minimisers, streaming and
+determinism."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def ref_objective(tau_m, taus):
 
 
 def ref_wudi(taus, steps, lr):
-    """FusionBench's ``wudi_merging`` loop on one matrix: init sum, Adam(lr, weight_decay 0), autograd loss."""
+    """FusionBench's ``wudi_merging`` loop on one matrix: init sum, Adam(lr, no weight decay), autograd."""
     p = torch.nn.Parameter(torch.stack(taus).sum(0))
     opt = torch.optim.Adam([p], lr=lr, weight_decay=0)
     tvs = torch.stack(taus)

@@ -1,20 +1,21 @@
 """KnOTS (Stoica et al., ICLR 2025, "Model merging with SVD to tie the KnOTS"): merge task updates in the
 shared basis of their concatenation.
 
-Per weight matrix, with ``Delta_t = theta_t - theta_0`` (``m x n``; for a LoRA adapter ``Delta_t = s_t B_t A_t``):
+Per weight matrix, with ``Delta_t = theta_t - theta_0`` (``m x n``; for a LoRA adapter
+``Delta_t = s_t B_t A_t``):
 
-1. SVD of the concatenation ``[Delta_1 | ... | Delta_T] = U S [V_1^T | ... | V_T^T]`` (``m x Tn``), keeping the
-   singular triplets with ``s > 1e-5`` (the official code's support; the zero-singular-value directions of a
-   low-rank concatenation would be arbitrary), so ``Delta_t = U (S V_t^T)`` exactly up to that support;
+1. SVD of the concatenation ``[Delta_1 | ... | Delta_T] = U S [V_1^T | ... | V_T^T]`` (``m x Tn``), keeping
+   the singular triplets with ``s > 1e-5`` (the official code's support; the zero-singular-value directions of
+   a low-rank concatenation would be arbitrary), so ``Delta_t = U (S V_t^T)`` exactly up to that support;
 2. the task representations ``R_t = S V_t^T`` (``r x n``, the official ``s_on_V``) are merged by TIES, DARE
    (then TIES) or TA into ``R_m`` (each with its scaling ``lambda`` inside, as the code does);
 3. the merged update ``U R_m`` is added to ``theta_0``.
 
-TIES trims each task's ``R_t`` to its top-``density`` magnitudes over all weight matrices together (the code's
-flattened ``topK`` per task, keeping ``|x| >=`` the threshold), elects ``sgn(sum_t trimmed R_t)`` per entry and
-takes the disjoint mean; DARE drops each entry of ``R_t`` with probability ``p`` and rescales by ``1/(1 - p)``
-before that TIES. TA is ``lambda sum_t R_t``, so ``U R_m = lambda sum_t Delta_t``: plain task arithmetic
-(the basis changes nothing for a linear merge).
+TIES trims each task's ``R_t`` to its top-``density`` magnitudes over all weight matrices together (the
+code's flattened ``topK`` per task, keeping ``|x| >=`` the threshold), elects ``sgn(sum_t trimmed R_t)`` per
+entry and takes the disjoint mean; DARE drops each entry of ``R_t`` with probability ``p`` and rescales by
+``1/(1 - p)`` before that TIES. TA is ``lambda sum_t R_t``, so ``U R_m = lambda sum_t Delta_t``: plain task
+arithmetic (the basis changes nothing for a linear merge).
 """
 
 from __future__ import annotations
@@ -44,14 +45,15 @@ RepFn = Callable[[str, Tensor, bool], tuple[Tensor | None, Tensor]]
 
 
 def knots_basis(taus: Tensor, eps: float = SUPPORT_EPS) -> tuple[Tensor, Tensor]:
-    """``(U (m, r), R (T, r, n))`` with ``R_t = S V_t^T`` from the SVD of ``[Delta_1 | ... | Delta_T]`` (in float64,
-    as the official code; the factors are returned in ``taus``' dtype), ``r`` = singular values ``> eps``.
+    """``(U (m, r), R (T, r, n))`` with ``R_t = S V_t^T`` from the SVD of ``[Delta_1 | ... | Delta_T]`` (in
+    float64, as the official code; the factors are returned in ``taus``' dtype), ``r`` = singular values
+    ``> eps``.
 
     ``U`` (the left singular vectors) is computed, when ``m <= T n``, as the eigenvectors of the Gram matrix
-    ``sum_t Delta_t Delta_t^T = U S^2 U^T`` with eigenvalues ``> eps^2``: the same basis up to the sign of each
-    column (and a rotation within repeated singular values, as for any SVD routine), which the merge does not
-    see: flipping column ``i`` of ``U`` flips row ``i`` of every ``R_t``, and trim, sign election and mean all
-    commute with that. It costs one ``m x m`` eigendecomposition instead of the SVD of an ``m x Tn`` matrix
+    ``sum_t Delta_t Delta_t^T = U S^2 U^T`` with eigenvalues ``> eps^2``: the same basis up to the sign of
+    each column (and a rotation within repeated singular values, as for any SVD routine), which the merge does
+    not see: flipping column ``i`` of ``U`` flips row ``i`` of every ``R_t``, and trim, sign election and mean
+    all commute with that. It costs one ``m x m`` eigendecomposition instead of the SVD of an ``m x Tn`` matrix
     (``knots`` on one 768 x 3072 matrix, 8 full-rank tasks, 1 thread: 27 s instead of 105 s, measured).
 
     ``R_t`` is computed as ``U^T Delta_t`` (equal to ``S V_t^T`` as ``Delta_t = U S V_t^T``): exactly 0 for a
@@ -61,7 +63,7 @@ def knots_basis(taus: Tensor, eps: float = SUPPORT_EPS) -> tuple[Tensor, Tensor]
     """
     num, m, n = taus.shape
     x = taus.to(torch.float64)
-    if m <= num * n:  # U from the m x m Gram matrix [D_1 ... D_T][D_1 ... D_T]^T = sum_t D_t D_t^T = U S^2 U^T
+    if m <= num * n:  # U from the m x m Gram matrix [D_1 ... D_T][D_1 ... D_T]^T = sum_t D_t D_t^T
         gram = torch.zeros(m, m, dtype=torch.float64)
         for d in x:
             gram.addmm_(d, d.T)
@@ -74,8 +76,9 @@ def knots_basis(taus: Tensor, eps: float = SUPPORT_EPS) -> tuple[Tensor, Tensor]
 
 
 def _rep_fn(merge: str, drop_rate: float, seed: int) -> RepFn:
-    """``fn(key, taus, matrix) -> (U or None, R)``: the basis and task representations of one key (a non-matrix
-    tensor is its own representation), DARE-dropped when ``merge == "dare"`` (masks depend on seed, key, task)."""
+    """``fn(key, taus, matrix) -> (U or None, R)``: the basis and task representations of one key (a
+    non-matrix tensor is its own representation), DARE-dropped when ``merge == "dare"`` (masks depend on seed,
+    key and task)."""
 
     def reps(key: str, taus: Tensor, matrix: bool) -> tuple[Tensor | None, Tensor]:
         u, r = knots_basis(taus) if matrix else (None, taus.clone())
@@ -92,7 +95,8 @@ def _thresholds(reps: Tensor, density: float) -> Tensor:
     return torch.stack([magnitude_threshold(r.abs().reshape(-1), density) for r in reps])
 
 
-def _global_thresholds(models: ModelSet, is_matrix: Callable[[str], bool], rep_fn: RepFn, density: float) -> Tensor:
+def _global_thresholds(models: ModelSet, is_matrix: Callable[[str], bool], rep_fn: RepFn,
+                       density: float) -> Tensor:
     """Per-task thresholds over the representations of every weight matrix (the official code's flattened
     ``topK``): a first pass over the keys that keeps each task's ``|R_t|`` (``T r n`` floats per matrix)."""
     mags: list[list[Tensor]] = [[] for _ in range(models.num_experts)]
@@ -108,8 +112,8 @@ def _global_thresholds(models: ModelSet, is_matrix: Callable[[str], bool], rep_f
 
 
 def _merge_reps(reps: Tensor, merge: str, thresholds: Tensor, scaling: float) -> Tensor:
-    """``R_m``: ``lambda sum_t R_t`` (TA), or ``lambda`` times the TIES merge of ``R`` trimmed at ``thresholds``
-    (TIES; DARE, whose drop is already in ``R``)."""
+    """``R_m``: ``lambda sum_t R_t`` (TA), or ``lambda`` times the TIES merge of ``R`` trimmed at
+    ``thresholds`` (TIES; DARE, whose drop is already in ``R``)."""
     if merge == "ta":
         return scaling * reps.sum(0)
     return scaling * ties_tensor(reps, thresholds, merge_fn="mean")
@@ -126,8 +130,8 @@ def _check(merge: str, density: float, drop_rate: float, trim_scope: str) -> Non
         raise ValueError(f"trim_scope must be 'global' or 'per_tensor', got {trim_scope!r}")
 
 
-@register_merge("knots", "merge task updates (LoRA adapters) in the SVD basis of their concatenation with TIES, "
-                "DARE or TA (KnOTS, Stoica et al. 2025)")
+@register_merge("knots", "merge task updates (LoRA adapters) in the SVD basis of their concatenation with "
+                "TIES, DARE or TA (KnOTS, Stoica et al. 2025)")
 def knots(*, base: Any, experts: Sequence[Any], merge: str = "ties", density: float | None = None,
           scaling: float | None = None, drop_rate: float = 0.1, trim_scope: str = "global", seed: int = 0,
           include: str | None = None, exclude: str | None = DEFAULT_EXCLUDE) -> dict[str, Tensor]:

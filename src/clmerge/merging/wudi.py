@@ -42,7 +42,8 @@ def _live(taus: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def wudi_objective(tau_m: Tensor, taus: Tensor) -> Tensor:
-    """``sum_i ||(tau_m - tau_i) tau_i^T||_F^2 / ||tau_i||_F^2`` over the nonzero task vectors ``taus (T, m, n)``."""
+    """``sum_i ||(tau_m - tau_i) tau_i^T||_F^2 / ||tau_i||_F^2`` over the nonzero task vectors
+    ``taus (T, m, n)``."""
     live, w = _live(taus)
     prod = (tau_m[None] - live) @ live.transpose(1, 2)  # (T, m, m)
     return (prod.square().sum((1, 2)) / w).sum()
@@ -71,8 +72,8 @@ def wudi_matrix(taus: Tensor, *, steps: int = 300, lr: float = 1e-5, optimizer: 
     return p.detach()
 
 
-@register_merge("wudi", "data-free per-layer optimisation of the merged task vector against the task vectors' "
-                "interference (WUDI, Cheng et al. 2025)")
+@register_merge("wudi", "data-free per-layer optimisation of the merged task vector against the task "
+                "vectors' interference (WUDI, Cheng et al. 2025)")
 def wudi(*, base: Any, experts: Sequence[Any], steps: int = 300, lr: float = 1e-5, optimizer: str = "adam",
          include: str | None = None, exclude: str | None = DEFAULT_EXCLUDE) -> dict[str, Tensor]:
     """WUDI-Merging: ``theta_0 + argmin L`` per weight matrix (module docstring), from ``sum_i tau_i``.
@@ -88,9 +89,11 @@ def wudi(*, base: Any, experts: Sequence[Any], steps: int = 300, lr: float = 1e-
     divides by its zero norm); (4) float32 on the CPU (float64 for float64 inputs).
 
     Args:
-        steps: optimiser steps per matrix (FusionBench's ``iter_num``: 300 in its function, 400 in its config).
+        steps: optimiser steps per matrix (FusionBench's ``iter_num``: 300 in its function, 400 in its
+            config).
         lr: learning rate (FusionBench: 1e-5).
-        optimizer: ``"adam"`` (FusionBench: ``torch.optim.Adam``, default betas, no weight decay) or ``"sgd"``.
+        optimizer: ``"adam"`` (FusionBench: ``torch.optim.Adam``, default betas, no weight decay) or
+            ``"sgd"``.
         include: regex of keys treated as matrices, replacing the default rule (``"."``: every 2-D tensor).
         exclude: regex of 2-D ``*weight`` keys treated as non-matrix tensors (default: embeddings, norms).
     """

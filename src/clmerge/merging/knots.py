@@ -53,8 +53,8 @@ def knots_basis(taus: Tensor, eps: float = SUPPORT_EPS) -> tuple[Tensor, Tensor]
     ``sum_t Delta_t Delta_t^T = U S^2 U^T`` with eigenvalues ``> eps^2``: the same basis up to the sign of
     each column (and a rotation within repeated singular values, as for any SVD routine), which the merge does
     not see: flipping column ``i`` of ``U`` flips row ``i`` of every ``R_t``, and trim, sign election and mean
-    all commute with that. It costs one ``m x m`` eigendecomposition instead of the SVD of an ``m x Tn`` matrix
-    (``knots`` on one 768 x 3072 matrix, 8 full-rank tasks, 1 thread: 27 s instead of 105 s, measured).
+    all commute with that. It costs one ``m x m`` eigendecomposition instead of the SVD of an ``m x Tn``
+    matrix (``knots`` on one 768 x 3072 matrix, 8 full-rank tasks, 1 thread: 27 s instead of 105 s, measured).
 
     ``R_t`` is computed as ``U^T Delta_t`` (equal to ``S V_t^T`` as ``Delta_t = U S V_t^T``): exactly 0 for a
     task that leaves the matrix unchanged (an adapter that does not target the module), where the SVD's block

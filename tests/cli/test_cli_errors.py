@@ -724,6 +724,28 @@ def test_svd_merge_error_is_short_typed_and_leaves_nothing(ws, argv, code, words
     before = _snapshot(ws)
     result = CliRunner().invoke(app, argv)
     _check(result, code, words, before, ws)
+
+
+# KnOTS and WUDI: out-of-range or unknown hyperparameters are usage errors, nothing written.
+KNOTS_WUDI_CASES = [
+    ("knots-merge", [*SVD_MERGE, "--method", "knots", "--set", "merge=magmax"], USAGE,
+     ["merge", "ties, dare, ta", "'magmax'"]),
+    ("knots-density", [*SVD_MERGE, "--method", "knots", "--set", "density=0"], USAGE, ["density", "(0, 1]"]),
+    ("knots-drop-rate", [*SVD_MERGE, "--method", "knots", "--set", "merge=dare", "--set", "drop_rate=1"], USAGE,
+     ["drop_rate", "[0, 1)"]),
+    ("wudi-optimizer", [*SVD_MERGE, "--method", "wudi", "--set", "optimizer=lbfgs"], USAGE,
+     ["optimizer", "adam, sgd", "'lbfgs'"]),
+    ("wudi-steps", [*SVD_MERGE, "--method", "wudi", "--set", "steps=-1"], USAGE, ["steps", ">= 0", "-1"]),
+    ("wudi-steps-float", [*SVD_MERGE, "--method", "wudi", "--set", "steps=1.5"], USAGE, ["steps", "integer", "1.5"]),
+    ("wudi-lr", [*SVD_MERGE, "--method", "wudi", "--set", "lr=0"], USAGE, ["lr", "> 0"]),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in KNOTS_WUDI_CASES],
+                         ids=[c[0] for c in KNOTS_WUDI_CASES])
+def test_knots_wudi_error_is_short_typed_and_leaves_nothing(ws, argv, code, words):
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, argv), code, words, before, ws)
 # -- clmerge results (tables across runs): a sweep folder "sw" of two seeds; "mixed" holds runs of one method
 # whose configs differ in optim.lr; "unfinished" holds only a run without metrics.json; "twice" the same seed
 RESULTS_CASES = [

@@ -32,7 +32,7 @@ IDENTITY_HP = {
     "breadcrumbs": {"density": 1.0, "beta": 0.0, "scaling": 1.0}, "della": {"density": 1.0, "epsilon": 0.0},
     "slerp": {"t": 1.0}, "magmax": {"scaling": 1.0},
     "breadcrumbs_ties": {"density": 1.0, "beta": 0.0}, "della_linear": {"density": 1.0, "epsilon": 0.0},
-    "nearswap": {"t": 1e9},
+    "nearswap": {"t": 1e9}, "knots": {"merge": "ta", "scaling": 1.0},
 }
 # Methods whose one-expert merge flattens the expert's spectrum (Iso-C, Iso-CTS): each weight matrix gets
 # base + mean(sigma) U V^T of its task vector, the other tensors the expert's values (checked instead).
@@ -52,7 +52,7 @@ def experts_for(name: str, experts: list) -> list:
 def test_registry_is_complete_and_rejects_duplicates():
     expected = {"weight_average", "task_arithmetic", "low_rank_task_arithmetic", "ties", "dare", "consensus",
                 "tall_mask_ties", "emr_merging", "fisher_merging", "regmean", "cart", "cart_indexing", "slerp",
-                "model_stock", "breadcrumbs", "della", "tsv_m", "tsv_c", "iso_c", "iso_cts"}
+                "model_stock", "breadcrumbs", "della", "tsv_m", "tsv_c", "iso_c", "iso_cts", "knots", "wudi"}
     assert expected <= set(ALL)
     assert all(isinstance(d, str) and d and "\n" not in d for d in merging.available().values())
     with pytest.raises(ValueError, match="already registered"):

@@ -36,6 +36,8 @@ from .magmax import magmax
 # the SVD family: task singular vectors and isotropic merging
 from .tsv import tsv_c, tsv_m
 from .iso import iso_c, iso_cts
+from .knots import knots
+from .wudi import wudi
 from .spherical import karcher, multislerp, nuslerp
 from .sce import sce
 from .nearswap import nearswap
@@ -46,6 +48,6 @@ __all__ = [
     "weight_average", "task_arithmetic", "low_rank_task_arithmetic", "ties", "dare", "consensus", "tall_masks",
     "tall_mask_ties", "emr_merging", "fisher_merging", "regmean", "gram_matrices", "cart", "cart_indexing", "adamerging",
     "slerp", "model_stock", "breadcrumbs", "della", "magmax",
-    "tsv_m", "tsv_c", "iso_c", "iso_cts",
+    "tsv_m", "tsv_c", "iso_c", "iso_cts", "knots", "wudi",
     "breadcrumbs_ties", "della_linear", "nuslerp", "multislerp", "karcher", "sce", "nearswap", "arcee_fusion",
 ]

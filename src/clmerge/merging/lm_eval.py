@@ -103,19 +103,27 @@ def windows(n_tokens: int, max_length: int, stride: int) -> list[tuple[int, int,
     return out
 
 
-def load_causal_lm(folder: str | Path) -> tuple[Any, Any]:
-    """The model (eval mode, float32 on CPU) and tokenizer of an HF causal-LM folder."""
+def load_causal_lm(folder: str | Path, *, quiet: bool = False) -> tuple[Any, Any]:
+    """The model (eval mode, float32 on CPU) and tokenizer of an HF causal-LM folder; ``quiet``: without
+    transformers' loading bar (a tune's trials)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise InputError(f"MODEL {folder}: not a model folder (no config.json)")
+    bars = hf_logging.is_progress_bar_enabled()
+    if quiet:
+        hf_logging.disable_progress_bar()
     try:
         tok = AutoTokenizer.from_pretrained(str(folder))
-        model = AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(folder)).float()
     except (OSError, ValueError, KeyError) as exc:
         raise InputError(f"MODEL {folder}: cannot load it as a causal LM with its tokenizer "
                          f"({str(exc).splitlines()[0][:160]})") from None
+    finally:
+        if quiet and bars:
+            hf_logging.enable_progress_bar()
     return model.eval(), tok
 
 

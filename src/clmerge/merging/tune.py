@@ -40,6 +40,7 @@ from ..utils.extras import require_extra
 from ..utils.io import atomic_write_text
 from ..utils.yaml_io import read_yaml
 from .lm_eval import EvalOptions, load_causal_lm, perplexity, read_texts
+from .pipeline import prepare
 from .recipes import load_recipe
 
 __all__ = ["Dimension", "TuneSpec", "load_tune_spec", "run_trial", "set_path", "tune"]
@@ -184,7 +185,7 @@ def run_trial(recipe_data: dict, values: dict, opts: EvalOptions, workdir: str) 
     folder = Path(workdir)
     try:
         run_merge(load_recipe("", recipe_with(recipe_data, values)), folder, hash_inputs=False)
-        model, tok = load_causal_lm(folder)
+        model, tok = load_causal_lm(folder, quiet=True)
         res = perplexity(model, tok, read_texts(opts.data, opts.max_samples), opts, progress=False)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -302,7 +303,9 @@ def tune(recipe_data: dict, spec: TuneSpec, out: Path, *, executor: Any, jobs: i
     """Search, then merge the best recipe into ``out``; returns the best values and metric."""
     if recipe_data.get("stages") or recipe_data.get("slices"):
         raise UsageError("--tune: searches recipes with models: (not slices: or stages:)")
-    load_recipe("", recipe_with(recipe_data, grid_points(spec)[0] if spec.search == "grid" else {}, spec.source))
+    for end in (0, -1):  # both ends of every range: bad paths, inputs or hyperparameters fail before any merge
+        point = {d.path: (d.values[end] if d.values else (d.low, d.high)[end]) for d in spec.space}
+        prepare(load_recipe("", recipe_with(recipe_data, point, f"{spec.source}: space")))
     read_texts(spec.eval.data, spec.eval.max_samples)  # a bad held-out file fails before any merge
     if spec.search == "optuna":
         require_extra("optuna", "tune", what="search: optuna")

@@ -13,7 +13,6 @@ import csv
 import sys
 
 import pytest
-import torch
 import yaml
 
 import clmerge.merging.tune as tune_mod
@@ -22,48 +21,12 @@ from clmerge.merging.lm_eval import EvalOptions, load_causal_lm, perplexity, rea
 from clmerge.merging.tune import TuneSpec, Dimension, grid_points, load_tune_spec, set_path, tune
 from clmerge.sweep.executors import LocalExecutor
 from clmerge.utils.extras import MissingExtraError
-from vocab_helpers import CORE, tiny_tokenizer
-
-W_STAR = 0.3
-
-
-def _random_lm(seed: int):
-    import transformers as tf
-
-    tok = tiny_tokenizer(CORE)
-    cfg = tf.LlamaConfig(vocab_size=len(tok.get_vocab()), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, initializer_range=0.3, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=None)
-    torch.manual_seed(seed)
-    return tf.LlamaForCausalLM(cfg).eval(), tok
-
-
-def _sample(model, tok, n_docs=40, length=30) -> list[str]:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, len(tok.get_vocab()), (n_docs, 1), generator=g)
-    with torch.no_grad():
-        for _ in range(length):
-            p = torch.softmax(model(input_ids=ids).logits[:, -1], -1)
-            ids = torch.cat([ids, torch.multinomial(p, 1, generator=g)], 1)
-    words = {i: w for w, i in tok.get_vocab().items()}
-    return [" ".join(words[int(t)] for t in row) for row in ids]
+from tune_helpers import W_STAR, planted_pair
 
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
-    root = tmp_path_factory.mktemp("planted")
-    (a, tok), (b, _) = _random_lm(1), _random_lm(2)
-    for name, m in (("A", a), ("B", b)):
-        m.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
-    mix, _ = _random_lm(1)
-    sa, sb = a.state_dict(), b.state_dict()
-    mix.load_state_dict({k: (1 - W_STAR) * sa[k] + W_STAR * sb[k] for k in sa})
-    (root / "heldout.txt").write_text("\n\n".join(_sample(mix, tok)) + "\n")
-    recipe = {"method": "task_arithmetic", "base": str(root / "A"), "models": [{"model": str(root / "B")}],
-              "parameters": {"scaling": 1.0}}
-    (root / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    return root, recipe
+    return planted_pair(tmp_path_factory.mktemp("planted"))
 
 
 def _spec(root, **kw) -> TuneSpec:

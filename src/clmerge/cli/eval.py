@@ -23,33 +23,54 @@ __all__ = ["eval_command", "run_tune"]
 
 @app.command("eval")
 def eval_command(
-    model: Path = typer.Argument(..., help="an HF causal-LM folder (config.json, weights, tokenizer)"),
-    data: Path = typer.Option(..., "--data", help="a text file (blank lines separate documents) or a JSONL "
-                              "of {\"text\": ...}"),
+    model: Path = typer.Argument(..., help="an HF causal-LM folder, or a continual run directory (clmerge run)"),
+    data: str = typer.Option(..., "--data", help="causal LM: a text file (blank lines separate documents) or a "
+                             "JSONL of {\"text\": ...}; run directory: a dataset name (clmerge datasets)"),
+    data_option: list[str] = typer.Option([], "--data-option", help="run directory: a dataset option "
+                                          "key=value (repeatable), as scenario.options"),
     max_length: int = typer.Option(1024, "--max-length", help="tokens per window"),
     stride: int | None = typer.Option(None, "--stride", help="sliding-window stride (default: --max-length, "
                                       "disjoint windows)"),
-    batch_size: int = typer.Option(4, "--batch-size", help="windows per forward pass"),
+    batch_size: int = typer.Option(4, "--batch-size", help="windows (or images) per forward pass"),
     max_samples: int | None = typer.Option(None, "--max-samples", help="score only the first N documents"),
     json_out: Path | None = typer.Option(None, "--json", help="also write the result here (JSON)"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="a progress bar or progress lines"),
 ) -> None:
-    """Perplexity of a causal language model on held-out text (token-weighted mean NLL, sliding window)."""
-    from ..merging.lm_eval import EvalOptions, load_causal_lm, perplexity, read_texts
-
+    """Perplexity of a causal LM on held-out text, or accuracy of a continual run's model on a dataset."""
     try:
-        opts = EvalOptions(str(data), max_length, stride, batch_size, max_samples).check()
         if json_out is not None:
             check_writable(json_out, "--json")
-        texts = read_texts(data, max_samples)
-        lm, tok = load_causal_lm(model)
-        res = {"model": str(model), "data": str(data), **perplexity(lm, tok, texts, opts, progress=progress),
-               "max_length": max_length, "stride": stride or max_length}
+        if (model / "config.yaml").is_file():
+            res = _accuracy(model, data, data_option, batch_size)
+        else:
+            res = _perplexity(model, data, max_length, stride, batch_size, max_samples, progress)
         if json_out is not None:
             write_json(json_out, res)
     except (ValueError, OSError, KeyError, TypeError) as exc:
         fail(exc)
     typer.echo(json.dumps(res, indent=2))
+
+
+def _perplexity(model: Path, data: str, max_length: int, stride: int | None, batch_size: int,
+                max_samples: int | None, progress: bool) -> dict:
+    from ..merging.lm_eval import EvalOptions, load_causal_lm, perplexity, read_texts
+
+    opts = EvalOptions(data, max_length, stride, batch_size, max_samples).check()
+    texts = read_texts(data, max_samples)
+    lm, tok = load_causal_lm(model)
+    return {"model": str(model), "data": data, **perplexity(lm, tok, texts, opts, progress=progress),
+            "max_length": max_length, "stride": stride or max_length}
+
+
+def _accuracy(run_dir: Path, data: str, data_option: list[str], batch_size: int) -> dict:
+    from ..engine.classifier_eval import run_accuracy
+    from ..merging.run import parse_set
+
+    try:
+        options = parse_set(data_option)
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("--set", "--data-option")) from None
+    return {"model": str(run_dir), **run_accuracy(run_dir, data, options, batch_size=max(batch_size, 1))}
 
 
 def run_tune(recipe: Path | None, tune_file: Path, out: Path | None, *, jobs: int, backend: str,

@@ -1111,8 +1111,8 @@ EVAL_TUNE_CASES = [
     ("tune-bad-hparam", ["merge", "recipe.yaml", "--tune", "density.yaml", "--out", "m"], USAGE, ["density"]),
     ("tune-missing-heldout", ["merge", "recipe.yaml", "--tune", "noheld.yaml", "--out", "m"], INPUT,
      ["gone.txt"]),
-    ("tune-out-foreign", ["merge", "recipe.yaml", "--tune", "tune.yaml", "--out", "full"], OUTPUT,
-     ["--overwrite"]),
+    ("tune-out-foreign", ["merge", "recipe.yaml", "--tune", "tune.yaml", "--out", "full", "--overwrite"], OUTPUT,
+     ["full", "no tune"]),
     ("tune-jobs", ["merge", "recipe.yaml", "--tune", "tune.yaml", "--jobs", "100000", "--out", "m"], USAGE,
      ["--jobs"]),
 ]

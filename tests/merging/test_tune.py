@@ -92,9 +92,19 @@ def test_an_existing_foreign_out_is_refused_before_any_trial(planted, tmp_path):
     root, recipe = planted
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("x")
-    with pytest.raises(OutputError, match="--overwrite"):
-        tune(recipe, _spec(root), tmp_path / "out", executor=LocalExecutor(0))
+    for overwrite in (False, True):  # --overwrite replaces a finished tune only, never a foreign folder
+        with pytest.raises(OutputError, match="holds no tune"):
+            tune(recipe, _spec(root), tmp_path / "out", executor=LocalExecutor(0), overwrite=overwrite)
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+
+
+def test_a_finished_tune_is_replaced_only_with_overwrite(planted, tmp_path):
+    root, recipe = planted
+    tune(recipe, _spec(root, points=2), tmp_path / "out", executor=LocalExecutor(0))
+    with pytest.raises(OutputError, match="--overwrite"):
+        tune(recipe, _spec(root, points=3), tmp_path / "out", executor=LocalExecutor(0))
+    info = tune(recipe, _spec(root, points=3), tmp_path / "out", executor=LocalExecutor(0), overwrite=True)
+    assert info["trials"] == 3
 
 
 def test_paths_set_weights_and_gradient_values():

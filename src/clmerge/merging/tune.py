@@ -285,16 +285,18 @@ def _search_optuna(recipe_data: dict, spec: TuneSpec, table: _Table, executor: A
 
 def check_tune_out(out: Path, overwrite: bool) -> None:
     """``out`` must be new, empty, or an unfinished tune (``tune/trials.csv`` and no ``best_recipe.yaml``,
-    resumed); ``--overwrite`` replaces anything else."""
+    resumed); ``--overwrite`` replaces a finished tune, and nothing else."""
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return
     if not out.is_dir():
         raise OutputError(f"--out {out}: is a file, not a folder")
-    unfinished = (out / "tune" / "trials.csv").is_file() and not (out / "tune" / "best_recipe.yaml").exists()
-    if unfinished:
+    finished = (out / "tune" / "best_recipe.yaml").is_file()
+    if (out / "tune" / "trials.csv").is_file() and not finished:
         return
+    if not finished:
+        raise OutputError(f"--out {out}: exists and holds no tune (tune/trials.csv): give a new folder")
     if not overwrite:
-        raise OutputError(f"--out {out}: exists and is not an unfinished tune: give a new folder, or --overwrite")
+        raise OutputError(f"--out {out}: holds a finished tune: give a new folder, or --overwrite to replace it")
     shutil.rmtree(out)
 
 

@@ -45,3 +45,21 @@ def test_merge_tune_writes_the_table_the_best_recipe_and_the_model(planted, tmp_
     assert len((tmp_path / "out" / "tune" / "trials.csv").read_text().splitlines()) == 4
     best = yaml.safe_load((tmp_path / "out" / "tune" / "best_recipe.yaml").read_text())
     assert best["parameters"]["scaling"] == 0.3 and (tmp_path / "out" / "config.json").is_file()
+
+
+def test_merge_tune_on_ray_runs_one_task_per_trial(planted, tmp_path, monkeypatch):
+    """The real ``RayExecutor`` on the in-process Ray stand-in (every trial a pickled Ray task)."""
+    import sys
+
+    from executor_helpers import FakeRay
+
+    fake = FakeRay()
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    root, _ = planted
+    (tmp_path / "tune.yaml").write_text(yaml.safe_dump({
+        "points": 3, "space": {"parameters.scaling": [0.0, 0.6]},
+        "eval": {"data": str(root / "heldout.txt"), "max_length": 64, "batch_size": 8}}))
+    res = CliRunner().invoke(app, ["merge", str(root / "recipe.yaml"), "--tune", str(tmp_path / "tune.yaml"),
+                                   "--backend", "ray", "--jobs", "2", "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    assert fake.calls == 3 and not fake.initialized and "best {'parameters.scaling': 0.3}" in res.stdout

@@ -29,7 +29,7 @@ import itertools
 import re
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +75,6 @@ class TuneSpec:
     trials: int = 20
     seed: int = 0
     source: str = "TUNE"
-    extra: dict = field(default_factory=dict)
 
 
 def _parse_path(path: str, where: str) -> list[str | int]:
@@ -245,11 +244,10 @@ def _run_points(points: list[dict], recipe_data: dict, spec: TuneSpec, table: _T
     while pending or handles:
         while pending and len(handles) < max(jobs, 1):
             values = pending.pop(0)
-            n = len(table.rows) + len(handles)
-            workdir = str(table.path.parent / "trials" / f"trial_{n}_{time.time_ns()}")
-            handles[executor.submit(run_trial, recipe_data, values, spec.eval, workdir)] = (n, values)
+            workdir = str(table.path.parent / "trials" / f"trial_{len(table.rows) + len(handles)}_{time.time_ns()}")
+            handles[executor.submit(run_trial, recipe_data, values, spec.eval, workdir)] = values
         h = executor.wait_any(list(handles))
-        n, values = handles.pop(h)
+        values = handles.pop(h)
         res = executor.result(h)
         row = {"trial": len(table.rows), "values": values, "metric": res["metric"], "seconds": res["seconds"]}
         table.add(row)

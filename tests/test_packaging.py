@@ -57,7 +57,7 @@ def test_configs_lists_every_shipped_config_with_method_dataset_and_paper():
 
 
 # ---- extras: packages that merging does not need ---------------------------------------------------------
-OPTIONAL = ["mlxtend", "mnist1d", "sklearn", "matplotlib", "scipy"]
+OPTIONAL = ["mlxtend", "mnist1d", "sklearn", "matplotlib", "scipy", "optuna"]
 # a child Python in which every optional package fails to import, as in an install without extras
 _BLOCKED = ("import sys; sys.modules.update(dict.fromkeys({mods!r})); sys.argv[0] = 'clmerge'; "
             "from clmerge.cli import main; main()")
@@ -77,7 +77,8 @@ def test_pyproject_core_dependencies_hold_no_optional_package_and_dev_pulls_in_e
 @pytest.mark.parametrize("module, extra, dist", [("mlxtend.data", "data", "mlxtend"),
                                                  ("sklearn.cluster", "data", "scikit-learn"),
                                                  ("matplotlib", "plots", "matplotlib"),
-                                                 ("scipy.optimize", "study", "scipy")])
+                                                 ("scipy.optimize", "study", "scipy"),
+                                                 ("optuna", "tune", "optuna")])
 def test_a_missing_extra_is_one_input_error_naming_pip_install(monkeypatch, module, extra, dist):
     monkeypatch.delitem(sys.modules, module, raising=False)
     monkeypatch.setitem(sys.modules, module.split(".")[0], None)

@@ -1160,3 +1160,46 @@ def test_sweep_select_spec_error_is_one_usage_line_and_leaves_nothing(ws, spec, 
     before = _snapshot(ws)
     result = CliRunner().invoke(app, ["sweep", spec, *(["--dry-run"] if dry_run else ["--out", "s"])])
     _check(result, USAGE, words, before, ws)
+
+
+# ---- clmerge eval and clmerge merge --tune ----------------------------------------------------------------
+TUNE_OK = "space:\n  parameters.scaling: [0, 1]\neval: {data: held.txt}\n"
+EVAL_TUNE_CASES = [
+    ("eval-missing-data", ["eval", "empty_dir", "--data", "nope.txt"], INPUT, ["--data", "nope.txt"]),
+    ("eval-not-a-model", ["eval", "empty_dir", "--data", "held.txt"], INPUT, ["empty_dir", "config.json"]),
+    ("eval-bad-jsonl", ["eval", "empty_dir", "--data", "bad.jsonl"], INPUT, ["bad.jsonl", "line 1", '"text"']),
+    ("eval-stride", ["eval", "empty_dir", "--data", "held.txt", "--max-length", "4", "--stride", "8"], USAGE,
+     ["--stride", "--max-length"]),
+    ("eval-json-under-file", ["eval", "empty_dir", "--data", "held.txt", "--json", "foreign.safetensors/r.json"],
+     OUTPUT, ["--json"]),
+    ("tune-missing-file", ["merge", "recipe.yaml", "--tune", "nope.yaml", "--out", "m"], INPUT, ["nope.yaml"]),
+    ("tune-with-method", [*MERGE, "--tune", "tune.yaml", "--out", "m"], USAGE, ["--tune", "--method"]),
+    ("tune-no-out", ["merge", "recipe.yaml", "--tune", "tune.yaml"], USAGE, ["--tune", "--out"]),
+    ("tune-bad-range", ["merge", "recipe.yaml", "--tune", "range.yaml", "--out", "m"], USAGE,
+     ["range.yaml", "parameters.scaling", "low < high"]),
+    ("tune-bad-path", ["merge", "recipe.yaml", "--tune", "path.yaml", "--out", "m"], USAGE,
+     ["models[5]"]),
+    ("tune-bad-hparam", ["merge", "recipe.yaml", "--tune", "density.yaml", "--out", "m"], USAGE, ["density"]),
+    ("tune-missing-heldout", ["merge", "recipe.yaml", "--tune", "noheld.yaml", "--out", "m"], INPUT,
+     ["gone.txt"]),
+    ("tune-out-foreign", ["merge", "recipe.yaml", "--tune", "tune.yaml", "--out", "full", "--overwrite"], OUTPUT,
+     ["full", "no tune"]),
+    ("tune-jobs", ["merge", "recipe.yaml", "--tune", "tune.yaml", "--jobs", "100000", "--out", "m"], USAGE,
+     ["--jobs"]),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in EVAL_TUNE_CASES], ids=[c[0] for c in EVAL_TUNE_CASES])
+def test_eval_and_tune_errors_are_one_line_and_leave_nothing(ws, argv, code, words):
+    (ws / "held.txt").write_text("w1 w2 w3\n\nw4 w5\n")
+    (ws / "bad.jsonl").write_text('{"txt": "w1"}\n')
+    (ws / "recipe.yaml").write_text(yaml.safe_dump({"method": "task_arithmetic", "base": "base.safetensors",
+                                                    "models": ["e1.safetensors"]}))
+    for name, text in {"tune.yaml": TUNE_OK, "range.yaml": TUNE_OK.replace("[0, 1]", "[1, 0]"),
+                       "path.yaml": TUNE_OK.replace("parameters.scaling", "models[5].parameters.weight"),
+                       "density.yaml": TUNE_OK.replace("scaling: [0, 1]", "density: [0, 1]"),
+                       "noheld.yaml": TUNE_OK.replace("held.txt", "gone.txt")}.items():
+        (ws / name).write_text(text)
+    before = _snapshot(ws)
+    result = CliRunner().invoke(app, argv)
+    _check(result, code, words, before, ws)

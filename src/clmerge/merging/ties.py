@@ -272,7 +272,8 @@ def _trim_fns(models: ModelSet, tv_fn: TaskVectorFn, density: float, trim_scope:
     """``(global thresholds or None, global quotas or None, fn(key, tvs) -> trimmed tvs)`` for TIES."""
     if trim_scope == "global":
         glob, gq = global_trim(models, density, tv_fn, trim_rule)
-        return glob, gq, lambda key, tvs: trim(tvs, glob, None if gq is None else gq[key])
+        # the thresholds stay where they were found (the CPU); a kernel on a device compares there
+        return glob, gq, lambda key, tvs: trim(tvs, glob.to(tvs.device), None if gq is None else gq[key])
     if trim_rule == "exact":
         return None, None, lambda key, tvs: exact_trim_rows(tvs, density)
     return None, None, lambda key, tvs: trim(tvs, torch.stack([magnitude_threshold(v.abs(), density) for v in tvs]))
@@ -334,8 +335,8 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
             if fix is not None:
                 parts.append(fix_values(fix[0] + i, fix[1].to(dtype), fbi[fix[0]], scaling, merge_fn, xs[0].dtype))
             out.view(-1)[i:i + _BLOCK] = fbi + scaling * tau.to(dtype)
-        if parts:
-            fixes[key] = tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
+        if parts:  # kept on the CPU, where the merged tensors are patched
+            fixes[key] = tuple(None if p[0] is None else torch.cat(p).cpu() for p in zip(*parts))
         return out
 
     if tv_fn is plain_task_vectors and merge_fn in ("mean", "sum", "max"):
@@ -348,14 +349,14 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
             if glob is None:
                 thr, quotas = per_tensor_trim_spec(b, xs, density, trim_rule)
             else:  # the model-wide thresholds were found in glob's dtype: compare in it
-                thr, quotas = glob, (all_ties if gq is None else gq[key])
+                thr, quotas = glob.to(b.device), (all_ties if gq is None else gq[key])
             dt = work_dtype(thr.dtype, b.dtype, *(x.dtype for x in xs))
             if dt not in works:
                 works[dt] = Work(models.num_experts, CHUNK, dt)
             res, sign_sum, fix = ties_key_streamed(b, xs, thr, quotas, scaling, merge_fn, works[dt])
             total[0] += sign_sum
-            if fix is not None:
-                fixes[key] = fix
+            if fix is not None:  # kept on the CPU, where the merged tensors are patched
+                fixes[key] = tuple(None if f is None else f.cpu() for f in fix)
             return res
 
     out = map_keys(models, merged, needs_base=True)

@@ -1,8 +1,9 @@
 """``--device``: merges, extract-lora and adapter re-factorisation on a device give the CPU path's results.
 
-Without a GPU the device path runs with the CPU forced as the device (``Device("cpu", forced=True)``: every
-input moved by a real copy, every kernel run with the device as PyTorch's default, every result moved back),
-and must give the plain path's bytes exactly. With CUDA visible, the CUDA tests compare with the CPU to the
+Without a GPU the device path runs with the CPU forced as the device (``StrictCpuDevice``: every input moved
+by a real copy, every kernel run with the device as PyTorch's default, every result moved back, and any
+operation that mixes a device tensor with a host one refused, as CUDA refuses it), and must give the plain
+path's bytes exactly. With CUDA visible, the CUDA tests compare with the CPU to the
 dtype's precision and check that the peak device memory is reported.
 """
 
@@ -18,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from checkpoint_helpers import folder_state, llama_config, save_variants  # noqa: E402
 from clmerge.merging.run import build_recipe, run_merge  # noqa: E402
-from clmerge.utils.device import Device  # noqa: E402
+from device_helpers import StrictCpuDevice  # noqa: E402
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available())")
 
@@ -49,9 +50,9 @@ def _merge(models, out, method, sets, device=None):
 @pytest.mark.parametrize("method, sets", [m[1:] for m in METHODS], ids=[m[0] for m in METHODS])
 def test_forced_device_path_is_bit_identical(tmp_path, models, method, sets):
     _merge(models, tmp_path / "cpu", method, sets)
-    dev = Device("cpu", forced=True)
+    dev = StrictCpuDevice()
     info = _merge(models, tmp_path / "dev", method, sets, device=dev)
-    assert dev.moved > 0  # the inputs took the device path
+    assert dev.moved > 0 and dev.checked > 0  # the inputs took the device path
     assert info["device"]["device"] == "cpu" and info["device"]["peak_device_memory_bytes"] is None
     want, got = folder_state(tmp_path / "cpu"), folder_state(tmp_path / "dev")
     assert want.keys() == got.keys()
@@ -69,7 +70,7 @@ def test_forced_extract_lora_is_bit_identical(tmp_path, models):
 
     for svd in ("full", "randomized"):
         extract_lora(base=models[0], tuned=models[1], rank=4, out=tmp_path / f"cpu_{svd}", svd=svd)
-        dev = Device("cpu", forced=True)
+        dev = StrictCpuDevice()
         res = extract_lora(base=models[0], tuned=models[1], rank=4, out=tmp_path / f"dev_{svd}", svd=svd,
                            device=dev)
         assert dev.moved > 0 and res["device"]["device"] == "cpu"
@@ -108,7 +109,7 @@ def test_forced_adapter_refactorisation_is_bit_identical(tmp_path, method, hp):
     base, paths = _adapters(tmp_path)
     kw = dict(method=method, base=base, adapters=paths, hyperparameters=hp, form="peft", rank=3, svd="randomized")
     merge_adapters(out=tmp_path / "cpu", **kw)
-    dev = Device("cpu", forced=True)
+    dev = StrictCpuDevice()
     res = merge_adapters(out=tmp_path / "dev", device=dev, **kw)
     assert dev.moved > 0 and res["device"]["device"] == "cpu"
     want = load_file(str(tmp_path / "cpu" / "adapter_model.safetensors"))

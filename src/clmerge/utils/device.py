@@ -23,14 +23,16 @@ from torch import Tensor
 
 from ..errors import UsageError
 
-__all__ = ["Device", "cpu_draw", "current_device", "parse_device", "stats_line", "using_device"]
+__all__ = ["Device", "cpu_draw", "current_device", "like_device", "parse_device", "stats_line", "to_host",
+           "using_device"]
 
 
 class Device:
     """A compute device for merge kernels, with the counters a run reports.
 
     Attributes:
-        moved: tensors moved to the device so far (inputs, one per key and model).
+        moved: tensors moved to the device so far (each key's inputs; random draws and statistics a kernel
+            takes from the CPU).
     """
 
     def __init__(self, spec: str | torch.device = "cpu", *, forced: bool = False) -> None:
@@ -50,6 +52,10 @@ class Device:
             return None
         self.moved += 1
         return t.to(self.torch, copy=self.forced)
+
+    def holds(self, t: Tensor) -> bool:
+        """Whether ``t`` is on this device (when forced: any CPU tensor)."""
+        return t.device == self.torch
 
     def back(self, t: Tensor) -> Tensor:
         """``t`` on the CPU, for writing."""
@@ -121,8 +127,22 @@ def current_device() -> Device | None:
     return dev if dev is not None and dev.active else None
 
 
+def like_device(t: Tensor, like: Tensor) -> Tensor:
+    """``t`` moved to ``like``'s device (onto the active device when ``like`` is there; as is on the CPU)."""
+    device = current_device()
+    if device is not None and device.holds(like):
+        return device.put(t)
+    return t.to(like.device)
+
+
+def to_host(t: Tensor) -> Tensor:
+    """``t`` on the CPU (a kernel's side result that the CPU code after the merge patches with)."""
+    device = current_device()
+    return t if device is None else device.back(t)
+
+
 def cpu_draw(fn: Callable[..., Tensor], *args: Any, generator: torch.Generator, like: Tensor,
              **kwargs: Any) -> Tensor:
     """``fn(*args, generator=generator, **kwargs)`` drawn on the (CPU) generator, then moved to ``like``'s
     device: the same numbers whichever device the kernel runs on."""
-    return fn(*args, generator=generator, device=generator.device, **kwargs).to(like.device)
+    return like_device(fn(*args, generator=generator, device=generator.device, **kwargs), like)

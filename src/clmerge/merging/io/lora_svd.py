@@ -28,8 +28,8 @@ from ...errors import OutputError, UsageError
 from ...utils.device import cpu_draw, current_device
 from ...utils.outpaths import check_writable
 
-__all__ = ["low_rank_factors", "device_low_rank_factors", "LowRank", "SVD_MODES", "check_svd", "numerical_rank", "check_out_dir",
-           "error_summary", "rank_pattern", "clamped_note"]
+__all__ = ["low_rank_factors", "device_low_rank_factors", "LowRank", "SVD_MODES", "check_svd", "numerical_rank",
+           "check_out_dir", "error_summary", "rank_pattern", "clamped_note"]
 
 SVD_MODES = ("auto", "full", "randomized")
 # Above this many entries the full SVD runs in float32 (float64 doubles its time on LLM-sized matrices);

@@ -23,7 +23,7 @@ from device_helpers import StrictCpuDevice  # noqa: E402
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available())")
 
-# (id, method, hyperparameters): every merge the device path must reproduce
+# (id, method, hyperparameters): the merges the device path must reproduce (the list first)
 METHODS = [
     ("task_arithmetic", "task_arithmetic", ["scaling=0.4"]),
     ("ties_per_tensor", "ties", ["density=0.3", "trim_scope=per_tensor"]),
@@ -31,9 +31,16 @@ METHODS = [
     ("ties_global_threshold", "ties", ["density=0.3", "trim_scope=global", "trim_rule=threshold"]),
     ("dare_ta", "dare", ["drop_rate=0.5", "seed=3"]),
     ("dare_ties_global", "dare", ["drop_rate=0.5", "combine=ties", "density=0.5", "trim_scope=global"]),
+    ("dare_ties_per_tensor", "dare", ["drop_rate=0.5", "combine=ties", "density=0.5", "trim_scope=per_tensor"]),
     ("tsv_m_randomized", "tsv_m", ["svd=randomized"]),
     ("cart_randomized", "cart", ["svd=randomized", "rank_ratio=0.25"]),
 ]
+# every other merge `clmerge merge` runs from checkpoints alone, with its defaults: (method, sets, experts)
+OTHERS = [(m, [], 3) for m in ("breadcrumbs", "breadcrumbs_ties", "consensus", "della", "della_linear", "iso_c",
+                               "iso_cts", "karcher", "low_rank_task_arithmetic", "magmax", "model_stock",
+                               "multislerp", "sce", "weight_average")]
+OTHERS += [(m, ["task=1"], 3) for m in ("emr_merging", "cart_indexing", "tall_mask_ties", "tsv_c")]
+OTHERS += [("slerp", ["t=0.3"], 1), ("nearswap", [], 1), ("arcee_fusion", [], 1), ("nuslerp", [], 2)]
 
 
 @pytest.fixture(scope="module")
@@ -42,16 +49,17 @@ def models(tmp_path_factory):
     return save_variants(root, llama_config(), ["base", "e1", "e2", "e3"], dtype=torch.bfloat16)
 
 
-def _merge(models, out, method, sets, device=None):
-    recipe = build_recipe(None, method, str(models[0]), [str(m) for m in models[1:]], sets, {})
+def _merge(models, out, method, sets, device=None, experts=3):
+    recipe = build_recipe(None, method, str(models[0]), [str(m) for m in models[1:1 + experts]], sets, {})
     return run_merge(recipe, out, hash_inputs=False, device=device)
 
 
-@pytest.mark.parametrize("method, sets", [m[1:] for m in METHODS], ids=[m[0] for m in METHODS])
-def test_forced_device_path_is_bit_identical(tmp_path, models, method, sets):
-    _merge(models, tmp_path / "cpu", method, sets)
+@pytest.mark.parametrize("method, sets, experts", [(*m[1:], 3) for m in METHODS] + OTHERS,
+                         ids=[m[0] for m in METHODS] + [m[0] for m in OTHERS])
+def test_forced_device_path_is_bit_identical(tmp_path, models, method, sets, experts):
+    _merge(models, tmp_path / "cpu", method, sets, experts=experts)
     dev = StrictCpuDevice()
-    info = _merge(models, tmp_path / "dev", method, sets, device=dev)
+    info = _merge(models, tmp_path / "dev", method, sets, device=dev, experts=experts)
     assert dev.moved > 0 and dev.checked > 0  # the inputs took the device path
     assert info["device"]["device"] == "cpu" and info["device"]["peak_device_memory_bytes"] is None
     want, got = folder_state(tmp_path / "cpu"), folder_state(tmp_path / "dev")

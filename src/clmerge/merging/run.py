@@ -142,7 +142,8 @@ def _run_stages(recipe: Any, out: Path | None, *, dry_run: bool, overwrite: bool
     done: dict[str, Path] = {}
     with intermediate_folder(out) as tmp:
         for i, stage in enumerate(recipe.stages):
-            run_merge(with_stage_paths(stage, done), tmp / f"stage_{i}", hash_inputs=False, log=log)
+            run_merge(with_stage_paths(stage, done), tmp / f"stage_{i}", hash_inputs=False, log=log,
+                      device=final.get("device"))
             done[stage.name] = tmp / f"stage_{i}"
             log(f"stage {stage.name}: merged")
         final_recipe = with_stage_paths(recipe, done).recorded_as(recipe.to_yaml())

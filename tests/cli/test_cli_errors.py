@@ -1203,3 +1203,26 @@ def test_eval_and_tune_errors_are_one_line_and_leave_nothing(ws, argv, code, wor
     before = _snapshot(ws)
     result = CliRunner().invoke(app, argv)
     _check(result, code, words, before, ws)
+
+
+# -- --device: a CUDA device that is not visible, or a device name that is not one (CUDA hidden here, so these
+# cases hold on a GPU machine too)
+EXTRACT = ["extract-lora", "--base", "base.safetensors", "--tuned", "e1.safetensors", "--rank", "2"]
+DEVICE_CASES = [
+    ("merge --device cuda without CUDA", [*MERGE, "--out", "m", "--device", "cuda"], USAGE,
+     ["--device cuda", "no CUDA device is visible"]),
+    ("merge --device cuda:1 without CUDA", [*MERGE, "--out", "m", "--device", "cuda:1"], USAGE,
+     ["--device cuda:1", "no CUDA device is visible"]),
+    ("merge --device tpu", [*MERGE, "--out", "m", "--device", "tpu"], USAGE, ["--device 'tpu'", "cpu, cuda"]),
+    ("merge --adapter-out peft --device cuda", [*MERGE, "--out", "m", "--adapter-out", "peft", "--device", "cuda"],
+     USAGE, ["--device cuda", "no CUDA device is visible"]),
+    ("extract-lora --device cuda without CUDA", [*EXTRACT, "--out", "x", "--device", "cuda"], USAGE,
+     ["--device cuda", "no CUDA device is visible"]),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in DEVICE_CASES], ids=[c[0] for c in DEVICE_CASES])
+def test_a_device_error_is_short_typed_and_leaves_nothing(ws, argv, code, words, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, argv), code, words, before, ws)

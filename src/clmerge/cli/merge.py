@@ -15,6 +15,7 @@ from pathlib import Path
 
 import typer
 
+from ..utils.device import parse_device, stats_line
 from ..utils.threads import default_threads, set_threads
 from ..merging.registry import available, get_method
 from ..merging.run import build_recipe, run_merge
@@ -48,6 +49,8 @@ def merge_command(
                                      "lowest held-out perplexity (docs/tuning.md)"),
     jobs: int = typer.Option(0, "--jobs", min=0, help="--tune: trials in parallel worker processes"),
     backend: str = typer.Option("local", "--backend", help="--tune: local (in process / --jobs pool) or ray"),
+    device: str = typer.Option("cpu", "--device", help="where the merge computes: cpu, cuda or cuda:N (tensors "
+                               "stream there key by key and back)"),
 ) -> None:
     """Merge checkpoints (model folders, weights files, hub ids, PEFT adapters) into a model folder."""
     from ..utils.threads import check_threads
@@ -65,11 +68,12 @@ def merge_command(
     options = {"out_dtype": out_dtype, "compute_dtype": compute_dtype, "out_shard_size": out_shard_size,
                "tokenizer_from": tokenizer_from}
     try:
+        dev = parse_device(device)
         if adapter_out not in ("full", "peft", "factored"):
             raise ValueError(f"--adapter-out: expected full, peft or factored, got {adapter_out!r}")
         spec = build_recipe(recipe, method, base, expert, set_, options)
         info = run_merge(spec, out, task=task, dry_run=dry_run, overwrite=overwrite, adapter_out=adapter_out,
-                         adapter_rank=adapter_rank, hash_inputs=hash_inputs,
+                         adapter_rank=adapter_rank, hash_inputs=hash_inputs, device=dev,
                          where="parameters." if recipe else "--set ",
                          log=lambda s: typer.echo(s, err=True))
     except (KeyError, ValueError, FileNotFoundError, TypeError, OSError) as exc:
@@ -80,6 +84,8 @@ def merge_command(
     for line in info.get("warnings", []):  # adapter merges: another base model named, ranks clamped
         typer.echo(line, err=True)
     typer.echo(f"wrote {info['out']} ({info['keys']} tensors, {spec.method} {spec.parameters})")
+    if "device" in info and adapter_out != "full":  # a full merge logged it already
+        typer.echo(stats_line(info["device"]), err=True)
     if "overall_rel_error" in info:  # an adapter re-factorised by truncated SVD
         typer.echo(f"rank {info.get('rank')}: relative error of the merged delta W {info['overall_rel_error']:.3g} "
                    f"overall, {info.get('max_rel_error', float('nan')):.3g} at worst (merge_report.json)")
@@ -125,6 +131,7 @@ def extract_lora_command(
     svd: str = typer.Option("auto", "--svd", help="auto (randomized for large matrices), full (exact optimum) "
                             "or randomized"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing non-empty --out"),
+    device: str = typer.Option("cpu", "--device", help="where the SVDs run: cpu, cuda or cuda:N"),
 ) -> None:
     """A PEFT LoRA adapter from a full fine-tune (truncated SVD of tuned - base per Linear weight)."""
     from ..merging.io.extract import extract_lora
@@ -136,13 +143,16 @@ def extract_lora_command(
         except re.error as exc:
             exit_with(f"{flag} {pattern!r}: not a regular expression ({exc})")
     try:
+        dev = parse_device(device)
         res = extract_lora(base=base, tuned=tuned, rank=rank, out=out, include=include, exclude=exclude,
-                           embeddings=embeddings, svd=svd, overwrite=overwrite)
+                           embeddings=embeddings, svd=svd, overwrite=overwrite, device=dev)
     except (MergeInputError, FileNotFoundError, ValueError) as exc:
         fail(exc)
     if res.get("note"):  # modules whose min(out, in) is below --rank
         typer.echo(res["note"], err=True)
     console.print(f"wrote {out}: {_summary(res)}")
+    if "device" in res:
+        typer.echo(stats_line(res["device"]), err=True)
 
 
 @app.command("export")

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..utils.device import cpu_draw
 from .driver import map_keys
 from .registry import register_merge
 from .sources import open_models
@@ -24,7 +25,7 @@ def dare_tensor(tv: Tensor, drop_rate: float, *, rescale: bool, generator: torch
 
     ``out`` (may be ``tv`` itself) receives the result without a full-size temporary.
     """
-    keep = torch.rand(tv.shape, generator=generator) >= drop_rate
+    keep = cpu_draw(torch.rand, tv.shape, generator=generator, like=tv) >= drop_rate
     out = torch.mul(tv, keep, out=out) if out is not None else tv * keep
     return out.div_(1.0 - drop_rate) if rescale else out
 
@@ -77,7 +78,8 @@ def dare(*, base: Any, experts: Sequence[Any], drop_rate: float = 0.5, rescale: 
             for t, x in enumerate(xs):
                 # the mask as 0/1 in the random draw's own buffer, and one fused multiply-add: the same numbers
                 # as ``acc += (x - b) * (rand >= p)`` (a product with 0 or 1 is exact) with two passes fewer
-                keep = torch.rand(x.shape, generator=dare_generator(seed, key, t)).ge_(drop_rate).to(dt)
+                keep = cpu_draw(torch.rand, x.shape, generator=dare_generator(seed, key, t), like=x)
+                keep = keep.ge_(drop_rate).to(dt)
                 acc.addcmul_(torch.sub(x, fb, out=tv), keep)
             factor = scaling / (1.0 - drop_rate) if rescale else scaling
             return acc.mul_(factor).add_(b)

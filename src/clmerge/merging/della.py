@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..utils.device import cpu_draw
 from .dare import dare_generator
 from .driver import map_keys
 from .registry import register_merge
@@ -44,7 +45,7 @@ def magprune_tensor(tv: Tensor, density: float, epsilon: float, *, generator: to
     ``epsilon = 0`` reproduces DARE with ``drop_rate = 1 - density`` exactly."""
     # compared in float32, as DARE compares its draws with a float32 drop rate
     p = magprune_drop_probabilities(tv, density, epsilon).to(torch.float32)
-    keep = torch.rand(tv.shape, generator=generator) >= p
+    keep = cpu_draw(torch.rand, tv.shape, generator=generator, like=tv) >= p
     return (tv * keep / (1.0 - p)).to(tv.dtype)
 
 

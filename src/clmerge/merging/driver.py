@@ -19,10 +19,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..utils.device import Device, current_device
 from .sources import ModelSet
 
-__all__ = ["CHUNK", "Kernel", "SinkView", "apply_chunked", "check_experts_weights", "map_keys", "stack64",
-           "task_vectors64"]
+__all__ = ["CHUNK", "Kernel", "SinkView", "apply_chunked", "check_experts_weights", "map_keys", "on_device",
+           "stack64", "task_vectors64"]
 
 Kernel = Callable[[str, Tensor | None, list[Tensor]], Tensor]
 
@@ -53,9 +54,12 @@ def map_keys(models: ModelSet, kernel: Kernel, *, needs_base: bool = False,
     sink = getattr(models, "sink", None)
     out: MutableMapping[str, Tensor] = {} if sink is None else SinkView(sink, models.keys())
     check_inputs = None if not propagates_nonfinite else False
+    device = current_device()
     for key, base, experts in models.items(check_inputs):
         if not experts[0].is_floating_point():
             res = (base if base is not None else experts[0]).clone()
+        elif device is not None:
+            res = on_device(device, kernel, key, base, experts, chunk)
         elif chunk is None:
             res = kernel(key, base, experts).to(experts[0].dtype).contiguous()
         else:
@@ -65,6 +69,20 @@ def map_keys(models: ModelSet, kernel: Kernel, *, needs_base: bool = False,
         out[key] = res
         del base, experts, res  # else this key's inputs stay alive while the next key is read
     return out
+
+
+def on_device(device: Device, kernel: Kernel, key: str, base: Tensor | None, experts: list[Tensor],
+              chunk: int | None) -> Tensor:
+    """One key merged on ``device``: its inputs moved there, the kernel run there (allocating there), the
+    result cast to the inputs' dtype and moved back to the CPU. Elementwise kernels are sliced only on the CPU
+    (cache-sized slices pay off there; on a GPU one launch per operation over the whole tensor does)."""
+    b, xs = device.put(base), [device.put(x) for x in experts]
+    with device.mode():
+        if chunk is not None and device.torch.type == "cpu":
+            res = apply_chunked(kernel, key, b, xs, chunk)
+        else:
+            res = kernel(key, b, xs).to(xs[0].dtype)
+    return device.back(res).contiguous()
 
 
 class SinkView(MutableMapping):

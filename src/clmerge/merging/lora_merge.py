@@ -25,9 +25,10 @@ import torch
 from torch import Tensor
 
 from ..errors import UsageError
+from ..utils.device import Device, parse_device, using_device
 from .io.base import MergeInputError, ParamSource
 from .io.checks import source_get, source_meta
-from .io.lora_svd import check_out_dir, check_svd, clamped_note, error_summary, low_rank_factors
+from .io.lora_svd import check_out_dir, check_svd, clamped_note, device_low_rank_factors, error_summary
 from .io.output import build_folder
 from .io.peft import AdapterSource, LoraModule, adapter_config, write_adapter
 from .registry import get_method, merge
@@ -106,7 +107,7 @@ def _refactorise(base, srcs, modules, method, hp, rank, svd) -> tuple[dict, dict
     factors, errors = {}, {}
     for key, m in modules.items():
         delta = merged.pop(key).to(torch.float64) - source_get(base, key).to(torch.float64)
-        low = low_rank_factors(delta.t() if m.transpose else delta, rank, svd)  # in LoRA layout (B A)
+        low = device_low_rank_factors(delta.t() if m.transpose else delta, rank, svd)  # in LoRA layout (B A)
         factors[m.name], errors[m.name] = (low.a, low.b), low
     return factors, errors, rank
 
@@ -127,7 +128,7 @@ def _factored(srcs, modules, method, hp) -> tuple[dict, dict]:
 
 def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperparameters: dict | None = None,
                    out: str | Path, form: str = "peft", rank: int | None = None, svd: str = "auto",
-                   overwrite: bool = False) -> dict:
+                   overwrite: bool = False, device: str | Device | None = None) -> dict:
     """Merge PEFT LoRA adapters with any registered method and write the result as a PEFT adapter folder.
 
     Args:
@@ -140,6 +141,9 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
         rank: the output rank for ``"peft"`` (default: the largest input rank).
         svd: ``"auto"``, ``"full"`` or ``"randomized"`` (:func:`.lora_svd.low_rank_factors`).
         overwrite: replace an existing non-empty ``out`` (``--overwrite``).
+        device: ``cpu`` (default), ``cuda`` or ``cuda:N``: where the merge and the re-factorising SVDs
+            compute (:mod:`clmerge.utils.device`); an active one adds ``"device"`` (wall time, peak memory)
+            to the report.
 
     Returns:
         ``{"out", "form", "method", "keys", "rank", "max_rel_error", "overall_rel_error",
@@ -167,8 +171,11 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
     check_out_dir(Path(out), [Path(s.name) for s in srcs] + [p for p in [Path(str(base.name))] if p.exists()],
                   overwrite)
     modules = _modules(srcs)
+    dev = parse_device(device)
+    dev.start()
     if form == "peft":
-        factors, errors, out_rank = _refactorise(base, srcs, modules, method, hp, rank, svd)
+        with using_device(dev):
+            factors, errors, out_rank = _refactorise(base, srcs, modules, method, hp, rank, svd)
     else:
         factors, errors = _factored(srcs, modules, method, hp)
         out_rank = max(a.shape[0] for a, _ in factors.values())
@@ -185,6 +192,8 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
               "warnings": [w for w in [*(s.warning for s in srcs), clamped_note(pattern, out_rank)] if w]}
     if form == "factored":
         report.update(max_rel_error=0.0, overall_rel_error=0.0, per_module_rel_error={m: 0.0 for m in ranks})
+    if dev.active:
+        report["device"] = dev.stats()
 
     def fill(tmp: Path) -> dict:
         write_adapter(tmp, factors, config, {m.name for m in modules.values() if m.embedding})

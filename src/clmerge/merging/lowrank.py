@@ -21,6 +21,8 @@ import re
 import torch
 from torch import Tensor
 
+from ..utils.device import cpu_draw
+
 __all__ = ["target_rank", "low_rank_approx", "svd_factors", "is_lowrank_param", "polar_factor", "task_matrices",
            "DEFAULT_EXCLUDE"]
 
@@ -65,7 +67,7 @@ def svd_factors(m: Tensor, k: int, *, method: str = "exact", oversample: int = 1
         return u[:, :k], s[:k], vh[:k]
     g = torch.Generator().manual_seed(seed)
     ell = min(min(m.shape), k + oversample)
-    omega = torch.randn(m.shape[1], ell, generator=g, dtype=m.dtype)  # (n, l)
+    omega = cpu_draw(torch.randn, m.shape[1], ell, generator=g, like=m, dtype=m.dtype)  # (n, l), same on any device
     q = torch.linalg.qr(m @ omega).Q  # (m, l)
     for _ in range(power_iters):
         q = torch.linalg.qr(m.T @ q).Q

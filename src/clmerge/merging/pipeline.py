@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..utils.device import Device, using_device
 from .hparams import DATA_HPARAMS, HParam, coerce_value, method_hparams, per_expert_name
 from .io.output import InputHashes, OutputTarget, copy_model_files, model_files, write_model_card
 from .io.readers import open_checkpoint, resolve_hub_id
@@ -182,13 +183,15 @@ def _merge_into(prep: Prepared, writer: ShardedWriter | BackgroundWriter, task: 
 
 
 def execute(prep: Prepared, out: Path, kind: str, *, io_threads: bool = False, hash_inputs: bool = True,
-            log: Callable[[str], None] = lambda s: None) -> dict:
+            log: Callable[[str], None] = lambda s: None, device: Device | None = None) -> dict:
     """Run the merge and move the result into ``out`` (nothing is left on failure); returns a summary.
 
     Args:
         io_threads: read the next key and write the last one in background threads, overlapping both with
             the merge (``--threads`` >= 2).
         hash_inputs: record every input file's sha256 in the model card.
+        device: where the kernels compute (:mod:`clmerge.utils.device`); ``None``: the CPU. An active device
+            adds ``"device"`` (its name, the wall time, the peak device memory) to the summary and the log.
     """
     prep.models.prefetch = io_threads
     if prep.vocab is not None:
@@ -199,6 +202,8 @@ def execute(prep: Prepared, out: Path, kind: str, *, io_threads: bool = False, h
     hashes = InputHashes(files, enabled=hash_inputs) if kind == "folder" else None
     recipe = prep.recipe
     meta = {"clmerge_method": prep.method.name}
+    if device is not None:
+        device.start()
     with OutputTarget(out, kind, log=log) as target:
         for task in prep.tasks:
             folder = target.tmp if len(prep.tasks) == 1 else target.tmp / f"task_{task}"
@@ -207,7 +212,8 @@ def execute(prep: Prepared, out: Path, kind: str, *, io_threads: bool = False, h
                                    single_file=out.name if kind == "file" else None)
             writer = BackgroundWriter(writer) if io_threads else writer
             try:
-                _merge_into(prep, writer, task)
+                with using_device(device):
+                    _merge_into(prep, writer, task)
                 writer.close()
             except BaseException:
                 writer.abort()
@@ -216,7 +222,11 @@ def execute(prep: Prepared, out: Path, kind: str, *, io_threads: bool = False, h
                 _write_folder_files(prep, folder, recipe, hashes, task)
             log(f"merged {'task ' + str(task) + ' ' if task is not None else ''}({len(prep.plan)} tensors)")
         target.commit()
-    return {"method": prep.method.name, "keys": len(prep.plan), "out": str(out), "tasks": prep.tasks}
+    info = {"method": prep.method.name, "keys": len(prep.plan), "out": str(out), "tasks": prep.tasks}
+    if device is not None and device.active:
+        log(device.summary())
+        info["device"] = device.stats()
+    return info
 
 
 def _model_folders(prep: Prepared) -> tuple[Path | None, Path | None]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import read_yaml_mapping
+from ..utils.device import Device, parse_device
 from ..utils.threads import io_threads
 from . import pipeline
 from .io.output import check_out
@@ -77,24 +78,30 @@ def build_recipe(recipe_path: Path | None, method: str | None, base: str | None,
 
 def run_merge(recipe: Any, out: Path | None, *, task: str | None = None, dry_run: bool = False,
               overwrite: bool = False, adapter_out: str = "full", adapter_rank: int | None = None,
-              hash_inputs: bool = True,
+              hash_inputs: bool = True, device: str | Device | None = None,
               where: str = "parameters.", log: Any = lambda s: None) -> dict:
     """Check everything, then merge into ``out`` (a folder or one ``.safetensors`` file) or print the plan.
+
+    Args:
+        device: ``cpu`` (default), ``cuda`` or ``cuda:N`` (or a :class:`~clmerge.utils.device.Device`): where
+            the kernels compute; the inputs stream there key by key and the results come back for writing.
 
     Raises:
         KeyError, ValueError, FileNotFoundError, MergeInputError: bad method, arguments or inputs; nothing is
         written then.
     """
+    device = parse_device(device)
     if recipe.stages:
         return _run_stages(recipe, out, dry_run=dry_run, overwrite=overwrite, hash_inputs=hash_inputs, log=log,
-                           task=task, adapter_out=adapter_out, adapter_rank=adapter_rank, where=where)
+                           task=task, adapter_out=adapter_out, adapter_rank=adapter_rank, where=where,
+                           device=device)
     if recipe.slices:
         if adapter_out != "full" or task is not None:
             raise ValueError("a slice recipe writes a full model folder: drop --adapter-out / --task")
         return run_slices(recipe, out, dry_run=dry_run, overwrite=overwrite, hash_inputs=hash_inputs, log=log)
     get_method(recipe.method)
     if adapter_out != "full":
-        return _adapter_merge(recipe, out, adapter_out, adapter_rank, overwrite)
+        return _adapter_merge(recipe, out, adapter_out, adapter_rank, overwrite, device)
     prep = pipeline.prepare(recipe, task=task, where=where)
     for src in prep.models.experts:  # an adapter whose config names another base model
         if getattr(src, "warning", None):
@@ -113,7 +120,8 @@ def run_merge(recipe: Any, out: Path | None, *, task: str | None = None, dry_run
                          "which a single .safetensors file cannot hold: give --out a folder")
     if kind == "file" and len(prep.tasks) > 1:
         raise ValueError("--task all writes one folder per task: give --out a folder, not a .safetensors file")
-    return pipeline.execute(prep, out, kind, io_threads=io_threads(), hash_inputs=hash_inputs, log=log)
+    return pipeline.execute(prep, out, kind, io_threads=io_threads(), hash_inputs=hash_inputs, log=log,
+                            device=device)
 
 
 def _run_stages(recipe: Any, out: Path | None, *, dry_run: bool, overwrite: bool, hash_inputs: bool, log: Any,
@@ -134,7 +142,8 @@ def _run_stages(recipe: Any, out: Path | None, *, dry_run: bool, overwrite: bool
     done: dict[str, Path] = {}
     with intermediate_folder(out) as tmp:
         for i, stage in enumerate(recipe.stages):
-            run_merge(with_stage_paths(stage, done), tmp / f"stage_{i}", hash_inputs=False, log=log)
+            run_merge(with_stage_paths(stage, done), tmp / f"stage_{i}", hash_inputs=False, log=log,
+                      device=final.get("device"))
             done[stage.name] = tmp / f"stage_{i}"
             log(f"stage {stage.name}: merged")
         final_recipe = with_stage_paths(recipe, done).recorded_as(recipe.to_yaml())
@@ -143,7 +152,8 @@ def _run_stages(recipe: Any, out: Path | None, *, dry_run: bool, overwrite: bool
     return {**info, "stages": [s.name for s in recipe.stages]}
 
 
-def _adapter_merge(recipe: Any, out: Path | None, form: str, rank: int | None, overwrite: bool) -> dict:
+def _adapter_merge(recipe: Any, out: Path | None, form: str, rank: int | None, overwrite: bool,
+                   device: Device) -> dict:
     """LoRA adapters merged into one adapter (``form`` peft or factored, :mod:`.lora_merge`)."""
     paths = [Path(m.model) for m in recipe.models]
     if not all(is_peft_adapter(p) for p in paths):
@@ -154,6 +164,6 @@ def _adapter_merge(recipe: Any, out: Path | None, form: str, rank: int | None, o
     base = open_checkpoint(recipe.base, name=recipe.base)
     check_out(out, [base], overwrite=overwrite)
     info = merge_adapters(method=recipe.method, base=base, adapters=paths, hyperparameters=recipe.parameters,
-                          out=out, form=form, rank=rank, overwrite=overwrite)
+                          out=out, form=form, rank=rank, overwrite=overwrite, device=device)
     keys = info.get("keys", "?")
     return {**info, "method": recipe.method, "keys": len(keys) if isinstance(keys, list) else keys, "out": str(out)}

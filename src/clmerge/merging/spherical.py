@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ..errors import UsageError
+from ..utils.device import like_device
 from .driver import check_experts_weights, map_keys
 from .registry import register_merge
 from .sources import ModelSet, open_models
@@ -141,10 +142,11 @@ def multislerp(*, base: Any = None, experts: Sequence[Any], weights: Sequence[fl
     def kernel(key: str, b: Tensor | None, xs: list[Tensor]) -> Tensor:
         if len(xs) == 1:
             return xs[0]
+        wd = like_device(w, xs[0])  # the weights live on the CPU; a kernel on a device takes them there
         if b is None:
-            return multislerp_tensor(xs, w, eps=eps, key=key)
+            return multislerp_tensor(xs, wd, eps=eps, key=key)
         b64 = b.double()
-        return b64 + multislerp_tensor([x.double() - b64 for x in xs], w, eps=eps, key=key)
+        return b64 + multislerp_tensor([x.double() - b64 for x in xs], wd, eps=eps, key=key)
 
     return map_keys(models, kernel)
 
@@ -204,6 +206,6 @@ def karcher(*, base: Any = None, experts: Sequence[Any], weights: Sequence[float
     w = w / float(w.sum())
 
     def kernel(key: str, b: Tensor | None, xs: list[Tensor]) -> Tensor:
-        return xs[0] if len(xs) == 1 else karcher_tensor(xs, w, max_iter=max_iter, tol=tol)
+        return xs[0] if len(xs) == 1 else karcher_tensor(xs, like_device(w, xs[0]), max_iter=max_iter, tol=tol)
 
     return map_keys(models, kernel)

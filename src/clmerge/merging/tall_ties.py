@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..utils.device import like_device
 from .consensus import tall_masks_tensor
 from .driver import map_keys
 from .registry import register_merge
@@ -40,7 +41,7 @@ def tall_mask_ties(*, base: Any, experts: Sequence[Any], task: int = 0, density:
     def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
         tvs = plain_task_vectors(key, b, xs, list(range(len(xs))))
         if glob is not None:
-            thr, quotas = glob, None if gq is None else gq[key]
+            thr, quotas = like_device(glob, tvs), None if gq is None else gq[key]
         elif trim_rule == "exact":
             thr, quotas = tensor_trim_spec(tvs.abs(), density)
         else:

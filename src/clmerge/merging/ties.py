@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..utils.device import like_device, to_host
 from .driver import CHUNK, bshape, map_keys
 from .registry import register_merge
 from .sources import ModelSet, open_models
@@ -192,6 +193,9 @@ def _grown(buf: Tensor, used: int, need: int) -> Tensor:
     return new
 
 
+_DEVICE_CHUNK = 1 << 24  # entries per slice of the streamed TIES kernel on a GPU
+
+
 def trim(tvs: Tensor, thresholds: Tensor, quotas: list[int] | None = None) -> Tensor:
     """``tau_hat_t``: entries of ``tvs[t]`` with ``|tau| >= thresholds[t]``, the rest set to 0; with
     ``quotas``, ``|tau| > thresholds[t]`` plus the first ``quotas[t]`` equal ones (``TIE_ALL``: all).
@@ -272,7 +276,8 @@ def _trim_fns(models: ModelSet, tv_fn: TaskVectorFn, density: float, trim_scope:
     """``(global thresholds or None, global quotas or None, fn(key, tvs) -> trimmed tvs)`` for TIES."""
     if trim_scope == "global":
         glob, gq = global_trim(models, density, tv_fn, trim_rule)
-        return glob, gq, lambda key, tvs: trim(tvs, glob, None if gq is None else gq[key])
+        # the thresholds stay where they were found (the CPU); a kernel on a device compares there
+        return glob, gq, lambda key, tvs: trim(tvs, like_device(glob, tvs), None if gq is None else gq[key])
     if trim_rule == "exact":
         return None, None, lambda key, tvs: exact_trim_rows(tvs, density)
     return None, None, lambda key, tvs: trim(tvs, torch.stack([magnitude_threshold(v.abs(), density) for v in tvs]))
@@ -334,8 +339,8 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
             if fix is not None:
                 parts.append(fix_values(fix[0] + i, fix[1].to(dtype), fbi[fix[0]], scaling, merge_fn, xs[0].dtype))
             out.view(-1)[i:i + _BLOCK] = fbi + scaling * tau.to(dtype)
-        if parts:
-            fixes[key] = tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
+        if parts:  # kept on the CPU, where the merged tensors are patched
+            fixes[key] = tuple(None if p[0] is None else to_host(torch.cat(p)) for p in zip(*parts))
         return out
 
     if tv_fn is plain_task_vectors and merge_fn in ("mean", "sum", "max"):
@@ -348,14 +353,15 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
             if glob is None:
                 thr, quotas = per_tensor_trim_spec(b, xs, density, trim_rule)
             else:  # the model-wide thresholds were found in glob's dtype: compare in it
-                thr, quotas = glob, (all_ties if gq is None else gq[key])
+                thr, quotas = like_device(glob, b), (all_ties if gq is None else gq[key])
             dt = work_dtype(thr.dtype, b.dtype, *(x.dtype for x in xs))
             if dt not in works:
-                works[dt] = Work(models.num_experts, CHUNK, dt)
+                # a GPU gains nothing from cache-sized slices: 16M-entry ones keep its launches few
+                works[dt] = Work(models.num_experts, CHUNK if b.device.type == "cpu" else _DEVICE_CHUNK, dt)
             res, sign_sum, fix = ties_key_streamed(b, xs, thr, quotas, scaling, merge_fn, works[dt])
             total[0] += sign_sum
-            if fix is not None:
-                fixes[key] = fix
+            if fix is not None:  # kept on the CPU, where the merged tensors are patched
+                fixes[key] = tuple(None if f is None else to_host(f) for f in fix)
             return res
 
     out = map_keys(models, merged, needs_base=True)

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from ...errors import UsageError
+from ...utils.device import Device, parse_device, using_device
 from .base import MergeInputError
 from .checks import check_dtype, source_get, source_meta
-from .lora_svd import (check_out_dir, check_svd, clamped_note, error_summary, low_rank_factors,
+from .lora_svd import (check_out_dir, check_svd, clamped_note, device_low_rank_factors, error_summary,
                        rank_pattern)
 from .output import build_folder
 from .peft import adapter_config, write_adapter
@@ -56,9 +57,27 @@ def _candidates(base: Any, tuned: Any, include: re.Pattern | None, exclude: re.P
     return keys
 
 
+def _extract(base: Any, tuned: Any, keys: list[tuple[str, bool]], rank: int,
+             svd: str) -> tuple[dict, dict, list[str], set[str]]:
+    """``(factors, errors, unchanged keys, embedding modules)``: the truncated SVD of each key's update (on the
+    device of the enclosing :func:`~clmerge.utils.device.using_device`, else the CPU)."""
+    factors, errors, unchanged, emb = {}, {}, [], set()
+    for key, is_embedding in keys:
+        delta = source_get(tuned, key).to(torch.float64) - source_get(base, key).to(torch.float64)
+        if not delta.any():
+            unchanged.append(key)
+            continue
+        mod = key[: -len(".weight")]
+        if is_embedding:
+            emb.add(mod)
+        low = device_low_rank_factors(delta.t() if is_embedding else delta, rank, svd)
+        factors[mod], errors[mod] = (low.a, low.b), low
+    return factors, errors, unchanged, emb
+
+
 def extract_lora(*, base: Any, tuned: Any, rank: int, out: str | Path, include: str | None = None,
                  exclude: str | None = None, embeddings: bool = False, svd: str = "auto",
-                 overwrite: bool = False) -> dict:
+                 overwrite: bool = False, device: str | Device | None = None) -> dict:
     """Write a PEFT LoRA adapter of rank ``rank`` that approximates ``tuned - base``.
 
     Args:
@@ -73,6 +92,8 @@ def extract_lora(*, base: Any, tuned: Any, rank: int, out: str | Path, include: 
             ``word_embeddings``), written as peft's ``lora_embedding_A/B`` (``Delta W^T = B A``).
         svd: ``"auto"``, ``"full"`` or ``"randomized"`` (:func:`.lora_svd.low_rank_factors`).
         overwrite: replace an existing non-empty ``out`` (``--overwrite``).
+        device: ``cpu`` (default), ``cuda`` or ``cuda:N``: where the SVDs run (each matrix moved there and
+            its factors back); an active one adds ``"device"`` (wall time, peak device memory) to the report.
 
     Returns:
         ``{"out", "rank", "modules", "skipped_unchanged", "ranks_clamped", "note", "per_module_rel_error",
@@ -81,22 +102,16 @@ def extract_lora(*, base: Any, tuned: Any, rank: int, out: str | Path, include: 
     if rank < 1:
         raise UsageError(f"--rank must be >= 1, got {rank}")
     check_svd(svd)
+    dev = parse_device(device)
     paths = [Path(str(x)) for x in (base, tuned) if isinstance(x, (str, Path))]
     base = open_checkpoint(base) if isinstance(base, (str, Path)) else base
     tuned = open_checkpoint(tuned) if isinstance(tuned, (str, Path)) else tuned
     check_out_dir(Path(out), paths, overwrite)
     inc, exc = (re.compile(include) if include else None), (re.compile(exclude) if exclude else None)
-    factors, errors, unchanged, emb = {}, {}, [], set()
-    for key, is_embedding in _candidates(base, tuned, inc, exc, embeddings):
-        delta = source_get(tuned, key).to(torch.float64) - source_get(base, key).to(torch.float64)
-        if not delta.any():
-            unchanged.append(key)
-            continue
-        mod = key[: -len(".weight")]
-        if is_embedding:
-            emb.add(mod)
-        low = low_rank_factors(delta.t() if is_embedding else delta, rank, svd)
-        factors[mod], errors[mod] = (low.a, low.b), low
+    dev.start()
+    with using_device(dev):
+        factors, errors, unchanged, emb = _extract(base, tuned, _candidates(base, tuned, inc, exc, embeddings),
+                                                   rank, svd)
     if not factors:
         raise MergeInputError(f"{tuned.name}: no Linear weight differs from {base.name}; nothing to extract")
     # a module whose min(out, in) is below rank is written at that rank (exact), named in rank_pattern
@@ -106,6 +121,8 @@ def extract_lora(*, base: Any, tuned: Any, rank: int, out: str | Path, include: 
     report = {"out": str(out), "rank": rank, "base": str(base.name), "tuned": str(tuned.name),
               "modules": sorted(factors), "embeddings": sorted(emb), "skipped_unchanged": unchanged,
               "ranks_clamped": pattern, "note": clamped_note(pattern, rank), **error_summary(errors)}
+    if dev.active:
+        report["device"] = dev.stats()
 
     def fill(tmp: Path) -> dict:
         write_adapter(tmp, factors, config, emb)

@@ -25,10 +25,11 @@ import torch
 from torch import Tensor
 
 from ...errors import OutputError, UsageError
+from ...utils.device import cpu_draw, current_device
 from ...utils.outpaths import check_writable
 
-__all__ = ["low_rank_factors", "LowRank", "SVD_MODES", "check_svd", "numerical_rank", "check_out_dir",
-           "error_summary", "rank_pattern", "clamped_note"]
+__all__ = ["low_rank_factors", "device_low_rank_factors", "LowRank", "SVD_MODES", "check_svd", "numerical_rank",
+           "check_out_dir", "error_summary", "rank_pattern", "clamped_note"]
 
 SVD_MODES = ("auto", "full", "randomized")
 # Above this many entries the full SVD runs in float32 (float64 doubles its time on LLM-sized matrices);
@@ -62,7 +63,8 @@ def _randomized_svd(delta: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
     """Top-``k`` singular triplets by a seeded randomized range finder (Halko et al. 2011, Alg. 4.4 + 5.1)."""
     m, n = delta.shape
     g = torch.Generator().manual_seed(0)  # deterministic factors for the same input
-    q = torch.linalg.qr(delta @ torch.randn(n, _oversampled(k, m, n), generator=g, dtype=delta.dtype)).Q
+    omega = cpu_draw(torch.randn, n, _oversampled(k, m, n), generator=g, like=delta, dtype=delta.dtype)
+    q = torch.linalg.qr(delta @ omega).Q
     for _ in range(_POWER_ITERATIONS):  # re-orthonormalised each half step (Alg. 4.4)
         q = torch.linalg.qr(delta.T @ q).Q
         q = torch.linalg.qr(delta @ q).Q
@@ -103,6 +105,17 @@ def low_rank_factors(delta: Tensor, rank: int, svd: str = "auto") -> LowRank:
     total = float(x.double().square().sum()) if used == "randomized" else float(s.double().square().sum())
     tail = float(s.double()[k:].square().sum()) if used == "full" else float((x - (u * s) @ vh).double().square().sum())
     return LowRank(a, b, tail, total, used)
+
+
+def device_low_rank_factors(delta: Tensor, rank: int, svd: str = "auto") -> LowRank:
+    """:func:`low_rank_factors` on the device of the enclosing :func:`~clmerge.utils.device.using_device`
+    (``delta`` moved there, the factors moved back to the CPU); the plain call without one."""
+    device = current_device()
+    if device is None:
+        return low_rank_factors(delta, rank, svd)
+    with device.mode():
+        low = low_rank_factors(device.put(delta), rank, svd)
+    return low._replace(a=device.back(low.a), b=device.back(low.b))
 
 
 def rank_pattern(factors: dict[str, tuple[Tensor, Tensor]], rank: int) -> dict[str, int]:

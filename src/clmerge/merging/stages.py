@@ -60,7 +60,10 @@ def with_stage_paths(recipe: Any, done: dict[str, Path]) -> Recipe:
         return str(done[ref]) if ref in done else ref
 
     data = recipe.model_dump()
-    data.update(stages=[], base=sub(data["base"]), tokenizer_from=sub(data["tokenizer_from"]))
+    # keys the recipe did not set stay unset: some are refused when set alone (``fill`` without ``embeddings``)
+    data = {k: v for k, v in data.items() if k in recipe.model_fields_set or k in ("models", "slices")}
+    data.update(stages=[], base=sub(data.get("base")), tokenizer_from=sub(data.get("tokenizer_from")),
+                chat_template_from=sub(data.get("chat_template_from")))
     for m in data["models"]:
         m["model"] = sub(m["model"])
     for sl in data["slices"]:

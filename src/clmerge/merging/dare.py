@@ -81,6 +81,7 @@ def dare(*, base: Any, experts: Sequence[Any], drop_rate: float = 0.5, rescale: 
                 keep = cpu_draw(torch.rand, x.shape, generator=dare_generator(seed, key, t), like=x)
                 keep = keep.ge_(drop_rate).to(dt)
                 acc.addcmul_(torch.sub(x, fb, out=tv), keep)
+                del keep  # before the next draw: two draws alive at once would raise the peak by one tensor
             factor = scaling / (1.0 - drop_rate) if rescale else scaling
             return acc.mul_(factor).add_(b)
 

@@ -156,7 +156,7 @@ def test_run_dir_default_is_runs_under_cwd(monkeypatch):
 
 @pytest.mark.parametrize("argv, folder", [
     (["merge-bench", "--suite", "nosuch"], "merge-bench-runs/suitenosuch"),
-    (["pretrain", "--epochs", "0", "--data-root", "nowhere"], "pretrained/vit_tiny_fmnist"),
+    (["pretrain", "--epochs", "1", "--data-root", "nowhere"], "pretrained/vit_tiny_fmnist"),
 ])
 def test_a_default_output_folder_is_printed_as_an_absolute_path(tmp_path, monkeypatch, argv, folder):
     monkeypatch.chdir(tmp_path)

@@ -134,6 +134,8 @@ class PromptMechanism:
             CODA-Prompt) or ``prompt_mean`` (mean of the prompt tokens' outputs, L2P's ``head_type='prompt'``).
 
     ``selector`` (query (B, D) -> :class:`PromptInput`) is called before every forward pass of the backbone.
+    ``provider`` (inputs -> :class:`PromptInput`), when set, is called instead and no query pass is run (prompts
+    that do not depend on the image, as VPT's).
     """
 
     def __init__(self, backbone: nn.Module, *, prefix_layers: list[int] | tuple[int, ...] = (),
@@ -143,6 +145,7 @@ class PromptMechanism:
         self.num_layers = len(self.layout.attentions)
         self.feature = feature
         self.selector: Callable[[torch.Tensor], PromptInput] | None = None
+        self.provider: Callable[[torch.Tensor], PromptInput] | None = None
         self._active: PromptInput | None = None
         self._fixed: PromptInput | None = None
         self._busy = False
@@ -191,6 +194,8 @@ class PromptMechanism:
             return
         if self._fixed is not None:
             self._active = self._fixed
+        elif self.provider is not None:
+            self._active = self.provider(args[0])
         elif self.selector is not None:
             self._active = self.selector(self.query(args[0]))
 

@@ -23,6 +23,7 @@ from . import prompts  # noqa: E402,F401  (L2P, DualPrompt, CODA-Prompt, HiDe-Pr
 from . import frozen_backbone  # noqa: E402,F401  (SimpleCIL, RanPAC)
 from . import rehearsal  # noqa: E402,F401  (ER, DER, DER++)
 from . import slca  # noqa: E402,F401
+from . import mos  # noqa: E402,F401  (MOS: merged per-task adapters, self-refined retrieval)
 
 __all__ = [
     "METHODS",

@@ -8,7 +8,7 @@ import pytest
 from clmerge.config import load_config
 from clmerge.paper_configs import PAPER_DIR, describe_config
 
-PILOT = ["simplecil_imagenet_r_10", "simplecil_cifar100_10"]
+PILOT = ["simplecil_imagenet_r_10", "simplecil_cifar100_10", "mos_imagenet_r_10", "mos_cifar100_10"]
 CLASSES = {"imagenet_r": 200, "cifar100": 100}
 
 

@@ -35,7 +35,9 @@ SLOW = {"halrp_tiny20_alexnet", "halrp_tiny40_alexnet", "halrp_omniglot_rotation
         # HiDe-Prompt adds TII and TAP alignments over 768-d class covariances at each task end
         "hide_prompt_imagenet_r_10", "hide_prompt_imagenet_r_20",
         # the PILOT-protocol SimpleCIL on 200 ImageNet-R classes (15 s); its CIFAR-100 twin stays in the default tier
-        "simplecil_imagenet_r_10"}
+        "simplecil_imagenet_r_10",
+        # MOS: ViT-B forwards under every task adapter at evaluation, class covariances and alignment (84-220 s)
+        "mos_imagenet_r_10", "mos_cifar100_10"}
 PARAMS = [pytest.param(p, id=p.stem, marks=pytest.mark.slow if p.stem in SLOW else ()) for p in PAPER]
 
 

@@ -243,13 +243,14 @@ class MOS(ContinualMethod):
         self._protos = torch.cat([self._protos.reshape(-1, feats.shape[1]), protos])
 
     # -- classifier alignment --------------------------------------------------------------------------------
-    def _pseudo_features(self, per_class: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """``per_class`` draws from N(mean_c, cov_c) of every seen class (Cholesky in float64)."""
-        chol = torch.linalg.cholesky(self._covs.double())
-        z = torch.randn(len(self._means), per_class, self._means.shape[1], generator=gen, dtype=torch.float64)
-        x = self._means.double()[:, None, :] + z @ chol.transpose(1, 2)
+    def _pseudo_features(self, chol_t: torch.Tensor, per_class: int,
+                         gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """``per_class`` draws from N(mean_c, cov_c) of every seen class: mean_c + z L_cᵀ, z ~ N(0, I), given
+        the transposed Cholesky factors ``chol_t`` (float32, as the official sampler draws)."""
+        z = torch.randn(len(self._means), per_class, self._means.shape[1], generator=gen)
+        x = self._means[:, None, :] + z @ chol_t
         y = torch.arange(len(self._means)).repeat_interleave(per_class)
-        return x.reshape(-1, x.shape[-1]).float(), y
+        return x.reshape(-1, x.shape[-1]), y
 
     @torch.enable_grad()
     def _align_head(self, ctx) -> None:
@@ -261,8 +262,9 @@ class MOS(ContinualMethod):
         opt = torch.optim.SGD(params, lr=o.align_lr, momentum=0.9, weight_decay=o.align_weight_decay)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=o.align_epochs)
         per_class, n = o.align_samples or 5 * ctx.batch_size, len(self._means)
+        chol_t = torch.linalg.cholesky(self._covs.double()).transpose(1, 2).float()  # once per alignment
         for _ in range(o.align_epochs):
-            x, y = self._pseudo_features(per_class, ctx.generator)
+            x, y = self._pseudo_features(chol_t, per_class, ctx.generator)
             perm = torch.randperm(len(y), generator=ctx.generator)
             x, y = x[perm].to(ctx.device), y[perm].to(ctx.device)
             for i in range(n):

@@ -188,3 +188,48 @@ def test_a_two_task_digits_run_trains_aligns_and_resumes_bit_for_bit(tmp_path):
     for x, z in zip(a[:2], b[:2]):  # model (adapters of both tasks, head) and method tensors
         assert x.keys() == z.keys() and all(torch.equal(x[k], z[k]) for k in x)
     assert any("bottleneck_adapters.sets.task1" in k for k in a[0])
+
+
+@pytest.mark.parametrize("align", [True, False])
+def test_the_head_is_aligned_from_the_second_task_on(align):
+    scenario, model, method, _ = prepare(parse_config(_cfg(align=align)))
+    changed = []
+    for t in range(2):
+        ctx = _ctx(scenario, t)
+        method.begin_task(scenario.tasks[t], ctx)
+        before = [p.detach().clone() for p in model.head.parameters()]
+        method.end_task(scenario.tasks[t], ctx)
+        changed.append(any(not torch.equal(b, p) for b, p in zip(before, model.head.parameters())))
+    assert changed == [False, align]
+    assert not any(p.requires_grad for p in model.parameters())  # everything frozen between tasks
+
+
+def test_pseudo_features_follow_the_class_gaussians():
+    _, _, method, _ = prepare(parse_config(_cfg()))
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 3, generator=g)
+    method._means = torch.tensor([[1.0, -2.0, 0.5], [0.0, 3.0, 0.0]])
+    method._covs = torch.stack([a @ a.T + 0.1 * torch.eye(3), torch.diag(torch.tensor([0.5, 1.0, 2.0]))])
+    chol_t = torch.linalg.cholesky(method._covs.double()).transpose(1, 2).float()
+    x, y = method._pseudo_features(chol_t, 20_000, g)
+    assert y.tolist() == [0] * 20_000 + [1] * 20_000
+    for c in range(2):
+        f = x[y == c]
+        assert torch.allclose(f.mean(0), method._means[c], atol=0.05)
+        assert torch.allclose(torch.cov(f.T), method._covs[c], atol=0.1)
+
+
+@pytest.mark.parametrize("init", ["previous", "fresh"])
+def test_a_new_tasks_adapter_starts_from_the_previous_one_or_fresh(init):
+    scenario, model, method, _ = prepare(parse_config(_cfg(adapter_init=init)))
+    method.begin_task(scenario.tasks[0], _ctx(scenario, 0))
+    with torch.no_grad():
+        for p in adapter_sets(model.backbone)["task0"].parameters():
+            p.add_(1.0)
+    method.begin_task(scenario.tasks[1], _ctx(scenario, 1))
+    first, second = _params(model, 0), _params(model, 1)
+    same = all(torch.equal(first[k], second[k]) for k in first)
+    assert same == (init == "previous")
+    if init == "fresh":
+        assert all(v.abs().sum() == 0 for k, v in second.items() if ".up." in k)
+    assert adapter_sets(model.backbone)["task1"].enabled and not adapter_sets(model.backbone)["task0"].enabled

@@ -125,7 +125,7 @@ def _named_parameters(backbone: nn.Module, t: int) -> dict[str, nn.Parameter]:
     return dict(s.bank.sets[s.name].named_parameters())
 
 
-class _Predictor(nn.Module):
+class MOSEnsemble(nn.Module):
     """The inference model: the method's :meth:`MOS.predict` over its classifier (eval/train flags propagate)."""
 
     def __init__(self, method: "MOS") -> None:
@@ -278,7 +278,7 @@ class MOS(ContinualMethod):
 
     # -- inference ------------------------------------------------------------------------------------------
     def inference_model(self) -> nn.Module:
-        return _Predictor(self)
+        return MOSEnsemble(self)
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor) -> torch.Tensor:

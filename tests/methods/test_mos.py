@@ -233,3 +233,16 @@ def test_a_new_tasks_adapter_starts_from_the_previous_one_or_fresh(init):
     if init == "fresh":
         assert all(v.abs().sum() == 0 for k, v in second.items() if ".up." in k)
     assert adapter_sets(model.backbone)["task1"].enabled and not adapter_sets(model.backbone)["task0"].enabled
+
+
+def test_export_refuses_a_mos_run_in_one_line(tmp_path):
+    """No single folded model reproduces MOS's retrieval and ensemble: `clmerge export` says so (exit 3)."""
+    from typer.testing import CliRunner
+
+    from clmerge.cli import app
+
+    run_experiment(parse_config(_cfg()), tmp_path / "run")
+    r = CliRunner().invoke(app, ["export", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "hf")])
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.exit_code == 3 and len(lines) == 1 and "Traceback" not in r.output, r.output
+    assert "'mos' predicts with MOSEnsemble" in lines[0] and not (tmp_path / "hf").exists()

@@ -57,3 +57,14 @@ def test_the_cli_makes_idle_openmp_threads_sleep_unless_told_otherwise():
     out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
                          capture_output=True, text=True, check=True)
     assert out.stdout.split()[0] == "ACTIVE"
+
+
+def test_methods_verbose_lists_options_defaults_and_heads():
+    r = runner.invoke(app, ["methods", "--verbose"])
+    assert r.exit_code == 0
+    lines = r.output.splitlines()
+    aper = lines.index(next(line for line in lines if line.startswith("aper ")))
+    assert lines[aper + 1].startswith("    variant (default 'adapter'): ")
+    assert "    head: classifier=ncm, ncm_metric=cosine" in lines
+    assert any(line.startswith("    alpha (default 0.1): subspace reweighting") for line in lines)
+    assert "    variant (default" not in runner.invoke(app, ["methods"]).output

@@ -409,6 +409,30 @@ METHOD_HEAD_CASES = [
 def test_a_method_head_error_is_short_typed_and_leaves_nothing(ws, argv, code, words):
     before = _snapshot(ws)
     _check(CliRunner().invoke(app, argv), code, words, before, ws)
+# -- adapter methods (aper, ease) need a transformer backbone; aper predicts with its prototypes
+MLP = {"model": {"name": "mlp", "pretrained": False}}
+ADAPTER_METHOD_CASES = [  # (what, method, config overrides, exit code, words): tiny_config with the method
+    ("run: aper on a backbone without transformer blocks", "aper", MLP, USAGE,
+     ["model.name", "transformer backbone", "'MLPNet'"]),
+    ("run: ease on a backbone without transformer blocks", "ease", MLP, USAGE,
+     ["model.name", "transformer backbone", "'MLPNet'"]),
+    ("run: aper with the linear head", "aper", {"head": {"classifier": "linear"}}, USAGE,
+     ["head.classifier=linear", "'aper'"]),
+    ("run: aper with an unknown variant", "aper", {"method": {"name": "aper", "variant": "lora"}}, USAGE,
+     ["variant", "lora"]),
+    ("run: ease with a feature head", "ease", {"head": {"classifier": "ncm"}}, USAGE,
+     ["head.classifier=ncm", "'ease'", "EaseClassifier"]),
+]
+
+
+@pytest.mark.parametrize("method, overrides, code, words", [c[1:] for c in ADAPTER_METHOD_CASES],
+                         ids=[c[0] for c in ADAPTER_METHOD_CASES])
+def test_an_adapter_method_error_is_short_typed_and_leaves_nothing(ws, method, overrides, code, words):
+    (ws / "adapter_method.yaml").write_text(yaml.safe_dump({**tiny_config(method={"name": method}), **overrides}))
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, ["run", "adapter_method.yaml", "--out", "r"]), code, words, before, ws)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Hostile inputs: YAML bombs, corrupt run files, silent acceptance, locks and resume integrity. Each case gets
 # the `ws` workspace plus the hostile files below and a copy of one finished 2-task run (`run/`, two

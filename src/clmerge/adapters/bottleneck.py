@@ -94,8 +94,8 @@ def _blocks(inner: nn.Module) -> list[_Block]:
         return [_Block(b.layer_norm2, b.mlp, "output") for b in inner.encoder.layers]
     if hasattr(inner, "encoder") and hasattr(inner.encoder, "layer"):  # BERT: LN(x + out.dense(inter(x)))
         return [_Block(b.intermediate, b.output.LayerNorm, "input") for b in inner.encoder.layer]
-    raise ValueError(f"adapters: no block layout for backbone {name!r} (supported: ViTModel, CLIPVisionModel, "
-                     "BERT-style encoders)")
+    raise ValueError(f"model.name: adapters need a transformer backbone (an HF ViT, CLIP vision tower or BERT-style "
+                     f"text encoder), not {name!r}; e.g. model.name=vit-tiny-fmnist")
 
 
 class AdapterBank(nn.Module):
@@ -339,7 +339,8 @@ class VPTPrompts(nn.Module):
         super().__init__()
         inner = backbone.inner
         if type(inner).__name__ != "ViTModel":
-            raise ValueError(f"vpt: needs an HF ViTModel backbone, got {type(inner).__name__}")
+            raise ValueError(f"model.name: VPT prompts need an HF ViT backbone (vit-tiny-fmnist, vit-b16, hf-vit), "
+                             f"not {type(inner).__name__!r}")
         cfg = inner.config
         self.deep = deep
         n_sets = len(inner.layers) if deep else 1

@@ -233,12 +233,24 @@ def report(run_dir: Path = typer.Argument(..., help="a run directory")) -> None:
 
 
 @app.command()
-def methods() -> None:
-    """List the continual-learning methods."""
-    from ..methods import available_methods
+def methods(verbose: bool = typer.Option(False, "--verbose", "-v", help="options, defaults, meaning")) -> None:
+    """List the continual-learning methods (with ``--verbose``: each one's options and the head it sets)."""
+    from ..methods import available_methods, method_class
 
     for name, desc in available_methods().items():
         typer.echo(f"{name:<14} {desc}")
+        if verbose:
+            for line in _method_details(method_class(name)):
+                typer.echo(f"    {line}")
+
+
+def _method_details(cls) -> list[str]:
+    """``key (default): description`` per option of a method, then the ``head:`` keys it sets."""
+    lines = [f"{key} (default {field.get_default(call_default_factory=True)!r}): {field.description or '-'}"
+             for key, field in cls.Options.model_fields.items()]
+    if cls.head_defaults:
+        lines.append("head: " + ", ".join(f"{k}={v}" for k, v in cls.head_defaults.items()))
+    return lines
 
 
 @app.command()

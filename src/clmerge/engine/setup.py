@@ -133,9 +133,12 @@ def _data_options(cfg: ExperimentConfig, model: ContinualClassifier) -> dict:
 
 def build_heads(cfg: ExperimentConfig, model: ContinualClassifier, method: ContinualMethod) -> HeadSuite:
     """The run's head suite; a feature-based head on a method without one shared backbone is a config error."""
+    inference = method.inference_model()
     if head_variant_needs_features(cfg):
-        check_head_support(cfg.head, cfg.method.name, method.inference_model())
-    return HeadSuite(cfg.head, seed=cfg.seed, feature_dim=model.head.in_features, head_bias=cfg.model.head_bias)
+        check_head_support(cfg.head, cfg.method.name, inference)
+    # the features the heads read are the inference model's (APER's are 2d wide: pretrained and adapted)
+    dim = inference.head.in_features if isinstance(inference, ContinualClassifier) else model.head.in_features
+    return HeadSuite(cfg.head, seed=cfg.seed, feature_dim=dim, head_bias=cfg.model.head_bias)
 
 def head_variant_needs_features(cfg: ExperimentConfig) -> bool:
     h = cfg.head

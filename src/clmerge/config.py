@@ -108,6 +108,9 @@ class ScenarioConfig(StrictModel):
     seed: int = Field(0, description="the class order: which classes form which task (training randomness is "
                       "the top-level seed; docs/sweeps.md)")
     shuffle_classes: bool = Field(True, description="permute the class order with scenario.seed (else sorted)")
+    class_order_rng: Literal["default_rng", "legacy_seed"] = Field(
+        "default_rng", description="how scenario.seed permutes the classes: default_rng (numpy's Generator) or "
+        "legacy_seed (np.random.seed(seed) then np.random.permutation, the class order of PILOT and PyCIL)")
     class_order: list[int] | None = Field(None, description="explicit class order; overrides shuffle_classes")
     classes_per_task: list[int] | None = Field(None, description="uneven splits: classes in each task")
     transform: Literal["none", "permutation", "rotation"] = Field(

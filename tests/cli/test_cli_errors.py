@@ -1224,5 +1224,21 @@ DEVICE_CASES = [
 @pytest.mark.parametrize("argv, code, words", [c[1:] for c in DEVICE_CASES], ids=[c[0] for c in DEVICE_CASES])
 def test_a_device_error_is_short_typed_and_leaves_nothing(ws, argv, code, words, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+# ---------------------------------------------------------------------------------------------------------
+# Pretrained weights that cannot be loaded (the PILOT-protocol configs load ViT-B/16 IN21K from a hub id or a
+# folder): offline and uncached, or a folder without the model, is one input error naming model.source.
+PRETRAINED_SOURCE_CASES = [
+    ("run: shipped PILOT config offline", ["run", "simplecil_cifar100_10", "--out", "r"],
+     INPUT, ["model.source=google/vit-base-patch16-224-in21k", "HF_HUB_OFFLINE=1", "fix:"]),
+    ("run: model.source is a folder without the model",
+     ["run", "simplecil_imagenet_r_10", "--set", "model.source=empty_dir", "--out", "r"],
+     INPUT, ["model.source=empty_dir", "config.json"]),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in PRETRAINED_SOURCE_CASES],
+                         ids=[c[0] for c in PRETRAINED_SOURCE_CASES])
+def test_unloadable_pretrained_weights_are_one_input_error(ws, monkeypatch, argv, code, words):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     before = _snapshot(ws)
     _check(CliRunner().invoke(app, argv), code, words, before, ws)

@@ -101,3 +101,34 @@ def test_mnist1d_generated_offline():
 def test_unknown_dataset_suggests():
     with pytest.raises(ValueError, match="did you mean 'mnist5k'"):
         build_dataset("mnist5")
+
+
+# PILOT's (and PyCIL's) class order for seed 1993 on 100 classes, as its DataManager logs it and as the
+# iCaRL-order tables of other CIL code bases list it (transcribed, not computed here)
+PILOT_ORDER_100_SEED_1993 = [
+    68, 56, 78, 8, 23, 84, 90, 65, 74, 76, 40, 89, 3, 92, 55, 9, 26, 80, 43, 38, 58, 70, 77, 1, 85, 19, 17, 50,
+    28, 53, 13, 81, 45, 82, 6, 59, 83, 16, 15, 44, 91, 41, 72, 60, 79, 52, 20, 10, 31, 54, 37, 95, 14, 71, 96,
+    98, 97, 2, 64, 66, 42, 22, 35, 86, 24, 34, 87, 21, 99, 0, 88, 27, 18, 94, 11, 12, 47, 25, 30, 46, 62, 69,
+    36, 61, 7, 63, 75, 5, 32, 4, 51, 48, 73, 93, 39, 67, 29, 49, 57, 33,
+]
+
+
+def test_legacy_seed_class_order_is_pilots():
+    from clmerge.data.scenarios import class_order_from_seed
+
+    assert class_order_from_seed(list(range(100)), 1993, rng="legacy_seed") == PILOT_ORDER_100_SEED_1993
+    assert class_order_from_seed(list(range(100)), 1993) != PILOT_ORDER_100_SEED_1993  # the default differs
+    with pytest.raises(ValueError, match="class_order_rng"):
+        class_order_from_seed([0, 1], 0, rng="torch")
+
+
+def test_legacy_seed_scenario_tasks_follow_pilots_order():
+    """B0-Inc10 on 100 classes: task k holds PILOT's classes order[10k:10k+10], mapped to outputs in that order."""
+    sc = build_scenario(toy_splits(n_classes=100, per_class=2, size=2), kind="class_incremental", n_tasks=10,
+                        seed=1993, class_order_rng="legacy_seed")
+    assert sc.class_order == PILOT_ORDER_100_SEED_1993
+    assert [t.classes for t in sc.tasks] == [PILOT_ORDER_100_SEED_1993[10 * k: 10 * k + 10] for k in range(10)]
+    task = sc.tasks[3]
+    x, y = task.train.get_batch(np.arange(len(task.train)))
+    raw = np.repeat(np.arange(100), 2)[task.train.indices]
+    assert [task.offset + task.classes.index(int(c)) for c in raw] == y.tolist()

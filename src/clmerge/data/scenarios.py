@@ -235,12 +235,21 @@ def task_name(index: int, key: str, classes: list[int]) -> str:
     return f"task {index}: {task_label(key, classes)}"
 
 
-def class_order_from_seed(classes: list[int], seed: int, shuffle: bool = True) -> list[int]:
+def class_order_from_seed(classes: list[int], seed: int, shuffle: bool = True,
+                          rng: str = "default_rng") -> list[int]:
+    """The sorted ``classes`` permuted by ``seed``: numpy's ``default_rng`` (``rng="default_rng"``), or the legacy
+    global-state generator (``"legacy_seed"``: ``np.random.seed(seed); np.random.permutation(n)``, which is how
+    PILOT's and PyCIL's DataManager order the class indices, so the same seed gives their order)."""
     classes = sorted(classes)
     if not shuffle:
         return classes
-    rng = np.random.default_rng(seed)
-    return [classes[i] for i in rng.permutation(len(classes))]
+    if rng == "legacy_seed":
+        perm = np.random.RandomState(seed).permutation(len(classes))  # same stream as np.random.seed(seed)
+    elif rng == "default_rng":
+        perm = np.random.default_rng(seed).permutation(len(classes))
+    else:
+        raise ValueError(f"scenario.class_order_rng: expected default_rng or legacy_seed, got {rng!r}")
+    return [classes[i] for i in perm]
 
 
 def split_classes(order: list[int], n_tasks: int, classes_per_task: list[int] | None = None) -> list[list[int]]:
@@ -289,7 +298,8 @@ def _transforms(kind: str, n_tasks: int, seed: int, shape: tuple[int, ...], rota
 
 
 def build_scenario(splits: DataSplits, *, kind: str, n_tasks: int, seed: int = 0, shuffle_classes: bool = True,
-                   class_order: list[int] | None = None, classes_per_task: list[int] | None = None,
+                   class_order_rng: str = "default_rng", class_order: list[int] | None = None,
+                   classes_per_task: list[int] | None = None,
                    transform: str = "none", rotations: list[float] | None = None, permute_first_task: bool = False,
                    train_per_class: int | None = None, test_per_class: int | None = None,
                    train_per_task: int | None = None, val_fraction: float = 0.0,
@@ -306,7 +316,8 @@ def build_scenario(splits: DataSplits, *, kind: str, n_tasks: int, seed: int = 0
         unknown = sorted(set(class_order) - set(all_classes))
         if unknown or len(set(class_order)) != len(class_order):
             raise ValueError(f"scenario.class_order: unknown or repeated classes {unknown or class_order}")
-    order = list(class_order) if class_order is not None else class_order_from_seed(all_classes, seed, shuffle_classes)
+    order = (list(class_order) if class_order is not None
+             else class_order_from_seed(all_classes, seed, shuffle_classes, class_order_rng))
     tr_all = _subsample(ytr, np.arange(len(ytr)), train_per_class, rng)
     te_all = _subsample(yte, np.arange(len(yte)), test_per_class, rng)
     preset_keys = None

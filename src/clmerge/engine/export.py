@@ -29,6 +29,7 @@ from ..merging.io.base import MergeInputError
 from ..merging.io.lora_svd import (check_out_dir, check_svd, error_summary, low_rank_factors, numerical_rank,
                                    rank_pattern)
 from ..merging.io.output import build_folder
+from ..models.classifier import ContinualClassifier
 from ..merging.io.peft import adapter_config, write_adapter
 from ..utils.inpaths import inside
 from ..utils.io import read_json, save_tensors
@@ -75,6 +76,9 @@ def load_run_model(run_dir: Path) -> tuple[nn.Module, nn.Module, dict, dict]:
         method.setup(model)
         load_into(model, method, None, meta, state, method_tensors, {}, torch.device("cpu"))
     model = method.inference_model()
+    if not isinstance(model, ContinualClassifier):  # e.g. MOS: per-task adapters picked per image, an ensemble
+        raise MergeInputError(f"{run_dir}: method {cfg.method.name!r} predicts with {type(model).__name__}, not "
+                              "one backbone and head; a single exported model cannot reproduce its predictions")
     manifest = read_json(run_dir / "manifest.json") if (run_dir / "manifest.json").exists() else {}
     manifest["method"] = cfg.method.name
     manifest["scenario_options"] = dict(cfg.scenario.options or {})

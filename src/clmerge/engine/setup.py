@@ -88,7 +88,8 @@ def prepare(cfg: ExperimentConfig) -> tuple[Scenario, ContinualClassifier, Conti
                            **_data_options(cfg, model))
     scenario = build_scenario(
         splits, kind=s.kind, n_tasks=s.n_tasks, seed=s.seed, shuffle_classes=s.shuffle_classes,
-        class_order=s.class_order, classes_per_task=s.classes_per_task, transform=s.transform, rotations=s.rotations,
+        class_order_rng=s.class_order_rng, class_order=s.class_order, classes_per_task=s.classes_per_task,
+        transform=s.transform, rotations=s.rotations,
         permute_first_task=s.permute_first_task, train_per_class=s.train_per_class, test_per_class=s.test_per_class,
         train_per_task=s.train_per_task, val_fraction=s.val_fraction, task_order=s.task_order,
     )

@@ -24,6 +24,7 @@ from . import frozen_backbone  # noqa: E402,F401  (SimpleCIL, RanPAC)
 from . import aper, ease  # noqa: E402,F401  (APER, EASE: adapters on a frozen backbone)
 from . import rehearsal  # noqa: E402,F401  (ER, DER, DER++)
 from . import slca  # noqa: E402,F401
+from . import mos  # noqa: E402,F401  (MOS: merged per-task adapters, self-refined retrieval)
 
 __all__ = [
     "METHODS",

@@ -152,29 +152,47 @@ def hf_vit_backbone(config, *, weights: dict | None, info: dict, mean, std) -> V
     )
 
 
+def _hf_vision_load(kind: str, source: str, local_files_only: bool) -> nn.Module:
+    if kind == "vit":
+        from transformers import ViTModel
+
+        return ViTModel.from_pretrained(source, add_pooling_layer=False, local_files_only=local_files_only)
+    from transformers import CLIPVisionModel
+
+    return CLIPVisionModel.from_pretrained(source, local_files_only=local_files_only)
+
+
+def _weights_not_found(source: str, offline: bool, err: OSError) -> Exception:
+    """The input error for weights that cannot be loaded from ``model.source`` (a folder or a hub id)."""
+    from ..errors import InputError, clip
+
+    where = ("a folder without config.json and weights" if Path(source).exists()
+             else "not a folder, and not in the hub cache" + (" (HF_HUB_OFFLINE=1)" if offline else ""))
+    return InputError(f"model.source={clip(source, 80)}: cannot load the pretrained weights ({where}: "
+                      f"{clip(type(err).__name__, 40)})\nfix: download the hub id once with network access, or set "
+                      "model.source to a local folder holding the HF model (config.json + model.safetensors)")
+
+
 def hf_vision_from_pretrained(
     kind: str, source: str, *, mean: list[float], std: list[float], local_files_only: bool | None = None
 ) -> VisionBackbone:
     """Load an HF ViT (``kind='vit'``) or CLIP vision tower (``kind='clip'``) from a directory or a hub id.
 
-    With no network (``HF_HUB_OFFLINE=1``), a hub id that is not cached fails with the library's error.
+    With no network (``HF_HUB_OFFLINE=1``), a hub id that is not cached, or a folder without the files, is an
+    :class:`~clmerge.errors.InputError` naming ``model.source`` (exit code 3), not the library's traceback.
     """
     import os
 
     if local_files_only is None:
         local_files_only = os.environ.get("HF_HUB_OFFLINE") == "1" or Path(source).exists()
-    if kind == "vit":
-        from transformers import ViTModel
-
-        inner = ViTModel.from_pretrained(source, add_pooling_layer=False, local_files_only=local_files_only)
-        extract, dim = _hf_cls_features, inner.config.hidden_size
-    elif kind == "clip":
-        from transformers import CLIPVisionModel
-
-        inner = CLIPVisionModel.from_pretrained(source, local_files_only=local_files_only)
-        extract, dim = _clip_pooled_features, inner.config.hidden_size
-    else:
+    if kind not in ("vit", "clip"):
         raise ValueError(f"unknown HF vision kind {kind!r} (expected 'vit' or 'clip')")
+    try:
+        inner = _hf_vision_load(kind, source, local_files_only)
+    except OSError as e:
+        raise _weights_not_found(source, local_files_only, e) from None
+    extract = _hf_cls_features if kind == "vit" else _clip_pooled_features
+    dim = inner.config.hidden_size
     inner.eval()
     cfg = inner.config
     return VisionBackbone(

@@ -859,3 +859,21 @@ def test_a_log_sink_without_its_package_is_one_input_error_line(ws, monkeypatch,
     words = [f"run.log: {sink}", f'pip install "clmerge[{sink}]"']
     _check(CliRunner().invoke(app, [*RUN, "--set", f"run.log=[{sink}]", "--out", "r"]), INPUT, words, before, ws)
 
+
+
+# continual merging: opcm / dop hyperparameters and merge-bench --continual's method names (their own block)
+CONTINUAL_MERGE_CASES = [
+    ("opcm-alpha-one", ["merge", "--method", "opcm", "--base", "base.safetensors", "--expert", "e1.safetensors",
+                        "--expert", "e2.safetensors", "--set", "alpha=1.0", "--out", "m"], USAGE, ["alpha", "[0, 1)"]),
+    ("dop-space-unknown", ["merge", "--method", "dop", "--base", "base.safetensors", "--expert", "e1.safetensors",
+                           "--expert", "e2.safetensors", "--set", "space=w", "--out", "m"], USAGE, ["space", "'uv'"]),
+    ("bench-continual-method", ["merge-bench", "--continual", "--method", "ties", "--out", "b"], USAGE,
+     ["--method 'ties'", "continual", "opcm"]),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in CONTINUAL_MERGE_CASES],
+                         ids=[c[0] for c in CONTINUAL_MERGE_CASES])
+def test_continual_merge_errors_are_short_typed_and_leave_nothing(ws, argv, code, words):
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, argv), code, words, before, ws)

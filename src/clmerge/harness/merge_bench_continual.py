@@ -40,11 +40,11 @@ from ..merging.dop import dop_fold
 from ..merging.lowrank import is_lowrank_param
 from ..merging.magmax import max_magnitude_fold
 from ..merging.opcm import opcm_fold, opcm_scale
-from ..metrics import backward_transfer, final_accuracy, validate_matrix
+from ..metrics import backward_transfer, final_accuracy, mean_se, validate_matrix
 from ..utils.io import atomic_write_text, write_json
 
 __all__ = ["CONTINUAL_METHODS", "run_continual", "continual_markdown", "continual_summary", "make_merger",
-           "FISHER_SAMPLES"]
+           "FISHER_SAMPLES", "summarise_continual", "expert_fisher"]
 
 CONTINUAL_METHODS = ("opcm", "dop", "running_average", "magmax", "pm_alpha")
 FISHER_SAMPLES = 256  # training samples per expert for P&M's diagonal Fisher (the bench's tasks have thousands)
@@ -259,3 +259,26 @@ def continual_markdown(results: dict) -> str:
         for t, row in zip(tasks, r["matrix"]):
             lines.append(f"| {t} | " + " | ".join("" if a is None else f"{a:.1f}" for a in row) + " |")
     return "\n".join(lines) + "\n"
+
+
+def summarise_continual(out: Path, runs: dict[int, dict]) -> dict:
+    """Final accuracy and BWT of each method as mean ± standard error over the seeds' runs; written to
+    ``out/continual.json`` and ``out/continual.md``."""
+    seeds = list(runs)
+    first = runs[seeds[0]]
+    rows = {}
+    for m in first["rows"]:
+        acc = [runs[s]["rows"][m]["final_acc"] for s in seeds]
+        bwt = [runs[s]["rows"][m]["bwt"] for s in seeds]
+        rows[m] = {"final_acc": mean_se(acc), "bwt": None if None in bwt else mean_se(bwt),
+                   "final_acc_per_seed": acc, "bwt_per_seed": bwt}
+    summary = {"protocol": "continual", "seeds": seeds, "config": first["config"], "tasks": first["tasks"],
+               "rows": rows}
+    lines = [f"Continual merging over fine-tuning seeds {', '.join(map(str, seeds))} (mean ± standard error; "
+             "per-seed matrices in seed<s>/continual.md).", "", "| method | final avg accuracy | BWT |", "|---|---|---|"]
+    for m, r in rows.items():
+        bwt = "n/a" if r["bwt"] is None else "{:.1f} ± {:.1f}".format(*r["bwt"])
+        lines.append("| {} | {:.1f} ± {:.1f} | {} |".format(m, *r["final_acc"], bwt))
+    write_json(out / "continual.json", summary)
+    atomic_write_text(out / "continual.md", "\n".join(lines) + "\n")
+    return summary

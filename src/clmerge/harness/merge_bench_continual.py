@@ -46,7 +46,7 @@ from ..utils.io import atomic_write_text, write_json
 __all__ = ["CONTINUAL_METHODS", "run_continual", "continual_markdown", "continual_summary", "make_merger",
            "FISHER_SAMPLES", "summarise_continual", "expert_fisher"]
 
-CONTINUAL_METHODS = ("opcm", "dop", "running_average", "magmax", "pm_alpha")
+CONTINUAL_METHODS = ("opcm", "running_average", "magmax", "pm_alpha", "dop")  # dop, the slowest, last
 FISHER_SAMPLES = 256  # training samples per expert for P&M's diagonal Fisher (the bench's tasks have thousands)
 
 
@@ -225,17 +225,16 @@ def run_continual(cfg, out: Path, *, methods: Sequence[str] | None = None, cache
         log("pm_alpha: diagonal Fisher of each expert")
         fishers = [expert_fisher(bench["model"], e, h, *d["train"], samples=fisher_samples)
                    for e, h, d in zip(bench["experts"], bench["heads"], bench["data"])]
-    rows: dict[str, Any] = {}
-    for m in methods:
-        merger = make_merger(m, bench["base"], **options.get(m, {}))
-        rows[m] = continual_summary(_matrix(merger, bench, fishers, log, m))
-        if m == "pm_alpha":
-            rows[m]["alphas"] = merger.alphas
     results = {"protocol": "continual", "config": asdict(cfg), "tasks": [t.name for t in bench["tasks"]],
-               "individual": bench["individual"], "rows": rows, "fisher_samples": fisher_samples,
+               "individual": bench["individual"], "rows": {}, "fisher_samples": fisher_samples,
                "options": options}
-    write_json(out / "continual.json", results)
-    atomic_write_text(out / "continual.md", continual_markdown(results))
+    for m in methods:  # the results so far are written after each method (a long run keeps what it finished)
+        merger = make_merger(m, bench["base"], **options.get(m, {}))
+        results["rows"][m] = continual_summary(_matrix(merger, bench, fishers, log, m))
+        if m == "pm_alpha":
+            results["rows"][m]["alphas"] = merger.alphas
+        write_json(out / "continual.json", results)
+        atomic_write_text(out / "continual.md", continual_markdown(results))
     return results
 
 

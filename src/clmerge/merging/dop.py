@@ -158,9 +158,11 @@ def dop(*, base: Any, experts: Sequence[Any], lr: float = 1e-4, num_steps: int =
     (the same values), float32 (float64 for float64 inputs).
 
     Args:
-        lr, num_steps: Adam's step size and number of steps per matrix and arrival.
+        lr: Adam's step size.
+        num_steps: Adam steps per matrix and arrival (0: the mean of the old merge and the new expert).
         mgda: weight the two losses by MGDA at every step (else fixed ``(alpha, 1 - alpha)``).
-        ema, ema_beta: smooth the MGDA weights by a moving average with this decay, started at ``alpha``.
+        ema: smooth the MGDA weights by a moving average started at ``(alpha, 1 - alpha)``.
+        ema_beta: the moving average's decay.
         alpha: the previous merge's weight (the start of the moving average, or the fixed weight).
         svd_epsilon: the share of the singular-value sum each subspace keeps.
         space: ``"uv"`` (both sides), ``"u"`` or ``"v"``.

@@ -1,9 +1,15 @@
-"""DOP: continual model merging by dual orthogonal projection ("Continual Model Merging without Data: Dual
-Projections for Balancing Stability and Plasticity", NeurIPS 2025; FusionBench's ``ContinualDOPForCLIP``).
+"""DOP: continual model merging by dual orthogonal projection (Yang, Tang, Shen et al., NeurIPS 2025, "Continual
+Model Merging without Data: Dual Projections for Balancing Stability and Plasticity"; FusionBench's
+``ContinualDOPForCLIP``, by the same group).
+
+The paper projects the parameter differences between the merge and the old and the new models onto each
+model's approximate data space, which it takes to be the span of that model's task vector, and solves the
+resulting stability / plasticity trade-off as a two-objective problem by multi-gradient descent (a
+Pareto-stationary point). Per layer, as FusionBench computes it:
 
 Experts arrive in order. The first merge is the first expert. At arrival ``t``, per weight matrix, the new merge
 ``W`` is fitted to two targets, the previous merge ``W_m = W^_(t-1)`` (stability) and the new expert ``W_n``
-(plasticity), each measured only inside the subspace of its own task vector:
+(plasticity), each measured only inside the subspace of its own task vector.
 
 - subspaces: ``tau_m = W_m - W_0 = U diag(s) V^T`` (the merged task vector) and ``tau_n = W_n - W_0``; each keeps
   its leading ``k`` singular triplets, ``k`` = how many have a cumulative share ``sum_(j<=i) s_j / sum_j s_j``
@@ -145,7 +151,7 @@ def _check(space: str, others: str, alpha: float, svd_epsilon: float, ema_beta: 
 
 
 @register_merge("dop", "continual merge: each arrival optimised against the old merge's and the new expert's "
-                "singular subspaces, weighted by MGDA (DOP, dual orthogonal projection)")
+                "singular subspaces, weighted by MGDA (DOP, Yang et al. 2025)")
 def dop(*, base: Any, experts: Sequence[Any], lr: float = 1e-4, num_steps: int = 200, mgda: bool = True,
         ema: bool = True, ema_beta: float = 0.999, alpha: float = 0.8, svd_epsilon: float = 0.99999,
         space: str = "uv", others: str = "pair_mean", shuffle: bool = False, seed: int = 0,

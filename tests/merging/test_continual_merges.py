@@ -179,3 +179,26 @@ def test_dop_merge_streams_and_matches_the_protocol_state(tmp_path):
         save_file(sd, str(paths[-1]))
     from_files = merging.merge("dop", base=paths[0], experts=paths[1:], num_steps=5)
     torch.testing.assert_close(from_files["blk.fc.weight"], got["blk.fc.weight"])
+
+
+@pytest.mark.parametrize("name, sets", [("opcm", ["alpha=0.3"]), ("dop", ["num_steps=4"])])
+def test_the_command_streams_the_same_merge_as_the_api(tmp_path, name, sets):
+    """`clmerge merge` writes key by key through a sink: OPCM's second pass rescales the written tensors."""
+    from checkpoint_helpers import folder_state, invoke
+    from safetensors.torch import save_file
+
+    base, experts = _models()
+    base = {k: v for k, v in base.items() if v.is_floating_point()}
+    experts = [{k: e[k] for k in base} for e in experts]
+    paths = []
+    for i, sd in enumerate([base, *experts]):
+        paths.append(tmp_path / f"m{i}.safetensors")
+        save_file(sd, str(paths[-1]))
+    r = invoke("--method", name, "--base", paths[0], *[a for p in paths[1:] for a in ("--expert", p)],
+               *[a for s in sets for a in ("--set", s)], "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    kw = {k: (float(v) if "." in v else int(v)) for k, v in (s.split("=") for s in sets)}
+    want = merging.merge(name, base=base, experts=experts, **kw)
+    got = folder_state(tmp_path / "out")
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-6)

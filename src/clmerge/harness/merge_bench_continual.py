@@ -44,7 +44,7 @@ from ..metrics import backward_transfer, final_accuracy, mean_se, validate_matri
 from ..utils.io import atomic_write_text, write_json
 
 __all__ = ["CONTINUAL_METHODS", "run_continual", "continual_markdown", "continual_summary", "make_merger",
-           "FISHER_SAMPLES", "summarise_continual", "expert_fisher"]
+           "FISHER_SAMPLES", "summarise_continual", "expert_fisher", "load_bench"]
 
 CONTINUAL_METHODS = ("opcm", "running_average", "magmax", "pm_alpha", "dop")  # dop, the slowest, last
 FISHER_SAMPLES = 256  # training samples per expert for P&M's diagonal Fisher (the bench's tasks have thousands)
@@ -179,7 +179,7 @@ def continual_summary(R: list[list[float | None]]) -> dict[str, Any]:
     return {"matrix": R, "final_acc": final_accuracy(R), "bwt": backward_transfer(R)}
 
 
-def _bench(cfg, cache: Path, log) -> dict[str, Any]:
+def load_bench(cfg, cache: Path, log=print) -> dict[str, Any]:
     """The suite's data, the base backbone and the bench's (cached) experts with their heads."""
     from .merge_bench import SUITES, build_base, expert_for_task, head_accuracy, load_task
     from .merge_bench_experts import make_head
@@ -219,7 +219,7 @@ def run_continual(cfg, out: Path, *, methods: Sequence[str] | None = None, cache
     methods, options = list(methods or CONTINUAL_METHODS), options or {}
     for m in methods:
         make_merger(m, {}, **options.get(m, {}))  # refuse an unknown name before any training
-    bench = _bench(cfg, cache or out / "experts", log)
+    bench = load_bench(cfg, cache or out / "experts", log)
     fishers = None
     if "pm_alpha" in methods:
         log("pm_alpha: diagonal Fisher of each expert")

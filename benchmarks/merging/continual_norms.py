@@ -2,8 +2,8 @@
 
 OPCM rescales its merged task vector to the mean task-vector norm; running averaging's merged task vector is
 the mean task vector, whose norm is smaller when the task vectors are nearly orthogonal. This script reads a
-``merge-bench --continual`` run (its ``continual.json`` config and cached experts; it never trains) and writes the task-vector norms, their pairwise cosines,
-both merged norms, and the test accuracy of OPCM's final merge as it is and rescaled to running averaging's
+one-seed ``merge-bench --continual`` run (its ``continual.json`` config and cached experts; it never trains)
+and writes the task-vector norms, their pairwise cosines, both merged norms, and the test accuracy of OPCM's final merge as it is and rescaled to running averaging's
 norm (a diagnostic on test data: nothing here is selected on it):
 
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/merging/continual_norms.py --run DIR \
@@ -48,7 +48,8 @@ def main() -> None:
     cfg = BenchConfig(**read_json(a.run / "continual.json")["config"])
     missing = [t.name for t in SUITES[cfg.suite] if not expert_path(a.run / "experts", t, cfg).exists()]
     if missing:
-        raise SystemExit(f"error: {a.run / 'experts'}: no cached expert for {', '.join(missing)} (this script never trains)")
+        raise SystemExit(f"error: {a.run / 'experts'}: no cached expert for {', '.join(missing)} "
+                         "(this script never trains)")
     bench = load_bench(cfg, a.run / "experts", log=lambda *_: None)
     opcm, avg = make_merger("opcm", bench["base"]), make_merger("running_average", bench["base"])
     for e in bench["experts"]:

@@ -1240,5 +1240,19 @@ PRETRAINED_SOURCE_CASES = [
                          ids=[c[0] for c in PRETRAINED_SOURCE_CASES])
 def test_unloadable_pretrained_weights_are_one_input_error(ws, monkeypatch, argv, code, words):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+# continual merging: opcm / dop hyperparameters and merge-bench --continual's method names (their own block)
+CONTINUAL_MERGE_CASES = [
+    ("opcm-alpha-one", ["merge", "--method", "opcm", "--base", "base.safetensors", "--expert", "e1.safetensors",
+                        "--expert", "e2.safetensors", "--set", "alpha=1.0", "--out", "m"], USAGE, ["alpha", "[0, 1)"]),
+    ("dop-space-unknown", ["merge", "--method", "dop", "--base", "base.safetensors", "--expert", "e1.safetensors",
+                           "--expert", "e2.safetensors", "--set", "space=w", "--out", "m"], USAGE, ["space", "'uv'"]),
+    ("bench-continual-method", ["merge-bench", "--continual", "--method", "ties", "--out", "b"], USAGE,
+     ["--method 'ties'", "continual", "opcm"]),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in CONTINUAL_MERGE_CASES],
+                         ids=[c[0] for c in CONTINUAL_MERGE_CASES])
+def test_continual_merge_errors_are_short_typed_and_leave_nothing(ws, argv, code, words):
     before = _snapshot(ws)
     _check(CliRunner().invoke(app, argv), code, words, before, ws)

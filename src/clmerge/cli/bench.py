@@ -37,6 +37,9 @@ def merge_bench_command(
     method: list[str] = typer.Option([], "--method", help="only these methods (repeatable; default: all in the grid)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="write into an existing non-empty --out that holds "
                                    "no merge-bench result"),
+    continual: bool = typer.Option(False, "--continual", help="the continual-merging protocol: experts arrive one "
+                                   "at a time, every merge so far is evaluated; accuracy matrix, final accuracy and "
+                                   "BWT of opcm, dop, running_average, magmax and pm_alpha in OUT/continual.md"),
 ) -> None:
     """Fine-tune one expert per task, merge with every method, select on validation, report test accuracy."""
     from ..utils.outpaths import check_output_dir
@@ -45,12 +48,13 @@ def merge_bench_command(
     if out is None:  # never into the source tree's benchmarks/ unless asked
         out = Path("merge-bench-runs") / f"suite{suite}"
         typer.echo(f"writing to {out.absolute()} (give --out to choose)", err=True)
-    check_output_dir(out, overwrite=overwrite, ours=("results.json", "experts", "seed0"))
+    check_output_dir(out, overwrite=overwrite, ours=("results.json", "continual.json", "experts", "seed0"))
     try:
         res = run_merge_bench(out, suite=suite, epochs=epochs, lr=lr, max_train=max_train, max_eval=max_eval,
                               random_init=random_init, methods=method or None, heads=heads, head_init=head_init,
-                              seeds=parse_seeds(seeds), backbone=backbone)
+                              seeds=parse_seeds(seeds), backbone=backbone, continual=continual)
     except (ValueError, FileNotFoundError, KeyError) as exc:
         fail(exc)
-    typer.echo((out / "results.md").read_text())
-    typer.echo(f"wrote {out / 'results.json'} ({len(res['tasks'])} tasks)")
+    name = "continual" if continual else "results"
+    typer.echo((out / f"{name}.md").read_text())
+    typer.echo(f"wrote {out / f'{name}.json'} ({len(res['tasks'])} tasks)")

@@ -49,16 +49,18 @@ def run_merge_bench(out: Path, suite: str = "8", epochs: int = 5, lr: float = 1e
                     max_eval: int | None = None, random_init: bool = False, methods: Sequence[str] | None = None,
                     heads: str = "frozen", head_init: str = "probe", seeds: Sequence[int] = (0,),
                     backbone: str | None = None, arch: dict | None = None, data_options: dict | None = None,
-                    log=print) -> dict:
+                    continual: bool = False, log=print) -> dict:
     """What ``clmerge merge-bench`` runs.
 
     One seed: results in ``out``. Several: one run per seed in ``out/seed<s>`` (a seed whose results there
     match this config is not rerun), experts shared in ``out/experts``, and the summary over seeds in ``out``.
     ``backbone`` None: the suite's (``SUITE_BACKBONES``), else vit-tiny-fmnist; ``max_train`` / ``max_eval``
     None: the suite's caps (``SUITE_CAPS``) where it has them. ``arch`` (random init only) and
-    ``data_options`` (the data source's keyword options) are for tests and dry runs.
+    ``data_options`` (the data source's keyword options) are for tests and dry runs. ``continual``: the
+    continual-merging protocol instead (:func:`run_continual_bench`).
     """
     from .merge_bench import DEFAULT_GRIDS, MAX_EXTENSIONS, SUITES, BenchConfig, run_benchmark
+    from .merge_bench_continual import CONTINUAL_METHODS
     from .merge_bench_data import SUITE_BACKBONES, SUITE_CAPS
 
     from .merge_bench_experts import HEAD_INITS, HEAD_PROTOCOLS
@@ -70,10 +72,12 @@ def run_merge_bench(out: Path, suite: str = "8", epochs: int = 5, lr: float = 1e
         raise ValueError(f"--heads {heads!r}: expected one of {', '.join(HEAD_PROTOCOLS)}")
     if head_init not in HEAD_INITS:
         raise ValueError(f"--head-init {head_init!r}: expected one of {', '.join(HEAD_INITS)}")
-    unknown = [m for m in methods or () if m not in DEFAULT_GRIDS]
+    known = CONTINUAL_METHODS if continual else DEFAULT_GRIDS
+    unknown = [m for m in methods or () if m not in known]
     if unknown:
-        raise ValueError(f"--method {unknown[0]!r}: not in the benchmark's grids; known: {', '.join(DEFAULT_GRIDS)}")
-    grids = DEFAULT_GRIDS if not methods else {m: DEFAULT_GRIDS[m] for m in methods}
+        what = "a continual-merging method" if continual else "in the benchmark's grids"
+        raise ValueError(f"--method {unknown[0]!r}: not {what}; known: {', '.join(known)}")
+    grids = DEFAULT_GRIDS if not methods or continual else {m: DEFAULT_GRIDS[m] for m in methods}
     backbone = _check_backbone(backbone or SUITE_BACKBONES.get(suite, "vit-tiny-fmnist"))
     cap_train, cap_eval = SUITE_CAPS.get(suite, (None, None))
     cfgs = [BenchConfig(suite=suite, backbone=backbone, epochs=epochs, lr=lr,
@@ -81,6 +85,8 @@ def run_merge_bench(out: Path, suite: str = "8", epochs: int = 5, lr: float = 1e
                         max_eval=cap_eval if max_eval is None else max_eval, pretrained=not random_init,
                         arch=dict(arch or {}), heads=heads, head_init=head_init, train_seed=s,
                         data_options=dict(data_options or {})) for s in seeds]
+    if continual:
+        return run_continual_bench(out, cfgs, methods, log)
     if len(seeds) == 1:
         return run_benchmark(cfgs[0], out, grids=grids, log=log)
     from .merge_bench_seeds import summarise
@@ -93,6 +99,22 @@ def run_merge_bench(out: Path, suite: str = "8", epochs: int = 5, lr: float = 1e
         log(f"seed {s}")
         run_benchmark(cfg, run_dir, grids=grids, cache=out / "experts", log=log)
     return summarise(out, seeds)
+
+
+def run_continual_bench(out: Path, cfgs: Sequence, methods: Sequence[str] | None, log=print) -> dict:
+    """The continual-merging protocol for each config (one per fine-tuning seed): one seed in ``out``,
+    several in ``out/seed<s>`` with experts shared in ``out/experts`` and final accuracy and BWT as mean ±
+    standard error over seeds in ``out/continual.json`` / ``continual.md``."""
+    from .merge_bench_continual import run_continual, summarise_continual
+
+    if len(cfgs) == 1:
+        return run_continual(cfgs[0], out, methods=methods, log=log)
+    runs = {}
+    for cfg in cfgs:
+        log(f"seed {cfg.fine_tune_seed}")
+        runs[cfg.fine_tune_seed] = run_continual(cfg, out / f"seed{cfg.fine_tune_seed}", methods=methods,
+                                                 cache=out / "experts", log=log)
+    return summarise_continual(out, runs)
 
 
 def _check_numbers(*, epochs: int, lr: float, max_train: int | None, max_eval: int | None) -> None:

@@ -42,6 +42,9 @@ from .spherical import karcher, multislerp, nuslerp
 from .sce import sce
 from .nearswap import nearswap
 from .arcee_fusion import arcee_fusion
+# continual merges over an ordered expert list
+from .opcm import opcm
+from .dop import dop
 
 __all__ = [
     "MERGES", "available", "get_method", "merge", "register_merge", "MergeInputError", "ModelSet", "ParamSource",
@@ -50,4 +53,5 @@ __all__ = [
     "slerp", "model_stock", "breadcrumbs", "della", "magmax",
     "tsv_m", "tsv_c", "iso_c", "iso_cts", "knots", "wudi",
     "breadcrumbs_ties", "della_linear", "nuslerp", "multislerp", "karcher", "sce", "nearswap", "arcee_fusion",
+    "opcm", "dop",
 ]

@@ -41,6 +41,7 @@ OTHERS = [(m, [], 3) for m in ("breadcrumbs", "breadcrumbs_ties", "consensus", "
                                "multislerp", "sce", "weight_average")]
 OTHERS += [(m, ["task=1"], 3) for m in ("emr_merging", "cart_indexing", "tall_mask_ties", "tsv_c")]
 OTHERS += [("slerp", ["t=0.3"], 1), ("nearswap", [], 1), ("arcee_fusion", [], 1), ("nuslerp", [], 2)]
+OTHERS += [("knots", [], 3), ("opcm", [], 3), ("dop", ["num_steps=2"], 3), ("wudi", ["steps=2"], 3)]
 
 
 @pytest.fixture(scope="module")

@@ -112,7 +112,7 @@ def dop_matrix(w0: Tensor, w_merged: Tensor, w_new: Tensor, **options: Any) -> T
     o = {**DOP_DEFAULTS, **options}
     subs = [_subspace(w_merged - w0, o["svd_epsilon"]), _subspace(w_new - w0, o["svd_epsilon"])]
     targets = [w_merged, w_new]
-    w = torch.nn.Parameter((w_merged + w_new) / 2.0)
+    w = ((w_merged + w_new) / 2.0).detach().requires_grad_()  # a plain leaf stays where its inputs are
     opt = torch.optim.Adam([w], lr=o["lr"])
     state = [o["alpha"], 1.0 - o["alpha"]]
     for _ in range(o["num_steps"]):

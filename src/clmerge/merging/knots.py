@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..utils.device import like_device
 from .dare import dare_generator, dare_tensor
 from .driver import map_keys
 from .lowrank import DEFAULT_EXCLUDE, is_lowrank_param, task_matrices
@@ -175,7 +176,7 @@ def knots(*, base: Any, experts: Sequence[Any], merge: str = "ties", density: fl
     def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
         matrix = is_matrix(key)
         u, reps = rep_fn(key, task_matrices(b, xs), matrix)
-        thr = glob if matrix and glob is not None else _thresholds(reps, density)
+        thr = like_device(glob, reps) if matrix and glob is not None else _thresholds(reps, density)
         merged = _merge_reps(reps, merge, thr, scaling)
         return b.double() + (merged if u is None else u @ merged).double()
 

@@ -122,8 +122,8 @@ def _run_seeds(config: Path | None, sets: list[str], text: str, out: Path | None
     from ..sweep.grid import SweepSpec, dotted_items, parse_seeds
     from .sweep import dry_run_spec, run_spec
 
-    if orders is not None or nproc > 1:
-        raise UsageError("--seeds runs the seeds one after another: it does not combine with --orders or --nproc")
+    if orders is not None:
+        raise UsageError("--seeds runs the seeds one after another: it does not combine with --orders")
     spec = SweepSpec(base=str(config) if config is not None else None,
                      set=dotted_items(apply_overrides({}, sets)), grid={"seed": parse_seeds(text)})
     if dry_run:
@@ -133,8 +133,8 @@ def _run_seeds(config: Path | None, sets: list[str], text: str, out: Path | None
             exit_with("--resume needs --out DIR (the folder of the seeds' runs to continue)")
         out = default_run_dir(cfg.method.name, cfg.scenario.dataset)
     words = ["clmerge", "run", *([str(config)] if config else []), *[w for s in sets for w in ("--set", s)],
-             "--seeds", text, "--out", str(out), "--resume"]
-    run_spec(spec, out, resume=resume, resume_command=" ".join(shlex.quote(w) for w in words))
+             "--seeds", text, "--out", str(out), "--resume", *(["--nproc", str(nproc)] if nproc > 1 else [])]
+    run_spec(spec, out, resume=resume, nproc=nproc, resume_command=" ".join(shlex.quote(w) for w in words))
 
 
 def default_run_dir(method: str, dataset: str) -> Path:
@@ -178,8 +178,9 @@ def _launch(nproc: int, out: Path | None) -> None:
             args.append(a)
     if out is not None and "--out" not in args:
         args += ["--out", str(out)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "clmerge", *args]
+    from ..engine.distributed import torchrun_command
+
+    cmd = torchrun_command(nproc, args)
     err.print(f"launching {nproc} processes: {' '.join(cmd[1:])}", highlight=False, markup=False, soft_wrap=True)
     raise typer.Exit(subprocess.call(cmd))
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from .base import app, console, err, exit_with, fail, split_keys
+from .base import app, by_keys, console, err, exit_with, fail, split_keys
 from ..errors import UsageError
 from ..utils.threads import check_jobs
 
@@ -238,7 +238,8 @@ def report(
     from ..report import build_report, sweep_page
 
     if not run_dir.is_dir() or sweep_page.is_run_dir(run_dir):
-        _sweep_options_unused({"--by": by, "--vs": vs, "--metrics": metrics, "--ignore": ignore}, run_dir)
+        given = {"--by": by is not None, "--vs": vs, "--metrics": metrics, "--ignore": ignore}
+        _sweep_options_unused(given, run_dir)
         try:
             path = build_report(run_dir)
         except (FileNotFoundError, ValueError) as exc:
@@ -260,8 +261,8 @@ def _sweep_report(sweep_dir: Path, by: str | None, vs: str | None, metrics: str 
     from ..report import sweep_page, tables
 
     names = tables.parse_metrics(metrics) if metrics is not None else list(sweep_page.DEFAULT_METRICS)
-    return sweep_page.build_sweep_page(sweep_dir, by=split_keys([by]) if by else None, metrics=names, vs=vs,
-                                       ignore=split_keys(ignore))
+    keys = by_keys(by) if by is not None else None
+    return sweep_page.build_sweep_page(sweep_dir, by=keys, metrics=names, vs=vs, ignore=split_keys(ignore))
 
 
 @app.command()

@@ -1259,6 +1259,10 @@ def _nproc_cases() -> list:
          ["--plugin", "--nproc"]),
         ("sweep-nproc-batch", ["sweep", "batch1.yaml", "--nproc", "2", "--out", "s"], USAGE,
          ["cell seed0", "train.batch_size=1", "--nproc 2"]),
+        ("sweep-nproc-batch-dry-run", ["sweep", "batch1.yaml", "--nproc", "2", "--dry-run"], USAGE,
+         ["cell seed0", "train.batch_size=1"]),
+        ("run-seeds-nproc-batch-dry-run", [*RUN, "--seeds", "0", "--nproc", "2", "--set", "train.batch_size=1",
+                                           "--dry-run"], USAGE, ["train.batch_size=1"]),
         ("run-seeds-nproc-batch", [*RUN, "--seeds", "0,1", "--nproc", "2", "--set", "train.batch_size=1", "--out",
                                    "r"], USAGE, ["train.batch_size=1", "--nproc 2"]),
     ]

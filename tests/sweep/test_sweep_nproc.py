@@ -22,15 +22,16 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
 class _Done:
-    def __init__(self, returncode: int, stderr: str = "") -> None:
-        self.returncode, self.stderr, self.stdout = returncode, stderr, ""
+    def __init__(self, returncode: int) -> None:
+        self.returncode = returncode
 
 
 def test_a_cell_job_is_clmerge_run_of_its_config_under_torchrun(tmp_path, monkeypatch):
     calls = []
 
-    def fake_run(cmd, **kw):
+    def fake_run(cmd, stdout, **kw):
         calls.append((cmd, Path(cmd[cmd.index("run") + 1]).read_text()))
+        stdout.write("job output\n")
         (tmp_path / "c").mkdir()
         (tmp_path / "c" / "metrics.json").write_text(json.dumps({"acc": 50.0, "aaa": 60.0, "forgetting": 1.0}))
         return _Done(0)
@@ -42,11 +43,16 @@ def test_a_cell_job_is_clmerge_run_of_its_config_under_torchrun(tmp_path, monkey
     assert cmd[5:8] == ["-m", "clmerge", "run"] and cmd[9:] == ["--out", str(tmp_path / "c"), "--resume"]
     assert yaml.safe_load(cfg_text)["seed"] == 3 and not Path(cmd[8]).exists()  # a temporary file, removed
     assert got == {"acc": 50.0, "aaa": 60.0, "forgetting": 1.0}
+    assert (tmp_path / ".torchrun" / "c.log").read_text() == "job output\n"  # hidden: no run of `results`
 
 
 def test_a_failed_cell_job_raises_with_the_last_lines_it_printed(tmp_path, monkeypatch):
-    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: _Done(1, "noise\nerror: train.batch_size bad\n"))
-    with pytest.raises(RuntimeError, match="torchrun exited with 1: .*error: train.batch_size bad"):
+    def fake_run(cmd, stdout, **kw):
+        stdout.write("noise\nmore noise\nerror: train.batch_size bad\n")
+        return _Done(1)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    with pytest.raises(RuntimeError, match=r"torchrun exited with 1 \(.*c\.log\): more noise \| error: train"):
         runner.run_cell_torchrun(tiny_config(), str(tmp_path / "c"), False, 2)
 
 
@@ -90,5 +96,6 @@ def test_a_cell_under_torchrun_gives_what_clmerge_run_nproc_gives(ws):
     assert m_sweep["accuracy_matrix"] == m_run["accuracy_matrix"]
     assert m_sweep["til_accuracy_matrix"] == m_run["til_accuracy_matrix"]
     assert json.loads((ws / "sw" / "seed0" / "manifest.json").read_text())["world_size"] == 2
+    assert "run directory:" in (ws / "sw" / ".torchrun" / "seed0.log").read_text()  # the job's own output
     res = _run("sweep", "spec.yaml", "--out", "sw", "--nproc", "2", "--resume")  # resume: a finished cell skipped
     assert "1 cells, 1 already done, 0 to run" in res.stdout

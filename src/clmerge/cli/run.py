@@ -127,7 +127,7 @@ def _run_seeds(config: Path | None, sets: list[str], text: str, out: Path | None
     spec = SweepSpec(base=str(config) if config is not None else None,
                      set=dotted_items(apply_overrides({}, sets)), grid={"seed": parse_seeds(text)})
     if dry_run:
-        return dry_run_spec(spec)
+        return dry_run_spec(spec, nproc)
     if out is None:
         if resume:
             exit_with("--resume needs --out DIR (the folder of the seeds' runs to continue)")

@@ -57,7 +57,7 @@ def sweep_command(
     resume_cmd = f"clmerge sweep {shlex.quote(str(spec))} --out {shlex.quote(str(out))} --resume"
     resume_cmd += f" --nproc {nproc}" if nproc > 1 else ""
     if dry_run:
-        return dry_run_spec(sweep)
+        return dry_run_spec(sweep, nproc)
     if out is None:
         raise UsageError("clmerge sweep needs --out DIR (the sweep directory)")
     run_spec(sweep, out, resume=resume, backend=backend, jobs=jobs, address=address, nproc=nproc,
@@ -86,14 +86,16 @@ def _check_backend(backend: str) -> None:
         raise UsageError(f"--backend {clip(repr(backend), 60)}: expected local or ray")
 
 
-def dry_run_spec(sweep) -> None:
-    """Print every cell and its overrides after validating its config; nothing is written. With a ``select``
-    block, the selection cells first, then the grid's cells with the key shown as chosen on validation."""
+def dry_run_spec(sweep, nproc: int = 1) -> None:
+    """Print every cell and its overrides after validating its config (and, with ``nproc`` > 1, its batch size
+    against the processes); nothing is written. With a ``select`` block, the selection cells first, then the
+    grid's cells with the key shown as chosen on validation."""
     from ..config import ConfigError
-    from ..sweep.runner import plan_selection, plan_sweep
+    from ..sweep.runner import check_nproc, plan_selection, plan_sweep
 
     try:
         plan, sel_plan = plan_sweep(sweep), plan_selection(sweep)
+        check_nproc(sel_plan + plan, nproc)
     except (ConfigError, ValueError) as exc:
         fail(exc)
     key = sweep.select.key if sweep.select is not None else None

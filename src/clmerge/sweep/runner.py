@@ -39,6 +39,7 @@ __all__ = ["SweepError", "plan_sweep", "plan_selection", "run_sweep", "run_cell"
            "check_nproc", "cell_state", "read_cells"]
 
 SPEC_FILE, CELLS_FILE = "sweep.yaml", "cells.json"
+TORCHRUN_LOGS = ".torchrun"  # with --nproc: each cell's torchrun output, <cell>.log
 
 
 class SweepError(ClmergeError, RuntimeError):
@@ -80,21 +81,25 @@ def run_cell(data: dict, out: str, resume: bool) -> dict[str, Any]:
 def run_cell_torchrun(data: dict, out: str, resume: bool, nproc: int) -> dict[str, Any]:
     """Job: one cell as its own data-parallel job, ``clmerge run CONFIG --out OUT [--resume]`` under torchrun
     in ``nproc`` processes (the relaunch of ``clmerge run --nproc``); the run's headline metrics. The cell's
-    config is handed over as a temporary YAML file; a failed launch raises with the last lines it printed."""
+    config is handed over as a temporary YAML file; what the job prints is appended to
+    ``<sweep>/.torchrun/<cell>.log``, and a failed job raises with its last lines and that path."""
     import subprocess
     import tempfile
 
     from ..config import dump_config, parse_config
     from ..engine.distributed import torchrun_command
 
-    with tempfile.TemporaryDirectory(prefix="clmerge-cell-") as tmp:
+    log = Path(out).parent / TORCHRUN_LOGS / f"{Path(out).name}.log"
+    log.parent.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="clmerge-cell-") as tmp, log.open("a", encoding="utf-8") as f:
         cfg = Path(tmp) / "config.yaml"
         cfg.write_text(dump_config(parse_config(data)))
         args = ["run", str(cfg), "--out", out, *(["--resume"] if resume else [])]
-        res = subprocess.run(torchrun_command(nproc, args), capture_output=True, text=True)
-    if res.returncode != 0:
-        tail = [ln for ln in res.stderr.splitlines() if ln.strip()][-3:]
-        raise RuntimeError(f"torchrun exited with {res.returncode}: {' | '.join(tail)}")
+        code = subprocess.run(torchrun_command(nproc, args), stdout=f, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+        tail = [ln.strip() for ln in lines if ln.strip()][-2:]
+        raise RuntimeError(f"torchrun exited with {code} ({log}): {' | '.join(tail)}")
     metrics = read_json(Path(out) / "metrics.json")
     return {k: metrics.get(k) for k in ("acc", "aaa", "forgetting")}
 

@@ -106,11 +106,13 @@ def run_cell_torchrun(data: dict, out: str, resume: bool, nproc: int) -> dict[st
 
 def check_nproc(plan: list[tuple[Cell, dict]], nproc: int) -> None:
     """Every cell can be split over ``nproc`` processes: its ``train.batch_size`` gives each one a sample."""
-    from ..config import ConfigError
+    from ..config import ConfigError, parse_config
 
+    if nproc < 2:
+        return
     for cell, data in plan:
-        batch = data.get("train", {}).get("batch_size")
-        if nproc > 1 and isinstance(batch, int) and batch < nproc:
+        batch = parse_config(data).train.batch_size  # the default when the cell does not set it
+        if batch < nproc:
             raise ConfigError(f"cell {cell.name}: --nproc {nproc}: train.batch_size={batch} gives a process no "
                               "sample per batch")
 
@@ -169,6 +171,7 @@ def run_sweep(spec: SweepSpec, out: Path, *, resume: bool = False, backend: str 
         _check_cells_unchanged(out, sel_plan or plan)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / SPEC_FILE, yaml.safe_dump(spec.as_dict(), sort_keys=False))
+
     def new_executor() -> _CellExecutor:
         return _CellExecutor(make_executor(backend, workers=jobs, address=address), nproc)
 

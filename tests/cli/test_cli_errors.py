@@ -1256,3 +1256,45 @@ CONTINUAL_MERGE_CASES = [
 def test_continual_merge_errors_are_short_typed_and_leave_nothing(ws, argv, code, words):
     before = _snapshot(ws)
     _check(CliRunner().invoke(app, argv), code, words, before, ws)
+
+
+# -- sweep --nproc (a torchrun job per cell) and report --by: bounds, combinations, per-cell batch sizes, and
+# `report DIR --by ","` refused as `results` refuses it
+def _nproc_cases() -> list:
+    from clmerge.utils.threads import max_threads
+
+    return [
+        ("sweep-nproc-huge", ["sweep", "sweep.yaml", "--nproc", "100000", "--out", "s"], USAGE, ["--nproc", "100000"]),
+        ("sweep-jobs-times-nproc", ["sweep", "sweep.yaml", "--jobs", str(max_threads()), "--nproc", "2", "--out", "s"],
+         USAGE, [f"--jobs {max_threads()} x --nproc 2", str(2 * max_threads())]),
+        ("sweep-nproc-ray", ["sweep", "sweep.yaml", "--nproc", "2", "--backend", "ray", "--out", "s"], USAGE,
+         ["--nproc", "--backend ray"]),
+        ("sweep-plugin-with-nproc", ["sweep", "sweep.yaml", "--plugin", "x", "--nproc", "2", "--out", "s"], USAGE,
+         ["--plugin", "--nproc"]),
+        ("sweep-nproc-batch", ["sweep", "batch1.yaml", "--nproc", "2", "--out", "s"], USAGE,
+         ["cell seed0", "train.batch_size=1", "--nproc 2"]),
+        ("sweep-nproc-batch-dry-run", ["sweep", "batch1.yaml", "--nproc", "2", "--dry-run"], USAGE,
+         ["cell seed0", "train.batch_size=1"]),
+        ("run-seeds-nproc-batch-dry-run", [*RUN, "--seeds", "0", "--nproc", "2", "--set", "train.batch_size=1",
+                                           "--dry-run"], USAGE, ["train.batch_size=1"]),
+        ("run-seeds-nproc-batch", [*RUN, "--seeds", "0,1", "--nproc", "2", "--set", "train.batch_size=1", "--out",
+                                   "r"], USAGE, ["train.batch_size=1", "--nproc 2"]),
+    ]
+
+
+@pytest.mark.parametrize("case", _nproc_cases(), ids=lambda c: c[0])
+def test_sweep_nproc_errors_are_short_typed_and_leave_nothing(ws, case):
+    _, argv, code, words = case
+    (ws / "sweep.yaml").write_text(yaml.safe_dump(SWEEP_SPECS["sweep.yaml"]))
+    (ws / "batch1.yaml").write_text(yaml.safe_dump({**SWEEP_SPECS["sweep.yaml"], "set": {"train.batch_size": 1}}))
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, argv), code, words, before, ws)
+
+
+@pytest.mark.parametrize("by", [",", " , ", ""])
+def test_report_on_a_sweep_refuses_an_empty_by_as_results_does(ws, by):
+    _results_runs(ws)
+    before = _snapshot(ws)
+    report, results = (CliRunner().invoke(app, [cmd, "sw", "--by", by]) for cmd in ("report", "results"))
+    _check(report, USAGE, ["--by", "at least one config key"], before, ws)
+    assert report.stderr == results.stderr

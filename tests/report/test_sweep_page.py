@@ -170,3 +170,53 @@ def test_the_page_of_a_real_tiny_sweep_renders_in_chromium(tmp_path, monkeypatch
     assert len(colours) > 500, "the screenshot is (nearly) one colour: the page did not render"
     plots_band = pixels[600:1600]  # the first plots sit below the table: blue, orange lines and bands
     assert (np.abs(plots_band[..., 2] - plots_band[..., 0]) > 0.3).any(), "no coloured plot on the page"
+
+
+# -- a sweep with a `select:` block: its selection runs (DIR/select/) are not results; its choice is shown
+SELECTED = {"key": "optim.lr", "metric": "acc", "split": "val", "seeds": [0], "groups": {
+    "method.name=seq_lora": {"per": {"method.name": "seq_lora"}, "value": 0.01, "extended": [0.1],
+                             "at_edge": True, "scores": [{"value": 0.001, "val_acc": 41.5, "cells": []},
+                                                         {"value": 0.01, "val_acc": 63.25, "cells": []}]},
+    "method.name=pm": {"per": {"method.name": "pm"}, "value": 0.003, "extended": [], "at_edge": False,
+                       "scores": [{"value": 0.001, "val_acc": 70.0, "cells": []},
+                                  {"value": 0.003, "val_acc": 77.5, "cells": []}]}}}
+
+
+def _with_selection_runs(root: Path) -> None:
+    """Selection runs under DIR/select/ (a method of its own, so the page would show a third group)."""
+    write_matrix_run(root / "select" / "sd_lora-lr0.1-seed0", "sd_lora", 0, [[10.0, None], [5.0, 7.0]])
+    (root / "select" / "cells.json").write_text("{}")
+
+
+@pytest.mark.parametrize("chosen", [True, False], ids=["selected", "stopped-in-selection"])
+def test_the_page_skips_the_selection_runs(sweep, chosen):
+    _with_selection_runs(sweep)
+    if chosen:
+        (sweep / "selected.json").write_text(json.dumps(SELECTED))
+    text = unescape(sweep_page.build_sweep_page(sweep).read_text())
+    assert "sd_lora" not in text and "select/sd_lora" not in text
+    assert "4 finished" in text
+    assert not (sweep / "select" / "sd_lora-lr0.1-seed0" / "report.html").exists()  # no page for it either
+
+
+def test_the_page_shows_the_choice_on_validation_per_group(sweep):
+    (sweep / "selected.json").write_text(json.dumps(SELECTED))
+    text = sweep_page.build_sweep_page(sweep).read_text()
+    section = unescape(text.split("Selection on validation", 1)[1].split("</section>", 1)[0])
+    rows = [re.sub(r"<[^>]+>", "|", r) for r in section.split("</table>")[0].split("<tr>")[2:]]
+    cells = [[c for c in r.split("|") if c.strip()] for r in rows]
+    assert cells[0] == ["method.name=seq_lora", "0.01", "0.001: 41.5; 0.01: 63.25", "yes"]
+    assert cells[1] == ["method.name=pm", "0.003", "0.001: 70; 0.003: 77.5", "no"]
+    assert "chosen optim.lr" in section and "mean validation acc" in section
+
+
+def test_no_selection_section_without_selected_json(sweep):
+    assert "Selection on validation" not in sweep_page.build_sweep_page(sweep).read_text()
+
+
+def test_a_selected_json_of_another_shape_is_one_input_error_and_writes_nothing(sweep):
+    (sweep / "selected.json").write_text(json.dumps({**SELECTED, "groups": {"g": {"value": 1, "scores": 3}}}))
+    res = CliRunner().invoke(app, ["report", str(sweep)])
+    assert res.exit_code == 3 and "selected.json: groups.g.scores" in res.output
+    assert not (sweep / "report.html").exists()
+    assert not any(sweep.glob("*/report.html"))

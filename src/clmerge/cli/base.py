@@ -93,6 +93,17 @@ def split_keys(values: list[str]) -> list[str]:
     return [k.strip() for v in values for k in v.split(",") if k.strip()]
 
 
+def by_keys(text: str) -> list[str]:
+    """The config keys of a ``--by`` option (``clmerge results``, ``clmerge report`` on a sweep); none: a usage
+    error, the same in both commands."""
+    from ..errors import UsageError
+
+    keys = split_keys([text])
+    if not keys:
+        raise UsageError("--by: give at least one config key (e.g. method.name)")
+    return keys
+
+
 def exit_with(message: str, code: int = 2) -> NoReturn:
     """Print ``message`` as a user error (:func:`print_error`) and exit with ``code`` (2: a usage error)."""
     print_error(message)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from .base import app, console, err, split_keys
+from .base import app, by_keys, console, err, split_keys
 
 _METRICS_DEFAULT = "acc,aaa,forgetting,til_acc"
 
@@ -45,13 +45,11 @@ def results(
 
     if fmt not in tables.FORMATS:
         raise UsageError(f"--format {fmt}: expected one of {', '.join(tables.FORMATS)}")
-    names, by_keys = tables.parse_metrics(metrics), split_keys([by])
-    if not by_keys:
-        raise UsageError("--by: give at least one config key (e.g. method.name)")
+    names, keys = tables.parse_metrics(metrics), by_keys(by)
     done, unfinished = tables.find_runs(dirs)
     if output is not None:
         _check_output(output, done + unfinished)
-    table = tables.build_table(tables.load_runs(done), by=by_keys, metrics=names, vs=vs, ignore=split_keys(ignore),
+    table = tables.build_table(tables.load_runs(done), by=keys, metrics=names, vs=vs, ignore=split_keys(ignore),
                                skipped=unfinished)
     text = tables.render(table, fmt, width=console.width)
     if output is not None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from .base import app, console, err, exit_with, fail, split_keys
+from .base import app, by_keys, console, err, exit_with, fail, split_keys
 from ..errors import UsageError
 from ..utils.threads import check_jobs
 
@@ -122,19 +122,19 @@ def _run_seeds(config: Path | None, sets: list[str], text: str, out: Path | None
     from ..sweep.grid import SweepSpec, dotted_items, parse_seeds
     from .sweep import dry_run_spec, run_spec
 
-    if orders is not None or nproc > 1:
-        raise UsageError("--seeds runs the seeds one after another: it does not combine with --orders or --nproc")
+    if orders is not None:
+        raise UsageError("--seeds runs the seeds one after another: it does not combine with --orders")
     spec = SweepSpec(base=str(config) if config is not None else None,
                      set=dotted_items(apply_overrides({}, sets)), grid={"seed": parse_seeds(text)})
     if dry_run:
-        return dry_run_spec(spec)
+        return dry_run_spec(spec, nproc)
     if out is None:
         if resume:
             exit_with("--resume needs --out DIR (the folder of the seeds' runs to continue)")
         out = default_run_dir(cfg.method.name, cfg.scenario.dataset)
     words = ["clmerge", "run", *([str(config)] if config else []), *[w for s in sets for w in ("--set", s)],
-             "--seeds", text, "--out", str(out), "--resume"]
-    run_spec(spec, out, resume=resume, resume_command=" ".join(shlex.quote(w) for w in words))
+             "--seeds", text, "--out", str(out), "--resume", *(["--nproc", str(nproc)] if nproc > 1 else [])]
+    run_spec(spec, out, resume=resume, nproc=nproc, resume_command=" ".join(shlex.quote(w) for w in words))
 
 
 def default_run_dir(method: str, dataset: str) -> Path:
@@ -178,8 +178,9 @@ def _launch(nproc: int, out: Path | None) -> None:
             args.append(a)
     if out is not None and "--out" not in args:
         args += ["--out", str(out)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "clmerge", *args]
+    from ..engine.distributed import torchrun_command
+
+    cmd = torchrun_command(nproc, args)
     err.print(f"launching {nproc} processes: {' '.join(cmd[1:])}", highlight=False, markup=False, soft_wrap=True)
     raise typer.Exit(subprocess.call(cmd))
 
@@ -237,7 +238,8 @@ def report(
     from ..report import build_report, sweep_page
 
     if not run_dir.is_dir() or sweep_page.is_run_dir(run_dir):
-        _sweep_options_unused({"--by": by, "--vs": vs, "--metrics": metrics, "--ignore": ignore}, run_dir)
+        given = {"--by": by is not None, "--vs": vs, "--metrics": metrics, "--ignore": ignore}
+        _sweep_options_unused(given, run_dir)
         try:
             path = build_report(run_dir)
         except (FileNotFoundError, ValueError) as exc:
@@ -259,8 +261,8 @@ def _sweep_report(sweep_dir: Path, by: str | None, vs: str | None, metrics: str 
     from ..report import sweep_page, tables
 
     names = tables.parse_metrics(metrics) if metrics is not None else list(sweep_page.DEFAULT_METRICS)
-    return sweep_page.build_sweep_page(sweep_dir, by=split_keys([by]) if by else None, metrics=names, vs=vs,
-                                       ignore=split_keys(ignore))
+    keys = by_keys(by) if by is not None else None
+    return sweep_page.build_sweep_page(sweep_dir, by=keys, metrics=names, vs=vs, ignore=split_keys(ignore))
 
 
 @app.command()

@@ -14,7 +14,7 @@ import typer
 from .base import app, err, fail, make_console
 from ..errors import UsageError, clip
 
-__all__ = ["sweep_command", "run_spec", "dry_run_spec"]
+__all__ = ["sweep_command", "run_spec", "dry_run_spec", "next_commands"]
 
 console = make_console()
 
@@ -30,6 +30,9 @@ def sweep_command(
                                  "and write nothing"),
     jobs: int = typer.Option(0, "--jobs", min=0, help="local: cells in parallel worker processes (0: one after "
                              "another in this process)"),
+    nproc: int = typer.Option(1, "--nproc", min=1, help="each cell as its own data-parallel torchrun job of N "
+                              "processes (as `clmerge run --nproc N`), one cell after another; with --jobs J, J "
+                              "such jobs at once (J x N processes)"),
     backend: str = typer.Option("local", "--backend", help="local (in process / --jobs pool) or ray"),
     address: str | None = typer.Option(None, "--address", help="Ray: an existing cluster (auto, HOST:PORT, "
                                        "ray://...); default: start a local one"),
@@ -40,27 +43,42 @@ def sweep_command(
     """Run a grid of experiments (methods x seeds x ...), one run directory per cell."""
     from ..config import ConfigError
     from ..plugins import load_plugins
-    from ..utils.threads import check_jobs
     from ..sweep import load_spec
 
-    try:
-        check_jobs(jobs)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    if plugin and (jobs or backend != "local"):
-        raise UsageError("--plugin registers its names in this process only: it does not combine with --jobs or "
-                         "--backend ray")
+    _check_processes(jobs, nproc, backend)
+    if plugin and (jobs or nproc > 1 or backend != "local"):
+        raise UsageError("--plugin registers its names in this process only: it does not combine with --jobs, "
+                         "--nproc or --backend ray")
     load_plugins(plugin)
     try:
         sweep = load_spec(spec)
     except ConfigError as exc:
         fail(exc)
     resume_cmd = f"clmerge sweep {shlex.quote(str(spec))} --out {shlex.quote(str(out))} --resume"
+    resume_cmd += f" --nproc {nproc}" if nproc > 1 else ""
     if dry_run:
-        return dry_run_spec(sweep)
+        return dry_run_spec(sweep, nproc)
     if out is None:
         raise UsageError("clmerge sweep needs --out DIR (the sweep directory)")
-    run_spec(sweep, out, resume=resume, backend=backend, jobs=jobs, address=address, resume_command=resume_cmd)
+    run_spec(sweep, out, resume=resume, backend=backend, jobs=jobs, address=address, nproc=nproc,
+             resume_command=resume_cmd)
+
+
+def _check_processes(jobs: int, nproc: int, backend: str) -> None:
+    """``--jobs`` and ``--nproc`` each, and ``--jobs`` x ``--nproc`` processes together, within the machine's
+    bound; ``--nproc`` launches torchrun on this machine, so not from Ray workers."""
+    from ..utils.threads import check_jobs
+
+    try:
+        check_jobs(jobs)
+        check_jobs(nproc, "--nproc")
+        if jobs and nproc > 1:
+            check_jobs(jobs * nproc, f"--jobs {jobs} x --nproc {nproc} (processes at once)")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if nproc > 1 and backend != "local":
+        raise UsageError("--nproc launches torchrun on this machine: it does not combine with --backend ray "
+                         "(run a torchrun job per cell locally, or Ray cells in one process each)")
 
 
 def _check_backend(backend: str) -> None:
@@ -68,14 +86,16 @@ def _check_backend(backend: str) -> None:
         raise UsageError(f"--backend {clip(repr(backend), 60)}: expected local or ray")
 
 
-def dry_run_spec(sweep) -> None:
-    """Print every cell and its overrides after validating its config; nothing is written. With a ``select``
-    block, the selection cells first, then the grid's cells with the key shown as chosen on validation."""
+def dry_run_spec(sweep, nproc: int = 1) -> None:
+    """Print every cell and its overrides after validating its config (and, with ``nproc`` > 1, its batch size
+    against the processes); nothing is written. With a ``select`` block, the selection cells first, then the
+    grid's cells with the key shown as chosen on validation."""
     from ..config import ConfigError
-    from ..sweep.runner import plan_selection, plan_sweep
+    from ..sweep.runner import check_nproc, plan_selection, plan_sweep
 
     try:
         plan, sel_plan = plan_sweep(sweep), plan_selection(sweep)
+        check_nproc(sel_plan + plan, nproc)
     except (ConfigError, ValueError) as exc:
         fail(exc)
     key = sweep.select.key if sweep.select is not None else None
@@ -100,7 +120,7 @@ def _print_cells(plan: list, chosen_key: str | None) -> None:
 
 
 def run_spec(sweep, out: Path, *, resume: bool, backend: str = "local", jobs: int = 0,
-             address: str | None = None, resume_command: str) -> None:
+             address: str | None = None, nproc: int = 1, resume_command: str) -> None:
     """Run a sweep from the command line: typed errors as one line, Ctrl-C as the ``--resume`` hint."""
     from ..config import ConfigError
     from ..sweep import SweepError, run_sweep
@@ -108,7 +128,7 @@ def run_spec(sweep, out: Path, *, resume: bool, backend: str = "local", jobs: in
     _check_backend(backend)
     log = lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
     try:
-        run_sweep(sweep, out, resume=resume, backend=backend, jobs=jobs, address=address, log=log)
+        run_sweep(sweep, out, resume=resume, backend=backend, jobs=jobs, address=address, nproc=nproc, log=log)
     except KeyboardInterrupt:
         err.print(f"\ninterrupted: finished cells and tasks are kept; continue with: {resume_command}",
                   highlight=False, markup=False, soft_wrap=True)
@@ -117,3 +137,10 @@ def run_spec(sweep, out: Path, *, resume: bool, backend: str = "local", jobs: in
         fail(exc)
     console.print(f"sweep directory: {out.absolute()} (cells.json lists every cell and its overrides)",
                   markup=False, highlight=False, soft_wrap=True)
+    console.print(next_commands(out), markup=False, highlight=False, soft_wrap=True)
+
+
+def next_commands(out: Path) -> str:
+    """The closing hint of a sweep: the commands that read its runs."""
+    d = shlex.quote(str(out))
+    return f"next: clmerge results {d}   (the table over seeds)   clmerge report {d}   (the HTML page)"

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DataParallel", "active", "setup", "local", "is_main", "launched", "broadcast_json",
-           "broadcast_tensors", "BUCKET_BYTES"]
+__all__ = ["DataParallel", "active", "setup", "local", "is_main", "launched", "torchrun_command",
+           "broadcast_json", "broadcast_tensors", "BUCKET_BYTES"]
 
 BUCKET_BYTES = 32 * 2**20  # gradients are summed in flat buckets of about this size
 
@@ -88,6 +88,15 @@ _LOCAL = 0
 def launched() -> bool:
     """Whether this process was started by ``torchrun`` (or another launcher) as one of several."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def torchrun_command(nproc: int, clmerge_args: list[str]) -> list[str]:
+    """The command that runs ``clmerge <clmerge_args>`` in ``nproc`` processes on this machine under torchrun
+    (``--standalone``: a free rendezvous port, so several such jobs may run side by side)."""
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "clmerge", *clmerge_args]
 
 
 def setup(device: str = "cpu", timeout_minutes: float = 120.0) -> DataParallel | None:

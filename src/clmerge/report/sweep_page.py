@@ -22,12 +22,13 @@ from clmerge.report.elements import details, format_value, img, link, page, sect
 from clmerge.report.html import build_report, check_accuracy_matrix
 from clmerge.report.sweep_data import Band, cil_curve, forgetting_values, old_new_split, seed_band, til_curve
 from clmerge.utils.extras import MissingExtraError, require_extra
-from clmerge.utils.io import atomic_write_text
+from clmerge.errors import InputError
+from clmerge.utils.io import atomic_write_text, read_json
 from clmerge.utils.outpaths import check_writable
 from clmerge.utils.yaml_io import read_yaml
 
 __all__ = ["PAGE", "DEFAULT_METRICS", "is_run_dir", "default_by", "build_sweep_page", "sweep_page_html",
-           "sweep_figures"]
+           "sweep_figures", "selection_rows"]
 
 PAGE = "report.html"
 SPEC_FILE = "sweep.yaml"
@@ -71,11 +72,12 @@ def build_sweep_page(sweep_dir: str | Path, *, by: Sequence[str] | None = None,
     for r in _runs(t):
         check_accuracy_matrix(r.metrics, r.path / "metrics.json")
     out = sweep_dir / PAGE
+    html = sweep_page_html(sweep_dir, t)  # reads selected.json too: a bad one stops before any write
     check_writable(out, "report")
     for r in _runs(t):
         if not (r.path / PAGE).is_file():
             build_report(r.path)
-    atomic_write_text(out, sweep_page_html(sweep_dir, t))
+    atomic_write_text(out, html)
     return out
 
 
@@ -86,7 +88,8 @@ def _runs(t: tables.ResultsTable) -> list[tables.Run]:
 def sweep_page_html(sweep_dir: Path, t: tables.ResultsTable) -> str:
     """The page's HTML for the table ``t`` built from the runs under ``sweep_dir`` (links are relative to it)."""
     title = f"clmerge sweep: {sweep_dir.resolve().name}"
-    sections = [_table_section(t), *_plot_sections(t), _runs_section(sweep_dir, t), _spec_section(sweep_dir)]
+    sections = [_table_section(t), _selection_section(sweep_dir), *_plot_sections(t), _runs_section(sweep_dir, t),
+                _spec_section(sweep_dir)]
     return page(title, _header(title, sweep_dir, t), sections)
 
 
@@ -114,6 +117,39 @@ def _table_section(t: tables.ResultsTable) -> str:
                  + table([head[k] for k in keep], [[r[k] for k in keep] for r in rows], numeric_from=len(t.by)))
     notes = "".join(f"<li>{escape(n)}</li>" for n in t.notes())
     return section("Comparison", body + f'<p class="note">{caption}</p><ul class="note">{notes}</ul>')
+
+
+def selection_rows(path: Path) -> tuple[str, str, list[list[str]]]:
+    """A sweep's ``selected.json`` (its choice on validation, docs/sweeps.md) as (key, metric, rows): per
+    group, the chosen value, every value tried with its mean validation score, and whether the choice sits at
+    an edge of the values tried. A file of another shape: InputError naming the file and the key."""
+    doc = read_json(path)
+    key, metric = (doc.get(k) if isinstance(doc, dict) else None for k in ("key", "metric"))
+    groups = doc.get("groups") if isinstance(doc, dict) else None
+    if not isinstance(key, str) or not isinstance(metric, str) or not isinstance(groups, dict):
+        raise InputError(f"{path}: key, metric, groups: expected the config key, the validation metric and "
+                         "the groups' choices a sweep writes")
+    rows = []
+    for label, rec in groups.items():
+        scores = rec.get("scores") if isinstance(rec, dict) else None
+        if not isinstance(scores, list) or not all(isinstance(s, dict) and "value" in s for s in scores):
+            raise InputError(f"{path}: groups.{label}.scores: expected a list of {{value, val_{metric}}}")
+        tried = "; ".join(f"{format_value(s['value'])}: {format_value(s.get(f'val_{metric}'))}" for s in scores)
+        rows.append([str(label), format_value(rec.get("value")), tried, "yes" if rec.get("at_edge") else "no"])
+    return key, metric, rows
+
+
+def _selection_section(sweep_dir: Path) -> str:
+    path = sweep_dir / tables.SELECTED_FILE
+    if not path.is_file():
+        return ""
+    key, metric, rows = selection_rows(path)
+    head = ["group", f"chosen {key}", f"values tried: mean validation {metric}", "at an edge"]
+    note = (f"The sweep chose {key} per group on validation data only ({tables.SELECTED_FILE}; its runs are "
+            f"in {tables.SELECT_DIR}/, not in the tables here); the grid's runs above use the chosen value. "
+            "At an edge: the best value is still the largest or smallest one tried after every extension.")
+    body = table(head, rows, numeric_from=4) + f'<p class="note">{escape(note)}</p>'
+    return section("Selection on validation", body)
 
 
 def _bands(t: tables.ResultsTable, per_run: Callable[[dict[str, Any]], Any]) -> dict[str, Band]:

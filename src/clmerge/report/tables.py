@@ -120,13 +120,19 @@ def _is_run_dir(p: Path) -> bool:
     return (p / "config.yaml").is_file()
 
 
+def _is_sweep_dir(folder: Path) -> bool:
+    """A sweep's folder (its ``sweep.yaml``, or the ``selected.json`` of its choice on validation): its
+    ``select/`` holds selection runs, even before the choice is written (a sweep stopped in phase 1)."""
+    return (folder / SELECTED_FILE).is_file() or (folder / "sweep.yaml").is_file()
+
+
 def _search(folder: Path, depth: int) -> list[Path]:
     """Run directories at or below ``folder`` (at most ``depth`` levels down), hidden folders skipped."""
     if _is_run_dir(folder):
         return [folder]
     if depth == 0:
         return []
-    skip = SELECT_DIR if (folder / SELECTED_FILE).is_file() else None  # selection runs: not results
+    skip = SELECT_DIR if _is_sweep_dir(folder) else None  # selection runs: not results
     kids = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != skip)
     return [r for k in kids for r in _search(k, depth - 1)]
 

@@ -35,9 +35,11 @@ from .executors import Executor, make_executor
 from .grid import Cell, SweepSpec, base_data, cell_config, expand_cells, spec_from_dict
 from .select import SELECT_DIR, SELECTED_FILE, group_label, groups, phase2_cells, run_selection, selection_plan
 
-__all__ = ["SweepError", "plan_sweep", "plan_selection", "run_sweep", "run_cell", "cell_state", "read_cells"]
+__all__ = ["SweepError", "plan_sweep", "plan_selection", "run_sweep", "run_cell", "run_cell_torchrun",
+           "check_nproc", "cell_state", "read_cells"]
 
 SPEC_FILE, CELLS_FILE = "sweep.yaml", "cells.json"
+TORCHRUN_LOGS = ".torchrun"  # with --nproc: each cell's torchrun output, <cell>.log
 
 
 class SweepError(ClmergeError, RuntimeError):
@@ -74,6 +76,45 @@ def run_cell(data: dict, out: str, resume: bool) -> dict[str, Any]:
 
     metrics = run_experiment(parse_config(data), Path(out), resume=resume)
     return {k: metrics.get(k) for k in ("acc", "aaa", "forgetting")}
+
+
+def run_cell_torchrun(data: dict, out: str, resume: bool, nproc: int) -> dict[str, Any]:
+    """Job: one cell as its own data-parallel job, ``clmerge run CONFIG --out OUT [--resume]`` under torchrun
+    in ``nproc`` processes (the relaunch of ``clmerge run --nproc``); the run's headline metrics. The cell's
+    config is handed over as a temporary YAML file; what the job prints is appended to
+    ``<sweep>/.torchrun/<cell>.log``, and a failed job raises with its last lines and that path."""
+    import subprocess
+    import tempfile
+
+    from ..config import dump_config, parse_config
+    from ..engine.distributed import torchrun_command
+
+    log = Path(out).parent / TORCHRUN_LOGS / f"{Path(out).name}.log"
+    log.parent.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="clmerge-cell-") as tmp, log.open("a", encoding="utf-8") as f:
+        cfg = Path(tmp) / "config.yaml"
+        cfg.write_text(dump_config(parse_config(data)))
+        args = ["run", str(cfg), "--out", out, *(["--resume"] if resume else [])]
+        code = subprocess.run(torchrun_command(nproc, args), stdout=f, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+        tail = [ln.strip() for ln in lines if ln.strip()][-2:]
+        raise RuntimeError(f"torchrun exited with {code} ({log}): {' | '.join(tail)}")
+    metrics = read_json(Path(out) / "metrics.json")
+    return {k: metrics.get(k) for k in ("acc", "aaa", "forgetting")}
+
+
+def check_nproc(plan: list[tuple[Cell, dict]], nproc: int) -> None:
+    """Every cell can be split over ``nproc`` processes: its ``train.batch_size`` gives each one a sample."""
+    from ..config import ConfigError, parse_config
+
+    if nproc < 2:
+        return
+    for cell, data in plan:
+        batch = parse_config(data).train.batch_size  # the default when the cell does not set it
+        if batch < nproc:
+            raise ConfigError(f"cell {cell.name}: --nproc {nproc}: train.batch_size={batch} gives a process no "
+                              "sample per batch")
 
 
 def _check_out(out: Path, spec: SweepSpec, cells: list[Cell], resume: bool) -> None:
@@ -113,8 +154,9 @@ def _check_only_adds(out: Path, spec: SweepSpec, cells: list[Cell]) -> None:
 
 
 def run_sweep(spec: SweepSpec, out: Path, *, resume: bool = False, backend: str = "local", jobs: int = 0,
-              address: str | None = None, log: Callable[[str], None] = print) -> dict[str, str]:
-    """Run every cell of ``spec`` into ``out/<cell>``; returns cell name -> status.
+              address: str | None = None, nproc: int = 1, log: Callable[[str], None] = print) -> dict[str, str]:
+    """Run every cell of ``spec`` into ``out/<cell>``; returns cell name -> status. ``nproc`` > 1: each cell
+    is its own torchrun job of ``nproc`` processes (:func:`run_cell_torchrun`), ``jobs`` of them at once.
 
     Raises:
         ConfigError: a bad spec or cell config (before anything is written).
@@ -123,12 +165,16 @@ def run_sweep(spec: SweepSpec, out: Path, *, resume: bool = False, backend: str 
     """
     out = Path(out)
     plan, sel_plan = plan_sweep(spec), plan_selection(spec)
+    check_nproc(sel_plan + plan, nproc)
     _check_out(out, spec, expand_cells(spec), resume)
     if resume:
         _check_cells_unchanged(out, sel_plan or plan)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / SPEC_FILE, yaml.safe_dump(spec.as_dict(), sort_keys=False))
-    new_executor = lambda: make_executor(backend, workers=jobs, address=address)  # noqa: E731
+
+    def new_executor() -> _CellExecutor:
+        return _CellExecutor(make_executor(backend, workers=jobs, address=address), nproc)
+
     if spec.select is not None:
         plan = _select(spec, out, new_executor, log)
         if resume:
@@ -145,7 +191,7 @@ def run_sweep(spec: SweepSpec, out: Path, *, resume: bool = False, backend: str 
     return status
 
 
-def _select(spec: SweepSpec, out: Path, new_executor: Callable[[], Executor],
+def _select(spec: SweepSpec, out: Path, new_executor: Callable[[], _CellExecutor],
             log: Callable[[str], None]) -> list[tuple[Cell, dict]]:
     """Phase 1 (:func:`.select.run_selection`), ``selected.json`` (a resumed sweep must choose what it chose
     before), then the grid's plan with the chosen values, finished selection runs copied into it."""
@@ -197,10 +243,23 @@ def _copy_selection_runs(out: Path, plan: list, sel_plan: list, log: Callable[[s
             log(f"{cell.name}: the selection run {src.name} (same config), copied")
 
 
-def _run_cells(ex: Executor, out: Path, todo: list, status: dict[str, str], log: Callable[[str], None],
+class _CellExecutor:
+    """An executor whose cells run in process (``nproc`` 1) or as torchrun jobs of ``nproc`` processes."""
+
+    def __init__(self, ex: Executor, nproc: int) -> None:
+        self.ex, self.nproc = ex, nproc
+
+    def submit_cell(self, data: dict, out: str, resume: bool) -> Any:
+        if self.nproc > 1:
+            return self.ex.submit(run_cell_torchrun, data, out, resume, self.nproc)
+        return self.ex.submit(run_cell, data, out, resume)
+
+
+def _run_cells(cx: _CellExecutor, out: Path, todo: list, status: dict[str, str], log: Callable[[str], None],
                save: Callable[[], None]) -> None:
+    ex = cx.ex
     try:
-        handles = {ex.submit(run_cell, data, str(out / c.name), cell_state(out / c.name) == "started"): c
+        handles = {cx.submit_cell(data, str(out / c.name), cell_state(out / c.name) == "started"): c
                    for c, data in todo}
         while handles:
             h = ex.wait_any(list(handles))

@@ -37,11 +37,23 @@ def merge_bench_command(
     method: list[str] = typer.Option([], "--method", help="only these methods (repeatable; default: all in the grid)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="write into an existing non-empty --out that holds "
                                    "no merge-bench result"),
+    clip: str | None = typer.Option(None, "--clip", help="clip-* suites: the CLIP model, a folder or hub id (e.g. "
+                                    "openai/clip-vit-base-patch32); docs/clip_merging.md"),
+    experts_pattern: str = typer.Option("tanganke/clip-vit-base-patch32_{dataset}", "--experts",
+                                        help="clip-* suites: each expert's folder or hub id, {dataset} filled in"),
+    data_root: Path | None = typer.Option(None, "--data-root", help="clip-* suites: ROOT/<dataset>/test/<label>/* "
+                                          "(default: $CLMERGE_DATA, else ./data)"),
+    datasets: str | None = typer.Option(None, "--datasets", help="clip-* suites: only these datasets (comma list)"),
+    hp: list[str] = typer.Option([], "--hp", help="clip-* suites: METHOD.KEY=VALUE overriding a method's fixed "
+                                 "hyperparameter (repeatable)"),
+    device: str = typer.Option("cpu", "--device", help="clip-* suites: torch device (cpu, cuda)"),
 ) -> None:
     """Fine-tune one expert per task, merge with every method, select on validation, report test accuracy."""
     from ..utils.outpaths import check_output_dir
     from ..harness.merge_bench_run import parse_seeds, run_merge_bench
 
+    if suite.startswith("clip-"):
+        return _clip(out, suite, clip, experts_pattern, data_root, datasets, method, hp, max_eval, device, overwrite)
     if out is None:  # never into the source tree's benchmarks/ unless asked
         out = Path("merge-bench-runs") / f"suite{suite}"
         typer.echo(f"writing to {out.absolute()} (give --out to choose)", err=True)
@@ -54,3 +66,38 @@ def merge_bench_command(
         fail(exc)
     typer.echo((out / "results.md").read_text())
     typer.echo(f"wrote {out / 'results.json'} ({len(res['tasks'])} tasks)")
+
+
+def _parse_hp(items: list[str]) -> dict[str, dict]:
+    import yaml
+
+    out: dict[str, dict] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        m, dot, k = key.partition(".")
+        if not (eq and dot and m and k):
+            fail(ValueError(f"--hp {item!r}: expected METHOD.KEY=VALUE, e.g. task_arithmetic.scaling=0.3"))
+        out.setdefault(m, {})[k] = yaml.safe_load(value)
+    return out
+
+
+def _clip(out, suite, clip, experts, data_root, datasets, methods, hp, max_eval, device, overwrite) -> None:
+    """``merge-bench --suite clip-*``: the given CLIP experts merged by every method (harness.merge_bench_clip)."""
+    from ..data.folders import resolve_data_root
+    from ..errors import UsageError
+    from ..harness.merge_bench_clip import run_clip_bench
+    from ..utils.outpaths import check_output_dir
+
+    if clip is None:
+        fail(UsageError(f"--suite {suite}: needs --clip (a CLIP folder or hub id, e.g. openai/clip-vit-base-patch32)"))
+    out = out or Path("merge-bench-runs") / "clip"
+    check_output_dir(out, overwrite=overwrite, ours=("table1.md", "heads"))
+    try:
+        run_clip_bench(out, suite=suite, clip=clip, data_root=resolve_data_root(data_root), experts=experts,
+                       datasets=[d.strip() for d in datasets.split(",")] if datasets else None,
+                       methods=methods or None, hparams=_parse_hp(hp), max_eval=max_eval, device=device)
+    except (ValueError, FileNotFoundError, KeyError, OSError) as exc:
+        fail(exc)
+    typer.echo((out / suite / "results.md").read_text())
+    typer.echo((out / "table1.md").read_text())
+    typer.echo(f"wrote {out / suite / 'results.json'} and {out / 'table1.md'}")

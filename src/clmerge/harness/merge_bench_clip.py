@@ -1,0 +1,261 @@
+"""The CLIP merging benchmark of the papers: ``merge-bench --suite clip-ta8 | clip-tall14 | clip-tall20``.
+
+No fine-tuning: a CLIP model (``--clip``: a folder or hub id) gives the pretrained vision tower and, through its
+text tower, one zero-shot head per dataset (the class names and templates of
+:mod:`clmerge.data.clip_classnames`; each class's embedding is the mean of its normalised template embeddings,
+normalised again, as in CLIP's zero-shot protocol). The experts are given: fine-tuned vision towers named by a
+pattern (default FusionBench's public checkpoints, ``tanganke/clip-vit-base-patch32_{dataset}``). Every method
+merges the vision towers with fixed hyperparameters (:data:`CLIP_HPARAMS`, the papers' ViT-B/32 values; no
+validation search) and is scored on each dataset's test split (:mod:`clmerge.data.clip_tasks`).
+
+Rows: ``zero-shot`` (the pretrained CLIP), ``individual`` (each expert on its own dataset) and one per method.
+Normalized accuracy is the mean over datasets of merged / individual (%), as in the TALL-masks and Iso papers.
+``OUT/<suite>/results.{json,md}`` hold one suite; ``OUT/table1.md`` holds every suite found under ``OUT`` in
+the layout of Table 1 of Marczak et al. 2025 (methods x {8, 14, 20 tasks}, absolute and normalized).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..data.clip_tasks import CLIP_SUITES, class_prompts, clip_test_files, load_clip_images
+from ..errors import InputError, UsageError
+from ..merging.registry import merge
+from ..utils.io import atomic_write_text, load_tensors, read_json, save_tensors, write_json
+
+__all__ = ["CLIP_HPARAMS", "CLIP_HPARAM_SOURCES", "DEFAULT_EXPERTS", "run_clip_bench", "zero_shot_heads",
+           "clip_results_markdown", "table1_markdown", "expert_source"]
+
+DEFAULT_EXPERTS = "tanganke/clip-vit-base-patch32_{dataset}"
+# The papers' standard ViT-B/32 hyperparameters (fixed, not searched here).
+CLIP_HPARAMS: dict[str, dict[str, Any]] = {
+    "weight_average": {},
+    "task_arithmetic": {"scaling": 0.3},
+    "ties": {"density": 0.2, "scaling": 0.3, "merge_fn": "sum", "trim_rule": "threshold"},
+    "cart": {"rank_ratio": 0.08, "scaling": 1.0},
+    "tsv_m": {"scaling": 1.0},
+    "iso_c": {"scaling": 1.0},
+    "iso_cts": {"scaling": 1.0, "common_space_fraction": 0.8},
+}
+CLIP_HPARAM_SOURCES = {
+    "task_arithmetic": "Ilharco et al. 2023's ViT-B/32 choice; FusionBench config/method/task_arithmetic.yaml",
+    "ties": "FusionBench config/method/ties_merging.yaml (top 20%, sum of agreeing entries, scaling 0.3)",
+    "cart": "CART's default rank (8% of each matrix's rank) at scaling 1.0 (clmerge's cart defaults)",
+    "tsv_m": "alpha = 1.0: Gargiulo et al. 2025 and FusionBench TaskSingularVectorMerging.yaml",
+    "iso_c": "alpha = 1.0: FusionBench isotropic_merging/iso_c.yaml (the paper selects alpha on validation)",
+    "iso_cts": "alpha = 1.0, common_space_fraction 0.8: FusionBench isotropic_merging/iso_cts.yaml",
+}
+ROWS = {"zero-shot": "zero-shot (pretrained CLIP)", "individual": "individual experts"}
+SUITE_TASKS = {"clip-ta8": 8, "clip-tall14": 14, "clip-tall20": 20}
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE") == "1"
+
+
+def expert_source(pattern: str, dataset: str) -> str:
+    """The folder or hub id of ``dataset``'s expert under ``pattern`` (``{dataset}`` filled in)."""
+    if "{dataset}" not in pattern:
+        raise UsageError(f"--experts {pattern!r}: the pattern must hold {{dataset}}, e.g. {DEFAULT_EXPERTS}")
+    return pattern.format(dataset=dataset)
+
+
+def _from_pretrained(cls, source: str, what: str):
+    local = Path(source).expanduser()
+    try:
+        return cls.from_pretrained(str(local) if local.is_dir() else source,
+                                   local_files_only=_offline() or local.is_dir())
+    except (OSError, ValueError) as exc:
+        where = f"folder {local}" if local.is_dir() else f"hub id {source!r} (no folder {local})"
+        raise InputError(f"{what}: cannot load {cls.__name__} from {where}; expected a save_pretrained folder or "
+                         f"a hub id{' in the local cache (HF_HUB_OFFLINE=1)' if _offline() else ''}") from exc
+
+
+def load_clip(source: str):
+    """The CLIP model (eval mode) and its tokenizer from a folder or hub id."""
+    from transformers import AutoTokenizer, CLIPModel
+
+    model = _from_pretrained(CLIPModel, source, f"--clip {source}").eval()
+    tok = _from_pretrained(AutoTokenizer, source, f"--clip {source} (tokenizer)")
+    return model, tok
+
+
+def load_expert(pattern: str, dataset: str, keys: set[str]) -> dict[str, Tensor]:
+    """``dataset``'s fine-tuned vision tower as a state dict with the keys of the pretrained one."""
+    from transformers import CLIPVisionModel
+
+    src = expert_source(pattern, dataset)
+    sd = _from_pretrained(CLIPVisionModel, src, f"expert for {dataset}").state_dict()
+    sd = {k.removeprefix("vision_model."): v for k, v in sd.items()}  # the prefix depends on the HF version
+    if set(sd) != keys:
+        raise InputError(f"expert for {dataset} ({src}): its vision tower's parameters differ from --clip's "
+                         f"({len(set(sd) ^ keys)} keys differ); expected the same architecture")
+    return sd
+
+
+def _projected(out) -> Tensor:
+    """The projected embeddings: transformers 4 returns them, 5 an output whose pooler_output holds them."""
+    return out if isinstance(out, Tensor) else out.pooler_output
+
+
+@torch.no_grad()
+def _text_head(model, tok, dataset: str, device: str) -> Tensor:
+    rows = []
+    for prompts in class_prompts(dataset):
+        enc = tok(prompts, padding=True, truncation=True, return_tensors="pt").to(device)
+        emb = _projected(model.get_text_features(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]))
+        emb = emb / emb.norm(dim=-1, keepdim=True)
+        mean = emb.mean(0)
+        rows.append(mean / mean.norm())
+    return torch.stack(rows).cpu()
+
+
+def zero_shot_heads(model, tok, datasets: list[str], cache: Path, clip: str, device: str = "cpu") -> dict[str, Tensor]:
+    """One (classes, dim) zero-shot head per dataset, cached in ``cache`` under a digest of the CLIP source,
+    its text weights and the prompts (computed once)."""
+    text = {k: v for k, v in model.state_dict().items() if k.startswith(("text_model.", "text_projection"))}
+    wdig = hashlib.sha256(b"".join(v.float().cpu().numpy().tobytes()[:4096] for v in text.values())).hexdigest()
+    heads = {}
+    for d in datasets:
+        key = hashlib.sha256(json.dumps([clip, wdig, class_prompts(d)]).encode()).hexdigest()[:16]
+        path = cache / f"{d}-{key}.safetensors"
+        if path.is_file():
+            heads[d] = load_tensors(path)["head"]
+            continue
+        heads[d] = _text_head(model, tok, d, device)
+        save_tensors(path, {"head": heads[d]})
+    return heads
+
+
+@torch.no_grad()
+def _accuracy(model, params: dict[str, Tensor], head: Tensor, x: Tensor, y: Tensor, device: str, bs: int) -> float:
+    model.vision_model.load_state_dict(params)
+    correct = 0
+    for i in range(0, len(x), bs):
+        feats = _projected(model.get_image_features(pixel_values=x[i:i + bs].to(device)))
+        feats = feats / feats.norm(dim=-1, keepdim=True)
+        correct += int(((feats @ head.to(device).T).argmax(-1).cpu() == y[i:i + bs]).sum())
+    return 100.0 * correct / max(1, len(x))
+
+
+def _check_inputs(datasets: list[str], data_root: Path, max_eval: int | None) -> dict[str, list]:
+    """Every dataset's test files, before any model is loaded (a missing one fails first and fast)."""
+    try:
+        return {d: clip_test_files(data_root, d, max_eval) for d in datasets}
+    except (FileNotFoundError, ValueError) as exc:
+        raise InputError(str(exc)) from exc
+
+
+def _suite_datasets(suite: str, datasets: list[str] | None) -> list[str]:
+    if suite not in CLIP_SUITES:
+        raise UsageError(f"--suite {suite!r}: expected one of {', '.join(CLIP_SUITES)}")
+    full = list(CLIP_SUITES[suite])
+    if not datasets:
+        return full
+    bad = [d for d in datasets if d not in full]
+    if bad:
+        raise UsageError(f"--datasets {','.join(bad)}: not in {suite} (its datasets: {', '.join(full)})")
+    return [d for d in full if d in datasets]
+
+
+def _methods(methods: list[str] | None, overrides: dict[str, dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    names = methods or list(CLIP_HPARAMS)
+    out = {m: dict(CLIP_HPARAMS.get(m, {})) for m in names}
+    for m, hp in (overrides or {}).items():
+        if m not in out:
+            raise UsageError(f"--hp {m}.*: {m} is not among the methods run ({', '.join(out)})")
+        out[m].update(hp)
+    return out
+
+
+def run_clip_bench(out: Path, *, suite: str, clip: str, data_root: Path, experts: str = DEFAULT_EXPERTS,
+                   datasets: list[str] | None = None, methods: list[str] | None = None,
+                   hparams: dict[str, dict[str, Any]] | None = None, max_eval: int | None = None,
+                   batch_size: int = 128, device: str = "cpu", log=print) -> dict:
+    """Merge the given experts with every method and report test accuracy (module docstring).
+
+    Writes ``out/<suite>/results.json`` and ``results.md``, the cached heads in ``out/heads`` and
+    ``out/table1.md``; returns the results dict. Inputs are checked before anything is written.
+    """
+    names = _suite_datasets(suite, datasets)
+    grids = _methods(methods, hparams)
+    files = _check_inputs(names, Path(data_root), max_eval)
+    for d in names:
+        expert_source(experts, d)
+    model, tok = load_clip(clip)
+    model.to(device)
+    base = {k: v.detach().cpu().clone() for k, v in model.vision_model.state_dict().items()}
+    exp = []
+    for d in names:
+        log(f"expert {d}: {expert_source(experts, d)}")
+        exp.append(load_expert(experts, d, set(base)))
+    heads = zero_shot_heads(model, tok, names, Path(out) / "heads", clip, device)
+    size = model.config.vision_config.image_size
+    data = {d: load_clip_images(files[d], size) for d in names}
+
+    def score(params: dict[str, Tensor], only: str | None = None) -> list[float]:
+        return [_accuracy(model, {k: v.to(torch.float32) for k, v in params.items()}, heads[d], *data[d], device,
+                          batch_size) for d in ([only] if only else names)]
+
+    rows: dict[str, dict[str, Any]] = {"zero-shot": {"hp": {}, "test": score(base)},
+                                       "individual": {"hp": {}, "test": [score(e, d)[0] for e, d in zip(exp, names)]}}
+    for m, hp in grids.items():
+        log(f"merge {m} {hp}")
+        rows[m] = {"hp": hp, "test": score(merge(m, base=base, experts=exp, **hp))}
+    _summarise(rows)
+    results = {"suite": suite, "clip": clip, "experts": experts, "datasets": names, "max_eval": max_eval,
+               "complete": names == list(CLIP_SUITES[suite]), "rows": rows,
+               "sizes": {d: len(files[d]) for d in names}}
+    write_json(Path(out) / suite / "results.json", results)
+    atomic_write_text(Path(out) / suite / "results.md", clip_results_markdown(results))
+    atomic_write_text(Path(out) / "table1.md", table1_markdown(Path(out)))
+    return results
+
+
+def _summarise(rows: dict[str, dict[str, Any]]) -> None:
+    """Each row's mean absolute accuracy and its normalized accuracy: mean over datasets of acc / individual."""
+    ind = rows["individual"]["test"]
+    for r in rows.values():
+        r["avg"] = sum(r["test"]) / len(r["test"])
+        r["normalized"] = 100.0 * sum(a / max(i, 1e-9) for a, i in zip(r["test"], ind)) / len(ind)
+
+
+def clip_results_markdown(results: dict) -> str:
+    """The per-dataset table of one suite: absolute test accuracy per dataset, average, normalized."""
+    names = results["datasets"]
+    note = "" if results["complete"] else f" (subset of {results['suite']}: {len(names)} datasets)"
+    lines = [f"{results['suite']}{note}: CLIP `{results['clip']}`, experts `{results['experts']}`, test split"
+             + (f" (at most {results['max_eval']} images per dataset)" if results["max_eval"] else "") + ".", "",
+             "| method | " + " | ".join(names) + " | avg (abs.) | normalized | hyperparameters |",
+             "|" + "---|" * (len(names) + 4)]
+    for name, r in results["rows"].items():
+        cells = " | ".join(f"{a:.1f}" for a in r["test"])
+        lines.append(f"| {ROWS.get(name, name)} | {cells} | {r['avg']:.1f} | {r['normalized']:.1f} | "
+                     f"{r['hp'] or ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def table1_markdown(root: Path) -> str:
+    """Table 1 of the Iso paper from every ``root/<suite>/results.json``: one row per method, absolute and
+    normalized accuracy for 8, 14 and 20 tasks (``—`` where that suite was not run; ``*`` marks a dataset
+    subset or a capped test split)."""
+    found = {s: read_json(root / s / "results.json") for s in SUITE_TASKS if (root / s / "results.json").is_file()}
+    order = list(dict.fromkeys(m for r in found.values() for m in r["rows"]))
+    head = " | ".join(f"{n} tasks abs. | {n} tasks norm." for n in SUITE_TASKS.values())
+    lines = ["| method | " + head + " |", "|" + "---|" * 7]
+    for m in order:
+        cells = []
+        for s in SUITE_TASKS:
+            r = found.get(s)
+            mark = "" if r is None or (r["complete"] and not r["max_eval"]) else "*"
+            row = None if r is None else r["rows"].get(m)
+            cells += ["—", "—"] if row is None else [f"{row['avg']:.1f}{mark}", f"{row['normalized']:.1f}{mark}"]
+        lines.append(f"| {ROWS.get(m, m)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n`*`: a subset of the suite's datasets or a capped test split (`--max-eval`).\n"

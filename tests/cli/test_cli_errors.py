@@ -1089,3 +1089,45 @@ def test_moe_errors_are_one_line_and_leave_nothing(ws, make, code, words):
     before = _snapshot(ws)
     result = CliRunner().invoke(app, argv)
     _check(result, code, words, before, ws)
+
+
+# merge-bench --suite clip-*: a tiny random CLIP and one dataset's look-alike test split in the workspace
+CLIP_BENCH = ["merge-bench", "--suite", "clip-ta8", "--datasets", "mnist", "--out", "cb"]
+CLIP_BENCH_CASES = [
+    ("clip-no-clip", [*CLIP_BENCH], USAGE, ["--clip"]),
+    ("clip-no-data", [*CLIP_BENCH, "--clip", "clip", "--data-root", "nodata"], INPUT,
+     [str(Path("nodata") / "mnist" / "test"), "<label"]),
+    ("clip-missing-model", [*CLIP_BENCH, "--clip", "noclip", "--data-root", "data"], INPUT, ["noclip"]),
+    ("clip-missing-expert-hub", [*CLIP_BENCH, "--clip", "clip", "--data-root", "data"], INPUT,
+     ["tanganke/clip-vit-base-patch32_mnist"]),
+    ("clip-missing-expert-folder", [*CLIP_BENCH, "--clip", "clip", "--data-root", "data", "--experts",
+                                    "ckpts/{dataset}"], INPUT, ["ckpts/mnist"]),
+    ("clip-bad-class-folder", [*CLIP_BENCH, "--clip", "clip", "--data-root", "baddata"], INPUT, ["cats", "mnist"]),
+    ("clip-dataset-not-in-suite", ["merge-bench", "--suite", "clip-ta8", "--datasets", "cifar10",
+                                   "--clip", "clip", "--out", "cb"], USAGE,
+     ["cifar10", "clip-ta8"]),
+    ("clip-bad-hp", [*CLIP_BENCH, "--clip", "clip", "--data-root", "data", "--hp", "scaling=1"], USAGE,
+     ["METHOD.KEY=VALUE"]),
+    ("clip-pattern", [*CLIP_BENCH, "--clip", "clip", "--data-root", "data", "--experts", "ckpts"], USAGE,
+     ["{dataset}"]),
+]
+
+
+@pytest.fixture()
+def ws_clip(ws, monkeypatch):
+    from clip_helpers import tiny_clip
+    from clmerge.data.clip_tasks import write_clip_lookalike
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tiny_clip(ws / "clip", ["mnist"])
+    write_clip_lookalike(ws / "data", ["mnist"], per_class=1)
+    write_clip_lookalike(ws / "baddata", ["mnist"], per_class=1, max_classes=2)
+    (ws / "baddata" / "mnist" / "test" / "cats").mkdir()
+    return ws
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in CLIP_BENCH_CASES], ids=[c[0] for c in CLIP_BENCH_CASES])
+def test_clip_bench_error_is_short_typed_and_leaves_nothing(ws_clip, argv, code, words):
+    before = _snapshot(ws_clip)
+    result = CliRunner().invoke(app, argv)
+    _check(result, code, words, before, ws_clip)

@@ -16,7 +16,8 @@ def merge_bench_command(
     out: Path | None = typer.Option(None, "--out", help="results directory (default: ./merge-bench-runs/suite<S>; "
                                     "a folder holding an earlier merge-bench result is reused)"),
     suite: str = typer.Option("8", "--suite", help="task suite: 8, 14 or split8 (these two need Fashion-MNIST), "
-                              "tiny, or text6 / text-tiny (WordNet supersenses on minilm-l6; docs/text.md)"),
+                              "tiny, text6 / text-tiny (WordNet supersenses on minilm-l6; docs/text.md), or "
+                              "clip-ta8 / clip-tall14 / clip-tall20 (given CLIP experts; docs/clip_merging.md)"),
     backbone: str | None = typer.Option(None, "--backbone", help="the backbone to fine-tune (default: the suite's: "
                                         "minilm-l6 for text suites, else vit-tiny-fmnist)"),
     heads: str = typer.Option("frozen", "--heads", help="head protocol: frozen (heads fitted on the pretrained "

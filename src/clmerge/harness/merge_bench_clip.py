@@ -146,11 +146,18 @@ def _accuracy(model, params: dict[str, Tensor], head: Tensor, x: Tensor, y: Tens
 
 
 def _check_inputs(datasets: list[str], data_root: Path, max_eval: int | None) -> dict[str, list]:
-    """Every dataset's test files, before any model is loaded (a missing one fails first and fast)."""
-    try:
-        return {d: clip_test_files(data_root, d, max_eval) for d in datasets}
-    except (FileNotFoundError, ValueError) as exc:
-        raise InputError(str(exc)) from exc
+    """Every dataset's test files, before any model is loaded; one error names the first missing dataset's
+    expected folder and every other missing dataset."""
+    files, missing = {}, []
+    for d in datasets:
+        try:
+            files[d] = clip_test_files(data_root, d, max_eval)
+        except (FileNotFoundError, ValueError) as exc:
+            missing.append((d, exc))
+    if missing:
+        more = f" (also missing or malformed: {', '.join(d for d, _ in missing[1:])})" if len(missing) > 1 else ""
+        raise InputError(f"{missing[0][1]}{more}") from missing[0][1]
+    return files
 
 
 def _suite_datasets(suite: str, datasets: list[str] | None) -> list[str]:

@@ -12,6 +12,7 @@ from clmerge.cli import app
 from clmerge.data.clip_classnames import CLIP_CLASSNAMES, CLIP_TEMPLATES
 from clmerge.data.clip_tasks import CLIP_SUITES, clip_test_files, write_clip_lookalike
 from clmerge.harness.merge_bench_clip import CLIP_HPARAMS, run_clip_bench
+from clmerge.utils.io import read_json
 
 from clip_helpers import perturbed_experts, tiny_clip
 
@@ -64,9 +65,14 @@ def test_cli_writes_per_dataset_and_table1_shaped_tables(clipws):
 
 
 def test_task_arithmetic_of_one_expert_at_scaling_one_is_that_expert(clipws):
-    r = _run(clipws, "one", datasets=["svhn"], methods=["task_arithmetic"],
-             hparams={"task_arithmetic": {"scaling": 1.0}})
-    rows = r["rows"]
+    out = clipws / "one"
+    res = CliRunner().invoke(app, ["merge-bench", "--suite", "clip-ta8", "--clip", str(clipws / "clip"),
+                                   "--experts", str(clipws / "experts" / "{dataset}"), "--data-root",
+                                   str(clipws / "data"), "--datasets", "svhn", "--method", "task_arithmetic",
+                                   "--hp", "task_arithmetic.scaling=1.0", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = read_json(out / "clip-ta8" / "results.json")["rows"]
+    assert rows["task_arithmetic"]["hp"] == {"scaling": 1.0}
     assert rows["individual"]["test"] != rows["zero-shot"]["test"]  # the check below is not trivially true
     assert rows["task_arithmetic"]["test"] == rows["individual"]["test"]
     assert rows["task_arithmetic"]["normalized"] == pytest.approx(100.0)

@@ -145,6 +145,14 @@ def _accuracy(model, params: dict[str, Tensor], head: Tensor, x: Tensor, y: Tens
     return 100.0 * correct / max(1, len(x))
 
 
+def _load_experts(pattern: str, names: list[str], keys: set[str], log) -> list[dict[str, Tensor]]:
+    out = []
+    for d in names:
+        log(f"expert {d}: {expert_source(pattern, d)}")
+        out.append(load_expert(pattern, d, keys))
+    return out
+
+
 def _check_inputs(datasets: list[str], data_root: Path, max_eval: int | None) -> dict[str, list]:
     """Every dataset's test files, before any model is loaded; one error names the first missing dataset's
     expected folder and every other missing dataset."""
@@ -199,10 +207,7 @@ def run_clip_bench(out: Path, *, suite: str, clip: str, data_root: Path, experts
     model, tok = load_clip(clip)
     model.to(device)
     base = {k: v.detach().cpu().clone() for k, v in model.vision_model.state_dict().items()}
-    exp = []
-    for d in names:
-        log(f"expert {d}: {expert_source(experts, d)}")
-        exp.append(load_expert(experts, d, set(base)))
+    exp = _load_experts(experts, names, set(base), log)
     heads = zero_shot_heads(model, tok, names, Path(out) / "heads", clip, device)
     size = model.config.vision_config.image_size
     data = {d: load_clip_images(files[d], size) for d in names}

@@ -1102,6 +1102,8 @@ CLIP_BENCH_CASES = [
      ["tanganke/clip-vit-base-patch32_mnist"]),
     ("clip-missing-expert-folder", [*CLIP_BENCH, "--clip", "clip", "--data-root", "data", "--experts",
                                     "ckpts/{dataset}"], INPUT, ["ckpts/mnist"]),
+    ("clip-expert-other-architecture", [*CLIP_BENCH, "--clip", "clip", "--data-root", "data", "--experts",
+                                        "wide/{dataset}"], INPUT, ["wide/mnist", "same architecture"]),
     ("clip-bad-class-folder", [*CLIP_BENCH, "--clip", "clip", "--data-root", "baddata"], INPUT, ["cats", "mnist"]),
     ("clip-dataset-not-in-suite", ["merge-bench", "--suite", "clip-ta8", "--datasets", "cifar10",
                                    "--clip", "clip", "--out", "cb"], USAGE,
@@ -1123,6 +1125,10 @@ def ws_clip(ws, monkeypatch):
     write_clip_lookalike(ws / "data", ["mnist"], per_class=1)
     write_clip_lookalike(ws / "baddata", ["mnist"], per_class=1, max_classes=2)
     (ws / "baddata" / "mnist" / "test" / "cats").mkdir()
+    tiny_clip(ws / "wideclip", ["mnist"], patch_size=4)  # same parameter names, other shapes
+    from transformers import CLIPVisionModel
+
+    CLIPVisionModel.from_pretrained(ws / "wideclip").save_pretrained(ws / "wide" / "mnist")
     return ws
 
 

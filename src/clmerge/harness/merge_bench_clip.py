@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -67,11 +68,28 @@ def expert_source(pattern: str, dataset: str) -> str:
     return pattern.format(dataset=dataset)
 
 
+@contextmanager
+def _quiet_loading():
+    """transformers' loading bars and load reports off (they would bury the one-line errors), then restored."""
+    from transformers.utils import logging as hf_logging
+
+    bars, level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def _from_pretrained(cls, source: str, what: str):
     local = Path(source).expanduser()
     try:
-        return cls.from_pretrained(str(local) if local.is_dir() else source,
-                                   local_files_only=_offline() or local.is_dir())
+        with _quiet_loading():
+            return cls.from_pretrained(str(local) if local.is_dir() else source,
+                                       local_files_only=_offline() or local.is_dir())
     except (OSError, ValueError) as exc:
         where = f"folder {local}" if local.is_dir() else f"hub id {source!r} (no folder {local})"
         raise InputError(f"{what}: cannot load {cls.__name__} from {where}; expected a save_pretrained folder or "
@@ -87,16 +105,17 @@ def load_clip(source: str):
     return model, tok
 
 
-def load_expert(pattern: str, dataset: str, keys: set[str]) -> dict[str, Tensor]:
-    """``dataset``'s fine-tuned vision tower as a state dict with the keys of the pretrained one."""
+def load_expert(pattern: str, dataset: str, like: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``dataset``'s fine-tuned vision tower as a state dict with the keys and shapes of the pretrained ``like``."""
     from transformers import CLIPVisionModel
 
     src = expert_source(pattern, dataset)
     sd = _from_pretrained(CLIPVisionModel, src, f"expert for {dataset}").state_dict()
     sd = {k.removeprefix("vision_model."): v for k, v in sd.items()}  # the prefix depends on the HF version
-    if set(sd) != keys:
-        raise InputError(f"expert for {dataset} ({src}): its vision tower's parameters differ from --clip's "
-                         f"({len(set(sd) ^ keys)} keys differ); expected the same architecture")
+    bad = sorted(set(sd) ^ set(like)) or [k for k in sd if sd[k].shape != like[k].shape]
+    if bad:
+        raise InputError(f"expert for {dataset} ({src}): its vision tower differs from --clip's ({len(bad)} "
+                         f"parameters differ in name or shape, e.g. {bad[0]}); expected the same architecture")
     return sd
 
 
@@ -145,11 +164,11 @@ def _accuracy(model, params: dict[str, Tensor], head: Tensor, x: Tensor, y: Tens
     return 100.0 * correct / max(1, len(x))
 
 
-def _load_experts(pattern: str, names: list[str], keys: set[str], log) -> list[dict[str, Tensor]]:
+def _load_experts(pattern: str, names: list[str], like: dict[str, Tensor], log) -> list[dict[str, Tensor]]:
     out = []
     for d in names:
         log(f"expert {d}: {expert_source(pattern, d)}")
-        out.append(load_expert(pattern, d, keys))
+        out.append(load_expert(pattern, d, like))
     return out
 
 
@@ -207,7 +226,7 @@ def run_clip_bench(out: Path, *, suite: str, clip: str, data_root: Path, experts
     model, tok = load_clip(clip)
     model.to(device)
     base = {k: v.detach().cpu().clone() for k, v in model.vision_model.state_dict().items()}
-    exp = _load_experts(experts, names, set(base), log)
+    exp = _load_experts(experts, names, base, log)
     heads = zero_shot_heads(model, tok, names, Path(out) / "heads", clip, device)
     size = model.config.vision_config.image_size
     data = {d: load_clip_images(files[d], size) for d in names}

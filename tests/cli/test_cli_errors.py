@@ -1110,6 +1110,8 @@ CLIP_BENCH_CASES = [
      ["cifar10", "clip-ta8"]),
     ("clip-bad-hp", [*CLIP_BENCH, "--clip", "clip", "--data-root", "data", "--hp", "scaling=1"], USAGE,
      ["METHOD.KEY=VALUE"]),
+    ("clip-unknown-method", [*CLIP_BENCH, "--clip", "clip", "--data-root", "data", "--method", "tsvm"], USAGE,
+     ["tsvm", "tsv_m"]),
     ("clip-pattern", [*CLIP_BENCH, "--clip", "clip", "--data-root", "data", "--experts", "ckpts"], USAGE,
      ["{dataset}"]),
 ]

@@ -86,8 +86,8 @@ def test_normalized_is_absolute_over_individual_and_heads_are_cached(clipws):
         assert row["normalized"] == pytest.approx(want)
         assert row["avg"] == pytest.approx(sum(row["test"]) / len(ind))
     assert r["sizes"] == {d: 20 for d in r["datasets"]}
-    again = _run(clipws, "norm", datasets=DS, methods=["weight_average", "ties"], max_eval=20)
-    assert again["rows"] == r["rows"]
+    again = _run(clipws, "norm", datasets=DS, methods=["weight_average", "ties"], max_eval=20, batch_size=7)
+    assert again["rows"] == r["rows"]  # cached heads and batches that straddle classes change nothing
 
 
 def test_class_folders_may_be_labels_or_names(tmp_path):

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..data.clip_tasks import CLIP_SUITES, class_prompts, clip_test_files, load_clip_images
 from ..errors import InputError, UsageError
-from ..merging.registry import merge
+from ..merging.registry import get_method, merge
 from ..utils.io import atomic_write_text, load_tensors, read_json, save_tensors, write_json
 
 __all__ = ["CLIP_HPARAMS", "CLIP_HPARAM_SOURCES", "DEFAULT_EXPERTS", "run_clip_bench", "zero_shot_heads",
@@ -154,14 +154,30 @@ def zero_shot_heads(model, tok, datasets: list[str], cache: Path, clip: str, dev
 
 
 @torch.no_grad()
-def _accuracy(model, params: dict[str, Tensor], head: Tensor, x: Tensor, y: Tensor, device: str, bs: int) -> float:
+def _correct(model, params: dict[str, Tensor], head: Tensor, x: Tensor, y: Tensor) -> int:
     model.vision_model.load_state_dict(params)
-    correct = 0
-    for i in range(0, len(x), bs):
-        feats = _projected(model.get_image_features(pixel_values=x[i:i + bs].to(device)))
-        feats = feats / feats.norm(dim=-1, keepdim=True)
-        correct += int(((feats @ head.to(device).T).argmax(-1).cpu() == y[i:i + bs]).sum())
-    return 100.0 * correct / max(1, len(x))
+    feats = _projected(model.get_image_features(pixel_values=x))
+    feats = feats / feats.norm(dim=-1, keepdim=True)
+    return int(((feats @ head.T).argmax(-1).cpu() == y).sum())
+
+
+def _evaluate(model, rows: dict[str, Any], heads: dict[str, Tensor], files: dict[str, list], device: str,
+              bs: int) -> dict[str, list[float]]:
+    """Test accuracy (%) of every row on every dataset. A row's parameters are one dict, or a list with one
+    dict per dataset (the individual experts). Each batch of images is decoded once and scored by every row,
+    so no dataset is ever held in memory whole."""
+    size = model.config.vision_config.image_size
+    acc: dict[str, list[float]] = {r: [] for r in rows}
+    for t, (d, pairs) in enumerate(files.items()):
+        correct = dict.fromkeys(rows, 0)
+        head = heads[d].to(device)
+        for i in range(0, len(pairs), bs):
+            x, y = load_clip_images(pairs[i:i + bs], size)
+            for r, params in rows.items():
+                correct[r] += _correct(model, params[t] if isinstance(params, list) else params, head, x.to(device), y)
+        for r in rows:
+            acc[r].append(100.0 * correct[r] / len(pairs))
+    return acc
 
 
 def _load_experts(pattern: str, names: list[str], like: dict[str, Tensor], log) -> list[dict[str, Tensor]]:
@@ -201,6 +217,8 @@ def _suite_datasets(suite: str, datasets: list[str] | None) -> list[str]:
 
 def _methods(methods: list[str] | None, overrides: dict[str, dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
     names = methods or list(CLIP_HPARAMS)
+    for m in names:
+        get_method(m)  # an unknown name fails here, before any loading
     out = {m: dict(CLIP_HPARAMS.get(m, {})) for m in names}
     for m, hp in (overrides or {}).items():
         if m not in out:
@@ -212,7 +230,7 @@ def _methods(methods: list[str] | None, overrides: dict[str, dict[str, Any]] | N
 def run_clip_bench(out: Path, *, suite: str, clip: str, data_root: Path, experts: str = DEFAULT_EXPERTS,
                    datasets: list[str] | None = None, methods: list[str] | None = None,
                    hparams: dict[str, dict[str, Any]] | None = None, max_eval: int | None = None,
-                   batch_size: int = 128, device: str = "cpu", log=print) -> dict:
+                   batch_size: int = 256, device: str = "cpu", log=print) -> dict:
     """Merge the given experts with every method and report test accuracy (module docstring).
 
     Writes ``out/<suite>/results.json`` and ``results.md``, the cached heads in ``out/heads`` and
@@ -228,18 +246,13 @@ def run_clip_bench(out: Path, *, suite: str, clip: str, data_root: Path, experts
     base = {k: v.detach().cpu().clone() for k, v in model.vision_model.state_dict().items()}
     exp = _load_experts(experts, names, base, log)
     heads = zero_shot_heads(model, tok, names, Path(out) / "heads", clip, device)
-    size = model.config.vision_config.image_size
-    data = {d: load_clip_images(files[d], size) for d in names}
-
-    def score(params: dict[str, Tensor], only: str | None = None) -> list[float]:
-        return [_accuracy(model, {k: v.to(torch.float32) for k, v in params.items()}, heads[d], *data[d], device,
-                          batch_size) for d in ([only] if only else names)]
-
-    rows: dict[str, dict[str, Any]] = {"zero-shot": {"hp": {}, "test": score(base)},
-                                       "individual": {"hp": {}, "test": [score(e, d)[0] for e, d in zip(exp, names)]}}
+    params: dict[str, Any] = {"zero-shot": base, "individual": exp}
     for m, hp in grids.items():
         log(f"merge {m} {hp}")
-        rows[m] = {"hp": hp, "test": score(merge(m, base=base, experts=exp, **hp))}
+        params[m] = {k: v.to(torch.float32) for k, v in merge(m, base=base, experts=exp, **hp).items()}
+    log(f"evaluating {len(params)} rows on {len(names)} test splits")
+    acc = _evaluate(model, params, heads, files, device, batch_size)
+    rows = {r: {"hp": grids.get(r, {}), "test": acc[r]} for r in params}
     _summarise(rows)
     results = {"suite": suite, "clip": clip, "experts": experts, "datasets": names, "max_eval": max_eval,
                "complete": names == list(CLIP_SUITES[suite]), "rows": rows,

@@ -31,7 +31,8 @@ def tiny_clip(folder: Path, datasets: list[str], seed: int = 0, patch_size: int 
                                       num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=32,
                                       eos_token_id=2),
                      vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=2, image_size=16, patch_size=patch_size, initializer_factor=5.0),
+                                        num_attention_heads=2, image_size=16, patch_size=patch_size,
+                                        initializer_factor=5.0),
                      projection_dim=16)
     CLIPModel(cfg).eval().save_pretrained(folder)
     tok.save_pretrained(folder)

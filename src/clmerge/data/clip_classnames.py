@@ -1,8 +1,9 @@
 """Zero-shot class names and prompt templates of the 20 CLIP classification tasks (TA8 / TALL14 / TALL20).
 
 Data, transcribed from FusionBench (github.com/tanganke/fusion_bench, ``fusion_bench/tasks/clip_classification/``:
-each module's ``classnames`` (CIFAR-100: ``fine_label``) and ``templates``, the template placeholder ``{c}`` written here as
-``{}``). Class ``i`` is label ``i`` of the dataset as FusionBench loads it (the ``tanganke/<dataset>`` HF copies).
+each module's ``classnames`` (CIFAR-100: ``fine_label``) and ``templates``, the template placeholder ``{c}``
+written here as ``{}``). Class ``i`` is label ``i`` of the dataset as FusionBench loads it (the
+``tanganke/<dataset>`` HF copies).
 """
 
 from __future__ import annotations

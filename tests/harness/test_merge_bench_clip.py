@@ -76,6 +76,10 @@ def test_task_arithmetic_of_one_expert_at_scaling_one_is_that_expert(clipws):
     assert rows["individual"]["test"] != rows["zero-shot"]["test"]  # the check below is not trivially true
     assert rows["task_arithmetic"]["test"] == rows["individual"]["test"]
     assert rows["task_arithmetic"]["normalized"] == pytest.approx(100.0)
+    three = _run(clipws, "three", datasets=DS, methods=["weight_average"])  # each dataset scored by its expert
+    ind = dict(zip(three["datasets"], three["rows"]["individual"]["test"]))
+    assert ind["svhn"] == rows["individual"]["test"][0]
+    assert len(set(ind.values())) > 1
 
 
 def test_normalized_is_absolute_over_individual_and_heads_are_cached(clipws):

@@ -1112,6 +1112,10 @@ CLIP_BENCH_CASES = [
      ["METHOD.KEY=VALUE"]),
     ("clip-unknown-method", [*CLIP_BENCH, "--clip", "clip", "--data-root", "data", "--method", "tsvm"], USAGE,
      ["tsvm", "tsv_m"]),
+    ("clip-hp-value", [*CLIP_BENCH, "--clip", "clip", "--data-root", "data", "--hp", "ties.scaling=abc"], USAGE,
+     ["ties.scaling", "abc"]),
+    ("clip-hp-key", [*CLIP_BENCH, "--clip", "clip", "--data-root", "data", "--hp", "ties.densty=0.2"], USAGE,
+     ["densty", "density"]),
     ("clip-pattern", [*CLIP_BENCH, "--clip", "clip", "--data-root", "data", "--experts", "ckpts"], USAGE,
      ["{dataset}"]),
 ]

@@ -91,7 +91,9 @@ def _clip(out, suite, clip, experts, data_root, datasets, methods, hp, max_eval,
 
     if clip is None:
         fail(UsageError(f"--suite {suite}: needs --clip (a CLIP folder or hub id, e.g. openai/clip-vit-base-patch32)"))
-    out = out or Path("merge-bench-runs") / "clip"
+    if out is None:
+        out = Path("merge-bench-runs") / "clip"
+        typer.echo(f"writing to {out.absolute()} (give --out to choose)", err=True)
     check_output_dir(out, overwrite=overwrite, ours=("table1.md", "heads"))
     try:
         run_clip_bench(out, suite=suite, clip=clip, data_root=resolve_data_root(data_root), experts=experts,

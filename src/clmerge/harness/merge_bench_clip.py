@@ -28,6 +28,7 @@ from torch import Tensor
 
 from ..data.clip_tasks import CLIP_SUITES, class_prompts, clip_test_files, load_clip_images
 from ..errors import InputError, UsageError
+from ..merging.hparams import coerce_value, method_hparams
 from ..merging.registry import get_method, merge
 from ..utils.io import atomic_write_text, load_tensors, read_json, save_tensors, write_json
 
@@ -223,7 +224,11 @@ def _methods(methods: list[str] | None, overrides: dict[str, dict[str, Any]] | N
     for m, hp in (overrides or {}).items():
         if m not in out:
             raise UsageError(f"--hp {m}.*: {m} is not among the methods run ({', '.join(out)})")
-        out[m].update(hp)
+        known = method_hparams(get_method(m))
+        for k, v in hp.items():
+            if k not in known:
+                raise UsageError(f"--hp {m}.{k}: {m} has no hyperparameter {k} (it has: {', '.join(known)})")
+            out[m][k] = coerce_value(m, known[k], v, f"--hp {m}.{k}")
     return out
 
 

@@ -1298,3 +1298,57 @@ def test_report_on_a_sweep_refuses_an_empty_by_as_results_does(ws, by):
     report, results = (CliRunner().invoke(app, [cmd, "sw", "--by", by]) for cmd in ("report", "results"))
     _check(report, USAGE, ["--by", "at least one config key"], before, ws)
     assert report.stderr == results.stderr
+
+
+# merge-bench --suite clip-*: a tiny random CLIP and one dataset's look-alike test split in the workspace
+CLIP_BENCH = ["merge-bench", "--suite", "clip-ta8", "--datasets", "mnist", "--out", "cb"]
+CLIP_BENCH_CASES = [
+    ("clip-no-clip", [*CLIP_BENCH], USAGE, ["--clip"]),
+    ("clip-no-data", [*CLIP_BENCH, "--clip", "clip", "--data-root", "nodata"], INPUT,
+     [str(Path("nodata") / "mnist" / "test"), "<label"]),
+    ("clip-missing-model", [*CLIP_BENCH, "--clip", "noclip", "--data-root", "data"], INPUT, ["noclip"]),
+    ("clip-missing-expert-hub", [*CLIP_BENCH, "--clip", "clip", "--data-root", "data"], INPUT,
+     ["tanganke/clip-vit-base-patch32_mnist"]),
+    ("clip-missing-expert-folder", [*CLIP_BENCH, "--clip", "clip", "--data-root", "data", "--experts",
+                                    "ckpts/{dataset}"], INPUT, ["ckpts/mnist"]),
+    ("clip-expert-other-architecture", [*CLIP_BENCH, "--clip", "clip", "--data-root", "data", "--experts",
+                                        "wide/{dataset}"], INPUT, ["wide/mnist", "same architecture"]),
+    ("clip-bad-class-folder", [*CLIP_BENCH, "--clip", "clip", "--data-root", "baddata"], INPUT, ["cats", "mnist"]),
+    ("clip-dataset-not-in-suite", ["merge-bench", "--suite", "clip-ta8", "--datasets", "cifar10",
+                                   "--clip", "clip", "--out", "cb"], USAGE,
+     ["cifar10", "clip-ta8"]),
+    ("clip-bad-hp", [*CLIP_BENCH, "--clip", "clip", "--data-root", "data", "--hp", "scaling=1"], USAGE,
+     ["METHOD.KEY=VALUE"]),
+    ("clip-unknown-method", [*CLIP_BENCH, "--clip", "clip", "--data-root", "data", "--method", "tsvm"], USAGE,
+     ["tsvm", "tsv_m"]),
+    ("clip-hp-value", [*CLIP_BENCH, "--clip", "clip", "--data-root", "data", "--hp", "ties.scaling=abc"], USAGE,
+     ["ties.scaling", "abc"]),
+    ("clip-hp-key", [*CLIP_BENCH, "--clip", "clip", "--data-root", "data", "--hp", "ties.densty=0.2"], USAGE,
+     ["densty", "density"]),
+    ("clip-pattern", [*CLIP_BENCH, "--clip", "clip", "--data-root", "data", "--experts", "ckpts"], USAGE,
+     ["{dataset}"]),
+]
+
+
+@pytest.fixture()
+def ws_clip(ws, monkeypatch):
+    from clip_helpers import tiny_clip
+    from clmerge.data.clip_tasks import write_clip_lookalike
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tiny_clip(ws / "clip", ["mnist"])
+    write_clip_lookalike(ws / "data", ["mnist"], per_class=1)
+    write_clip_lookalike(ws / "baddata", ["mnist"], per_class=1, max_classes=2)
+    (ws / "baddata" / "mnist" / "test" / "cats").mkdir()
+    tiny_clip(ws / "wideclip", ["mnist"], patch_size=4)  # same parameter names, other shapes
+    from transformers import CLIPVisionModel
+
+    CLIPVisionModel.from_pretrained(ws / "wideclip").save_pretrained(ws / "wide" / "mnist")
+    return ws
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in CLIP_BENCH_CASES], ids=[c[0] for c in CLIP_BENCH_CASES])
+def test_clip_bench_error_is_short_typed_and_leaves_nothing(ws_clip, argv, code, words):
+    before = _snapshot(ws_clip)
+    result = CliRunner().invoke(app, argv)
+    _check(result, code, words, before, ws_clip)

@@ -16,7 +16,8 @@ def merge_bench_command(
     out: Path | None = typer.Option(None, "--out", help="results directory (default: ./merge-bench-runs/suite<S>; "
                                     "a folder holding an earlier merge-bench result is reused)"),
     suite: str = typer.Option("8", "--suite", help="task suite: 8, 14 or split8 (these two need Fashion-MNIST), "
-                              "tiny, or text6 / text-tiny (WordNet supersenses on minilm-l6; docs/text.md)"),
+                              "tiny, text6 / text-tiny (WordNet supersenses on minilm-l6; docs/text.md), or "
+                              "clip-ta8 / clip-tall14 / clip-tall20 (given CLIP experts; docs/clip_merging.md)"),
     backbone: str | None = typer.Option(None, "--backbone", help="the backbone to fine-tune (default: the suite's: "
                                         "minilm-l6 for text suites, else vit-tiny-fmnist)"),
     heads: str = typer.Option("frozen", "--heads", help="head protocol: frozen (heads fitted on the pretrained "
@@ -40,11 +41,23 @@ def merge_bench_command(
     continual: bool = typer.Option(False, "--continual", help="the continual-merging protocol: experts arrive one "
                                    "at a time, every merge so far is evaluated; accuracy matrix, final accuracy and "
                                    "BWT of opcm, dop, running_average, magmax and pm_alpha in OUT/continual.md"),
+    clip: str | None = typer.Option(None, "--clip", help="clip-* suites: the CLIP model, a folder or hub id (e.g. "
+                                    "openai/clip-vit-base-patch32); docs/clip_merging.md"),
+    experts_pattern: str = typer.Option("tanganke/clip-vit-base-patch32_{dataset}", "--experts",
+                                        help="clip-* suites: each expert's folder or hub id, {dataset} filled in"),
+    data_root: Path | None = typer.Option(None, "--data-root", help="clip-* suites: ROOT/<dataset>/test/<label>/* "
+                                          "(default: $CLMERGE_DATA, else ./data)"),
+    datasets: str | None = typer.Option(None, "--datasets", help="clip-* suites: only these datasets (comma list)"),
+    hp: list[str] = typer.Option([], "--hp", help="clip-* suites: METHOD.KEY=VALUE overriding a method's fixed "
+                                 "hyperparameter (repeatable)"),
+    device: str = typer.Option("cpu", "--device", help="clip-* suites: torch device (cpu, cuda)"),
 ) -> None:
     """Fine-tune one expert per task, merge with every method, select on validation, report test accuracy."""
     from ..utils.outpaths import check_output_dir
     from ..harness.merge_bench_run import parse_seeds, run_merge_bench
 
+    if suite.startswith("clip-"):
+        return _clip(out, suite, clip, experts_pattern, data_root, datasets, method, hp, max_eval, device, overwrite)
     if out is None:  # never into the source tree's benchmarks/ unless asked
         out = Path("merge-bench-runs") / f"suite{suite}"
         typer.echo(f"writing to {out.absolute()} (give --out to choose)", err=True)
@@ -58,3 +71,40 @@ def merge_bench_command(
     name = "continual" if continual else "results"
     typer.echo((out / f"{name}.md").read_text())
     typer.echo(f"wrote {out / f'{name}.json'} ({len(res['tasks'])} tasks)")
+
+
+def _parse_hp(items: list[str]) -> dict[str, dict]:
+    import yaml
+
+    out: dict[str, dict] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        m, dot, k = key.partition(".")
+        if not (eq and dot and m and k):
+            fail(ValueError(f"--hp {item!r}: expected METHOD.KEY=VALUE, e.g. task_arithmetic.scaling=0.3"))
+        out.setdefault(m, {})[k] = yaml.safe_load(value)
+    return out
+
+
+def _clip(out, suite, clip, experts, data_root, datasets, methods, hp, max_eval, device, overwrite) -> None:
+    """``merge-bench --suite clip-*``: the given CLIP experts merged by every method (harness.merge_bench_clip)."""
+    from ..data.folders import resolve_data_root
+    from ..errors import UsageError
+    from ..harness.merge_bench_clip import run_clip_bench
+    from ..utils.outpaths import check_output_dir
+
+    if clip is None:
+        fail(UsageError(f"--suite {suite}: needs --clip (a CLIP folder or hub id, e.g. openai/clip-vit-base-patch32)"))
+    if out is None:
+        out = Path("merge-bench-runs") / "clip"
+        typer.echo(f"writing to {out.absolute()} (give --out to choose)", err=True)
+    check_output_dir(out, overwrite=overwrite, ours=("table1.md", "heads"))
+    try:
+        run_clip_bench(out, suite=suite, clip=clip, data_root=resolve_data_root(data_root), experts=experts,
+                       datasets=[d.strip() for d in datasets.split(",")] if datasets else None,
+                       methods=methods or None, hparams=_parse_hp(hp), max_eval=max_eval, device=device)
+    except (ValueError, FileNotFoundError, KeyError, OSError) as exc:
+        fail(exc)
+    typer.echo((out / suite / "results.md").read_text())
+    typer.echo((out / "table1.md").read_text())
+    typer.echo(f"wrote {out / suite / 'results.json'} and {out / 'table1.md'}")

@@ -53,7 +53,7 @@ def test_every_command_module_registers_commands_and_holds_no_public_library_fun
         others = {n.name for n in public} - {n.name for n in commands}
         assert commands, group
         # how run prints and names a run; how sweep and run --seeds run a sweep spec; merge --tune's body (eval)
-        assert others <= {"print_results", "default_run_dir", "run_spec", "dry_run_spec", "run_tune"}, (group, others)
+        assert others <= {"print_results", "default_run_dir", "run_spec", "dry_run_spec", "run_tune", "next_commands"}, (group, others)
 
 
 @pytest.mark.parametrize("module", ["clmerge", "clmerge.cli"])

@@ -27,6 +27,10 @@ Commands:
     nice -n 5 python benchmarks/throughput.py                     # CPU: tiny ViT + HALRP's MLP, ~15 min
     python benchmarks/throughput.py --device cuda                  # GPU: adds ViT-B/16 (random init)
     python benchmarks/throughput.py --quick --methods seq_lora,pm  # smoke, < 1 minute
+
+With ``--inference-reps N`` the timed task runs to its end and every cell adds the trainable parameters, the
+state the method and the head suite keep, and the time per evaluated test batch (benchmarks/cl_baselines_cost.py
+uses it for the continual-learning baselines).
 """
 
 from __future__ import annotations

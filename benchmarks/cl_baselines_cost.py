@@ -14,6 +14,7 @@ test batch of the classifier a run reports (EASE: one backbone pass per subspace
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from collections import defaultdict
@@ -36,6 +37,7 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--inference-reps", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="smoke: 1 round, 1+2 steps, 1 inference pass")
     ap.add_argument("--out", type=Path, default=HERE / "cl_baselines_cost.md")
+    ap.add_argument("--report-only", action="store_true", help="rebuild OUT from its JSON")
     return ap.parse_args(argv)
 
 
@@ -116,13 +118,17 @@ def write_report(data: dict, out: Path) -> None:
     if s["quick"]:
         lines += ["**QUICK SMOKE SETTING: the numbers are not measurements.**", ""]
     lines += [f"Command: `PYTHONPATH=src OMP_NUM_THREADS=1 nice -n 10 python benchmarks/cl_baselines_cost.py`"
-              f" (throughput.py {data['argv']}); raw cells in `{out.with_suffix('.json').name}`.", "",
+              f" (throughput.py {data['argv'].replace(str(HERE.parent) + '/', '')}); raw cells in "
+              f"`{out.with_suffix('.json').name}` (`--report-only` rebuilds this file from them).", "",
               f"Device: **{m['device']}**, CPU {m['cpu']}, {m['cores']} cores, {m['threads']} torch thread; "
               f"torch {m['torch']}. Load average (1/5/15 min) at the start {load[0]}, at the end {load[1]} "
               f"(a shared machine); started {m['started']}, {m['seconds'] / 60:.1f} min.", ""]
     lines += table(summarize(data), order) + [""] + HOW.format(**s).split("\n")
     if errors:
         lines += ["", "Cells that failed: " + "; ".join(errors)]
+    notes = HERE / "cl_baselines_cost_notes.md"  # the hand-written reading of a full run
+    if notes.exists() and not s["quick"] and out.parent == HERE:
+        lines += [""] + notes.read_text().strip().split("\n")
     tmp = out.with_suffix(out.suffix + ".tmp")
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(out)
@@ -137,7 +143,10 @@ median of {steps} timed steps of the engine's loop (CPU time of the process, so 
 count); then task 2 runs to its end, untimed. {rounds} round(s), the method order rotating; every ratio is paired
 with seq_lora's cell of the same round, the median over rounds shown with its min-max.
 
-- **trainable params**: parameters with gradients during task 2's steps (the model's and the inference model's).
+APER adapts its backbone in the first task only: its step, trainable parameters and peak memory are task 1's
+(then task 2 runs, untimed, so its state and inference are measured after two tasks like the others').
+
+- **trainable params**: parameters with gradients during the timed steps (the model's and the inference model's).
 - **extra state MB**: what the method keeps besides the backbone after task 2: its own state tensors (the
   replay buffer's images, labels and logits; MOS's adapter pool and class statistics; EASE's prototypes), the
   head suite's statistics (class means / covariances of NCM, RanPAC's projection and Gram matrix, SLCA's
@@ -151,7 +160,10 @@ with seq_lora's cell of the same round, the median over rounds shown with its mi
 def main(argv: list[str] | None = None) -> None:
     c = parse_args(argv)
     targs = throughput_args(c)
-    data = throughput.collect(throughput.parse_args(targs), targs)
+    if c.report_only:
+        data = json.loads(c.out.with_suffix(".json").read_text())
+    else:
+        data = throughput.collect(throughput.parse_args(targs), targs)
     write_report(data, c.out)
     print(f"wrote {c.out}", flush=True)
 

@@ -100,3 +100,18 @@ def test_the_cost_run_always_includes_seq_lora_as_the_baseline(tmp_path):
     a = throughput.parse_args(cl_baselines_cost.throughput_args(c))
     assert a.methods == ["seq_lora", "er", "mos"] and a.precisions == ["fp32"] and a.inference_reps == 2
     assert a.json == tmp_path / "c.json"
+
+
+def test_report_only_rebuilds_the_table_from_the_json(tmp_path):
+    machine = {"device": "cpu", "cpu": "x", "cores": 2, "threads": 1, "torch": "t", "load_start": [1, 2, 3],
+               "load_end": [1, 2, 3], "started": "now", "seconds": 60}
+    settings = {"quick": False, "batch": 64, "task1_steps": 1, "warmup": 1, "steps": 4, "rounds": 1,
+                "inference_reps": 2}
+    root = str(BENCH.parent) + "/"
+    data = {"machine": machine, "settings": settings, "argv": f"--out {root}benchmarks/c.md",
+            "cells": [_cell("seq_lora", 0, 0.2), _cell("er", 0, 0.5)]}
+    (tmp_path / "c.json").write_text(__import__("json").dumps(data))
+    cl_baselines_cost.main(["--report-only", "--out", str(tmp_path / "c.md")])
+    text = (tmp_path / "c.md").read_text()
+    assert "| er | k | 0.5" not in text and "| er | k | 500.0 | 2.50 (2.50-2.50) |" in text
+    assert root not in text and "--out benchmarks/c.md" in text

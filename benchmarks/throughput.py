@@ -27,6 +27,10 @@ Commands:
     nice -n 5 python benchmarks/throughput.py                     # CPU: tiny ViT + HALRP's MLP, ~15 min
     python benchmarks/throughput.py --device cuda                  # GPU: adds ViT-B/16 (random init)
     python benchmarks/throughput.py --quick --methods seq_lora,pm  # smoke, < 1 minute
+
+With ``--inference-reps N`` the timed task runs to its end and every cell adds the trainable parameters, the
+state the method and the head suite keep, and the time per evaluated test batch (benchmarks/cl_baselines_cost.py
+uses it for the continual-learning baselines).
 """
 
 from __future__ import annotations
@@ -77,15 +81,31 @@ METHODS: dict[str, tuple[dict, str]] = {
     "coda_prompt": ({"name": "coda_prompt"}, "prompt"),
     "hide_prompt": ({"name": "hide_prompt"}, "prompt"),
     "magmax": ({"name": "magmax"}, "full"),
+    # the continual-learning baselines of recent papers (benchmarks/cl_baselines_cost.py runs them with the
+    # inference column): rehearsal with a 200-example buffer, SLCA, the adapter methods with their defaults
+    # (APER's adapter variant), and the frozen-backbone heads (no training step at all)
+    "er": ({"name": "er", "buffer_size": 200}, "rehearsal"),
+    "der": ({"name": "der", "buffer_size": 200}, "rehearsal"),
+    "derpp": ({"name": "derpp", "buffer_size": 200}, "rehearsal"),
+    "slca": ({"name": "slca"}, "full"),
+    "aper": ({"name": "aper"}, "adapter"),
+    "ease": ({"name": "ease"}, "adapter"),
+    "mos": ({"name": "mos"}, "adapter"),
+    "simplecil": ({"name": "simplecil"}, "frozen"),
+    "ranpac": ({"name": "ranpac"}, "frozen"),
 }
+# APER adapts its backbone in the first task only (its later tasks only add prototypes): its step is task 1's
+TIMED_TASK = {"aper": 0}
+CL_BASELINES = ["er", "der", "derpp", "slca", "aper", "ease", "mos", "simplecil", "ranpac"]
 # Task 1's end-of-task statistics are computed on fewer samples than the methods' defaults: they only set up
 # the state task 2 carries (its size and per-step cost do not depend on the sample count), and the default
 # whole-task Fisher passes would dominate the benchmark's runtime.
 END_TASK_CAPS: dict[str, dict] = {"pm": {"fisher_samples": 64}, "cofima": {"fisher_samples": 64},
                                   "ewc": {"fisher_samples": 64}, "inflora": {"covariance_samples": 128}}
-# the default run: every method but l2, gpm, the prompt methods and magmax (those on request: --methods), and halrp
+# the default run: every method but l2, gpm, the prompt methods, magmax and the CL baselines (those on request:
+# --methods), and halrp
 DEFAULT_METHODS = [m for m in METHODS if m not in ("l2", "gpm", "l2p", "dualprompt", "coda_prompt", "hide_prompt",
-                                                  "magmax")] + ["halrp"]
+                                                  "magmax", *CL_BASELINES)] + ["halrp"]
 HALRP = {"halrp": ({"name": "halrp", "warmup_epochs": 1, "grad_multiplier": 10.0, "prune": True}, "halrp"),
          "finetune": ({"name": "finetune"}, "full")}
 # network -> model + scenario sections, the methods it runs and the baseline of its ratios
@@ -119,7 +139,8 @@ class StepClock:
     step) and the seconds spent in each hook (CPU time on a CPU; wall time with CUDA's asynchronous
     kernels)."""
 
-    def __init__(self, method, total_steps: int, device: torch.device) -> None:
+    def __init__(self, method, total_steps: int, device: torch.device, on_last=None) -> None:
+        self.on_last = on_last  # called at the last timed step instead of raising _Done (the task then goes on)
         self.stamps: list[float] = []
         self.cpu_stamps: list[float] = []
         self.clock = time.perf_counter if device.type == "cuda" else time.process_time
@@ -135,11 +156,13 @@ class StepClock:
             out = fn(*args, **kwargs)
             _sync(self.device)
             self.spent[name].append(self.clock() - t0)
-            if name == "after_step":
+            if name == "after_step" and len(self.stamps) < self.total:
                 self.stamps.append(time.perf_counter())
                 self.cpu_stamps.append(time.process_time())
                 if len(self.stamps) == self.total:
-                    raise _Done
+                    if self.on_last is None:
+                        raise _Done
+                    self.on_last()
             return out
 
         return call
@@ -184,41 +207,111 @@ def cell_config(suite: dict, label: str, precision: str, a) -> dict:
 
 
 def measure_cell(job: dict) -> dict:
-    """One cell in this (fresh) process: task 1 with end-of-task work, then the timed steps of task 2."""
+    """One cell in this (fresh) process: task 1 with end-of-task work, then the timed steps of task 2 (of task
+    1 where ``job["timed_task"]`` is 0: a method that adapts its backbone in the first task only). With
+    ``job["inference_reps"]`` the timed task also runs to its end (its end-of-task work, untimed), tasks 1-2
+    are completed, and the cell adds what a method costs beyond the step (``cost_extras``). A method that
+    trains nothing in the timed task (the frozen-backbone heads) has no step time; its peak memory is then
+    that of the whole task."""
     from clmerge.config import parse_config
-    from clmerge.engine.run import Run, prepare, resolve_device, train_task
+    from clmerge.engine.run import Run, build_heads, prepare, resolve_device, train_task
+    from clmerge.engine.setup import head_variant_needs_features
 
     torch.set_num_threads(job["threads"])
     cfg = parse_config(job["config"])
     device = resolve_device(cfg.run.device)
     scenario, model, method, _ = prepare(cfg)
     model.to(device)
-    total = job["warmup"] + job["steps"]
-    per_epoch = scenario.tasks[1].train.num_batches(cfg.train.batch_size)
-    full = len(scenario.tasks[1].train) // cfg.train.batch_size  # full batches only: timed steps are alike
+    heads = build_heads(cfg, model, method) if head_variant_needs_features(cfg) else None
+    k, extras = job.get("timed_task", 1), bool(job.get("inference_reps"))
     precision, cfg.run.precision = cfg.run.precision, "fp32"  # task 1 only sets up state (CPU fp16 is slow)
     with tempfile.TemporaryDirectory() as tmp:
-        run = Run(cfg, scenario, model, method, Path(tmp), device)
-        train_task(run, 0)
-        model, method = run.model, run.method
+        run = Run(cfg, scenario, model, method, Path(tmp), device, heads=heads)
+        if k == 1:
+            train_task(run, 0)
         cfg.run.precision = precision
-        cfg.train.max_steps_per_epoch = max(1, min(full, per_epoch))
-        cfg.train.epochs = math.ceil(total / cfg.train.max_steps_per_epoch)
-        memory = PeakMemory(device)
-        memory.start()
-        clock = StepClock(method, total, device)
-        try:
-            train_task(run, 1)
-        except _Done:
-            pass
-        else:
-            raise RuntimeError(f"task 2 ran {len(clock.stamps)} steps, fewer than {total}")
-    steps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])][job["warmup"] - 1:]
-    cpu = [b - a for a, b in zip(clock.cpu_stamps, clock.cpu_stamps[1:])][job["warmup"] - 1:]
-    hooks = {k: statistics.median(v[job["warmup"]:]) if len(v) > job["warmup"] else 0.0
-             for k, v in clock.spent.items()}
+        clock, out = _time_task(run, k, job, extras)
+        if extras:
+            if k == 0:
+                train_task(run, 1)  # the state after two tasks, as the other cells have
+            out.update(cost_extras(run, job, out.pop("trainable", 0)))
+    if not clock.stamps:
+        return {**out, "no_step": True, "hook_s": {n: 0.0 for n in clock.spent}}
+    w, total = job["warmup"], job["warmup"] + job["steps"]
+    steps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])][w - 1:]
+    cpu = [b - a for a, b in zip(clock.cpu_stamps, clock.cpu_stamps[1:])][w - 1:]
+    hooks = {n: statistics.median(v[w:total]) if len(v) > w else 0.0 for n, v in clock.spent.items()}
     return {"step_s": statistics.median(steps), "steps": steps, "cpu_step_s": statistics.median(cpu),
-            "cpu_steps": cpu, "hook_s": hooks, "peak_bytes": memory.peak_bytes()}
+            "cpu_steps": cpu, "hook_s": hooks, **out}
+
+
+def _time_task(run, k: int, job: dict, extras: bool) -> tuple[StepClock, dict]:
+    """Train task ``k`` under the step clock over full batches only (timed steps are alike); the peak memory
+    (and, with ``extras``, the trainable parameters) up to the last timed step, else over the whole task."""
+    from clmerge.engine.run import train_task
+
+    cfg, train = run.cfg, run.scenario.tasks[k].train
+    total = job["warmup"] + job["steps"]
+    full = len(train) // cfg.train.batch_size
+    cfg.train.max_steps_per_epoch = max(1, min(full, train.num_batches(cfg.train.batch_size)))
+    cfg.train.epochs = math.ceil(total / cfg.train.max_steps_per_epoch)
+    memory, seen = PeakMemory(run.device), {}
+    memory.start()
+    last = (lambda: seen.update(peak_bytes=memory.peak_bytes(), trainable=_trainable(run))) if extras else None
+    clock = StepClock(run.method, total, run.device, on_last=last)
+    try:
+        train_task(run, k)
+    except _Done:
+        pass
+    if len(clock.stamps) < total and (clock.stamps or not extras):
+        raise RuntimeError(f"task {k + 1} ran {len(clock.stamps)} steps, fewer than {total}")
+    return clock, {"peak_bytes": memory.peak_bytes(), **seen, "timed_task": k + 1}
+
+
+def _trainable(run) -> int:
+    """Parameters that get gradients in the current task: the model's and the inference model's, once each."""
+    params = {id(p): p for m in (run.model, run.method.inference_model()) for p in m.parameters()}
+    return sum(p.numel() for p in params.values() if p.requires_grad)
+
+
+def _nbytes(tensors) -> int:
+    """Bytes of distinct tensor storages (a tensor shared by two entries counts once)."""
+    seen = {}
+    for v in tensors:
+        if isinstance(v, torch.Tensor):
+            seen[(v.untyped_storage().data_ptr(), v.dtype)] = v.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def cost_extras(run, job: dict, trainable: int) -> dict:
+    """After task 2's end-of-task work: trainable parameters of task 2's step, the method's state (replay
+    buffer, prototypes, covariances, adapters it keeps) and the head suite's statistics in bytes, the
+    inference model's weights in bytes, and the time per evaluated test batch of the classifier a run reports
+    (the primary head: linear, NCM, RanPAC), medians over ``inference_reps`` passes over tasks 1-2's test
+    images (CPU time on a CPU, like the steps)."""
+    from clmerge.engine.evaluate import evaluate_tasks
+    from clmerge.utils.precision import autocast
+
+    cfg, model, heads = run.cfg, run.method.inference_model(), run.heads
+    tasks, bs = run.scenario.tasks[:2], cfg.train.batch_size
+    n_out = tasks[-1].offset + tasks[-1].n_classes
+    batches = sum(t.test.num_batches(bs) for t in tasks)
+    clock = time.perf_counter if run.device.type == "cuda" else time.process_time
+    times = []
+    for _ in range(job["inference_reps"]):
+        t0 = clock()
+        with autocast(cfg.run.precision, run.device):
+            if heads is not None and heads.primary != "linear":
+                heads.evaluate(model, tasks, n_outputs=n_out, variants=[heads.primary], batch_size=bs,
+                               device=run.device)
+            else:
+                evaluate_tasks(model, tasks, n_outputs=n_out, batch_size=bs, device=run.device)
+        _sync(run.device)
+        times.append((clock() - t0) / batches)
+    head_bytes = _nbytes(heads.state_tensors().values()) if heads is not None and heads.needs_features else 0
+    return {"trainable": trainable, "method_state_bytes": _nbytes(run.method.state_tensors().values()),
+            "head_state_bytes": head_bytes, "model_bytes": _nbytes(model.state_dict().values()),
+            "infer_batch_s": statistics.median(times), "infer_batches": batches}
 
 
 def _child(job: dict, conn) -> None:
@@ -299,13 +392,14 @@ def run_rounds(suites: dict, a, context) -> list[dict]:
             for precision in a.precisions:
                 for label in labels[shift:] + labels[:shift]:
                     job = {"config": cell_config(suite, label, precision, a), "threads": a.threads,
+                           "inference_reps": a.inference_reps, "timed_task": TIMED_TASK.get(label, 1),
                            **_step_counts(a, precision)}
                     t0 = time.time()
                     res = run_cell(job, context)
                     cells.append({"suite": net, "method": label, "kind": suite["methods"][label][1],
                                   "precision": precision, "round": r, **res})
                     shown = (f"{res['step_s'] * 1e3:.1f} ms/step, CPU {res['cpu_step_s'] * 1e3:.1f}"
-                             if "step_s" in res else res["error"])
+                             if "step_s" in res else "no training step" if res.get("no_step") else res["error"])
                     print(f"round {r + 1}/{a.rounds} {net} {precision} {label}: {shown} "
                           f"({time.time() - t0:.1f} s)", flush=True)
     return cells
@@ -315,7 +409,7 @@ def parse_args(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]; CUDA adds the ViT-B/16 suite")
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                    help="comma-separated labels (also: l2, gpm)")
+                    help="comma-separated labels (also: l2, gpm, the prompt methods, magmax, " + ", ".join(CL_BASELINES) + ")")
     ap.add_argument("--precisions", default=",".join(PRECISIONS))
     ap.add_argument("--suites", default=None, help="comma-separated networks (default: all the device runs)")
     ap.add_argument("--batch", type=int, default=64)
@@ -326,6 +420,9 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--fp16-cpu-steps", type=int, default=1, help="timed steps of fp16 cells on a CPU")
     ap.add_argument("--task1-steps", type=int, default=1,
                     help="task-1 steps (fp32) before its end-of-task work")
+    ap.add_argument("--inference-reps", type=int, default=0,
+                    help="> 0: task 2 runs to its end and each cell adds its state sizes, trainable parameters "
+                         "and the time per evaluated test batch (median of this many passes)")
     ap.add_argument("--quick", action="store_true", help="smoke: 1 round, 1+2 steps, tiny ViT, fp32 + bf16")
     ap.add_argument("--out", type=Path, default=HERE / "throughput.md")
     ap.add_argument("--json", type=Path, default=None, help="raw results (default: OUT with .json)")
@@ -362,30 +459,36 @@ def select_suites(a) -> dict:
     return {n: s for n, s in picked.items() if not s["cuda_only"] or cuda}
 
 
+def collect(a, argv: list[str] | None) -> dict:
+    """Run every cell of ``a`` and write the raw results to ``a.json`` (atomically); returns them."""
+    torch.set_num_threads(a.threads)
+    info = machine_info(a)
+    suites = select_suites(a)
+    context = mp.get_context("spawn" if a.device.startswith("cuda") else "fork")
+    if not a.device.startswith("cuda"):
+        _warm_parent(suites, a)
+    t0 = time.time()
+    cells = run_rounds(suites, a, context)
+    info.update(load_end=list(os.getloadavg()), seconds=round(time.time() - t0, 1))
+    keep = ("batch", "rounds", "warmup", "steps", "fp16_cpu_steps", "task1_steps", "quick", "precisions",
+            "methods", "inference_reps")
+    settings = {k: v for k, v in vars(a).items() if k in keep}
+    baselines = {n: s["baseline"] for n, s in suites.items()}
+    data = {"machine": info, "settings": settings, "suites": baselines,
+            "argv": shlex.join(sys.argv[1:] if argv is None else argv), "cells": cells}
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    tmp = a.json.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(a.json)
+    return data
+
+
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     if a.report_only:
         data = json.loads(a.json.read_text())
     else:
-        torch.set_num_threads(a.threads)
-        info = machine_info(a)
-        suites = select_suites(a)
-        context = mp.get_context("spawn" if a.device.startswith("cuda") else "fork")
-        if not a.device.startswith("cuda"):
-            _warm_parent(suites, a)
-        t0 = time.time()
-        cells = run_rounds(suites, a, context)
-        info.update(load_end=list(os.getloadavg()), seconds=round(time.time() - t0, 1))
-        keep = ("batch", "rounds", "warmup", "steps", "fp16_cpu_steps", "task1_steps", "quick", "precisions",
-                "methods")
-        settings = {k: v for k, v in vars(a).items() if k in keep}
-        baselines = {n: s["baseline"] for n, s in suites.items()}
-        data = {"machine": info, "settings": settings, "suites": baselines,
-                "argv": shlex.join(sys.argv[1:] if argv is None else argv), "cells": cells}
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        tmp = a.json.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(a.json)
+        data = collect(a, argv)
     notes = a.notes.read_text() if a.notes and a.notes.exists() and not data["settings"]["quick"] else ""
     write_report(data, a.out, plot=a.plot, notes=notes)
     write_plot(data, a.plot)

@@ -73,7 +73,8 @@ def _table(rows: dict, suite: str, precision: str, methods: list[str], baseline:
         if row is None:
             continue
         if "ms" not in row:
-            out.append(f"| {m} | {row['kind']} | error: {'; '.join(row['errors'])[:200]} |" + " |" * 9)
+            shown = f"error: {'; '.join(row['errors'])[:200]}" if row["errors"] else "no training step"
+            out.append(f"| {m} | {row['kind']} | {shown} |" + " |" * 9)
             continue
         ratio = f"{row['ratio']:.3f} ({row['ratio_lo']:.2f}-{row['ratio_hi']:.2f})" if "ratio" in row else "-"
         extra = _breakdown(row, base) if "ms" in base and m != baseline else "-"

@@ -266,3 +266,28 @@ def test_tsv_c_needs_task_and_all_writes_every_task(files):
         want = merging.tsv_c(base=base, experts=ex, task=t)
         got = folder_state(tmp / "m" / f"task_{t}")
         assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_an_svd_that_fails_to_converge_in_float32_is_retried_in_float64(monkeypatch):
+    """LAPACK's divide-and-conquer SVD fails to converge on some float32 task residuals of ViT-B-sized layers
+    (seen with iso_cts); the merge retries that matrix in float64 instead of crashing."""
+    from clmerge.merging import lowrank
+
+    real, calls = torch.linalg.svd, []
+
+    def flaky(m, full_matrices=True):
+        calls.append(m.dtype)
+        if m.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("linalg.svd: The algorithm failed to converge")
+        return real(m, full_matrices=full_matrices)
+
+    g = torch.Generator().manual_seed(0)
+    base = {"fc.weight": torch.randn(12, 10, generator=g)}
+    experts = [{"fc.weight": base["fc.weight"] + 0.1 * torch.randn(12, 10, generator=g)} for _ in range(3)]
+    want = merging.merge("iso_cts", base=base, experts=experts)["fc.weight"]
+    monkeypatch.setattr(torch.linalg, "svd", flaky)
+    got = merging.merge("iso_cts", base=base, experts=experts)["fc.weight"]
+    assert torch.float64 in calls and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    u, s, vh = lowrank.thin_svd(torch.randn(5, 4, generator=g))
+    assert u.dtype == s.dtype == vh.dtype == torch.float32

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from .driver import map_keys
-from .lowrank import DEFAULT_EXCLUDE, is_lowrank_param
+from .lowrank import DEFAULT_EXCLUDE, is_lowrank_param, thin_svd
 from .opcm import shuffled_order
 from .registry import register_merge
 from .sources import open_models
@@ -60,7 +60,7 @@ def energy_rank(s: Tensor, epsilon: float) -> int:
 
 
 def _subspace(tau: Tensor, epsilon: float) -> tuple[Tensor, Tensor, Tensor]:
-    u, s, vh = torch.linalg.svd(tau, full_matrices=False)
+    u, s, vh = thin_svd(tau)
     k = energy_rank(s, epsilon)
     return u[:, :k], s[:k], vh[:k]
 

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .driver import map_keys
-from .lowrank import DEFAULT_EXCLUDE, is_lowrank_param, polar_factor, svd_factors, task_matrices
+from .lowrank import DEFAULT_EXCLUDE, is_lowrank_param, polar_factor, svd_factors, task_matrices, thin_svd
 from .registry import register_merge
 from .sources import open_models
 
@@ -40,7 +40,7 @@ __all__ = ["iso_c", "iso_cts", "iso_c_matrix", "iso_cts_matrix", "iso_cts_ranks"
 
 def iso_c_matrix(taus: Tensor) -> Tensor:
     """Iso-C's update ``sigma_bar U V^T`` of one matrix from its task matrices ``(T, m, n)``."""
-    u, s, vh = torch.linalg.svd(taus.sum(0), full_matrices=False)
+    u, s, vh = thin_svd(taus.sum(0))
     return (u * s.mean()) @ vh
 
 
@@ -58,7 +58,7 @@ def iso_cts_ranks(r: int, num_tasks: int, fraction: float) -> tuple[int, int]:
 def iso_cts_matrix(taus: Tensor, fraction: float, *, svd: str = "exact", seed: int = 0) -> Tensor:
     """Iso-CTS's update ``sigma_bar U_perp V_perp^T`` of one matrix from its task matrices ``(T, m, n)``."""
     k_c, s = iso_cts_ranks(min(taus.shape[1:]), len(taus), fraction)
-    u, sv, vh = torch.linalg.svd(taus.sum(0), full_matrices=False)
+    u, sv, vh = thin_svd(taus.sum(0))
     if s == 0:  # the common subspace is everything: Iso-C (the polar factor of U is U itself)
         return (u * sv.mean()) @ vh
     uc = u[:, :k_c]

@@ -29,7 +29,7 @@ from torch import Tensor
 from ..utils.device import like_device
 from .dare import dare_generator, dare_tensor
 from .driver import map_keys
-from .lowrank import DEFAULT_EXCLUDE, is_lowrank_param, task_matrices
+from .lowrank import DEFAULT_EXCLUDE, is_lowrank_param, task_matrices, thin_svd
 from .registry import register_merge
 from .sources import ModelSet, open_models
 from .ties import magnitude_threshold, ties_tensor
@@ -71,7 +71,7 @@ def knots_basis(taus: Tensor, eps: float = SUPPORT_EPS) -> tuple[Tensor, Tensor]
         lam, vecs = torch.linalg.eigh(gram)  # ascending
         u = vecs[:, lam > eps * eps].flip(1)
     else:
-        u, s, _ = torch.linalg.svd(x.permute(1, 0, 2).reshape(m, num * n), full_matrices=False)
+        u, s, _ = thin_svd(x.permute(1, 0, 2).reshape(m, num * n))
         u = u[:, s > eps]
     return u.to(taus.dtype), (u.T @ x).to(taus.dtype)
 

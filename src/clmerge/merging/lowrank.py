@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..utils.device import cpu_draw
 
-__all__ = ["target_rank", "low_rank_approx", "svd_factors", "is_lowrank_param", "polar_factor", "task_matrices",
+__all__ = ["target_rank", "low_rank_approx", "svd_factors", "thin_svd", "is_lowrank_param", "polar_factor", "task_matrices",
            "DEFAULT_EXCLUDE"]
 
 # 2-D "weight" tensors whose name matches this are NOT truncated (embeddings, norms, position tables).
@@ -50,6 +50,19 @@ def target_rank(shape: tuple[int, ...], rank_ratio: float, rounding: str = "ceil
     raise ValueError(f"rounding must be 'ceil' or 'floor', got {rounding!r}")
 
 
+def thin_svd(m: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``torch.linalg.svd(m, full_matrices=False)``, retried in float64 (and cast back) when LAPACK's
+    divide-and-conquer fails to converge on a float32 matrix: it does on some ill-conditioned task residuals
+    of ViT-B-sized layers (seen on ``iso_cts``)."""
+    try:
+        return torch.linalg.svd(m, full_matrices=False)
+    except torch.linalg.LinAlgError:
+        if m.dtype == torch.float64:
+            raise
+        u, s, vh = torch.linalg.svd(m.double(), full_matrices=False)
+        return u.to(m.dtype), s.to(m.dtype), vh.to(m.dtype)
+
+
 def svd_factors(m: Tensor, k: int, *, method: str = "exact", oversample: int = 10, power_iters: int = 2,
                 seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Top-``k`` singular triplets ``(U_k (m,k), S_k (k,), Vh_k (k,n))`` of ``m``.
@@ -63,7 +76,7 @@ def svd_factors(m: Tensor, k: int, *, method: str = "exact", oversample: int = 1
     if method not in ("exact", "randomized"):
         raise ValueError(f"svd method must be 'exact' or 'randomized', got {method!r}")
     if method == "exact" or k >= min(m.shape) // 2:
-        u, s, vh = torch.linalg.svd(m, full_matrices=False)
+        u, s, vh = thin_svd(m)
         return u[:, :k], s[:k], vh[:k]
     g = torch.Generator().manual_seed(seed)
     ell = min(min(m.shape), k + oversample)
@@ -72,7 +85,7 @@ def svd_factors(m: Tensor, k: int, *, method: str = "exact", oversample: int = 1
     for _ in range(power_iters):
         q = torch.linalg.qr(m.T @ q).Q
         q = torch.linalg.qr(m @ q).Q
-    ub, s, vh = torch.linalg.svd(q.T @ m, full_matrices=False)  # (l, n) sketch
+    ub, s, vh = thin_svd(q.T @ m)  # (l, n) sketch
     return (q @ ub)[:, :k], s[:k], vh[:k]
 
 
@@ -104,7 +117,7 @@ def polar_factor(a: Tensor) -> Tensor:
     """``P Q^T`` for the thin SVD ``a = P S Q^T``: the matrix with orthonormal columns (rows, for a wide ``a``)
     nearest to ``a`` in Frobenius norm (orthogonal Procrustes). For ``a`` of full column rank it equals the
     whitening ``a (a^T a)^{-1/2}`` (the orthogonalisation of TSV-M and Iso-CTS)."""
-    u, _, vh = torch.linalg.svd(a, full_matrices=False)
+    u, _, vh = thin_svd(a)
     return u @ vh
 
 

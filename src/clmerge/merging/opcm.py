@@ -34,7 +34,7 @@ from torch import Tensor
 
 from .driver import map_keys
 from .io.checks import source_get
-from .lowrank import DEFAULT_EXCLUDE, is_lowrank_param
+from .lowrank import DEFAULT_EXCLUDE, is_lowrank_param, thin_svd
 from .registry import register_merge
 from .sources import open_models
 
@@ -61,7 +61,7 @@ def opcm_project(merged: Tensor, tau: Tensor, *, alpha: float = 0.5, zero_diagon
     """
     if not bool(merged.any()):
         return tau.clone()
-    u, s, vh = torch.linalg.svd(merged, full_matrices=False)
+    u, s, vh = thin_svd(merged)
     k = opcm_split_rank(s, alpha)
     uk, vhk = u[:, :k], vh[:k]
     out = tau - uk @ (uk.T @ tau @ vhk.T) @ vhk

@@ -56,6 +56,14 @@ METHODS: dict[str, dict[str, Any]] = {
                                        "seed": 0}),
                   "mergekit": ("dare_ties", {"lambda": 1.0, "normalize": True},
                                {"weight": 1.0, "density": 0.5})},
+    # mergekit's newer methods, clmerge only here (their agreement with mergekit: methods_vs_mergekit.md)
+    "della_linear": {"clmerge": ("della_linear", {}), "mergekit": None},
+    "breadcrumbs_ties": {"clmerge": ("breadcrumbs_ties", {}), "mergekit": None},
+    "sce": {"clmerge": ("sce", {}), "mergekit": None},
+    "karcher": {"clmerge": ("karcher", {}), "mergekit": None},
+    "multislerp": {"clmerge": ("multislerp", {}), "mergekit": None},
+    # the floor: every input read once, one model written once, no arithmetic (llm_floor.py)
+    "floor": {"clmerge": ("floor", {}), "mergekit": None},
 }
 TOOLS = ("clmerge", "mergekit")
 CONDITIONS = ("idle", "busy")
@@ -70,6 +78,9 @@ def clmerge_command(args: argparse.Namespace, method: str, out: Path) -> list[st
         return "pending: this clmerge's `merge` reads flat weight files only (no --out-shard-size in --help)"
     name, sets = METHODS[method]["clmerge"]
     base, experts = model_dirs(args.data)
+    if name == "floor":
+        return [args.python, str(HERE / "llm_floor.py"), "--base", str(base),
+                *[a for e in experts for a in ("--expert", str(e))], "--out", str(out)]
     argv = [args.python, "-m", args.clmerge_module, "merge", "--method", name, "--base", str(base)]
     for e in experts:
         argv += ["--expert", str(e)]

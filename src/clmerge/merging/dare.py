@@ -80,7 +80,7 @@ def dare(*, base: Any, experts: Sequence[Any], drop_rate: float = 0.5, rescale: 
                 # as ``acc += (x - b) * (rand >= p)`` (a product with 0 or 1 is exact) with two passes fewer
                 keep = cpu_draw(torch.rand, x.shape, generator=dare_generator(seed, key, t), like=x)
                 keep = keep.ge_(drop_rate).to(dt)
-                acc.addcmul_(torch.sub(x, fb, out=tv), keep)
+                acc.addcmul_(tv.copy_(x).sub_(fb), keep)  # x - b in place: a mixed-dtype sub allocates x's copy
                 del keep  # before the next draw: two draws alive at once would raise the peak by one tensor
             factor = scaling / (1.0 - drop_rate) if rescale else scaling
             return acc.mul_(factor).add_(b)

@@ -190,7 +190,18 @@ def write_report(res: dict[str, Any], path: Path) -> None:
         text += "\n## SVD merges (CART, TSV-M, Iso-CTS) beside FusionBench\n\n" + svd_table(res, model)
     text += "\n## Agreement (idle outputs, key by key)\n\n" + agreement_table(res)
     text += "\n## Memory model and a 7B merge\n\n" + memory_model(res, model) + NOTES
-    path.write_text(text)
+    old = path.read_text() if path.exists() else ""
+    path.write_text(text + (old[old.index(SVD_MARK):] if SVD_MARK in old else ""))
+
+
+# the hand-kept section on another model set (llm_scale.py --layers 2): a rewrite of the report keeps it
+SVD_MARK = "\n# SVD merges on the 2-layer set"
+
+
+def svd_runs_section(runs: list[dict[str, Any]]) -> str:
+    """One SVD table per invocation of ``llm_scale.py`` (the same cells measured again, interleaved)."""
+    model = _model_bytes(runs[0])
+    return "".join(f"\n### Run {i}\n\n" + svd_table(r, model) for i, r in enumerate(runs, 1))
 
 
 HEADER = """# clmerge vs mergekit on a 1.1B Llama (llm_scale)

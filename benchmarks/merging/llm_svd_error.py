@@ -1,6 +1,6 @@
 """Relative error of the randomized SVD against the exact one, per SVD merge, on one decoder layer.
 
-``python llm_svd_error.py --data /work/llm2 [--layer 0]`` prints one JSON line: for CART, TSV-M and Iso-CTS
+``python llm_svd_error.py --data /work/llm2 [--layer 0] [--matrices ...]`` prints a JSON line per matrix: for CART, TSV-M and Iso-CTS
 and each weight matrix of layer ``--layer`` of the llm_scale models (base + variants, ``llm_models.py``),
 ``||update_randomized - update_exact||_F / ||update_exact||_F`` of the method's per-matrix update (CART:
 ``sum_t SVD_k(theta_t - theta_avg)``, Eq. 4 of Choi et al.; TSV-M: ``U_perp diag(S) V_perp^T``; Iso-CTS:
@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llm_models import model_dirs  # noqa: E402
 
 MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
+
 
 
 def read(folder: Path, key: str) -> torch.Tensor:
@@ -48,10 +49,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", type=Path, required=True)
     p.add_argument("--layer", type=int, default=0)
+    p.add_argument("--matrices", nargs="*", default=list(MATRICES), help="which of the layer's matrices")
     args = p.parse_args(argv)
     base_dir, experts = model_dirs(args.data)
-    out: dict[str, dict] = {}
-    for name in MATRICES:
+    for name in args.matrices:
         key = f"model.layers.{args.layer}.{name}.weight"
         b, xs = read(base_dir, key), [read(e, key) for e in experts]
         t0 = time.perf_counter()
@@ -59,9 +60,9 @@ def main(argv: list[str] | None = None) -> None:
         t1 = time.perf_counter()
         rand = updates(b, xs, "randomized")
         t2 = time.perf_counter()
-        out[key] = {m: float((rand[m].double() - exact[m].double()).norm() / exact[m].double().norm())
-                    for m in exact} | {"shape": list(b.shape), "exact_s": t1 - t0, "randomized_s": t2 - t1}
-    print(json.dumps(out))
+        row = {m: float((rand[m].double() - exact[m].double()).norm() / exact[m].double().norm())
+               for m in exact} | {"shape": list(b.shape), "exact_s": t1 - t0, "randomized_s": t2 - t1}
+        print(json.dumps({key: row}), flush=True)  # one JSON line per matrix
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from llm_models import model_dirs  # noqa: E402
 MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
 
 
-
 def read(folder: Path, key: str) -> torch.Tensor:
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(str(f), "pt") as h:

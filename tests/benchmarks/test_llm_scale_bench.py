@@ -209,3 +209,18 @@ def test_tiny_smoke_svd_cells_with_a_fusion_bench_checkout(tmp_path: Path) -> No
     assert cells["idle/fusionbench/cart"]["status"].startswith("n/a")
     assert cells["idle/mergekit/tsv_m"]["status"].startswith("n/a")
     assert "| tsv_m | fusionbench | ok |" in md.read_text()
+
+
+def test_svd_error_prints_a_line_per_matrix_with_small_errors(tmp_path: Path, capsys) -> None:
+    err = _load("llm_svd_error")
+    g = torch.Generator().manual_seed(0)
+    key = "model.layers.0.self_attn.k_proj.weight"
+    base = torch.randn(40, 36, generator=g)
+    for name, delta in (("base", 0), *((f"variant{i}", 1) for i in (1, 2, 3))):
+        _folder(tmp_path / name, {key: base + delta * 0.1 * torch.randn(40, 36, generator=g),
+                                  "model.norm.weight": torch.ones(36)})
+    err.main(["--data", str(tmp_path), "--matrices", "self_attn.k_proj"])
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])[key]
+    assert row["shape"] == [40, 36]
+    # CART keeps k = ceil(0.08 * 36) = 3 < 18: randomized, a small error; TSV-M keeps 12 < 18: randomized too
+    assert 0 < row["cart"] < 0.5 and 0 < row["tsv_m"] < 0.5 and 0 <= row["iso_cts"] < 0.5

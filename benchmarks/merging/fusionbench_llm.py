@@ -1,12 +1,13 @@
-"""FusionBench's TSV-M or Iso-CTS on model folders, in one process: the ``fusionbench`` tool of ``llm_scale.py``.
+"""FusionBench's TSV-M or Iso-CTS on model folders in one process: ``llm_scale.py``'s ``fusionbench`` tool.
 
-``python fusionbench_llm.py --fusion-bench CHECKOUT --method tsv_m|iso_cts --base DIR --expert DIR ... --out DIR``
+``python fusionbench_llm.py --fusion-bench CHECKOUT --method tsv_m|iso_cts --base DIR --expert DIR ...
+--out DIR``
 
 It does what FusionBench's ``TaskSingularVectorMerging.run`` / ``IsotropicMergingInCommonAndTaskSubspace.run``
 do, minus ``nn.Module`` loading: every state dict is loaded whole, task vectors by ``state_dict_sub``, then
 ``TSVM_utils.compute_and_sum_svd_mem_reduction`` or ``iso_utils.iso_cts`` (on the CPU), ``state_dict_mul`` by
-the scaling and ``state_dict_add`` to the base. The merge functions are FusionBench's, loaded from the checkout
-by :func:`fusionbench_rows.load_fusion_bench` (nothing of FusionBench is copied here). Two choices of this
+the scaling and ``state_dict_add`` to the base. The merge functions are FusionBench's, loaded from the
+checkout by :func:`fusionbench_rows.load_fusion_bench` (nothing of FusionBench is copied here). Two choices of this
 runner: ``--exclude`` names the 2-D keys averaged instead of decomposed (``llm_scale.py`` passes the keys
 clmerge's default rule excludes, so both tools compute the same merge), and Iso-CTS's task vectors are cast to
 float32 first (``torch.linalg.svd`` has no bfloat16 kernel; FusionBench's TSV-M casts per matrix itself). The

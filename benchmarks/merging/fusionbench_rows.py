@@ -39,7 +39,7 @@ SD = dict[str, Tensor]
 
 
 def load_fusion_bench(root: str | Path, files: dict[str, str] = FILES) -> types.SimpleNamespace:
-    """Import FusionBench's files ``files`` (default: state-dict arithmetic, TIES, DARE) from the checkout ``root``.
+    """Import FusionBench's ``files`` (default: state-dict arithmetic, TIES, DARE) from the checkout ``root``.
 
     Raises:
         FileNotFoundError: a needed file is missing under ``root``.

@@ -150,7 +150,8 @@ def _fake_fusion_bench(root: Path) -> Path:
 
 
 @pytest.mark.parametrize("method", ["tsv_m", "iso_cts"])
-def test_fusionbench_runner_passes_clmerge_exclusions_and_writes_a_folder(tmp_path: Path, method: str) -> None:
+def test_fusionbench_runner_passes_clmerge_exclusions_and_writes_a_folder(tmp_path: Path,
+                                                                           method: str) -> None:
     for m in [m for m in sys.modules if m == "fusion_bench" or m.startswith("fusion_bench.")]:
         del sys.modules[m]  # each case loads its own stand-in checkout
     runner = _load("fusionbench_llm")
@@ -189,7 +190,8 @@ def test_svd_cells_commands_and_not_applicable(tmp_path: Path) -> None:
     args.fusion_bench = tmp_path / "fb"
     argv = scale.fusionbench_command(args, "iso_cts", tmp_path / "o")
     assert argv[1].endswith("fusionbench_llm.py") and argv.count("--expert") == 3
-    assert argv[argv.index("--common-space-fraction") + 1] == "0.8" and argv[argv.index("--method") + 1] == "iso_cts"
+    assert argv[argv.index("--common-space-fraction") + 1] == "0.8"
+    assert argv[argv.index("--method") + 1] == "iso_cts"
     assert scale.METHODS["cart"]["fusionbench"] is None and scale.METHODS["cart"]["mergekit"] is None
     assert scale.METHODS["cart"]["clmerge"][1]["svd"] == "randomized"  # k = 8% of the rank: small
 
@@ -204,7 +206,8 @@ def test_tiny_smoke_svd_cells_with_a_fusion_bench_checkout(tmp_path: Path) -> No
                 str(_fake_fusion_bench(tmp_path / "fb")), "--mergekit", str(tmp_path / "none"),
                 "--json", str(js), "--out", str(md)])
     cells = json.loads(js.read_text())["cells"]
-    for key in ("clmerge/cart", "clmerge/tsv_m", "clmerge/iso_cts", "fusionbench/tsv_m", "fusionbench/iso_cts"):
+    for key in ("clmerge/cart", "clmerge/tsv_m", "clmerge/iso_cts", "fusionbench/tsv_m",
+                "fusionbench/iso_cts"):
         assert cells[f"idle/{key}"]["status"] == "ok" and cells[f"idle/{key}"]["loads"]["ok"], key
     assert cells["idle/fusionbench/cart"]["status"].startswith("n/a")
     assert cells["idle/mergekit/tsv_m"]["status"].startswith("n/a")

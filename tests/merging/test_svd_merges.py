@@ -268,7 +268,7 @@ def test_tsv_c_needs_task_and_all_writes_every_task(files):
         assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-# --- memory at LLM scale: no (T, m, n) stacks where one tensor at a time does, no full factors kept alive -------
+# --- memory at LLM scale: no (T, m, n) stacks where one tensor at a time does, no full factors kept alive
 
 def test_exact_svd_factors_do_not_keep_the_full_factors_alive():
     from clmerge.merging.lowrank import svd_factors

@@ -1,8 +1,7 @@
 """Relative error of the randomized SVD against the exact one, per SVD merge, on one decoder layer.
 
 ``python llm_svd_error.py --data /work/llm2 [--layer 0] [--matrices ...]`` prints a JSON line per matrix: for
-CART, TSV-M and Iso-CTS
-and each weight matrix of layer ``--layer`` of the llm_scale models (base + variants, ``llm_models.py``),
+CART, TSV-M and Iso-CTS and each weight matrix of layer ``--layer`` of the llm_scale models (base + variants, ``llm_models.py``),
 ``||update_randomized - update_exact||_F / ||update_exact||_F`` of the method's per-matrix update (CART:
 ``sum_t SVD_k(theta_t - theta_avg)``, Eq. 4 of Choi et al.; TSV-M: ``U_perp diag(S) V_perp^T``; Iso-CTS:
 ``sigma_bar U_perp V_perp^T``), at the settings of the llm_scale cells, with the wall seconds of both.

@@ -26,24 +26,33 @@ FILES = {
     "fusion_bench.method.ties_merging.ties_merging_utils": "fusion_bench/method/ties_merging/ties_merging_utils.py",
     "fusion_bench.method.dare.utils": "fusion_bench/method/dare/utils.py",
 }
+# the SVD merges (TSV-M and Iso-C/CTS; FusionBench has no CART); ``timer.py`` for iso_utils' timeit_context
+SVD_FILES = {
+    "fusion_bench.utils.type": "fusion_bench/utils/type.py",
+    "fusion_bench.utils.timer": "fusion_bench/utils/timer.py",
+    "fusion_bench.utils.state_dict_arithmetic": "fusion_bench/utils/state_dict_arithmetic.py",
+    "fusion_bench.method.task_singular_vector.utils.TSVM_utils":
+        "fusion_bench/method/task_singular_vector/utils/TSVM_utils.py",
+    "fusion_bench.method.isotropic_merging.iso_utils": "fusion_bench/method/isotropic_merging/iso_utils.py",
+}
 SD = dict[str, Tensor]
 
 
-def load_fusion_bench(root: str | Path) -> types.SimpleNamespace:
-    """Import FusionBench's state-dict arithmetic, TIES and DARE utilities from the checkout ``root``.
+def load_fusion_bench(root: str | Path, files: dict[str, str] = FILES) -> types.SimpleNamespace:
+    """Import FusionBench's ``files`` (default: state-dict arithmetic, TIES, DARE) from the checkout ``root``.
 
     Raises:
         FileNotFoundError: a needed file is missing under ``root``.
     """
     root = Path(root)
-    for name in ("fusion_bench", "fusion_bench.utils", "fusion_bench.method",
-                 "fusion_bench.method.ties_merging", "fusion_bench.method.dare"):
+    parents = {".".join(n.split(".")[:i]) for n in files for i in range(1, n.count(".") + 1)}
+    for name in sorted(parents):
         if name not in sys.modules:
             pkg = types.ModuleType(name)
             pkg.__path__ = [str(root / name.replace(".", "/"))]  # stub package: its __init__ is not run
             sys.modules[name] = pkg
     mods = {}
-    for name, rel in FILES.items():
+    for name, rel in files.items():
         path = root / rel
         if not path.exists():
             raise FileNotFoundError(f"FusionBench file not found: {path}")
@@ -52,6 +61,8 @@ def load_fusion_bench(root: str | Path) -> types.SimpleNamespace:
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
         mods[name.rsplit(".", 1)[-1]] = mod
+        if name == "fusion_bench.utils.timer":  # what ``from fusion_bench.utils import timeit_context`` finds
+            sys.modules["fusion_bench.utils"].timeit_context = mod.timeit_context
     return types.SimpleNamespace(**mods)
 
 

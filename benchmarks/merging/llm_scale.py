@@ -56,16 +56,26 @@ METHODS: dict[str, dict[str, Any]] = {
                                        "seed": 0}),
                   "mergekit": ("dare_ties", {"lambda": 1.0, "normalize": True},
                                {"weight": 1.0, "density": 0.5})},
+    # the SVD merges: mergekit has none of them; "fusionbench": fusionbench_llm.py's arguments (no CART there)
+    "cart": {"clmerge": ("cart", {"rank_ratio": 0.08, "scaling": 1.0, "svd": "randomized"}),
+             "mergekit": None, "fusionbench": None},
+    "tsv_m": {"clmerge": ("tsv_m", {"scaling": 1.0, "svd": "exact"}), "mergekit": None,
+              "fusionbench": {"method": "tsv_m", "scaling": 1.0}},
+    "iso_cts": {"clmerge": ("iso_cts", {"scaling": 1.0, "common_space_fraction": 0.8, "svd": "randomized"}),
+                "mergekit": None, "fusionbench": {"method": "iso_cts", "scaling": 1.0,
+                                                  "common_space_fraction": 0.8}},
     # mergekit's newer methods, clmerge only here (their agreement with mergekit: methods_vs_mergekit.md)
-    "della_linear": {"clmerge": ("della_linear", {}), "mergekit": None},
-    "breadcrumbs_ties": {"clmerge": ("breadcrumbs_ties", {}), "mergekit": None},
-    "sce": {"clmerge": ("sce", {}), "mergekit": None},
-    "karcher": {"clmerge": ("karcher", {}), "mergekit": None},
-    "multislerp": {"clmerge": ("multislerp", {}), "mergekit": None},
+    "della_linear": {"clmerge": ("della_linear", {}), "mergekit": None, "fusionbench": None},
+    "breadcrumbs_ties": {"clmerge": ("breadcrumbs_ties", {}), "mergekit": None, "fusionbench": None},
+    "sce": {"clmerge": ("sce", {}), "mergekit": None, "fusionbench": None},
+    "karcher": {"clmerge": ("karcher", {}), "mergekit": None, "fusionbench": None},
+    "multislerp": {"clmerge": ("multislerp", {}), "mergekit": None, "fusionbench": None},
     # the floor: every input read once, one model written once, no arithmetic (llm_floor.py)
-    "floor": {"clmerge": ("floor", {}), "mergekit": None},
+    "floor": {"clmerge": ("floor", {}), "mergekit": None, "fusionbench": None},
 }
-TOOLS = ("clmerge", "mergekit")
+TOOLS = ("clmerge", "mergekit", "fusionbench")
+# 2-D keys that clmerge's default rule (``lowrank.DEFAULT_EXCLUDE``) averages in these Llama folders
+FB_EXCLUDE = "embed"
 CONDITIONS = ("idle", "busy")
 
 
@@ -108,6 +118,20 @@ def mergekit_command(args: argparse.Namespace, method: str, out: Path) -> list[s
     recipe.write_text("\n".join(lines))
     return [str(exe), str(recipe), str(out), "--out-shard-size", args.shard.replace("GB", "B"),
             "--num-threads", str(args.threads), "--random-seed", "0", "--copy-tokenizer", "--quiet"]
+
+
+def fusionbench_command(args: argparse.Namespace, method: str, out: Path) -> list[str] | str:
+    """``fusionbench_llm.py``'s argv for one cell (FusionBench's own functions), or why it cannot run."""
+    if args.fusion_bench is None:
+        return "skipped: no --fusion-bench checkout given"
+    base, experts = model_dirs(args.data)
+    argv = [args.python, str(HERE / "fusionbench_llm.py"), "--fusion-bench", str(args.fusion_bench),
+            "--base", str(base), "--out", str(out), "--exclude-regex", FB_EXCLUDE]
+    for e in experts:
+        argv += ["--expert", str(e)]
+    for k, v in METHODS[method]["fusionbench"].items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return argv
 
 
 def child_env(args: argparse.Namespace, tool: str) -> dict[str, str]:
@@ -176,7 +200,7 @@ def run_cell(args: argparse.Namespace, condition: str, tool: str, method: str) -
     out = args.data / "out" / f"{condition}_{tool}_{method}"
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    argv = (clmerge_command if tool == "clmerge" else mergekit_command)(args, method, out)
+    argv = COMMANDS[tool](args, method, out)
     if isinstance(argv, str):
         return {"status": argv}
     base, experts = model_dirs(args.data)
@@ -202,6 +226,9 @@ def run_cell(args: argparse.Namespace, condition: str, tool: str, method: str) -
     return res
 
 
+COMMANDS = {"clmerge": clmerge_command, "mergekit": mergekit_command, "fusionbench": fusionbench_command}
+
+
 def check(args: argparse.Namespace, *cmd: str) -> dict[str, Any]:
     env = child_env(args, "clmerge")
     r = subprocess.run([args.python, str(HERE / "llm_scale_check.py"), *cmd], capture_output=True, text=True,
@@ -214,7 +241,7 @@ def check(args: argparse.Namespace, *cmd: str) -> dict[str, Any]:
 def needs_output(args: argparse.Namespace, res: dict[str, Any], condition: str, tool: str,
                  method: str) -> bool:
     """An idle output still to be compared whose folder is gone (a run stopped mid-way): measure it again."""
-    return (condition == "idle" and METHODS[method]["mergekit"] is not None
+    return (condition == "idle" and METHODS[method].get("mergekit") is not None
             and f"agreement/{method}" not in res["cells"]
             and not (args.data / "out" / f"idle_{tool}_{method}").exists())
 
@@ -233,7 +260,7 @@ def agreement(args: argparse.Namespace, method: str, res: dict[str, Any]) -> Non
     A method mergekit lacks is done when clmerge's output has its statistics. Outputs whose partner is not
     measured yet (clmerge pending) stay on disk for the re-run.
     """
-    tools = [t for t in TOOLS if METHODS[method][t] is not None]
+    tools = [t for t in ("clmerge", "mergekit") if METHODS[method].get(t) is not None]
     outs = {t: args.data / "out" / f"idle_{t}_{method}" for t in tools}
     ok = all(res["cells"].get(f"idle/{t}/{method}", {}).get("status") == "ok" and outs[t].exists()
              for t in tools)
@@ -252,11 +279,14 @@ def import_baselines(args: argparse.Namespace, res: dict[str, Any]) -> None:
             "mergekit": [str(args.mergekit / "bin" / "python"), "-c",
                          "import mergekit.merge, mergekit.scripts.run_yaml"]}
     for tool in args.tools:
-        if f"baseline/{tool}" not in res["cells"] and Path(cmds[tool][0]).exists():
+        if tool in cmds and f"baseline/{tool}" not in res["cells"] and Path(cmds[tool][0]).exists():
             log = args.data / "out" / f"baseline_{tool}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             r = measure(cmds[tool], child_env(args, tool), log)
             res["cells"][f"baseline/{tool}"] = r | {"status": "ok" if r["rc"] == 0 else "error"}
+
+
+NA = {"mergekit": "not in mergekit 0.1.5", "fusionbench": "not in FusionBench"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -266,6 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mergekit", type=Path,
                    default=Path(os.environ.get("MERGEKIT_VENV", "/work/venvs/mergekit")),
                    help="mergekit 0.1.5's venv (env MERGEKIT_VENV)")
+    p.add_argument("--fusion-bench", type=Path, default=None,
+                   help="a FusionBench checkout: its TSV-M and Iso-CTS as a third tool (fusionbench_llm.py)")
     p.add_argument("--python", default=sys.executable, help="the Python that runs clmerge")
     p.add_argument("--clmerge-src", default=str(REPO / "src"), help="PYTHONPATH of the clmerge runs")
     p.add_argument("--clmerge-module", default="clmerge", help="the module run with `python -m`")
@@ -273,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="threads of both tools (OMP_NUM_THREADS and their flag)")
     p.add_argument("--shard", default="5GB", help="output shard size of both tools (both default to 5 GB)")
     p.add_argument("--methods", nargs="*", default=list(METHODS))
-    p.add_argument("--tools", nargs="*", default=list(TOOLS))
+    p.add_argument("--tools", nargs="*", default=["clmerge", "mergekit"])
     p.add_argument("--conditions", nargs="*", default=list(CONDITIONS))
     p.add_argument("--redo", action="store_true", help="measure finished cells again")
     p.add_argument("--keep-outputs", action="store_true")
@@ -295,8 +327,10 @@ def main(argv: list[str] | None = None) -> None:
             for tool in args.tools:
                 key = f"{condition}/{tool}/{method}"
                 old = res["cells"].get(key, {})
-                if tool == "mergekit" and METHODS[method]["mergekit"] is None:
-                    res["cells"][key] = {"status": "n/a: mergekit trims per tensor only"}
+                if METHODS[method].get(tool, "none") is None:
+                    res["cells"][key] = {"status": f"n/a: {NA[tool]}"}
+                    continue
+                if tool not in METHODS[method]:
                     continue
                 done = old.get("status") == "ok" and not needs_output(args, res, condition, tool, method)
                 if done and not args.redo:

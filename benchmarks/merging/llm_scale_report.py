@@ -9,7 +9,9 @@ from typing import Any
 
 GIB = 2**30
 SHARED = ("task_arithmetic", "linear", "ties_per_tensor", "dare_linear", "dare_ties")
-ORDER = ("task_arithmetic", "linear", "ties_per_tensor", "ties_global", "dare_linear", "dare_ties")
+ORDER = ("task_arithmetic", "linear", "ties_per_tensor", "ties_global", "dare_linear", "dare_ties", "cart",
+         "tsv_m", "iso_cts")
+SVD = ("cart", "tsv_m", "iso_cts")
 
 
 def _model_bytes(res: dict[str, Any]) -> int:
@@ -45,7 +47,8 @@ def cells_table(res: dict[str, Any], condition: str, model: int) -> str:
     methods = sorted(dict.fromkeys(k.split("/")[2] for k in res["cells"] if k.startswith(condition + "/")),
                      key=lambda m: ORDER.index(m) if m in ORDER else len(ORDER))
     rows = [_cell_row(m, t, res["cells"].get(f"{condition}/{t}/{m}", {}), model)
-            for m in methods for t in ("clmerge", "mergekit")]
+            for m in methods for t in ("clmerge", "mergekit", "fusionbench")
+            if t != "fusionbench" or f"{condition}/{t}/{m}" in res["cells"]]
     return head + "\n".join(rows) + "\n"
 
 
@@ -66,6 +69,32 @@ def goal_table(res: dict[str, Any]) -> str:
             r, w = a["peak_rss_bytes"] / b["peak_rss_bytes"], a["wall_s"] / b["wall_s"]
             out.append(f"| {cond} | {m} | {mk} | {a['peak_rss_bytes'] / GIB:.2f} | {r:.2f} | {mk_wall} | "
                        f"{a['wall_s']:.0f} | {w:.2f} | {'yes' if r <= 0.5 and w <= 1 else 'no'} |")
+    return "\n".join(out) + "\n"
+
+
+def svd_table(res: dict[str, Any], model: int) -> str:
+    """The SVD merges: clmerge's peak against one model's size, FusionBench / clmerge as ratios."""
+    imports = res["cells"].get("baseline/clmerge", {}).get("peak_rss_bytes", 0)
+    out = ["| condition | method | clmerge peak GiB (models) | clmerge peak above its imports GiB (models) | "
+           "clmerge wall s | FusionBench peak GiB (models) | FusionBench wall s | peak ratio FB / clmerge | "
+           "wall ratio FB / clmerge | clmerge peak <= 1 model (above imports) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for cond in ("idle", "busy"):
+        for m in SVD:
+            a, b = (res["cells"].get(f"{cond}/{t}/{m}", {}) for t in ("clmerge", "fusionbench"))
+            if a.get("status") != "ok":
+                continue
+            pa = a["peak_rss_bytes"]
+            work = pa - imports
+            cl = f"{pa / GIB:.2f} ({pa / model:.2f}) | {work / GIB:.2f} ({work / model:.2f}) | {a['wall_s']:.0f}"
+            if b.get("status") == "ok":
+                pb = b["peak_rss_bytes"]
+                fb = (f"{pb / GIB:.2f} ({pb / model:.2f}) | {b['wall_s']:.0f} | {pb / pa:.2f} | "
+                      f"{b['wall_s'] / a['wall_s']:.2f}")
+            else:
+                fb = f"{b.get('status', 'not run').split(':')[-1].strip()} | - | - | -"
+            met = "yes" if pa <= model else "no" + (" (yes)" if work <= model else " (no)")
+            out.append(f"| {cond} | {m} | {cl} | {fb} | {met} |")
     return "\n".join(out) + "\n"
 
 
@@ -157,9 +186,22 @@ def write_report(res: dict[str, Any], path: Path) -> None:
     reasons = sorted({c["status"] for c in res["cells"].values() if ":" in c.get("status", "")})
     text += "".join(f"\n- {r}" for r in reasons) + ("\n" if reasons else "")
     text += "\n## Goal: at most half of mergekit's peak memory, no slower\n\n" + goal_table(res)
+    if any(k.split("/")[-1] in SVD for k in res["cells"]):
+        text += "\n## SVD merges (CART, TSV-M, Iso-CTS) beside FusionBench\n\n" + svd_table(res, model)
     text += "\n## Agreement (idle outputs, key by key)\n\n" + agreement_table(res)
     text += "\n## Memory model and a 7B merge\n\n" + memory_model(res, model) + NOTES
-    path.write_text(text)
+    old = path.read_text() if path.exists() else ""
+    path.write_text(text + (old[old.index(SVD_MARK):] if SVD_MARK in old else ""))
+
+
+# the hand-kept section on another model set (llm_scale.py --layers 2): a rewrite of the report keeps it
+SVD_MARK = "\n# SVD merges on the 2-layer set"
+
+
+def svd_runs_section(runs: list[dict[str, Any]]) -> str:
+    """One SVD table per invocation of ``llm_scale.py`` (the same cells measured again, interleaved)."""
+    model = _model_bytes(runs[0])
+    return "".join(f"\n### Run {i}\n\n" + svd_table(r, model) for i, r in enumerate(runs, 1))
 
 
 HEADER = """# clmerge vs mergekit on a 1.1B Llama (llm_scale)

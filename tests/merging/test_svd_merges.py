@@ -291,3 +291,51 @@ def test_an_svd_that_fails_to_converge_in_float32_is_retried_in_float64(monkeypa
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     u, s, vh = lowrank.thin_svd(torch.randn(5, 4, generator=g))
     assert u.dtype == s.dtype == vh.dtype == torch.float32
+# --- memory at LLM scale: no (T, m, n) stacks where one tensor at a time does, no full factors kept alive
+
+def test_exact_svd_factors_do_not_keep_the_full_factors_alive():
+    from clmerge.merging.lowrank import svd_factors
+
+    u, s, vh = svd_factors(torch.randn(40, 30), 5, method="exact")
+    for f in (u, s, vh):  # a slice of the full U (40 x 30) would hold all of its storage
+        assert f.untyped_storage().nbytes() == f.numel() * f.element_size()
+
+
+def _no_stack(*a, **k):
+    raise AssertionError("stacked the experts")
+
+
+def test_cart_centered_sum_and_averaged_keys_never_stack_the_experts(monkeypatch):
+    from clmerge.merging.cart import centered_low_rank_sum
+
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(12, 9, generator=g).bfloat16() for _ in range(3)]
+    want_avg = torch.stack([x.double() for x in xs]).mean(0)
+    want = sum(_rank_k((x.double() - want_avg).float(), 2).double() for x in xs)
+    monkeypatch.setattr(torch, "stack", _no_stack)
+    avg, total = centered_low_rank_sum(xs, 2)
+    assert torch.allclose(avg, want_avg) and torch.allclose(total, want, atol=1e-5)
+
+
+def _rank_k(m, k):
+    u, s, vh = torch.linalg.svd(m, full_matrices=False)
+    return (u[:, :k] * s[:k]) @ vh[:k]
+
+
+@pytest.mark.parametrize("name", ["cart", "tsv_m", "iso_cts"])
+def test_non_matrix_keys_are_averaged_without_a_stack(monkeypatch, name):
+    import importlib
+
+    g = torch.Generator().manual_seed(1)
+    base = {"model.embed_tokens.weight": torch.randn(10, 4, generator=g),
+            "norm.weight": torch.randn(4, generator=g)}
+    experts = [{k: v + 0.1 * torch.randn(v.shape, generator=g) for k, v in base.items()} for _ in range(3)]
+    mod = {"cart": "cart", "tsv_m": "tsv", "iso_cts": "iso"}[name]
+    fn = getattr(importlib.import_module(f"clmerge.merging.{mod}"), name)
+    want = fn(base=base, experts=experts, scaling=0.5)
+    monkeypatch.setattr(torch, "stack", _no_stack)
+    got = fn(base=base, experts=experts, scaling=0.5)
+    for k in base:
+        mean = sum(e[k].double() for e in experts) / 3
+        ref = mean if name == "cart" else base[k].double() + 0.5 * (mean - base[k].double())
+        assert torch.allclose(got[k].double(), ref, atol=1e-6) and torch.allclose(got[k], want[k])

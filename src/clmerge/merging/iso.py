@@ -31,7 +31,8 @@ import torch
 from torch import Tensor
 
 from .driver import map_keys
-from .lowrank import DEFAULT_EXCLUDE, is_lowrank_param, polar_factor, svd_factors, task_matrices, thin_svd
+from .lowrank import (DEFAULT_EXCLUDE, is_lowrank_param, mean64, polar_factor, svd_factors, task_matrices,
+                      thin_svd)
 from .registry import register_merge
 from .sources import open_models
 
@@ -74,9 +75,9 @@ def iso_cts_matrix(taus: Tensor, fraction: float, *, svd: str = "exact", seed: i
 
 def _iso_kernel(update, scaling: float, include: str | None, exclude: str | None):
     def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
+        if not is_lowrank_param(key, tuple(b.shape), exclude, include):  # mean task vector, no (T, ...) stack
+            return mean64(xs, minus=b).mul_(scaling).add_(b.double())
         taus = task_matrices(b, xs)
-        if not is_lowrank_param(key, tuple(b.shape), exclude, include):
-            return b.double() + scaling * taus.double().mean(0)
         return b.double() + scaling * update(taus).double()
 
     return kernel

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .driver import map_keys
-from .lowrank import DEFAULT_EXCLUDE, is_lowrank_param, polar_factor, svd_factors, task_matrices
+from .lowrank import DEFAULT_EXCLUDE, is_lowrank_param, mean64, polar_factor, svd_factors, task_matrices
 from .registry import register_merge
 from .sources import open_models
 
@@ -84,9 +84,9 @@ def tsv_m(*, base: Any, experts: Sequence[Any], scaling: float = 1.0, svd: str =
     models = open_models(base, experts)
 
     def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
+        if not is_lowrank_param(key, tuple(b.shape), exclude, include):  # mean task vector, no (T, ...) stack
+            return mean64(xs, minus=b).mul_(scaling).add_(b.double())
         taus = task_matrices(b, xs)
-        if not is_lowrank_param(key, tuple(b.shape), exclude, include):
-            return b.double() + scaling * taus.double().mean(0)
         return b.double() + scaling * tsv_merge_matrix(taus, svd=svd, seed=seed).double()
 
     return map_keys(models, kernel, needs_base=True)

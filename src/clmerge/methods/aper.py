@@ -30,7 +30,7 @@ from torch import nn
 from ..adapters.bottleneck import attach_adapters, attach_ssf, attach_vpt
 from ..models.classifier import ContinualClassifier, IncrementalHead
 from .base import ContinualMethod, MethodOptions, register_method
-from .frozen_backbone import FrozenBackboneMethod
+from .frozen_backbone import COSINE_PROTOTYPES, FrozenBackboneMethod
 
 __all__ = ["APER", "APEROptions", "DualBranchFeatures"]
 
@@ -68,7 +68,7 @@ class APER(FrozenBackboneMethod):
     name = "aper"
     description = ("APER / ADAM (Zhou et al., IJCV 2024): adapt on task 1 (adapter|ssf|vpt_deep|vpt_shallow), "
                    "freeze; cosine prototypes of [pretrained; adapted] features")
-    head_defaults: ClassVar[dict[str, Any]] = {"classifier": "ncm", "ncm_metric": "cosine"}
+    head_defaults: ClassVar[dict[str, Any]] = COSINE_PROTOTYPES
     Options = APEROptions
 
     def __init__(self, options, *, seed: int = 0) -> None:

@@ -28,7 +28,11 @@ from ..adapters import add_lora_component, fold_component, inject_lora
 from .base import ContinualMethod, MethodOptions, register_method
 from .seq_lora import LoRAMethodOptions
 
-__all__ = ["FrozenBackboneMethod", "SimpleCIL", "RanPAC", "RanPACOptions"]
+__all__ = ["COSINE_PROTOTYPES", "FrozenBackboneMethod", "SimpleCIL", "RanPAC", "RanPACOptions"]
+
+
+# the head of the prototype methods (SimpleCIL, APER): cosine nearest class mean
+COSINE_PROTOTYPES: dict[str, Any] = {"classifier": "ncm", "ncm_metric": "cosine"}
 
 
 class FrozenBackboneMethod(ContinualMethod):
@@ -53,7 +57,7 @@ class SimpleCIL(FrozenBackboneMethod):
     name = "simplecil"
     description = ("SimpleCIL (Zhou et al.): class prototypes (mean features) of the frozen pretrained "
                    "backbone, cosine classifier")
-    head_defaults: ClassVar[dict[str, Any]] = {"classifier": "ncm", "ncm_metric": "cosine"}
+    head_defaults: ClassVar[dict[str, Any]] = COSINE_PROTOTYPES
     Options = MethodOptions
 
 

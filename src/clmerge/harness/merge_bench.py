@@ -41,6 +41,16 @@ DEFAULT_GRIDS: dict[str, dict[str, list[Any]]] = {
     "consensus": {"k": [2], "scaling": [0.2, 0.3, 0.5, 0.7]},
     "low_rank_task_arithmetic": {"rank_ratio": [0.04, 0.08, 0.16, 0.32], "scaling": [0.3, 1.0]},
     "cart": {"rank_ratio": [0.04, 0.08, 0.16, 0.32], "scaling": [1.0, 2.0, 3.0]},
+    # The SVD family: only alpha is searched (geometric, ratio 2, so extensions halve or double it); the rank
+    # budget (1/T for TSV-M, common_space_fraction 0.8 for Iso-CTS) stays at the papers' defaults.
+    "tsv_m": {"scaling": [0.125, 0.25, 0.5, 1.0]},
+    "iso_c": {"scaling": [0.125, 0.25, 0.5, 1.0]},
+    "iso_cts": {"scaling": [0.125, 0.25, 0.5, 1.0]},
+    # No free hyperparameter in the papers' use: WUDI's merged vector is optimised directly (no alpha), OPCM's
+    # alpha 0.5 and DOP's alpha 0.8 are the papers' values; the experts are merged in the suite's task order.
+    "wudi": {},
+    "opcm": {},
+    "dop": {},
 }
 
 # At most this many extensions per hyperparameter and direction (merge_bench_grid.search). Suite 8's CART scaling

@@ -82,3 +82,16 @@ def test_protocol_method_subset_and_several_seeds(tmp_path):
     assert "± " in (tmp_path / "continual.md").read_text()
     with pytest.raises(ValueError, match="continual"):
         run_merge_bench(tmp_path / "x", suite="tiny", continual=True, methods=["ties"])
+
+
+def test_summary_over_seeds_states_whether_opcm_beats_running_averaging(tmp_path):
+    from clmerge.harness.merge_bench_continual import summarise_continual
+
+    opcm, avg = [61.0, 63.0, 62.0], [76.0, 75.0, 77.0]
+    runs = {s: {"config": {}, "tasks": ["a", "b"],
+                "rows": {"opcm": {"final_acc": opcm[s], "bwt": -10.0},
+                         "running_average": {"final_acc": avg[s], "bwt": -2.0}}} for s in range(3)}
+    got = summarise_continual(tmp_path, runs)["claims"]["opcm_minus_running_average"]
+    assert got["per_seed"] == pytest.approx([-15.0, -12.0, -15.0])
+    md = (tmp_path / "continual.md").read_text()
+    assert "OPCM − running average = -14.0 ± 1.0 points" in md and "does not hold" in md

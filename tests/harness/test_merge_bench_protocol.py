@@ -192,3 +192,34 @@ def test_a_seed_whose_grid_stopped_at_an_older_cap_is_rerun(tmp_path):
     write({"scaling": "high"}, cap=12)
     assert _done(tmp_path, cfg, grids, 12)
     assert not _done(tmp_path, cfg, {"cart": {"scaling": [1.0, 3.0]}}, 12)  # other start grid
+
+
+def test_svd_family_claims_are_paired_and_equivalence_needs_a_narrow_interval(tmp_path):
+    from clmerge.harness.merge_bench_seeds import summarise
+
+    ta, tsv, cart, iso = [50.0, 51.0, 52.0], [55.0, 57.0, 56.0], [55.2, 56.9, 56.1], [49.0, 52.0, 50.0]
+    for s in range(3):
+        rows = {"task_arithmetic": {"avg": ta[s], "normalized": 90.0, "hp": {}},
+                "tsv_m": {"avg": tsv[s], "normalized": 95.0, "hp": {}},
+                "iso_cts": {"avg": iso[s], "normalized": 89.0, "hp": {}},
+                "cart": {"avg": cart[s], "normalized": 95.0, "hp": {}}}
+        (tmp_path / f"seed{s}").mkdir()
+        (tmp_path / f"seed{s}" / "results.json").write_text(json.dumps(
+            {"config": {"seed": 0, "heads": "frozen", "head_init": "probe"}, "tasks": ["a"], "rows": rows}))
+    c = summarise(tmp_path, [0, 1, 2])["claims"]
+    assert c["tsv_m_minus_task_arithmetic"]["per_seed"] == pytest.approx([5.0, 6.0, 4.0])
+    assert c["cart_minus_tsv_m"]["mean_se"] == pytest.approx(mean_se([0.2, -0.1, 0.1]))
+    assert "iso_c_minus_task_arithmetic" not in c  # no iso_c row in any seed
+    md = (tmp_path / "results.md").read_text()
+    assert "TSV-M > task arithmetic: TSV-M − task arithmetic = +5.0 ± 0.6" in md
+    assert "Iso-CTS > task arithmetic: Iso-CTS − task arithmetic = -0.7 ± 0.9" in md and "not resolved" in md
+    assert "CART ≈ TSV-M: CART − TSV-M = +0.1 ± 0.1 points" in md and "holds (the 2-standard-error interval" in md
+
+
+def test_equivalence_verdicts():
+    from clmerge.harness.merge_bench_seeds import _equivalence
+
+    assert _equivalence((0.1, 0.2)).startswith("holds")
+    assert _equivalence((0.5, 0.4)).startswith("not resolved")  # interval (-0.3, 1.3) includes 0, passes +1
+    assert _equivalence((3.0, 0.5)).startswith("does not hold")
+    assert _equivalence((0.0, float("nan"))).startswith("one seed")

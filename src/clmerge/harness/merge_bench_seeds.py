@@ -20,7 +20,7 @@ from ..metrics import mean_se
 from ..utils.io import atomic_write_text, write_json
 from .merge_bench import ROW_LABELS, protocol_line
 
-__all__ = ["mean_se", "summarise", "summary_markdown"]
+__all__ = ["mean_se", "summarise", "summary_markdown", "paired_verdict", "PAIRED_CLAIMS"]
 
 
 def _pm(xs: Sequence[float]) -> str:
@@ -62,6 +62,11 @@ def _claims(runs: dict[int, dict]) -> dict[str, Any]:
         if have:
             d = [runs[s]["rows"]["cart"]["avg"] - runs[s]["rows"][base]["avg"] for s in have]
             out[f"cart_minus_{base}"] = {"seeds": have, "per_seed": d, "mean_se": mean_se(d)}
+    for a, b, _ in PAIRED_CLAIMS:
+        have = [s for s, r in runs.items() if a in r["rows"] and b in r["rows"]]
+        if have:
+            d = [runs[s]["rows"][a]["avg"] - runs[s]["rows"][b]["avg"] for s in have]
+            out[f"{a}_minus_{b}"] = {"seeds": have, "per_seed": d, "mean_se": mean_se(d)}
     # a run's rank-ratio curve: from its analysis, or a separately measured "rank_ratio_curve" (same keys)
     curve_of = {s: r["analysis"]["rank_ratio"] if "analysis" in r else r.get("rank_ratio_curve")
                 for s, r in runs.items()}
@@ -79,7 +84,30 @@ def _claims(runs: dict[int, dict]) -> dict[str, Any]:
     return out
 
 
-def _verdict(m_se: tuple[float, float]) -> str:
+# The SVD family's claims (TSV-M and Iso papers; CART's repository): (method, against, kind). ">": the method
+# is better, judged like CART's claims; "≈": equivalence within EQUIVALENCE_MARGIN points (_equivalence).
+PAIRED_CLAIMS = [("tsv_m", "task_arithmetic", ">"), ("iso_cts", "task_arithmetic", ">"),
+                 ("iso_c", "task_arithmetic", ">"), ("cart", "tsv_m", "≈")]
+EQUIVALENCE_MARGIN = 1.0
+CLAIM_NAMES = {"tsv_m": "TSV-M", "iso_cts": "Iso-CTS", "iso_c": "Iso-C", "cart": "CART",
+               "task_arithmetic": "task arithmetic"}
+
+
+def _equivalence(m_se: tuple[float, float], margin: float = EQUIVALENCE_MARGIN) -> str:
+    """"A ≈ B": holds when the 2-standard-error interval of the paired difference lies inside ±``margin``
+    points; does not hold when it excludes 0; otherwise not resolved."""
+    m, se = m_se
+    if math.isnan(se):
+        return "one seed: no standard error"
+    if -margin < m - 2 * se and m + 2 * se < margin:
+        return f"holds (the 2-standard-error interval lies within ±{margin:g} point)"
+    if m - 2 * se > 0 or m + 2 * se < 0:
+        return "does not hold (the difference is more than 2 standard errors from 0)"
+    return f"not resolved (the 2-standard-error interval reaches past ±{margin:g} point but includes 0)"
+
+
+def paired_verdict(m_se: tuple[float, float]) -> str:
+    """A paired difference's verdict: more than 2 standard errors above or below 0, else not resolved."""
     m, se = m_se
     if math.isnan(se):
         return "one seed: no standard error"
@@ -108,12 +136,22 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         if f"cart_minus_{base}" in c:
             d = c[f"cart_minus_{base}"]
             lines.append(f"- CART − {label}: {_pmd(d['mean_se'])} points over seeds {d['seeds']} (per seed "
-                         f"{', '.join(f'{x:+.1f}' for x in d['per_seed'])}): {_verdict(d['mean_se'])}")
+                         f"{', '.join(f'{x:+.1f}' for x in d['per_seed'])}): {paired_verdict(d['mean_se'])}")
+    pairs = [(a, b, kind) for a, b, kind in PAIRED_CLAIMS if f"{a}_minus_{b}" in c]
+    if pairs:
+        lines += ["", "## The SVD family's claims over seeds (paired same-seed differences, mean ± standard error)",
+                  ""]
+    for a, b, kind in pairs:
+        d = c[f"{a}_minus_{b}"]
+        verdict = paired_verdict(d["mean_se"]) if kind == ">" else _equivalence(d["mean_se"])
+        lines.append(f"- {CLAIM_NAMES[a]} {'>' if kind == '>' else '≈'} {CLAIM_NAMES[b]}: {CLAIM_NAMES[a]} − "
+                     f"{CLAIM_NAMES[b]} = {_pmd(d['mean_se'])} points over seeds {d['seeds']} (per seed "
+                     f"{', '.join(f'{x:+.1f}' for x in d['per_seed'])}): {verdict}")
     if "bell" in c:
         b, curve = c["bell"], c["rank_ratio_curve"]
         lines += [f"- Bell curve: CART at the best interior rank ratio of the mean curve ({b['peak_ratio']}) minus "
                   f"the better end (rank 0 or full rank, both = averaging): {_pmd(b['mean_se'])} points over seeds "
-                  f"{b['seeds']}: {_verdict(b['mean_se'])}; the ratio is picked on the same test curve, so this is "
+                  f"{b['seeds']}: {paired_verdict(b['mean_se'])}; the ratio is picked on the same test curve, so this is "
                   "optimistic", "",
                   "| rank ratio | " + " | ".join(str(g) for g in curve["ratios"]) + " |",
                   "|---|" + "---|" * len(curve["ratios"]),

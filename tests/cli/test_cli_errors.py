@@ -1352,3 +1352,19 @@ def test_clip_bench_error_is_short_typed_and_leaves_nothing(ws_clip, argv, code,
     before = _snapshot(ws_clip)
     result = CliRunner().invoke(app, argv)
     _check(result, code, words, before, ws_clip)
+
+
+# merge-bench options that the chosen suite would silently ignore
+IGNORED_SUITE_OPTION_CASES = [
+    ("clip-continual", [*CLIP_BENCH, "--clip", "clip", "--continual"], USAGE, ["--continual", "clip-ta8"]),
+    ("clip-seeds", [*CLIP_BENCH, "--clip", "clip", "--seeds", "0,1,2"], USAGE, ["--seeds", "clip-ta8"]),
+    ("suite8-clip", ["merge-bench", "--suite", "8", "--clip", "clip", "--out", "cb"], USAGE, ["--clip", "--suite 8"]),
+    ("suite8-hp", ["merge-bench", "--suite", "8", "--hp", "ties.density=0.2", "--out", "cb"], USAGE, ["--hp"]),
+    ("suite8-device", ["merge-bench", "--suite", "8", "--device", "cuda", "--out", "cb"], USAGE, ["--device"]),
+]
+
+
+@pytest.mark.parametrize("name,args,code,needles", IGNORED_SUITE_OPTION_CASES, ids=[c[0] for c in IGNORED_SUITE_OPTION_CASES])
+def test_merge_bench_refuses_an_option_its_suite_would_ignore(ws, name, args, code, needles):
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, args), code, needles, before, ws)

@@ -56,6 +56,8 @@ def merge_bench_command(
     from ..utils.outpaths import check_output_dir
     from ..harness.merge_bench_run import parse_seeds, run_merge_bench
 
+    _check_suite_options(suite, continual=continual, seeds=seeds, clip=clip, data_root=data_root,
+                         datasets=datasets, hp=hp, device=device)
     if suite.startswith("clip-"):
         return _clip(out, suite, clip, experts_pattern, data_root, datasets, method, hp, max_eval, device, overwrite)
     if out is None:  # never into the source tree's benchmarks/ unless asked
@@ -108,3 +110,20 @@ def _clip(out, suite, clip, experts, data_root, datasets, methods, hp, max_eval,
     typer.echo((out / suite / "results.md").read_text())
     typer.echo((out / "table1.md").read_text())
     typer.echo(f"wrote {out / suite / 'results.json'} and {out / 'table1.md'}")
+
+
+def _check_suite_options(suite: str, **given) -> None:
+    """Refuse an option the chosen suite would silently ignore: the fine-tuned suites' protocol options with a
+    clip-* suite (given experts, no fine-tuning, one evaluation) and the clip-only options with the others."""
+    from ..errors import UsageError
+
+    if suite.startswith("clip-"):
+        ignored = [f for f, on in (("--continual", given["continual"]), ("--seeds", given["seeds"] != "0")) if on]
+    else:
+        ignored = [f for f, on in (("--clip", given["clip"] is not None), ("--data-root", given["data_root"] is not None),
+                                   ("--datasets", given["datasets"] is not None), ("--hp", bool(given["hp"])),
+                                   ("--device", given["device"] != "cpu")) if on]
+    if ignored:
+        scope = ("a clip-* suite evaluates the given experts once (no fine-tuning, no continual protocol)"
+                 if suite.startswith("clip-") else "it applies to clip-* suites only")
+        raise UsageError(f"{ignored[0]} with --suite {suite}: {scope}; leave it out")

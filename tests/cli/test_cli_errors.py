@@ -1368,3 +1368,16 @@ IGNORED_SUITE_OPTION_CASES = [
 def test_merge_bench_refuses_an_option_its_suite_would_ignore(ws, name, args, code, needles):
     before = _snapshot(ws)
     _check(CliRunner().invoke(app, args), code, needles, before, ws)
+
+
+# a study spec's thread count is bounded like run.threads (a huge count crashes OpenMP inside every job)
+STUDY_THREADS_CASES = [
+    ("study-threads-huge", ["study", str(STUDY_SPEC), "--set", "threads=100000", "--out", "s"], USAGE,
+     ["threads", "at most", "100000"]),
+]
+
+
+@pytest.mark.parametrize("name,args,code,needles", STUDY_THREADS_CASES, ids=[c[0] for c in STUDY_THREADS_CASES])
+def test_study_refuses_a_thread_count_beyond_the_machine(ws, name, args, code, needles):
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, args), code, needles, before, ws)

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..config import ConfigError, apply_overrides, nearest_hint, read_yaml_mapping, validate_strict
 from ..harness.merge_bench import SUITES, BenchConfig, BenchTask, parse_task
+from ..utils.threads import threads_problem
 
 __all__ = ["StudySpec", "Point", "HYPERPARAMETERS", "load_study", "parse_study", "expand_points", "point_id",
            "OLD_METHOD_NAMES", "canonical_method"]
@@ -116,6 +117,14 @@ class StudySpec(_Strict):
     methods: list[dict[str, Any]] = Field(default_factory=lambda: [{"name": "weight_average"}], min_length=1)
     measure: MeasureSpec = Field(default_factory=MeasureSpec)
     threads: int = Field(1, ge=1, description="torch threads inside every job (fixed for identical numbers)")
+
+    @field_validator("threads")
+    @classmethod
+    def _usable_threads(cls, v: int) -> int:
+        problem = threads_problem(v)
+        if problem is not None:  # a huge count crashes the OpenMP runtime in every job (utils.threads)
+            raise ValueError(problem)
+        return v
 
     @field_validator("methods")
     @classmethod

@@ -22,7 +22,7 @@ from .driver import CHUNK, bshape, map_keys
 from .registry import register_merge
 from .sources import ModelSet, open_models
 from .ties_kernels import Work, fix_values, negative_choice, ties_key_streamed
-from .trim import (TIE_ALL, add_ties, allocate_tie_quotas, check_trim_rule, exact_trim_rows, keep_count,
+from .trim import (TIE_ALL, Buffers, add_ties, allocate_tie_quotas, check_trim_rule, exact_trim_rows, keep_count,
                    kth_smallest, tensor_trim_spec, work_dtype)
 
 __all__ = ["ties", "ties_tensor", "global_magnitude_thresholds", "global_trim", "magnitude_threshold",
@@ -283,24 +283,29 @@ def _trim_fns(models: ModelSet, tv_fn: TaskVectorFn, density: float, trim_scope:
     return None, None, lambda key, tvs: trim(tvs, torch.stack([magnitude_threshold(v.abs(), density) for v in tvs]))
 
 
-def per_tensor_trim_spec(b: Tensor, xs: list[Tensor], density: float, trim_rule: str) -> tuple[Tensor, list[int]]:
+def per_tensor_trim_spec(b: Tensor, xs: list[Tensor], density: float, trim_rule: str,
+                         bufs: Buffers | None = None, fb: Tensor | None = None) -> tuple[Tensor, list[int]]:
     """Per-expert trim thresholds ``(T,)`` and tie quotas of one key (``trim_scope="per_tensor"``), from one
     expert's magnitudes at a time, computed as the streamed kernel computes them (``x - b`` in
     :func:`.trim.work_dtype`, not ``x`` rounded first): the same kept set as :func:`.trim.exact_trim_rows`
-    (exact) or ``|tau| >= magnitude_threshold`` (threshold)."""
+    (exact) or ``|tau| >= magnitude_threshold`` (threshold).
+
+    ``bufs``: work buffers reused across keys; ``fb``: the flat base already in the work dtype."""
     dt = work_dtype(b.dtype, *(x.dtype for x in xs))
-    fb = b.to(dt)
+    bufs = Buffers() if bufs is None else bufs
+    fb = b.reshape(-1).to(dt) if fb is None else fb
+    mag = bufs.get("mag", b.numel(), dt, b.device)
+    mask = bufs.get("mask", b.numel(), torch.bool, b.device) if trim_rule == "exact" else None
     thr, quotas = [], []
     for x in xs:
-        mag = torch.sub(x.to(dt), fb).abs_()  # a new tensor: x.to(dt) is x itself when x has dtype dt
+        mag.copy_(x.reshape(-1)).sub_(fb).abs_()  # the numbers of x.to(dt) - fb, in the reused buffer
         if trim_rule == "exact":
-            v, q = tensor_trim_spec(mag[None], density)
+            v, q = tensor_trim_spec(mag[None], density, mask)
             thr.append(v[0])
             quotas.append(q[0])
         else:
             thr.append(magnitude_threshold(mag, density))
             quotas.append(TIE_ALL)
-        del mag
     return torch.stack(thr), quotas
 
 
@@ -348,17 +353,20 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
         # time): cache-sized slices in preallocated buffers, never a (T, *shape) stack of a large tensor
         works: dict[torch.dtype, Work] = {}  # one set of buffers per work dtype (float32; float64 inputs)
         all_ties = [TIE_ALL] * models.num_experts
+        bufs = Buffers()  # full-size buffers (the base in the work dtype, magnitudes), reused key to key
 
         def merged(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:  # noqa: F811
+            # the model-wide thresholds were found in glob's dtype: compare in it
+            dt = work_dtype(b.dtype, *(x.dtype for x in xs), *(() if glob is None else (glob.dtype,)))
+            fb = bufs.get("base", b.numel(), dt, b.device).copy_(b.reshape(-1))
             if glob is None:
-                thr, quotas = per_tensor_trim_spec(b, xs, density, trim_rule)
-            else:  # the model-wide thresholds were found in glob's dtype: compare in it
+                thr, quotas = per_tensor_trim_spec(b, xs, density, trim_rule, bufs, fb)
+            else:
                 thr, quotas = like_device(glob, b), (all_ties if gq is None else gq[key])
-            dt = work_dtype(thr.dtype, b.dtype, *(x.dtype for x in xs))
             if dt not in works:
                 # a GPU gains nothing from cache-sized slices: 16M-entry ones keep its launches few
                 works[dt] = Work(models.num_experts, CHUNK if b.device.type == "cpu" else _DEVICE_CHUNK, dt)
-            res, sign_sum, fix = ties_key_streamed(b, xs, thr, quotas, scaling, merge_fn, works[dt])
+            res, sign_sum, fix = ties_key_streamed(b, xs, thr, quotas, scaling, merge_fn, works[dt], fb)
             total[0] += sign_sum
             if fix is not None:  # kept on the CPU, where the merged tensors are patched
                 fixes[key] = tuple(None if f is None else to_host(f) for f in fix)

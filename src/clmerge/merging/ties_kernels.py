@@ -52,19 +52,22 @@ def sum_rows(x: Tensor, out: Tensor) -> Tensor:
     return out
 
 
-def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int], scaling: float,
-                       merge_fn: str, w: Work) -> tuple[Tensor, float, tuple[Tensor, ...] | None]:
+def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int], scaling: float, merge_fn: str,
+                      w: Work, fb: Tensor | None = None) -> tuple[Tensor, float, tuple[Tensor, ...] | None]:
     """:func:`.ties._ties_core` with zero sums given the sign +1, on one key of plain task vectors, slice by slice in
     the buffers ``w`` (same arithmetic, in ``w.dtype``: float32, or float64 for float64 inputs). The task vectors
     are ``x - b`` computed in ``w.dtype``, the very numbers the thresholds ``thr`` were found on (see
     :func:`.ties.per_tensor_trim_spec`, :func:`.ties.global_trim`).
+
+    ``fb``: the flat base already in ``w.dtype`` (else converted here).
 
     Returns ``(theta_0 + scaling * tau_m, sign sum, fix)``;
     ``fix`` (see :func:`fix_values`) covers the ambiguous entries, or is ``None``. ``quotas`` as in
     :func:`.ties.trim`."""
     out = torch.empty(b.shape, dtype=xs[0].dtype)
     # base in the work dtype: bf16 - bf16 into a float32 buffer would round the difference to bf16 first
-    fb, fo, fx = b.reshape(-1).to(w.dtype), out.view(-1), [x.reshape(-1) for x in xs]
+    fb = b.reshape(-1).to(w.dtype) if fb is None else fb
+    fo, fx = out.view(-1), [x.reshape(-1) for x in xs]
     thr32 = thr.to(w.dtype)
     # ">= v" keeps all ties; ">= next float above v" is "> v" (ties added below, up to the quota)
     up = torch.nextafter(thr32, thr32.new_tensor(math.inf))

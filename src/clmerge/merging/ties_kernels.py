@@ -85,9 +85,13 @@ def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int
         for t in range(len(fx)):
             torch.ge(tmp[t], thr_c[t], out=mask[t])
         for t, rem in enumerate(remaining):
-            if rem > 0:  # the one key (per expert) where the quota of threshold-equal entries runs out
-                remaining[t] = max(0, rem - int(torch.count_nonzero(tmp[t] == thr32[t])))
-                mask[t].copy_(add_ties(mask[t].bool(), tmp[t], thr32[t], rem))
+            if rem > 0:  # a key (per expert) where the quota of threshold-equal entries runs out
+                ties = int(torch.count_nonzero(tmp[t] == thr32[t]))
+                if ties <= rem:  # the slices before the quota runs out keep all their ties: ">= v"
+                    torch.ge(tmp[t], thr32[t], out=mask[t])
+                else:
+                    mask[t].copy_(add_ties(mask[t].bool(), tmp[t], thr32[t], rem))
+                remaining[t] = max(0, rem - ties)
         tv.mul_(mask)  # trimmed (a product with 1 or 0, as with a bool mask)
         torch.sign(sum_rows(tv, total), out=sign)
         sign_sum += float(sign.sum())

@@ -129,13 +129,20 @@ def kth_smallest_counts(x: Tensor, k: int, *, sample: int = 1 << 16,
                         mask: Tensor | None = None) -> tuple[Tensor, int, int]:
     """``(v, #{x > v}, #{x == v})`` with ``v = x.kthvalue(k).values`` of the flat ``x`` (exactly).
 
-    The threshold and the two counts an exact trim needs, in three comparison passes when the sample bracket
-    ``[lo, hi]`` (see :func:`kth_smallest`) closes on one value, which is the common case of low-precision
-    task vectors (thousands of ties at the threshold); else four passes and ``kthvalue`` on the entries
-    inside the bracket. ``mask``: an optional bool buffer of ``x``'s size for the comparisons.
+    The threshold and the two counts an exact trim needs. Low-precision task vectors tie by the thousand at
+    the threshold: when the strided sample's own ``k / d`` quantile ``v0`` occurs more than once in it, ``v0``
+    is tried first, three comparison passes that settle it (``#{x < v0} < k <= #{x <= v0}``). Otherwise, or if
+    ``v0`` misses, the sample bracket of :func:`kth_smallest` is counted and ``kthvalue`` runs on the entries
+    inside it. ``mask``: an optional bool buffer of ``x``'s size for the comparisons.
     """
     d = x.numel()
     if d > 8 * sample:
+        s = x[:: d // sample]
+        v0 = s.kthvalue(min(s.numel(), max(1, round(k / d * s.numel())))).values
+        if _count(s, torch.eq, v0, None) > 1:
+            below, upto = _count(x, torch.lt, v0, mask), _count(x, torch.le, v0, mask)
+            if below < k <= upto:
+                return v0, _count(x, torch.gt, v0, mask), upto - below
         lo, hi = _sample_bracket(x, k, sample)
         below, upto = _count(x, torch.lt, lo, mask), _count(x, torch.le, hi, mask)
         if below < k <= upto:

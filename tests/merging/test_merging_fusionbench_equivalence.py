@@ -167,7 +167,8 @@ def test_streamed_thresholds_exact_when_bracket_buffers_overflow(monkeypatch):
     g = torch.Generator().manual_seed(3)
     base = {"m.weight": torch.zeros(600, 500), "m.bias": torch.zeros(500)}
     def entries(shape):
-        return 0.1 * torch.randint(1, 3, shape, generator=g).float() * (2 * torch.randint(0, 2, shape, generator=g) - 1)
+        sign = 2 * torch.randint(0, 2, shape, generator=g) - 1
+        return 0.1 * torch.randint(1, 3, shape, generator=g).float() * sign
 
     ex = [{k: entries(v.shape) for k, v in base.items()} for _ in range(3)]
     for density in (0.2, 0.5):

@@ -35,6 +35,7 @@ class Work:
         self.mask = torch.empty(num, chunk, dtype=dtype)
         self.total, self.sign, self.pick, self.count, self.res = (torch.empty(chunk, dtype=dtype) for _ in range(5))
         self.zero = torch.empty(chunk, dtype=dtype)
+        self.flag = torch.empty(chunk, dtype=torch.bool)
 
 
 ROW_SUM_MAX = 4  # up to this many experts a sum over them is the same numbers as torch.sum(x, 0)
@@ -52,8 +53,9 @@ def sum_rows(x: Tensor, out: Tensor) -> Tensor:
     return out
 
 
-def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int], scaling: float, merge_fn: str,
-                      w: Work, fb: Tensor | None = None) -> tuple[Tensor, float, tuple[Tensor, ...] | None]:
+def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int], scaling: float,
+                      merge_fn: str, w: Work,
+                      fb: Tensor | None = None) -> tuple[Tensor, float, tuple[Tensor, ...] | None]:
     """:func:`.ties._ties_core` with zero sums given the sign +1, on one key of plain task vectors, slice by slice in
     the buffers ``w`` (same arithmetic, in ``w.dtype``: float32, or float64 for float64 inputs). The task vectors
     are ``x - b`` computed in ``w.dtype``, the very numbers the thresholds ``thr`` were found on (see
@@ -86,10 +88,12 @@ def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int
             torch.ge(tmp[t], thr_c[t], out=mask[t])
         for t, rem in enumerate(remaining):
             if rem > 0:  # a key (per expert) where the quota of threshold-equal entries runs out
-                ties = int(torch.count_nonzero(tmp[t] == thr32[t]))
-                if ties <= rem:  # the slices before the quota runs out keep all their ties: ">= v"
-                    torch.ge(tmp[t], thr32[t], out=mask[t])
-                else:
+                # the slices before the quota runs out keep all their ties: ">= v"; the ties are the mask's
+                # growth (sums of 0/1 entries, exact up to 2^24 entries a slice)
+                above = float(mask[t].sum())
+                ties = int(float(torch.ge(tmp[t], thr32[t], out=mask[t]).sum()) - above)
+                if ties > rem:  # the slice where it runs out: "> v" plus the first ``rem`` ties
+                    torch.ge(tmp[t], thr_c[t], out=mask[t])
                     mask[t].copy_(add_ties(mask[t].bool(), tmp[t], thr32[t], rem))
                 remaining[t] = max(0, rem - ties)
         tv.mul_(mask)  # trimmed (a product with 1 or 0, as with a bool mask)
@@ -104,12 +108,14 @@ def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int
         if ambiguous > 0 or ambiguous != ambiguous:  # NaN: decide entry by entry, as below
             # zero sum over nonzero entries: the value depends on the model-wide majority, known at the end;
             # the trimmed columns are formed again from the inputs (the buffer now holds only positives)
-            pos = ((count > 0) & (zero > 0)).nonzero().squeeze(1)
-            if pos.numel():
-                cols = torch.stack([x[i:i + n][pos].to(w.dtype) for x in fx]).sub_(fb[i:i + n][pos])
-                cols.mul_(mask[:, pos])
-                fixes.append(fix_values(pos + i, negative_choice(cols, merge_fn), fb[i:i + n][pos], scaling,
-                                         merge_fn, out.dtype))
+            # count * zero > 0: count > 0 where the sum is zero (False for NaN); ``res`` is free until below
+            pos = torch.gt(torch.mul(count, zero, out=res), 0, out=w.flag[:n]).nonzero().squeeze(1)
+            if pos.numel():  # index_select: a gather several times cheaper than advanced indexing
+                fbp = fb[i:i + n].index_select(0, pos)
+                cols = torch.stack([x[i:i + n].index_select(0, pos).to(w.dtype) for x in fx]).sub_(fbp)
+                cols.mul_(mask.index_select(1, pos))
+                fixes.append(fix_values(pos + i, negative_choice(cols, merge_fn), fbp, scaling, merge_fn,
+                                        out.dtype))
         if merge_fn == "max":
             torch.amax(tv, 0, out=res).mul_(sign)
         else:

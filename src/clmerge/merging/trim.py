@@ -25,9 +25,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["Buffers", "TRIM_RULES", "TIE_ALL", "keep_count", "check_trim_rule", "add_ties", "top_magnitude_mask",
-           "exact_trim_rows", "tensor_trim_spec", "allocate_tie_quotas", "kth_smallest", "kth_smallest_counts",
-           "work_dtype"]
+__all__ = ["Buffers", "TRIM_RULES", "TIE_ALL", "keep_count", "check_trim_rule", "add_ties",
+           "top_magnitude_mask", "exact_trim_rows", "tensor_trim_spec", "allocate_tie_quotas", "kth_smallest",
+           "kth_smallest_counts", "work_dtype"]
 
 TRIM_RULES = ("exact", "threshold")
 # A tie quota meaning "every entry equal to the threshold is kept" (the threshold rule; or an exact quota
@@ -55,12 +55,13 @@ class Buffers:
     def __init__(self) -> None:
         self._bufs: dict[str, Tensor] = {}
 
-    def get(self, name: str, n: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
-        """A flat buffer of ``n`` entries (uninitialised), the same memory on every call with ``name``."""
+    def get(self, name: str, n: int, dtype: torch.dtype, like: Tensor) -> Tensor:
+        """A flat buffer of ``n`` entries (uninitialised) on ``like``'s device, the same memory on every call
+        with ``name``."""
         buf = self._bufs.get(name)
-        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != torch.device(device):
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != like.device:
             self._bufs.pop(name, None)  # freed before its successor is allocated
-            buf = self._bufs[name] = torch.empty(n, dtype=dtype, device=device)
+            buf = self._bufs[name] = like.new_empty(n, dtype=dtype)
         return buf[:n]
 
 
@@ -108,8 +109,8 @@ def kth_smallest(x: Tensor, k: int, *, sample: int = 1 << 16) -> Tensor:
 
 
 def _sample_bracket(x: Tensor, k: int, sample: int) -> tuple[Tensor, Tensor]:
-    """``(lo, hi)`` from a strided sample of the flat ``x``: the sample's quantiles ``6`` standard errors (plus
-    ``4 / n``) either side of ``k / d``; they hold the ``k``-th smallest unless the sample is unlucky."""
+    """``(lo, hi)`` from a strided sample of the flat ``x``: the sample's quantiles ``6`` standard errors
+    (plus ``4 / n``) either side of ``k / d``; they hold the ``k``-th smallest unless the sample misleads."""
     d = x.numel()
     s = x[:: d // sample]
     n, q = s.numel(), k / d

@@ -158,14 +158,19 @@ def test_streamed_thresholds_are_exact(spike):
 
 def test_streamed_thresholds_exact_when_bracket_buffers_overflow(monkeypatch):
     """Magnitudes with many ties put far more entries inside the sampled bracket than the preallocated
-    buffers hold: they are grown, and the thresholds stay exact."""
+    buffers hold: they are grown, and the thresholds stay exact. Two magnitudes, 0.1 and 0.2, in about equal
+    numbers: at density 0.5 the bracket spans both (everything is inside); at 0.2 it closes on 0.2."""
     ties_mod = sys.modules["clmerge.merging.ties"]  # the package's ``ties`` attribute is the function
     calls = []
     grown = ties_mod._grown
     monkeypatch.setattr(ties_mod, "_grown", lambda *a: calls.append(a[1:]) or grown(*a))
     g = torch.Generator().manual_seed(3)
     base = {"m.weight": torch.zeros(600, 500), "m.bias": torch.zeros(500)}
-    ex = [{k: 0.1 * torch.randint(-4, 5, v.shape, generator=g).float() for k, v in base.items()} for _ in range(3)]
+    def entries(shape):
+        sign = 2 * torch.randint(0, 2, shape, generator=g) - 1
+        return 0.1 * torch.randint(1, 3, shape, generator=g).float() * sign
+
+    ex = [{k: entries(v.shape) for k, v in base.items()} for _ in range(3)]
     for density in (0.2, 0.5):
         thr = global_magnitude_thresholds(ModelSet(base, ex), density, plain_task_vectors)
         for t, e in enumerate(ex):

@@ -10,13 +10,13 @@ import torch
 from torch import Tensor
 
 from ..utils.device import cpu_draw
-from .driver import map_keys
+from .driver import CHUNK, map_keys
 from .registry import register_merge
 from .sources import open_models
 from .ties import ties_from_task_vectors
 from .trim import work_dtype
 
-__all__ = ["dare", "dare_tensor", "dare_generator"]
+__all__ = ["dare", "dare_tensor", "dare_generator", "dare_sum_blocks"]
 
 
 def dare_tensor(tv: Tensor, drop_rate: float, *, rescale: bool, generator: torch.Generator,
@@ -28,6 +28,29 @@ def dare_tensor(tv: Tensor, drop_rate: float, *, rescale: bool, generator: torch
     keep = cpu_draw(torch.rand, tv.shape, generator=generator, like=tv) >= drop_rate
     out = torch.mul(tv, keep, out=out) if out is not None else tv * keep
     return out.div_(1.0 - drop_rate) if rescale else out
+
+
+def dare_sum_blocks(b: Tensor, xs: list[Tensor], gens: list[torch.Generator], drop_rate: float, factor: float,
+                    dt: torch.dtype, block: int = CHUNK) -> Tensor:
+    """``theta_0 + factor * sum_t (x_t - theta_0) * (u_t >= p)`` with ``u_t = torch.rand(x_t.shape,
+    generator=gens[t])``, on the CPU, in the inputs' dtype (``xs[0]``), computed in ``dt``.
+
+    Block by block: each generator draws its next ``block`` uniforms into one reused buffer (the same numbers
+    as one whole-tensor draw: a CPU generator hands out its stream in order, tested), and the masked sum, the
+    rescale and the base stay in cache-sized buffers; no full-size temporary but the output.
+    """
+    out = torch.empty(b.shape, dtype=xs[0].dtype)
+    fb_all, fo, fxs = b.reshape(-1), out.view(-1), [x.reshape(-1) for x in xs]
+    acc, fb, tv = (torch.empty(block, dtype=dt) for _ in range(3))
+    draw = torch.empty(block, dtype=torch.float32)
+    for i in range(0, fb_all.numel(), block):
+        n = min(block, fb_all.numel() - i)
+        a, base, keep = acc[:n].zero_(), fb[:n].copy_(fb_all[i:i + n]), draw[:n]
+        for x, g in zip(fxs, gens):
+            torch.rand(n, generator=g, out=keep).ge_(drop_rate)  # 0/1 in the draw's buffer
+            a.addcmul_(tv[:n].copy_(x[i:i + n]).sub_(base), keep if dt == torch.float32 else keep.to(dt))
+        fo[i:i + n] = a.mul_(factor).add_(base)  # rounded to the output dtype as a whole-tensor .to() rounds
+    return out
 
 
 def dare_generator(seed: int, key: str, t: int) -> torch.Generator:
@@ -70,19 +93,22 @@ def dare(*, base: Any, experts: Sequence[Any], drop_rate: float = 0.5, rescale: 
         return out
 
     if combine == "task_arithmetic":
+        factor = scaling / (1.0 - drop_rate) if rescale else scaling
+
         def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
-            # sum_t m_t * tau_t accumulated in place (float32, float64 for float64 inputs); the 1/(1-p)
-            # rescale applied once at the end
+            # sum_t m_t * tau_t accumulated in float32 (float64 for float64 inputs); the 1/(1-p) rescale
+            # applied once at the end
             dt = work_dtype(b.dtype, *(x.dtype for x in xs))
+            gens = [dare_generator(seed, key, t) for t in range(len(xs))]
+            if b.device.type == "cpu":
+                return dare_sum_blocks(b, xs, gens, drop_rate, factor, dt)
             acc, fb, tv = torch.zeros(b.shape, dtype=dt), b.to(dt), torch.empty(b.shape, dtype=dt)
-            for t, x in enumerate(xs):
+            for x, g in zip(xs, gens):
                 # the mask as 0/1 in the random draw's own buffer, and one fused multiply-add: the same numbers
                 # as ``acc += (x - b) * (rand >= p)`` (a product with 0 or 1 is exact) with two passes fewer
-                keep = cpu_draw(torch.rand, x.shape, generator=dare_generator(seed, key, t), like=x)
-                keep = keep.ge_(drop_rate).to(dt)
+                keep = cpu_draw(torch.rand, x.shape, generator=g, like=x).ge_(drop_rate).to(dt)
                 acc.addcmul_(tv.copy_(x).sub_(fb), keep)  # x - b in place: a mixed-dtype sub allocates x's copy
                 del keep  # before the next draw: two draws alive at once would raise the peak by one tensor
-            factor = scaling / (1.0 - drop_rate) if rescale else scaling
             return acc.mul_(factor).add_(b)
 
         return map_keys(models, kernel, needs_base=True)

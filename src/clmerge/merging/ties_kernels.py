@@ -35,6 +35,7 @@ class Work:
         self.mask = torch.empty(num, chunk, dtype=dtype)
         self.total, self.sign, self.pick, self.count, self.res = (torch.empty(chunk, dtype=dtype) for _ in range(5))
         self.zero = torch.empty(chunk, dtype=dtype)
+        self.flag = torch.empty(chunk, dtype=torch.bool)
 
 
 ROW_SUM_MAX = 4  # up to this many experts a sum over them is the same numbers as torch.sum(x, 0)
@@ -53,18 +54,22 @@ def sum_rows(x: Tensor, out: Tensor) -> Tensor:
 
 
 def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int], scaling: float,
-                       merge_fn: str, w: Work) -> tuple[Tensor, float, tuple[Tensor, ...] | None]:
+                      merge_fn: str, w: Work,
+                      fb: Tensor | None = None) -> tuple[Tensor, float, tuple[Tensor, ...] | None]:
     """:func:`.ties._ties_core` with zero sums given the sign +1, on one key of plain task vectors, slice by slice in
     the buffers ``w`` (same arithmetic, in ``w.dtype``: float32, or float64 for float64 inputs). The task vectors
     are ``x - b`` computed in ``w.dtype``, the very numbers the thresholds ``thr`` were found on (see
     :func:`.ties.per_tensor_trim_spec`, :func:`.ties.global_trim`).
+
+    ``fb``: the flat base already in ``w.dtype`` (else converted here).
 
     Returns ``(theta_0 + scaling * tau_m, sign sum, fix)``;
     ``fix`` (see :func:`fix_values`) covers the ambiguous entries, or is ``None``. ``quotas`` as in
     :func:`.ties.trim`."""
     out = torch.empty(b.shape, dtype=xs[0].dtype)
     # base in the work dtype: bf16 - bf16 into a float32 buffer would round the difference to bf16 first
-    fb, fo, fx = b.reshape(-1).to(w.dtype), out.view(-1), [x.reshape(-1) for x in xs]
+    fb = b.reshape(-1).to(w.dtype) if fb is None else fb
+    fo, fx = out.view(-1), [x.reshape(-1) for x in xs]
     thr32 = thr.to(w.dtype)
     # ">= v" keeps all ties; ">= next float above v" is "> v" (ties added below, up to the quota)
     up = torch.nextafter(thr32, thr32.new_tensor(math.inf))
@@ -82,9 +87,15 @@ def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int
         for t in range(len(fx)):
             torch.ge(tmp[t], thr_c[t], out=mask[t])
         for t, rem in enumerate(remaining):
-            if rem > 0:  # the one key (per expert) where the quota of threshold-equal entries runs out
-                remaining[t] = max(0, rem - int(torch.count_nonzero(tmp[t] == thr32[t])))
-                mask[t].copy_(add_ties(mask[t].bool(), tmp[t], thr32[t], rem))
+            if rem > 0:  # a key (per expert) where the quota of threshold-equal entries runs out
+                # the slices before the quota runs out keep all their ties: ">= v"; the ties are the mask's
+                # growth (sums of 0/1 entries, exact up to 2^24 entries a slice)
+                above = float(mask[t].sum())
+                ties = int(float(torch.ge(tmp[t], thr32[t], out=mask[t]).sum()) - above)
+                if ties > rem:  # the slice where it runs out: "> v" plus the first ``rem`` ties
+                    torch.ge(tmp[t], thr_c[t], out=mask[t])
+                    mask[t].copy_(add_ties(mask[t].bool(), tmp[t], thr32[t], rem))
+                remaining[t] = max(0, rem - ties)
         tv.mul_(mask)  # trimmed (a product with 1 or 0, as with a bool mask)
         torch.sign(sum_rows(tv, total), out=sign)
         sign_sum += float(sign.sum())
@@ -97,12 +108,14 @@ def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int
         if ambiguous > 0 or ambiguous != ambiguous:  # NaN: decide entry by entry, as below
             # zero sum over nonzero entries: the value depends on the model-wide majority, known at the end;
             # the trimmed columns are formed again from the inputs (the buffer now holds only positives)
-            pos = ((count > 0) & (zero > 0)).nonzero().squeeze(1)
-            if pos.numel():
-                cols = torch.stack([x[i:i + n][pos].to(w.dtype) for x in fx]).sub_(fb[i:i + n][pos])
-                cols.mul_(mask[:, pos])
-                fixes.append(fix_values(pos + i, negative_choice(cols, merge_fn), fb[i:i + n][pos], scaling,
-                                         merge_fn, out.dtype))
+            # count * zero > 0: count > 0 where the sum is zero (False for NaN); ``res`` is free until below
+            pos = torch.gt(torch.mul(count, zero, out=res), 0, out=w.flag[:n]).nonzero().squeeze(1)
+            if pos.numel():  # index_select: a gather several times cheaper than advanced indexing
+                fbp = fb[i:i + n].index_select(0, pos)
+                cols = torch.stack([x[i:i + n].index_select(0, pos).to(w.dtype) for x in fx]).sub_(fbp)
+                cols.mul_(mask.index_select(1, pos))
+                fixes.append(fix_values(pos + i, negative_choice(cols, merge_fn), fbp, scaling, merge_fn,
+                                        out.dtype))
         if merge_fn == "max":
             torch.amax(tv, 0, out=res).mul_(sign)
         else:

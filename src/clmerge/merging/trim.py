@@ -25,8 +25,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["TRIM_RULES", "TIE_ALL", "keep_count", "check_trim_rule", "add_ties", "top_magnitude_mask",
-           "exact_trim_rows", "tensor_trim_spec", "allocate_tie_quotas", "kth_smallest", "work_dtype"]
+__all__ = ["Buffers", "TRIM_RULES", "TIE_ALL", "keep_count", "check_trim_rule", "add_ties",
+           "top_magnitude_mask", "exact_trim_rows", "tensor_trim_spec", "allocate_tie_quotas", "kth_smallest",
+           "kth_smallest_counts", "work_dtype"]
 
 TRIM_RULES = ("exact", "threshold")
 # A tie quota meaning "every entry equal to the threshold is kept" (the threshold rule; or an exact quota
@@ -45,6 +46,23 @@ def work_dtype(*dtypes: torch.dtype) -> torch.dtype:
     for d in dtypes:
         out = torch.promote_types(out, d)
     return out
+
+
+class Buffers:
+    """Flat work buffers kept from key to key of one merge, each grown to the largest key seen: a fresh
+    full-size tensor per key costs its page faults (several times an elementwise pass over it)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, Tensor] = {}
+
+    def get(self, name: str, n: int, dtype: torch.dtype, like: Tensor) -> Tensor:
+        """A flat buffer of ``n`` entries (uninitialised) on ``like``'s device, the same memory on every call
+        with ``name``."""
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != like.device:
+            self._bufs.pop(name, None)  # freed before its successor is allocated
+            buf = self._bufs[name] = like.new_empty(n, dtype=dtype)
+        return buf[:n]
 
 
 def check_trim_rule(trim_rule: str) -> None:
@@ -82,17 +100,61 @@ def kth_smallest(x: Tensor, k: int, *, sample: int = 1 << 16) -> Tensor:
     d = x.numel()
     if d <= 8 * sample:
         return x.kthvalue(k).values
+    lo, hi = _sample_bracket(x, k, sample)
+    below = int(torch.count_nonzero(x < lo))
+    inside = x[(x >= lo) & (x <= hi)]
+    if below < k <= below + inside.numel():
+        return inside.kthvalue(k - below).values
+    return x.kthvalue(k).values
+
+
+def _sample_bracket(x: Tensor, k: int, sample: int) -> tuple[Tensor, Tensor]:
+    """``(lo, hi)`` from a strided sample of the flat ``x``: the sample's quantiles ``6`` standard errors
+    (plus ``4 / n``) either side of ``k / d``; they hold the ``k``-th smallest unless the sample misleads."""
+    d = x.numel()
     s = x[:: d // sample]
     n, q = s.numel(), k / d
     margin = 6.0 * math.sqrt(q * (1.0 - q) / n) + 4.0 / n
     lo_i, hi_i = math.floor((q - margin) * n), math.ceil((q + margin) * n)
     lo = s.kthvalue(lo_i).values if lo_i >= 1 else x.new_tensor(-math.inf)
     hi = s.kthvalue(hi_i).values if hi_i <= n else x.new_tensor(math.inf)
-    below = int(torch.count_nonzero(x < lo))
-    inside = x[(x >= lo) & (x <= hi)]
-    if below < k <= below + inside.numel():
-        return inside.kthvalue(k - below).values
-    return x.kthvalue(k).values
+    return lo, hi
+
+
+def _count(x: Tensor, op, v: Tensor, mask: Tensor | None) -> int:
+    """``count_nonzero(op(x, v))``, the comparison written into ``mask`` (a bool buffer of ``x``'s size)."""
+    return int(torch.count_nonzero(op(x, v) if mask is None else op(x, v, out=mask)))
+
+
+def kth_smallest_counts(x: Tensor, k: int, *, sample: int = 1 << 16,
+                        mask: Tensor | None = None) -> tuple[Tensor, int, int]:
+    """``(v, #{x > v}, #{x == v})`` with ``v = x.kthvalue(k).values`` of the flat ``x`` (exactly).
+
+    The threshold and the two counts an exact trim needs. Low-precision task vectors tie by the thousand at
+    the threshold: when the strided sample's own ``k / d`` quantile ``v0`` occurs more than once in it, ``v0``
+    is tried first, three comparison passes that settle it (``#{x < v0} < k <= #{x <= v0}``). Otherwise, or if
+    ``v0`` misses, the sample bracket of :func:`kth_smallest` is counted and ``kthvalue`` runs on the entries
+    inside it. ``mask``: an optional bool buffer of ``x``'s size for the comparisons.
+    """
+    d = x.numel()
+    if d > 8 * sample:
+        s = x[:: d // sample]
+        v0 = s.kthvalue(min(s.numel(), max(1, round(k / d * s.numel())))).values
+        if _count(s, torch.eq, v0, None) > 1:
+            below, upto = _count(x, torch.lt, v0, mask), _count(x, torch.le, v0, mask)
+            if below < k <= upto:
+                return v0, _count(x, torch.gt, v0, mask), upto - below
+        lo, hi = _sample_bracket(x, k, sample)
+        below, upto = _count(x, torch.lt, lo, mask), _count(x, torch.le, hi, mask)
+        if below < k <= upto:
+            if bool(lo == hi):  # every entry inside equals lo: no selection needed
+                return lo, _count(x, torch.gt, hi, mask), upto - below
+            inside = x[torch.ge(x, lo) & torch.le(x, hi)]
+            v = inside.kthvalue(k - below).values
+            return v, _count(x, torch.gt, hi, mask) + _count(inside, torch.gt, v, None), \
+                _count(inside, torch.eq, v, None)
+    v = x.kthvalue(k).values
+    return v, _count(x, torch.gt, v, mask), _count(x, torch.eq, v, mask)
 
 
 def _kth_largest(mag: Tensor, k: int) -> Tensor:
@@ -124,10 +186,11 @@ def exact_trim_rows(tvs: Tensor, density: float) -> Tensor:
     return out
 
 
-def tensor_trim_spec(mags: Tensor, density: float) -> tuple[Tensor, list[int]]:
+def tensor_trim_spec(mags: Tensor, density: float, mask: Tensor | None = None) -> tuple[Tensor, list[int]]:
     """Per-row exact trim of ``mags`` ``(T, *shape)``: thresholds ``v_t`` ``(T,)`` and tie quotas.
 
     Row ``t`` keeps ``|x| > v_t`` plus the first ``quota_t`` entries equal to ``v_t`` (``TIE_ALL``: all).
+    ``mask``: an optional bool buffer of one row's size for the counting passes.
     """
     n = mags[0].numel()
     k = keep_count(density, n)
@@ -137,8 +200,7 @@ def tensor_trim_spec(mags: Tensor, density: float) -> tuple[Tensor, list[int]]:
         return torch.full((mags.shape[0],), math.inf, dtype=mags.dtype), [0] * mags.shape[0]
     thr, quotas = [], []
     for m in mags:
-        v = _kth_largest(m, k)
-        above, ties = int(torch.count_nonzero(m > v)), int(torch.count_nonzero(m == v))
+        v, above, ties = kth_smallest_counts(m.reshape(-1), n - k + 1, mask=mask)
         quota = k - above
         thr.append(v)
         quotas.append(TIE_ALL if quota >= ties else quota)

@@ -131,11 +131,11 @@ def della_linear_key(key: str, b: Tensor, xs: list[Tensor], density: float, epsi
     temporaries (the sort's indices and ranks, the float64 probabilities) of one block instead of one tensor
     each. Returned in the experts' dtype."""
     dt = work_dtype(b.dtype, *(x.dtype for x in xs))
-    out = torch.empty(b.shape, dtype=xs[0].dtype, device=b.device)
+    out = torch.empty(b.shape, dtype=xs[0].dtype)
     gens = [dare_generator(seed, key, t) for t in range(len(xs))]
     for rows in row_blocks(b):
         fb = b[rows].to(dt)
-        acc = torch.zeros(fb.shape, dtype=dt, device=b.device)
+        acc = torch.zeros(fb.shape, dtype=dt)
         for x, gen in zip(xs, gens):
             acc.add_(magprune_tensor(x[rows].to(dt) - fb, density, epsilon, generator=gen))
         out[rows] = acc.mul_(scaling).add_(fb)

@@ -72,17 +72,17 @@ def sce_key(b: Tensor, xs: list[Tensor], select_topk: float) -> Tensor:
 
     keep = None
     if select_topk < 1.0:
-        var = torch.empty(n, dtype=torch.float64, device=b.device)
+        var = torch.empty(n, dtype=torch.float64)
         for i, j in spans:
             var[i:j] = tvs(i, j).var(dim=0, unbiased=False)
         keep = select_mask(var, select_topk)
         del var
-    energy = torch.zeros(len(xs), dtype=torch.float64, device=b.device)
+    energy = torch.zeros(len(xs), dtype=torch.float64)
     for i, j in spans:
         d = tvs(i, j) if keep is None else tvs(i, j) * keep[i:j]
         energy += d.pow(2).sum(1)
     eta = eta_of(energy)
-    out = torch.empty(b.shape, dtype=xs[0].dtype, device=b.device)
+    out = torch.empty(b.shape, dtype=xs[0].dtype)
     for i, j in spans:
         d = tvs(i, j) if keep is None else tvs(i, j) * keep[i:j]
         out.view(-1)[i:j] = fb[i:j].double() + fuse(d, eta)

@@ -84,7 +84,7 @@ def gram64(xs: Sequence[Tensor], b: Tensor | None = None) -> Tensor:
     """The Gram matrix ``G_ij = <x_i - b, x_j - b>`` ``(T, T)`` in float64, accumulated block by block (the
     inputs' norms are ``sqrt(diag G)``): one pass with temporaries of one block. The sums run in another order
     than a whole-tensor ``norm`` or dot product, so they agree with those to float64 rounding."""
-    g = torch.zeros(len(xs), len(xs), dtype=torch.float64, device=xs[0].device)
+    g = torch.zeros(len(xs), len(xs), dtype=torch.float64)
     for i, j in flat_spans(xs[0]):
         f = _block64(xs, b, i, j)
         g += f @ f.T
@@ -94,7 +94,7 @@ def gram64(xs: Sequence[Tensor], b: Tensor | None = None) -> Tensor:
 def _write_blocks(xs: Sequence[Tensor], b: Tensor | None, fn: Callable[[Tensor, int, int], Tensor]) -> Tensor:
     """The output of a streamed kernel in the experts' dtype: block ``[i, j)`` is ``fn(inputs' block, i, j)``
     (float64, see :func:`_block64`) plus the base's block when a base is given."""
-    out = torch.empty(xs[0].shape, dtype=xs[0].dtype, device=xs[0].device)
+    out = torch.empty(xs[0].shape, dtype=xs[0].dtype)
     for i, j in flat_spans(xs[0]):
         res = fn(_block64(xs, b, i, j), i, j)
         out.view(-1)[i:j] = res if b is None else b.reshape(-1)[i:j].double() + res
@@ -309,7 +309,7 @@ def karcher_key(xs: Sequence[Tensor], weights: Tensor, *, max_iter: int = 10, to
     norms = g.diagonal().sqrt()
     valid = norms > tol
     if not bool(valid.any()):
-        return torch.zeros(xs[0].shape, dtype=xs[0].dtype, device=xs[0].device)
+        return torch.zeros(xs[0].shape, dtype=xs[0].dtype)
     nv = norms[valid]
     gu = g[valid][:, valid] / (nv[:, None] * nv[None, :])
     alphas = weights[valid] / float(weights[valid].sum())

@@ -4,6 +4,7 @@ arithmetic."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,8 +14,8 @@ from torch import Tensor
 from .driver import map_keys
 from .registry import register_merge
 from .sources import open_models
-from .ties import ties_from_task_vectors
-from .trim import keep_count, top_magnitude_mask, work_dtype
+from .ties import plain_task_vectors, ties_from_task_vectors
+from .trim import TIE_ALL, keep_count, kth_smallest, top_magnitude_mask, work_dtype
 
 __all__ = ["breadcrumbs", "breadcrumbs_mask", "breadcrumbs_ties"]
 
@@ -31,6 +32,41 @@ def breadcrumbs_mask(tv: Tensor, density: float, beta: float) -> Tensor:
     n_keep = keep_count(density, n)
     n_top = min(keep_count(beta, n), n - n_keep)
     return top_magnitude_mask(mag, n_top + n_keep) & ~top_magnitude_mask(mag, n_top)
+
+
+def top_spec(mag: Tensor, k: int) -> tuple[Tensor, int]:
+    """:func:`.trim.top_magnitude_mask` ``(mag, k)`` as a threshold and a tie quota: the mask is ``mag > v``
+    plus the first ``quota`` entries equal to ``v`` (``TIE_ALL``: all of them). All kept: ``(-inf,
+    TIE_ALL)``; none: ``(nan, 0)`` (nothing compares above NaN)."""
+    n = mag.numel()
+    if k >= n:
+        return mag.new_tensor(-math.inf), TIE_ALL
+    if k <= 0:
+        return mag.new_tensor(math.nan), 0
+    v = kth_smallest(mag.reshape(-1), n - k + 1)
+    return v, k - int(torch.count_nonzero(mag > v))
+
+
+def band_spec(key: str, b: Tensor, xs: list[Tensor], density: float,
+              beta: float) -> tuple[Tensor, list[int], tuple[Tensor, list[int]]]:
+    """The breadcrumbs masks of one key for the streamed TIES kernel (:func:`.ties_kernels.ties_key_streamed`):
+    the trim keeps the top ``n_top + n_keep`` magnitudes, the cut removes the top ``n_top`` (as
+    :func:`breadcrumbs_mask`). One expert's magnitudes at a time, ``x - b`` in :func:`.trim.work_dtype` as the
+    kernel computes them."""
+    dt = work_dtype(b.dtype, *(x.dtype for x in xs))
+    fb = b.to(dt)
+    lo: list[tuple[Tensor, int]] = []
+    hi: list[tuple[Tensor, int]] = []
+    for x in xs:
+        mag = torch.sub(x.to(dt), fb).abs_()
+        n = mag.numel()
+        n_keep = keep_count(density, n)
+        n_top = min(keep_count(beta, n), n - n_keep)
+        lo.append(top_spec(mag, n_top + n_keep))
+        hi.append(top_spec(mag, n_top))
+        del mag
+    return (torch.stack([v for v, _ in lo]), [q for _, q in lo],
+            (torch.stack([v for v, _ in hi]), [q for _, q in hi]))
 
 
 def _check(density: float, beta: float) -> None:
@@ -94,12 +130,10 @@ def breadcrumbs_ties(*, base: Any, experts: Sequence[Any], density: float = 0.1,
     _check(density, beta)
     models = open_models(base, experts)
 
-    def masked(key: str, b: Tensor, xs: list[Tensor], idx: list[int]) -> Tensor:
-        dt = work_dtype(b.dtype, *(x.dtype for x in xs))
-        tvs = torch.stack([x.to(dt) for x in xs]) - b.to(dt)
-        for tv in tvs:
-            tv.mul_(breadcrumbs_mask(tv, density, beta))
-        return tvs
+    def spec(key: str, b: Tensor, xs: list[Tensor]) -> tuple[Tensor, list[int], tuple[Tensor, list[int]]]:
+        return band_spec(key, b, xs, density, beta)
 
-    return ties_from_task_vectors(models, masked, density=1.0, scaling=scaling, trim_scope="per_tensor",
-                                  merge_fn=merge_fn)
+    # the masks as thresholds found one expert at a time, then TIES's streamed kernel: the numbers of masking
+    # whole (T, *shape) stacks, without the stacks
+    return ties_from_task_vectors(models, plain_task_vectors, density=1.0, scaling=scaling,
+                                  trim_scope="per_tensor", merge_fn=merge_fn, key_spec=spec)

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..utils.device import cpu_draw
 from .dare import dare_generator
-from .driver import map_keys
+from .driver import map_keys, row_blocks
 from .registry import register_merge
 from .sources import open_models
 from .ties import ties_from_task_vectors
@@ -42,7 +42,17 @@ def magprune_drop_probabilities(tv: Tensor, density: float, epsilon: float) -> T
 def magprune_tensor(tv: Tensor, density: float, epsilon: float, *, generator: torch.Generator) -> Tensor:
     """MAGPRUNE on one tensor: keep ``tau_i`` with probability ``1 - p_i``, rescale kept entries by
     ``1 / (1 - p_i)`` (DELLA Eq. for the rescale; ``E[result] = tau``). Uniform draws as in ``dare_tensor``, so
-    ``epsilon = 0`` reproduces DARE with ``drop_rate = 1 - density`` exactly."""
+    ``epsilon = 0`` reproduces DARE with ``drop_rate = 1 - density`` exactly.
+
+    Computed in blocks of rows (:func:`.driver.row_blocks`; the ranks are per row and the generator's draws
+    run on from block to block): the numbers of one whole-tensor pass, with temporaries of one block."""
+    out = torch.empty_like(tv)
+    for rows in row_blocks(tv):
+        out[rows] = _magprune_block(tv[rows], density, epsilon, generator)
+    return out
+
+
+def _magprune_block(tv: Tensor, density: float, epsilon: float, generator: torch.Generator) -> Tensor:
     # compared in float32, as DARE compares its draws with a float32 drop rate
     p = magprune_drop_probabilities(tv, density, epsilon).to(torch.float32)
     keep = cpu_draw(torch.rand, tv.shape, generator=generator, like=tv) >= p
@@ -108,10 +118,25 @@ def della_linear(*, base: Any, experts: Sequence[Any], density: float = 0.5, eps
     models = open_models(base, experts)
 
     def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
-        dt = work_dtype(b.dtype, *(x.dtype for x in xs))
-        acc, fb = torch.zeros(b.shape, dtype=dt), b.to(dt)
-        for t, x in enumerate(xs):
-            acc.add_(magprune_tensor(x.to(dt) - fb, density, epsilon, generator=dare_generator(seed, key, t)))
-        return acc.mul_(scaling).add_(fb)
+        return della_linear_key(key, b, xs, density, epsilon, scaling, seed)
 
     return map_keys(models, kernel, needs_base=True)
+
+
+def della_linear_key(key: str, b: Tensor, xs: list[Tensor], density: float, epsilon: float, scaling: float,
+                     seed: int) -> Tensor:
+    """``theta_0 + lambda * sum_t MAGPRUNE(tau_t)`` of one key, in blocks of rows (:func:`.driver.row_blocks`):
+    MAGPRUNE ranks within a row, and each expert's generator is drawn block after block, which gives the very
+    numbers of one draw over the whole tensor. So the result is bit-identical to the whole-tensor sum, with
+    temporaries (the sort's indices and ranks, the float64 probabilities) of one block instead of one tensor
+    each. Returned in the experts' dtype."""
+    dt = work_dtype(b.dtype, *(x.dtype for x in xs))
+    out = torch.empty(b.shape, dtype=xs[0].dtype)
+    gens = [dare_generator(seed, key, t) for t in range(len(xs))]
+    for rows in row_blocks(b):
+        fb = b[rows].to(dt)
+        acc = torch.zeros(fb.shape, dtype=dt)
+        for x, gen in zip(xs, gens):
+            acc.add_(magprune_tensor(x[rows].to(dt) - fb, density, epsilon, generator=gen))
+        out[rows] = acc.mul_(scaling).add_(fb)
+    return out

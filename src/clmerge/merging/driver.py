@@ -22,13 +22,31 @@ from torch import Tensor
 from ..utils.device import Device, current_device
 from .sources import ModelSet
 
-__all__ = ["CHUNK", "Kernel", "SinkView", "apply_chunked", "check_experts_weights", "map_keys", "on_device",
-           "stack64", "task_vectors64"]
+__all__ = ["CHUNK", "DEVICE_CHUNK", "Kernel", "SinkView", "apply_chunked", "check_experts_weights", "chunk_for",
+           "map_keys", "on_device", "row_blocks", "stack64", "task_vectors64"]
 
 Kernel = Callable[[str, Tensor | None, list[Tensor]], Tensor]
 
 # Entries per slice for elementwise kernels: a few float32 buffers of 64 K entries stay in L2.
 CHUNK = 1 << 16
+# Entries per slice of a streamed kernel on a GPU: cache-sized slices gain nothing there, and big ones keep
+# its launches few.
+DEVICE_CHUNK = 1 << 24
+
+
+def chunk_for(t: Tensor) -> int:
+    """Entries per slice of a kernel that streams a key in blocks (two passes where it needs a whole-tensor
+    reduction first): :data:`CHUNK` for a tensor on the CPU, :data:`DEVICE_CHUNK` on a GPU."""
+    return CHUNK if t.device.type == "cpu" else DEVICE_CHUNK
+
+
+def row_blocks(t: Tensor) -> list[Any]:
+    """Indices of ``t``'s first dimension, slices of about :func:`chunk_for` entries each (at least one row),
+    for a kernel whose rows are independent; a tensor of fewer than two dimensions is one block (``...``)."""
+    if t.dim() < 2 or t.shape[0] == 0:
+        return [...]
+    rows = max(1, chunk_for(t) // max(1, t[0].numel()))
+    return [slice(i, i + rows) for i in range(0, t.shape[0], rows)]
 
 
 def map_keys(models: ModelSet, kernel: Kernel, *, needs_base: bool = False,

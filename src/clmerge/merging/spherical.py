@@ -8,7 +8,7 @@ dtype by the driver.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -16,12 +16,13 @@ from torch import Tensor
 
 from ..errors import UsageError
 from ..utils.device import like_device
-from .driver import check_experts_weights, map_keys
+from .driver import check_experts_weights, chunk_for, map_keys
 from .registry import register_merge
 from .sources import ModelSet, open_models
 from .slerp import NORM_EPS
 
-__all__ = ["nuslerp", "nuslerp_tensor", "multislerp", "multislerp_tensor", "karcher", "karcher_tensor"]
+__all__ = ["nuslerp", "nuslerp_tensor", "nuslerp_flat_key", "multislerp", "multislerp_tensor", "multislerp_key",
+           "karcher", "karcher_tensor", "karcher_key", "gram64"]
 
 
 def _equal_or(weights: Tensor | None, n: int) -> Tensor:
@@ -46,17 +47,67 @@ def nuslerp_tensor(t: float, v0: Tensor, v1: Tensor, *, row_wise: bool = False, 
     moved_shape = a.shape
     a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
     na, nb = a.norm(dim=1, keepdim=True), b.norm(dim=1, keepdim=True)
-    cos = ((a * b).sum(1, keepdim=True) / (na * nb).clamp(min=eps)).clamp(-1.0, 1.0)
+    ca, cb = slerp_coefficients(t, na, nb, (a * b).sum(1, keepdim=True), eps)
+    out = (ca * a + cb * b).reshape(moved_shape)
+    if not flatten and row_wise and v0.dim() > 0:
+        out = out.movedim(-1, 0)
+    return out.reshape(v0.shape)
+
+
+def slerp_coefficients(t: float, na: Tensor, nb: Tensor, dot: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The slerp weights ``(c_a, c_b)`` of vectors of norms ``na``, ``nb`` and inner product ``dot`` (see
+    :func:`nuslerp_tensor`): the output is ``c_a a + c_b b``."""
+    cos = (dot / (na * nb).clamp(min=eps)).clamp(-1.0, 1.0)
     omega = torch.acos(cos)
     sin = torch.sin(omega)
     linear = (sin.abs() < eps) | (na <= eps) | (nb <= eps)
     safe = torch.where(linear, 1.0, sin)
     ca = torch.where(linear, 1.0 - t, torch.sin((1.0 - t) * omega) / safe)
     cb = torch.where(linear, t, torch.sin(t * omega) / safe)
-    out = (ca * a + cb * b).reshape(moved_shape)
-    if not flatten and row_wise and v0.dim() > 0:
-        out = out.movedim(-1, 0)
-    return out.reshape(v0.shape)
+    return ca, cb
+
+
+def flat_spans(x: Tensor) -> list[tuple[int, int]]:
+    """``[i, j)`` spans of :func:`.driver.chunk_for` entries over ``x`` flattened: the blocks of a streamed
+    kernel."""
+    n, chunk = x.numel(), chunk_for(x)
+    return [(i, min(i + chunk, n)) for i in range(0, n, chunk)]
+
+
+def _block64(xs: Sequence[Tensor], b: Tensor | None, i: int, j: int) -> Tensor:
+    """Entries ``[i, j)`` of the flattened inputs as float64 ``(T, j - i)``, minus the base's when given."""
+    flat = torch.stack([x.reshape(-1)[i:j].double() for x in xs])
+    return flat if b is None else flat - b.reshape(-1)[i:j].double()
+
+
+def gram64(xs: Sequence[Tensor], b: Tensor | None = None) -> Tensor:
+    """The Gram matrix ``G_ij = <x_i - b, x_j - b>`` ``(T, T)`` in float64, accumulated block by block (the
+    inputs' norms are ``sqrt(diag G)``): one pass with temporaries of one block. The sums run in another order
+    than a whole-tensor ``norm`` or dot product, so they agree with those to float64 rounding."""
+    g = torch.zeros(len(xs), len(xs), dtype=torch.float64)
+    for i, j in flat_spans(xs[0]):
+        f = _block64(xs, b, i, j)
+        g += f @ f.T
+    return g
+
+
+def _write_blocks(xs: Sequence[Tensor], b: Tensor | None, fn: Callable[[Tensor, int, int], Tensor]) -> Tensor:
+    """The output of a streamed kernel in the experts' dtype: block ``[i, j)`` is ``fn(inputs' block, i, j)``
+    (float64, see :func:`_block64`) plus the base's block when a base is given."""
+    out = torch.empty(xs[0].shape, dtype=xs[0].dtype)
+    for i, j in flat_spans(xs[0]):
+        res = fn(_block64(xs, b, i, j), i, j)
+        out.view(-1)[i:j] = res if b is None else b.reshape(-1)[i:j].double() + res
+    return out
+
+
+def nuslerp_flat_key(t: float, xs: Sequence[Tensor], b: Tensor | None, eps: float = NORM_EPS) -> Tensor:
+    """:func:`nuslerp_tensor` with ``flatten`` (of the task vectors, with a base) streamed: the norms and the
+    inner product from :func:`gram64`, then ``c_a a + c_b b`` block by block (the same arithmetic per entry;
+    the reductions to float64 rounding). Returned in the experts' dtype."""
+    g = gram64(xs, b)
+    ca, cb = slerp_coefficients(t, g[0, 0].sqrt(), g[1, 1].sqrt(), g[0, 1], eps)
+    return _write_blocks(xs, b, lambda f, i, j: ca * f[0] + cb * f[1])
 
 
 def _two_experts(name: str, models: ModelSet) -> None:
@@ -87,6 +138,8 @@ def nuslerp(*, base: Any = None, experts: Sequence[Any], weights: Sequence[float
     t = 0.5 if abs(total) < 1e-6 else float(w[1]) / total
 
     def kernel(key: str, b: Tensor | None, xs: list[Tensor]) -> Tensor:
+        if flatten or xs[0].dim() == 0:
+            return nuslerp_flat_key(t, xs, b)
         if b is None:
             return nuslerp_tensor(t, xs[0], xs[1], row_wise=row_wise, flatten=flatten)
         b64 = b.double()
@@ -143,12 +196,45 @@ def multislerp(*, base: Any = None, experts: Sequence[Any], weights: Sequence[fl
         if len(xs) == 1:
             return xs[0]
         wd = like_device(w, xs[0])  # the weights live on the CPU; a kernel on a device takes them there
-        if b is None:
-            return multislerp_tensor(xs, wd, eps=eps, key=key)
-        b64 = b.double()
-        return b64 + multislerp_tensor([x.double() - b64 for x in xs], wd, eps=eps, key=key)
+        return multislerp_key(xs, b, wd, eps=eps, key=key)
 
     return map_keys(models, kernel)
+
+
+def multislerp_key(xs: Sequence[Tensor], b: Tensor | None, weights: Tensor, *, eps: float = NORM_EPS,
+                   key: str = "") -> Tensor:
+    """:func:`multislerp_tensor` of the inputs (their task vectors, with a base ``b``; then ``b`` is added
+    back) streamed in blocks, in the experts' dtype. The reductions come from :func:`gram64` (the norms, and
+    with ``G~_ij = G_ij / ((|x_i| + eps)(|x_j| + eps))`` the inner products of the directions:
+    ``|m|^2 = w^T G~ w`` and ``<u_i, m^> = (G~ w)_i / |m|``), then a pass sums ``|v|^2`` of the tangent and a
+    last pass writes the output; per entry the arithmetic is :func:`multislerp_tensor`'s, the reductions
+    agree to float64 rounding. (In exact arithmetic ``v = m - <m, m^> m^ = 0``: the computed ``v`` is rounding
+    noise, and the exponential map leaves ``m^`` as it is.)"""
+    g = gram64(xs, b)
+    norms = g.diagonal().sqrt()
+    d = norms + eps
+    gu = g / (d[:, None] * d[None, :])
+    mean_norm = max(float(weights @ gu @ weights), 0.0) ** 0.5
+    if mean_norm < eps:
+        if len(xs) == 2:
+            return _write_blocks(xs, b, lambda f, i, j: weights @ f)
+        raise ValueError(f"multislerp: key {key!r}: the weighted mean of the directions is zero (opposite "
+                         "inputs whose weights balance); change the weights")
+    c = (gu @ weights) / mean_norm
+
+    def parts(f: Tensor) -> tuple[Tensor, Tensor]:
+        units = f / d[:, None]
+        mean = (weights @ units) / mean_norm
+        return mean, weights @ (units - c[:, None] * mean)
+
+    tn = sum(float(parts(_block64(xs, b, i, j))[1].square().sum()) for i, j in flat_spans(xs[0])) ** 0.5 + eps
+    scale, cos_tn, sin_tn = float(weights @ norms), math.cos(tn), math.sin(tn) / tn
+
+    def direction(f: Tensor, i: int, j: int) -> Tensor:
+        mean, tangent = parts(f)
+        return (mean * cos_tn + tangent * sin_tn) * scale
+
+    return _write_blocks(xs, b, direction)
 
 
 def karcher_tensor(xs: Sequence[Tensor], weights: Tensor, *, max_iter: int = 10, tol: float = 1e-5) -> Tensor:
@@ -206,6 +292,55 @@ def karcher(*, base: Any = None, experts: Sequence[Any], weights: Sequence[float
     w = w / float(w.sum())
 
     def kernel(key: str, b: Tensor | None, xs: list[Tensor]) -> Tensor:
-        return xs[0] if len(xs) == 1 else karcher_tensor(xs, like_device(w, xs[0]), max_iter=max_iter, tol=tol)
+        return xs[0] if len(xs) == 1 else karcher_key(xs, like_device(w, xs[0]), max_iter=max_iter, tol=tol)
 
     return map_keys(models, kernel)
+
+
+def karcher_key(xs: Sequence[Tensor], weights: Tensor, *, max_iter: int = 10, tol: float = 1e-5) -> Tensor:
+    """:func:`karcher_tensor` streamed, in the experts' dtype. The mean stays in the span of the directions
+    ``u_i``, so it is kept as coefficients ``m = sum_i beta_i u_i`` and every inner product of the iteration
+    comes from the Gram matrix of the directions (:func:`gram64`, one pass over the inputs); a second pass
+    writes ``(sum_i w_i |x_i|) sum_i beta_i x_i / |x_i|`` block by block. The same iteration as
+    :func:`karcher_tensor`, with its inner products summed in another order: the results agree to float64
+    rounding (unless ``|v|`` lands within rounding of ``tol`` at some step, when the two may stop one
+    iteration apart)."""
+    g = gram64(xs)
+    norms = g.diagonal().sqrt()
+    valid = norms > tol
+    if not bool(valid.any()):
+        return torch.zeros(xs[0].shape, dtype=xs[0].dtype)
+    nv = norms[valid]
+    gu = g[valid][:, valid] / (nv[:, None] * nv[None, :])
+    alphas = weights[valid] / float(weights[valid].sum())
+    beta = karcher_coefficients(gu, alphas, max_iter, tol)
+    coef = float(weights @ norms) * beta / nv
+    idx = valid.nonzero().squeeze(1).tolist()
+    return _write_blocks([xs[i] for i in idx], None, lambda f, i, j: coef @ f)
+
+
+def karcher_coefficients(gu: Tensor, alphas: Tensor, max_iter: int, tol: float) -> Tensor:
+    """The fixed point of :func:`karcher_tensor` on ``m = sum_i beta_i u_i``, from the directions' Gram matrix
+    ``gu``: ``<u_i, m> = (G beta)_i``, ``|sum_i c_i u_i|^2 = c^T G c``; returns ``beta``."""
+
+    def norm(c: Tensor) -> float:
+        return max(float(c @ gu @ c), 0.0) ** 0.5
+
+    mean_norm = norm(alphas)
+    beta = torch.zeros_like(alphas)
+    if mean_norm < tol:
+        beta[0] = 1.0
+    else:
+        beta = alphas / mean_norm
+    for _ in range(max_iter):
+        cos = (gu @ beta).clamp(-1.0, 1.0)
+        theta = torch.acos(cos)
+        far = theta >= tol
+        coef = torch.where(far, alphas * theta / torch.where(far, torch.sin(theta), 1.0), 0.0)
+        tangent = coef - float(coef @ cos) * beta
+        tn = norm(tangent)
+        if tn < tol:
+            break
+        beta = math.cos(tn) * beta + math.sin(tn) * tangent / tn
+        beta = beta / max(norm(beta), tol)
+    return beta

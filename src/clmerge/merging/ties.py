@@ -342,9 +342,17 @@ def per_tensor_trim_spec(b: Tensor, xs: list[Tensor], density: float, trim_rule:
     return torch.stack(thr), quotas
 
 
+# (key, base, experts) -> (thresholds, quotas, cut or None) of a key's trim (see ties_key_streamed)
+KeyTrimSpec = Callable[[str, Tensor, list[Tensor]], tuple[Tensor, list[int], tuple[Tensor, list[int]] | None]]
+
+
 def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: float, scaling: float,
-                           trim_scope: str, merge_fn: str, trim_rule: str = "exact") -> dict[str, Tensor]:
+                           trim_scope: str, merge_fn: str, trim_rule: str = "exact",
+                           key_spec: KeyTrimSpec | None = None) -> dict[str, Tensor]:
     """The TIES pipeline over any task-vector transform (plain for TIES, dropped-and-rescaled for DARE).
+
+    ``key_spec`` (with plain task vectors): each key's trim from this function instead of ``density``, and the
+    streamed kernel (Model Breadcrumbs' band of magnitudes: a trim minus a cut of outliers).
 
     Zero elected signs are resolved as the reference code does (the majority sign over the whole model): keys
     are merged with sign +1 first; for the entries where the choice matters (a zero trimmed sum over nonzero
@@ -381,6 +389,8 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
             fixes[key] = tuple(None if p[0] is None else to_host(torch.cat(p)) for p in zip(*parts))
         return out
 
+    if key_spec is not None and tv_fn is not plain_task_vectors:
+        raise ValueError("key_spec needs plain task vectors")
     if tv_fn is plain_task_vectors and merge_fn in ("mean", "sum", "max"):
         # elementwise once each expert's threshold is known (model-wide, or this key's, found one expert at a
         # time): cache-sized slices in preallocated buffers, never a (T, *shape) stack of a large tensor
@@ -389,17 +399,23 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
         bufs = Buffers()  # full-size buffers (the base in the work dtype, magnitudes), reused key to key
 
         def merged(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:  # noqa: F811
-            # the model-wide thresholds were found in glob's dtype: compare in it
-            dt = work_dtype(b.dtype, *(x.dtype for x in xs), *(() if glob is None else (glob.dtype,)))
-            fb = bufs.get("base", b.numel(), dt, b).copy_(b.reshape(-1))
-            if glob is None:
-                thr, quotas = per_tensor_trim_spec(b, xs, density, trim_rule, bufs, fb)
+            cut = None
+            if key_spec is not None:
+                thr, quotas, cut = key_spec(key, b, xs)
+                dt = work_dtype(thr.dtype, b.dtype, *(x.dtype for x in xs))
+                fb = bufs.get("base", b.numel(), dt, b).copy_(b.reshape(-1))
             else:
-                thr, quotas = like_device(glob, b), (all_ties if gq is None else gq[key])
+                # the model-wide thresholds were found in glob's dtype: compare in it
+                dt = work_dtype(b.dtype, *(x.dtype for x in xs), *(() if glob is None else (glob.dtype,)))
+                fb = bufs.get("base", b.numel(), dt, b).copy_(b.reshape(-1))
+                if glob is None:
+                    thr, quotas = per_tensor_trim_spec(b, xs, density, trim_rule, bufs, fb)
+                else:
+                    thr, quotas = like_device(glob, b), (all_ties if gq is None else gq[key])
             if dt not in works:
                 # a GPU gains nothing from cache-sized slices: 16M-entry ones keep its launches few
                 works[dt] = Work(models.num_experts, _CPU_CHUNK if b.device.type == "cpu" else _DEVICE_CHUNK, dt)
-            res, sign_sum, fix = ties_key_streamed(b, xs, thr, quotas, scaling, merge_fn, works[dt], fb)
+            res, sign_sum, fix = ties_key_streamed(b, xs, thr, quotas, scaling, merge_fn, works[dt], fb, cut)
             total[0] += sign_sum
             if fix is not None:  # kept on the CPU, where the merged tensors are patched
                 fixes[key] = tuple(None if f is None else to_host(f) for f in fix)

@@ -54,8 +54,8 @@ def sum_rows(x: Tensor, out: Tensor) -> Tensor:
 
 
 def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int], scaling: float,
-                      merge_fn: str, w: Work,
-                      fb: Tensor | None = None) -> tuple[Tensor, float, tuple[Tensor, ...] | None]:
+                      merge_fn: str, w: Work, fb: Tensor | None = None,
+                      cut: tuple[Tensor, list[int]] | None = None) -> tuple[Tensor, float, tuple[Tensor, ...] | None]:
     """:func:`.ties._ties_core` with zero sums given the sign +1, on one key of plain task vectors, slice by slice in
     the buffers ``w`` (same arithmetic, in ``w.dtype``: float32, or float64 for float64 inputs). The task vectors
     are ``x - b`` computed in ``w.dtype``, the very numbers the thresholds ``thr`` were found on (see
@@ -65,7 +65,8 @@ def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int
 
     Returns ``(theta_0 + scaling * tau_m, sign sum, fix)``;
     ``fix`` (see :func:`fix_values`) covers the ambiguous entries, or is ``None``. ``quotas`` as in
-    :func:`.ties.trim`."""
+    :func:`.ties.trim`. ``cut``: thresholds and quotas of the same form whose kept set (a subset of the trim's)
+    is removed from it after the trim: the largest-magnitude outliers of Model Breadcrumbs."""
     out = torch.empty(b.shape, dtype=xs[0].dtype)
     # base in the work dtype: bf16 - bf16 into a float32 buffer would round the difference to bf16 first
     fb = b.reshape(-1).to(w.dtype) if fb is None else fb
@@ -75,6 +76,11 @@ def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int
     up = torch.nextafter(thr32, thr32.new_tensor(math.inf))
     thr_c = torch.where(torch.tensor([q == TIE_ALL for q in quotas]), thr32, up)
     remaining = [q if q != TIE_ALL else 0 for q in quotas]
+    if cut is not None:
+        cut_thr = cut[0].to(w.dtype)
+        cut_c = torch.where(torch.tensor([q == TIE_ALL for q in cut[1]]), cut_thr,
+                            torch.nextafter(cut_thr, cut_thr.new_tensor(math.inf)))
+        cut_rem = [q if q != TIE_ALL else 0 for q in cut[1]]
     sign_sum, fixes, chunk = 0.0, [], w.tv.shape[1]
     for i in range(0, fb.numel(), chunk):
         n = min(chunk, fb.numel() - i)
@@ -96,6 +102,13 @@ def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int
                     torch.ge(tmp[t], thr_c[t], out=mask[t])
                     mask[t].copy_(add_ties(mask[t].bool(), tmp[t], thr32[t], rem))
                 remaining[t] = max(0, rem - ties)
+        if cut is not None:  # the cut's kept set, in ``pick`` (free until the election), taken off the mask
+            for t in range(len(fx)):
+                drop = torch.ge(tmp[t], cut_c[t], out=pick)
+                if cut_rem[t] > 0:
+                    rem, cut_rem[t] = cut_rem[t], max(0, cut_rem[t] - int(torch.count_nonzero(tmp[t] == cut_thr[t])))
+                    drop.copy_(add_ties(drop.bool(), tmp[t], cut_thr[t], rem))
+                mask[t].sub_(drop)
         tv.mul_(mask)  # trimmed (a product with 1 or 0, as with a bool mask)
         torch.sign(sum_rows(tv, total), out=sign)
         sign_sum += float(sign.sum())

@@ -137,16 +137,6 @@ def summary_markdown(summary: dict[str, Any]) -> str:
             d = c[f"cart_minus_{base}"]
             lines.append(f"- CART − {label}: {_pmd(d['mean_se'])} points over seeds {d['seeds']} (per seed "
                          f"{', '.join(f'{x:+.1f}' for x in d['per_seed'])}): {paired_verdict(d['mean_se'])}")
-    pairs = [(a, b, kind) for a, b, kind in PAIRED_CLAIMS if f"{a}_minus_{b}" in c]
-    if pairs:
-        lines += ["", "## The SVD family's claims over seeds (paired same-seed differences, mean ± standard error)",
-                  ""]
-    for a, b, kind in pairs:
-        d = c[f"{a}_minus_{b}"]
-        verdict = paired_verdict(d["mean_se"]) if kind == ">" else _equivalence(d["mean_se"])
-        lines.append(f"- {CLAIM_NAMES[a]} {'>' if kind == '>' else '≈'} {CLAIM_NAMES[b]}: {CLAIM_NAMES[a]} − "
-                     f"{CLAIM_NAMES[b]} = {_pmd(d['mean_se'])} points over seeds {d['seeds']} (per seed "
-                     f"{', '.join(f'{x:+.1f}' for x in d['per_seed'])}): {verdict}")
     if "bell" in c:
         b, curve = c["bell"], c["rank_ratio_curve"]
         lines += [f"- Bell curve: CART at the best interior rank ratio of the mean curve ({b['peak_ratio']}) minus "
@@ -158,6 +148,16 @@ def summary_markdown(summary: dict[str, Any]) -> str:
                   "| CART (test, at each seed's chosen scaling) | "
                   + " | ".join(f"{m:.1f}" + ("" if math.isnan(s) else f" ± {s:.1f}")
                                for m, s in zip(curve["cart_mean"], curve["cart_se"])) + " |"]
+    pairs = [(a, b, kind) for a, b, kind in PAIRED_CLAIMS if f"{a}_minus_{b}" in c]
+    if pairs:
+        lines += ["", "## The SVD family's claims over seeds (paired same-seed differences, mean ± standard error)",
+                  ""]
+    for a, b, kind in pairs:
+        d = c[f"{a}_minus_{b}"]
+        verdict = paired_verdict(d["mean_se"]) if kind == ">" else _equivalence(d["mean_se"])
+        lines.append(f"- {CLAIM_NAMES[a]} {'>' if kind == '>' else '≈'} {CLAIM_NAMES[b]}: {CLAIM_NAMES[a]} − "
+                     f"{CLAIM_NAMES[b]} = {_pmd(d['mean_se'])} points over seeds {d['seeds']} (per seed "
+                     f"{', '.join(f'{x:+.1f}' for x in d['per_seed'])}): {verdict}")
     return "\n".join(lines) + "\n"
 
 

@@ -215,9 +215,12 @@ def make_config(bench: str, label: str, seed: int, lr: float, *, smoke: bool) ->
 def val_accuracy(out: Path, head: str = "linear") -> float:
     """Final class-incremental accuracy of the run's last checkpoint on the held-out validation data (of one
     head variant: runs made with head.compare record it in metrics.json for every variant)."""
-    heads = json.loads((out / "metrics.json").read_text()).get("heads") or {}
+    metrics = json.loads((out / "metrics.json").read_text())
+    heads, own = metrics.get("heads") or {}, metrics.get("head") or {}
     if heads.get(head, {}).get("val_acc") is not None:
         return heads[head]["val_acc"]
+    if own.get("variant") == head and own.get("val_acc") is not None:  # a run of its own head alone
+        return own["val_acc"]
     cached = out / "val.json"
     if cached.exists():
         return json.loads(cached.read_text())["val_acc"]

@@ -169,7 +169,9 @@ METHODS.update({"er": ({"name": "er"}, FULL_LRS), "der": ({"name": "der"}, FULL_
                 "mos": ({"name": "mos"}, ADAPTER_LRS), "simplecil": ({"name": "simplecil"}, NO_TRAINING),
                 "ranpac": ({"name": "ranpac"}, NO_TRAINING)})
 CL_BASELINES = ["simplecil", "ranpac", "aper", "ease", "mos", "slca", "er", "der", "derpp"]
-NO_LORA_SITES |= set(CL_BASELINES)
+# ranpac keeps the LoRA sites of every LoRA method: they are used only by its first-session adaptation
+# (first_session_adapt, off here), but a variant that turns it on must adapt the same sites as the others.
+NO_LORA_SITES |= set(CL_BASELINES) - {"ranpac"}
 OWN_HEAD_ONLY = {"head": {"compare": False}}
 # The replay buffer: memory.size in the method's words, method.buffer_size here; the library default, 200
 # examples (the DER paper's smallest buffer; 5.6% of split_mnist5k's 3,600 training images after the validation

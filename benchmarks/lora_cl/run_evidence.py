@@ -12,7 +12,11 @@ Benchmarks (shipped tiny ViT, ``vit-tiny-fmnist``, pretrained on Fashion-MNIST):
 
 Methods: finetune, seq_lora, ewc, sd_lora, sd_lora_rr, sd_lora_kd, pm and its Table 4 ablations (pm_m: merge
 only; pm_gauss: Gaussian noise; pm_exact: the three-pass Eq. 14 loss), inflora, and the merge baselines of
-P&M Table 3 (lora_avg, lora_dare, coma, cofima).
+P&M Table 3 (lora_avg, lora_dare, coma, cofima). The continual-learning baselines of pre-trained-model papers
+(``CL_BASELINES``: simplecil, ranpac, aper, ease, mos, slca, er, der, derpp) run with their papers' heads and
+get their own section of results.md (mean ± standard error, the claims as paired same-seed differences):
+
+    python benchmarks/lora_cl/run_evidence.py --benchmarks split_mnist5k --methods simplecil,aper,er,derpp
 
 Every LoRA method adapts the key and value projections (``LORA_TARGETS``), and every run evaluates four heads
 on the same backbone (``head.compare: true``: linear, linear+align, ncm, ranpac), so one run per

@@ -262,3 +262,11 @@ def test_baselines_section_reports_se_rates_and_claim_verdicts_on_planted_number
     assert "**rehearsal with a small buffer (er, derpp) beats rehearsal-free LoRA (seq_lora, sd_lora, pm) on CIL**: " \
            "not measured (missing: derpp, er, pm, sd_lora, seq_lora)." in other
     assert "| simplecil | cosine prototypes | 50.00 | " in other  # one seed: the mean alone
+
+
+def test_validation_accuracy_of_a_run_of_its_own_head_alone_is_its_recorded_one(tmp_path) -> None:
+    """A baseline without head.compare (SimpleCIL's prototypes) records head.val_acc for its own head only: the
+    ranking reads it instead of rebuilding the run (which has no config here to rebuild from)."""
+    ev = _load("run_evidence")
+    (tmp_path / "metrics.json").write_text(json.dumps({"head": {"variant": "ncm", "val_acc": 42.5}}))
+    assert ev.val_accuracy(tmp_path, "ncm") == 42.5

@@ -270,3 +270,21 @@ def test_validation_accuracy_of_a_run_of_its_own_head_alone_is_its_recorded_one(
     ev = _load("run_evidence")
     (tmp_path / "metrics.json").write_text(json.dumps({"head": {"variant": "ncm", "val_acc": 42.5}}))
     assert ev.val_accuracy(tmp_path, "ncm") == 42.5
+
+
+@pytest.mark.slow  # 6 short runs: 1-2 min on a loaded 2-core machine
+def test_evidence_smoke_runs_baselines_into_their_section(tmp_path) -> None:
+    """simplecil trains nothing (no selection, one run per seed); derpp takes er's selected rate (er runs its
+    selection alone); both land in the baselines' section, not in the per-head tables."""
+    ev = _load("run_evidence")
+    ev.main(["--smoke", "--methods", "simplecil,derpp", "--seeds", "0,1", "--benchmarks", "split_mnist5k",
+             "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "r.md"), "--figures", str(tmp_path / "f")])
+    main, section = (tmp_path / "r.md").read_text().split("## Continual-learning baselines")
+    assert "| simplecil |" not in main and "| derpp |" not in main
+    assert "| simplecil | cosine prototypes |" in section and "| 2 | — (trains nothing) |" in section
+    sel = json.loads((tmp_path / "runs" / "selected.json").read_text())["split_mnist5k"]
+    assert sel["derpp"] == {"lr": sel["er"]["lr"], "selected_on": "er's selection"}
+    assert "| derpp | linear |" in section and f"| {sel['er']['lr']:g} (er's selection) |" in section
+    assert not (tmp_path / "runs" / "main" / "split_mnist5k" / "simplecil" / "select").exists()
+    assert "- **rehearsal with a small buffer (er, derpp) beats rehearsal-free LoRA (seq_lora, sd_lora, pm) on " \
+           "CIL**: not measured (missing: er, pm, sd_lora, seq_lora)." in section

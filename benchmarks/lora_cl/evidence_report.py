@@ -346,9 +346,10 @@ def baselines_section(found: dict, selected: dict, labels: list[str], bench_orde
              "Each baseline with the head its paper uses (its primary head, the one phase 1 selects the rate on:",
              "validation CIL accuracy, `head.val_acc`), beside the rows it is compared with (their own heads; the",
              "frozen backbone's RanPAC head). Mean ± standard error over seeds (sample standard deviation / √n).",
-             "`validation (rate: CIL)`: the selecting head's validation accuracy of every rate phase 1 tried. `run s`:",
-             "mean wall time of one seed's run (`timings.total_s`). der and derpp take er's rate; simplecil and",
-             "ranpac train nothing. The rehearsal buffer holds 200 examples (`method.buffer_size`, the default).", ""]
+             "`validation (rate: CIL)`: the selecting head's validation accuracy of every rate phase 1 tried.",
+             "`run s`: mean wall time of one seed's run (`timings.total_s`). der and derpp take er's rate;",
+             "simplecil and ranpac train nothing. The rehearsal buffer holds 200 examples (`method.buffer_size`,",
+             "the default).", ""]
     for bench in benches:
         runs, sel = found[bench], selected.get(bench, {})
         lines += [f"### {bench}", "", "| method | head | CIL Acc | CIL AAA | TIL Acc | TIL AAA | seeds | lr | "

@@ -213,7 +213,8 @@ def make_config(bench: str, label: str, seed: int, lr: float, *, smoke: bool) ->
     extra = EXTRA_CONFIG.get(label, {})
     train.update(extra.get("train", {}))
     method.update(extra.get("method", {}))
-    return {"seed": seed, "scenario": scen, "model": model, "method": method, "head": {**HEAD, **extra.get("head", {})},
+    head = {**HEAD, **extra.get("head", {})}
+    return {"seed": seed, "scenario": scen, "model": model, "method": method, "head": head,
             "optim": {"name": "adam", "lr": lr}, "train": train,
             "run": {"progress": False, "report": False, "threads": 1, "keep_checkpoints": 1}}
 
@@ -419,8 +420,8 @@ def main(argv: list[str] | None = None) -> None:
     archive_path = a.archive if a.archive is not None else (None if a.smoke else HERE / "runs.json")
     archive = load_archive(archive_path)
     write_results(a.out, a.results, list(BENCHMARKS), list(METHODS), smoke=a.smoke, val_fn=val_accuracy,
-                  rank_on=next(iter(BENCHMARKS)), archive=archive,  # the default benchmark: what `clmerge run` runs
-                  baselines=CL_BASELINES)
+                  rank_on=next(iter(BENCHMARKS)),  # the default benchmark: what `clmerge run` runs
+                  archive=archive, baselines=CL_BASELINES)
     write_figures(a.out, a.figures, archive)
     if archive_path is not None:
         write_archive(a.out, archive_path, archive)

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["HEADS", "collect", "head_metrics", "load_archive", "mean_std", "validation_ranking", "write_archive",
-           "write_figures", "write_results"]
+__all__ = ["HEADS", "baselines_section", "claim_verdict", "collect", "head_metrics", "load_archive", "mean_se_text",
+           "mean_std", "paired_difference", "primary_head", "validation_ranking", "write_archive", "write_figures",
+           "write_results"]
 
 HEADS = ("linear", "linear+align", "ncm", "ranpac")
 
@@ -97,14 +98,17 @@ def _row(label: str, head: str, runs: list[dict], lr: str) -> str | None:
     return f"| {label} | {head} | {acc} | {aaa} | {t_acc} | {t_aaa} | {len(hm)} | {lr} |"
 
 
-def validation_ranking(out_root: Path, bench: str, val_fn, archive: dict | None = None
-                       ) -> list[tuple[str, float, float, int]]:
+def validation_ranking(out_root: Path, bench: str, val_fn, archive: dict | None = None,
+                       exclude: frozenset[str] | set[str] = frozenset()) -> list[tuple[str, float, float, int]]:
     """``(label, mean, std, seeds)`` of the final validation CIL accuracy of every finished (method, head) of
     ``bench``, best first: the ranking that picks ``clmerge run``'s default method and head (test data never
     enters it). ``val_fn(run_dir, head)`` gives one run's validation accuracy of one head; an archived run
-    without its directory uses the ``val_acc`` its metrics recorded for that head."""
+    without its directory uses the ``val_acc`` its metrics recorded for that head. Labels in ``exclude`` are
+    left out."""
     rows = []
     for label, seeds in sorted(_runs(out_root, archive).get(bench, {}).items()):
+        if label in exclude:
+            continue
         for head in HEADS:
             v = []
             for metrics, run_dir in seeds.values():
@@ -120,10 +124,14 @@ def validation_ranking(out_root: Path, bench: str, val_fn, archive: dict | None 
 
 def write_results(out_root: Path, path: Path, bench_order: list[str], method_order: list[str], *,
                   smoke: bool = False, val_fn=None, rank_on: str | None = None,
-                  archive: dict | None = None) -> None:
+                  archive: dict | None = None, baselines: list[str] | None = None) -> None:
     """Write the Acc / AAA tables (mean ± std over seeds; CIL and TIL) with the selected learning rates, and,
     given ``val_fn`` (run dir, head -> validation accuracy), the validation ranking on benchmark ``rank_on``.
-    Runs come from ``out_root/main`` and from ``archive`` (``load_archive``)."""
+    Runs come from ``out_root/main`` and from ``archive`` (``load_archive``). The labels of ``baselines`` (the
+    continual-learning baselines, each with its own head) get their own section (``baselines_section``) instead
+    of rows in the per-head tables and the validation ranking."""
+    baselines = list(baselines or [])
+    method_order = [m for m in method_order if m not in baselines]
     data = collect(out_root, archive)
     sel_file = out_root / "selected.json"
     selected = json.loads(sel_file.read_text()) if sel_file.exists() else {}
@@ -158,9 +166,14 @@ def write_results(out_root: Path, path: Path, bench_order: list[str], method_ord
                   "set), mean ± std over the finished seeds, per method and head. The top pair is `clmerge run`'s",
                   "default.", "",
                   "| rank | method + head | validation CIL | seeds |", "|---|---|---|---|"]
-        for i, (label, mean, std, n) in enumerate(validation_ranking(out_root, rank_on, val_fn, archive), 1):
+        ranking = validation_ranking(out_root, rank_on, val_fn, archive, exclude=set(baselines))
+        for i, (label, mean, std, n) in enumerate(ranking, 1):
             lines.append(f"| {i} | {label} | {mean:.2f} ± {std:.2f} | {n} |")
         lines.append("")
+    if baselines:
+        found = {b: {m: {k: v[0] for k, v in seeds.items()} for m, seeds in ms.items()}
+                 for b, ms in _runs(out_root, archive).items()}
+        lines += baselines_section(found, selected, baselines, bench_order)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
 
@@ -204,3 +217,174 @@ def write_figures(out_root: Path, fig_dir: Path, archive: dict | None = None) ->
             plt.close(fig)
             written.append(path)
     return written
+
+
+# -- the continual-learning baselines' section -------------------------------------------------------------------
+# The rows the baselines are set beside: (label, head), each the method's own head except the frozen backbone's
+# RanPAC head (the statistics-head reference).
+BASELINE_REFERENCES = (("seq_lora", "linear"), ("sd_lora", "linear"), ("pm", "linear"), ("l2p", "linear"),
+                       ("frozen", "ranpac"))
+# What each baseline's primary head is (metrics.json names EASE's and MOS's own classifiers "linear": the output
+# of their inference model).
+OWN_HEAD = {"simplecil": "cosine prototypes", "aper": "cosine prototypes, [pretrained; adapted]",
+            "ease": "own: reweighted subspace prototypes", "mos": "own: retrieval + prototype ensemble",
+            "slca": "linear+align", "er": "linear", "der": "linear", "derpp": "linear", "ranpac": "ranpac"}
+# The claims, as paired same-seed differences of final CIL accuracy (A - B > 0), each (label, head) with head
+# None for the method's own (primary) head. A claim holds when every pair does.
+_OWN = None
+CLAIMS = (
+    ("EASE / MOS > SimpleCIL / APER > L2P-style prompts (PILOT's ordering)",
+     [(("ease", _OWN), ("simplecil", _OWN)), (("ease", _OWN), ("aper", _OWN)), (("mos", _OWN), ("simplecil", _OWN)),
+      (("mos", _OWN), ("aper", _OWN)), (("simplecil", _OWN), ("l2p", _OWN)), (("aper", _OWN), ("l2p", _OWN))]),
+    ("rehearsal with a small buffer (er, derpp) beats rehearsal-free LoRA (seq_lora, sd_lora, pm) on CIL",
+     [((a, _OWN), (b, _OWN)) for a in ("er", "derpp") for b in ("seq_lora", "sd_lora", "pm")]),
+    ("SD-LoRA / P&M beat the prototype methods (SimpleCIL, APER, EASE, MOS)",
+     [((a, _OWN), (b, _OWN)) for a in ("sd_lora", "pm") for b in ("simplecil", "aper", "ease", "mos")]),
+)
+
+
+def primary_head(run: dict) -> str:
+    """The head a run predicts with (its ``head.variant``; linear for runs that recorded none)."""
+    return (run.get("head") or {}).get("variant", "linear")
+
+
+def _head_of(run: dict, head: str | None) -> dict | None:
+    return head_metrics(run, primary_head(run) if head is None else head)
+
+
+def mean_se_text(values: list[float]) -> str:
+    """``mean ± standard error`` over seeds (sample standard deviation / sqrt(n)); the mean alone for one seed."""
+    from clmerge.metrics import mean_se
+
+    v = [x for x in values if x is not None]
+    if not v:
+        return "—"
+    m, se = mean_se(v)
+    return f"{m:.2f}" if np.isnan(se) else f"{m:.2f} ± {se:.2f}"
+
+
+def _rate_text(sel: dict) -> tuple[str, str]:
+    """The selected rate and the validation scores of every tried rate (the selecting head's), as table text."""
+    if not sel:
+        return "?", ""
+    lr = sel.get("lr")
+    text = "—" if lr is None else f"{lr:g}"
+    if sel.get("selected_on"):
+        text += f" ({sel['selected_on']})"
+    if sel.get("at_edge"):
+        text += ", at the grid's edge"
+    vals = "; ".join(f"{k}: {v:.2f}" for k, v in (sel.get("val_acc") or {}).items() if v is not None)
+    return text, vals
+
+
+def _baseline_row(label: str, head: str | None, runs: dict[str, dict], sel: dict) -> str | None:
+    hm = [m for r in runs.values() if (m := _head_of(r, head)) is not None]
+    if not hm:
+        return None
+    name = OWN_HEAD.get(label, head or primary_head(next(iter(runs.values()))))
+    til = [r.get("til") or {} for r in hm]
+    walls = [((r.get("timings") or {}).get("total_s")) for r in runs.values()]
+    wall = f"{np.mean([w for w in walls if w is not None]):.0f}" if any(w is not None for w in walls) else "—"
+    rate, vals = _rate_text(sel)
+    cells = [mean_se_text([r["acc"] for r in hm]), mean_se_text([r["aaa"] for r in hm]),
+             mean_se_text([t.get("acc") for t in til]), mean_se_text([t.get("aaa") for t in til])]
+    return f"| {label} | {name} | {' | '.join(cells)} | {len(hm)} | {rate} | {vals} | {wall} |"
+
+
+def paired_difference(runs: dict, a: tuple[str, str | None], b: tuple[str, str | None]) -> dict | None:
+    """The paired same-seed difference of final CIL accuracy, A − B, over the seeds both have: ``{"seeds",
+    "per_seed", "mean_se", "verdict"}``; None when a row is missing or they share no seed."""
+    from clmerge.harness.merge_bench_seeds import paired_verdict
+    from clmerge.metrics import mean_se
+
+    ra, rb = runs.get(a[0], {}), runs.get(b[0], {})
+    diffs, seeds = [], []
+    for seed in sorted(set(ra) & set(rb), key=_seed_key):
+        ma, mb = _head_of(ra[seed], a[1]), _head_of(rb[seed], b[1])
+        if ma is not None and mb is not None:
+            diffs.append(ma["acc"] - mb["acc"])
+            seeds.append(seed)
+    if not diffs:
+        return None
+    m_se = mean_se(diffs)
+    return {"seeds": seeds, "per_seed": diffs, "mean_se": m_se, "verdict": paired_verdict(m_se)}
+
+
+def _side(x: tuple[str, str | None]) -> str:
+    return x[0] if x[1] is None else f"{x[0]} ({x[1]})"
+
+
+def claim_verdict(runs: dict, pairs: list) -> tuple[str, list[tuple[str, dict | None]]]:
+    """A claim's verdict over its pairs: holds when every pair holds, does not hold when one pair's difference is
+    more than 2 standard errors below 0, else not resolved; "not measured" names the rows that are missing."""
+    results = [(f"{_side(a)} − {_side(b)}", paired_difference(runs, a, b)) for a, b in pairs]
+    missing = sorted({_side(x) for a, b in pairs for x in (a, b) if not runs.get(x[0])})
+    measured = [r for _, r in results if r is not None]
+    if not measured:
+        return f"not measured (missing: {', '.join(missing) or 'a shared seed'})", results
+    if any(r["verdict"].startswith("does not hold") for r in measured):
+        verdict = "does not hold (a pair is more than 2 standard errors below 0)"
+    elif len(measured) == len(results) and all(r["verdict"].startswith("holds") for r in measured):
+        verdict = "holds (every pair more than 2 standard errors above 0)"
+    else:
+        verdict = "not resolved"
+    if len(measured) < len(results):
+        verdict += f"; partly measured (missing: {', '.join(missing) or 'a shared seed'})"
+    return verdict, results
+
+
+def baselines_section(found: dict, selected: dict, labels: list[str], bench_order: list[str]) -> list[str]:
+    """results.md's section of the continual-learning baselines: per benchmark, each baseline's primary-head row
+    and the reference rows (mean ± standard error over seeds, the selected rate and its validation scores, the
+    mean run time), the four shared heads of the runs that recorded them, and the claims as paired differences.
+    ``found`` is ``_runs``' mapping with the metrics alone: ``{bench: {label: {"seed<s>": metrics}}}``; no
+    lines when no baseline has a run."""
+    benches = [b for b in bench_order if any(m in found.get(b, {}) for m in labels)]
+    if not benches:
+        return []
+    lines = ["## Continual-learning baselines of pre-trained-model papers", "",
+             "Each baseline with the head its paper uses (its primary head, the one phase 1 selects the rate on:",
+             "validation CIL accuracy, `head.val_acc`), beside the rows it is compared with (their own heads; the",
+             "frozen backbone's RanPAC head). Mean ± standard error over seeds (sample standard deviation / √n).",
+             "`validation (rate: CIL)`: the selecting head's validation accuracy of every rate phase 1 tried.",
+             "`run s`: mean wall time of one seed's run (`timings.total_s`). der and derpp take er's rate;",
+             "simplecil and ranpac train nothing. The rehearsal buffer holds 200 examples (`method.buffer_size`,",
+             "the default).", ""]
+    for bench in benches:
+        runs, sel = found[bench], selected.get(bench, {})
+        lines += [f"### {bench}", "", "| method | head | CIL Acc | CIL AAA | TIL Acc | TIL AAA | seeds | lr | "
+                  "validation (rate: CIL) | run s |", "|---|---|---|---|---|---|---|---|---|---|"]
+        rows = [(m, None) for m in labels] + list(BASELINE_REFERENCES)
+        lines += [r for m, h in rows if m in runs and (r := _baseline_row(m, h, runs[m], sel.get(m, {})))]
+        lines += _shared_heads(runs, labels) + ["", "Claims (paired same-seed differences of final CIL accuracy, "
+                                                    "mean ± standard error, per seed):", ""]
+        for text, pairs in CLAIMS:
+            verdict, results = claim_verdict(runs, pairs)
+            lines.append(f"- **{text}**: {verdict}.")
+            for name, r in results:
+                lines.append(f"  - {name}: " + ("not measured" if r is None else _pair_text(r)))
+        lines.append("")
+    return lines
+
+
+def _pair_text(r: dict) -> str:
+    m, se = r["mean_se"]
+    per = ", ".join(f"{d:+.1f}" for d in r["per_seed"])
+    return f"{m:+.2f}" + ("" if np.isnan(se) else f" ± {se:.2f}") + f" ({per}; {r['verdict']})"
+
+
+def _shared_heads(runs: dict, labels: list[str]) -> list[str]:
+    """The four shared heads (``head.compare``) of the baselines that recorded them: CIL / TIL Acc."""
+    have = [m for m in labels if m in runs and all(r.get("heads") for r in runs[m].values())]
+    if not have:
+        return []
+    out = ["", "The four shared heads of the runs that record them (`head.compare`), CIL Acc / TIL Acc:", "",
+           "| method | " + " | ".join(HEADS) + " |", "|---|" + "---|" * len(HEADS)]
+    for m in have:
+        cells = []
+        for h in HEADS:
+            hm = [x for r in runs[m].values() if (x := head_metrics(r, h)) is not None]
+            cells.append(f"{mean_se_text([x['acc'] for x in hm])} / "
+                         f"{mean_se_text([(x.get('til') or {}).get('acc') for x in hm])}")
+        out.append(f"| {m} | " + " | ".join(cells) + " |")
+    return out

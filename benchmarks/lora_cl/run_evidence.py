@@ -12,7 +12,11 @@ Benchmarks (shipped tiny ViT, ``vit-tiny-fmnist``, pretrained on Fashion-MNIST):
 
 Methods: finetune, seq_lora, ewc, sd_lora, sd_lora_rr, sd_lora_kd, pm and its Table 4 ablations (pm_m: merge
 only; pm_gauss: Gaussian noise; pm_exact: the three-pass Eq. 14 loss), inflora, and the merge baselines of
-P&M Table 3 (lora_avg, lora_dare, coma, cofima).
+P&M Table 3 (lora_avg, lora_dare, coma, cofima). The continual-learning baselines of pre-trained-model papers
+(``CL_BASELINES``: simplecil, ranpac, aper, ease, mos, slca, er, der, derpp) run with their papers' heads and
+get their own section of results.md (mean ± standard error, the claims as paired same-seed differences):
+
+    python benchmarks/lora_cl/run_evidence.py --benchmarks split_mnist5k --methods simplecil,aper,er,derpp
 
 Every LoRA method adapts the key and value projections (``LORA_TARGETS``), and every run evaluates four heads
 on the same backbone (``head.compare: true``: linear, linear+align, ncm, ranpac), so one run per
@@ -144,6 +148,49 @@ HEAD = {"compare": True}
 # the four-head grid did not allow a re-run); never for a text benchmark (reused_selection).
 LINEAR_HEAD_SELECTION = {**{m: 5e-3 for m in METHODS if m not in NO_LORA_SITES}, "finetune": 3e-4, "ewc": 3e-4}
 
+# The continual-learning baselines of pre-trained-model papers, beside the LoRA rows (their own section of
+# results.md, CL_BASELINES; docs/pilot.md, docs/rehearsal.md). Each is evaluated with the classifier its paper
+# uses, which is the run's primary head, so phase 1 selects the rate on that head's validation accuracy
+# (head.val_acc): the linear head for rehearsal (er, der, derpp), SLCA's aligned linear head (head.align, its
+# head default), cosine prototypes for SimpleCIL and APER (their head default), the methods' own classifiers
+# for EASE (reweighted subspace prototypes) and MOS (retrieval + prototype ensemble), RanPAC's ridge head.
+# head.compare (the four shared heads as shadows) needs a trained linear head on one shared backbone: it is on
+# for the rehearsal methods and SLCA, and refused by the others (statistics methods never train the linear
+# head; EASE's and MOS's inference models are not one backbone with a head), which run their own head alone.
+# Every row keeps the grid's protocol (Adam, 5 epochs, batch 64), not the papers' SGD schedules.
+# - rehearsal, SLCA: full fine-tuning, FULL_LRS (for SLCA optim.lr is the head's rate; the backbone trains at
+#   backbone_lr_scale 0.01 of it, the slow learner);
+# - APER, EASE, MOS: adapters on a frozen backbone, a 3-value grid around the library's default rate (optim.lr
+#   5e-3; the papers' SGD rates 0.01-0.03 do not carry over to Adam);
+# - SimpleCIL and RanPAC (no first-session adaptation) train nothing: no selection, one run per seed.
+ADAPTER_LRS = [2e-3, 5e-3, 1e-2]
+NO_TRAINING: list[float] = []  # an empty grid: the method trains nothing, so no rate is selected
+UNTRAINED = {"lr": None, "selected_on": "trains nothing"}  # its results-table entry
+UNUSED_LR = 5e-3  # the config needs a rate (the library default); nothing uses it
+METHODS.update({"er": ({"name": "er"}, FULL_LRS), "der": ({"name": "der"}, FULL_LRS),
+                "derpp": ({"name": "derpp"}, FULL_LRS), "slca": ({"name": "slca"}, FULL_LRS),
+                "aper": ({"name": "aper"}, ADAPTER_LRS), "ease": ({"name": "ease"}, ADAPTER_LRS),
+                "mos": ({"name": "mos"}, ADAPTER_LRS), "simplecil": ({"name": "simplecil"}, NO_TRAINING),
+                "ranpac": ({"name": "ranpac"}, NO_TRAINING)})
+CL_BASELINES = ["simplecil", "ranpac", "aper", "ease", "mos", "slca", "er", "der", "derpp"]
+# ranpac keeps the LoRA sites of every LoRA method: they are used only by its first-session adaptation
+# (first_session_adapt, off here), but a variant that turns it on must adapt the same sites as the others.
+NO_LORA_SITES |= set(CL_BASELINES) - {"ranpac"}
+OWN_HEAD_ONLY = {"head": {"compare": False}}
+# The replay buffer: memory.size in the method's words, method.buffer_size here; the library default, 200
+# examples (the DER paper's smallest buffer; 5.6% of split_mnist5k's 3,600 training images after the validation
+# hold-out), set explicitly.
+BUFFER = {"method": {"buffer_size": 200}}
+EXTRA_CONFIG.update({"er": BUFFER, "der": BUFFER, "derpp": BUFFER, "simplecil": OWN_HEAD_ONLY,
+                     "ranpac": OWN_HEAD_ONLY, "aper": OWN_HEAD_ONLY, "ease": OWN_HEAD_ONLY, "mos": OWN_HEAD_ONLY})
+# DER and DER++ train with ER's selected rate. Same network, optimizer, batch and buffer; their losses keep the
+# current batch's cross-entropy and change only the replay term (logit MSE, plus a label CE for DER++), so the
+# comparison isolates the replay term, as for the other variants. It saves their phase 1: 3+ runs each at
+# 2.4x (der) and 3.7x (derpp) sequential LoRA's step cost (benchmarks/cl_baselines_cost.md), which the CPU
+# budget cannot hold. The cost: Mammoth's best SGD rates on seq-CIFAR-10 are 3x lower for DER/DER++ (0.03)
+# than for ER (0.1), one step of this grid, so der/derpp may be off their best rate by that step.
+LR_FROM.update({"der": "er", "derpp": "er"})
+
 
 def make_config(bench: str, label: str, seed: int, lr: float, *, smoke: bool) -> dict:
     """The run config: benchmark scenario (with the validation hold-out), method, lr, seed."""
@@ -163,8 +210,11 @@ def make_config(bench: str, label: str, seed: int, lr: float, *, smoke: bool) ->
         scen.update(train_per_class=8, test_per_class=4)
         train = {"epochs": 1, "batch_size": 8, "max_steps_per_epoch": 2}
         model = {"name": "vit-tiny-fmnist", "pretrained": False, "config": {"num_hidden_layers": 2}}
-    train.update(EXTRA_CONFIG.get(label, {}).get("train", {}))
-    return {"seed": seed, "scenario": scen, "model": model, "method": method, "head": dict(HEAD),
+    extra = EXTRA_CONFIG.get(label, {})
+    train.update(extra.get("train", {}))
+    method.update(extra.get("method", {}))
+    head = {**HEAD, **extra.get("head", {})}
+    return {"seed": seed, "scenario": scen, "model": model, "method": method, "head": head,
             "optim": {"name": "adam", "lr": lr}, "train": train,
             "run": {"progress": False, "report": False, "threads": 1, "keep_checkpoints": 1}}
 
@@ -172,9 +222,12 @@ def make_config(bench: str, label: str, seed: int, lr: float, *, smoke: bool) ->
 def val_accuracy(out: Path, head: str = "linear") -> float:
     """Final class-incremental accuracy of the run's last checkpoint on the held-out validation data (of one
     head variant: runs made with head.compare record it in metrics.json for every variant)."""
-    heads = json.loads((out / "metrics.json").read_text()).get("heads") or {}
+    metrics = json.loads((out / "metrics.json").read_text())
+    heads, own = metrics.get("heads") or {}, metrics.get("head") or {}
     if heads.get(head, {}).get("val_acc") is not None:
         return heads[head]["val_acc"]
+    if own.get("variant") == head and own.get("val_acc") is not None:  # a run of its own head alone
+        return own["val_acc"]
     cached = out / "val.json"
     if cached.exists():
         return json.loads(cached.read_text())["val_acc"]
@@ -262,13 +315,14 @@ def run_benchmarks(benches: list[str], sel_benches: list[str], labels: list[str]
         local = b in sel_benches
         for m in parents + [m for m in labels if m in LR_FROM]:
             wanted = b in benches and m in labels
-            own = reused is None and local and m not in LR_FROM
+            own = reused is None and local and m not in LR_FROM and bool(lr_grid(b, m))
             fixed = None if own else _fixed_rate(selected, b, m, sel_benches[0], local)
             if fixed is not None:
                 selected.setdefault(b, {})[m] = fixed
             if (wanted or own) and (own or fixed is not None):
-                rec = run_sweep_of(out_root, b, m, seeds if wanted else [0], None if own else fixed["lr"], jobs=jobs,
-                                   smoke=smoke, where="main" if wanted else "select-only")
+                rate = None if own else (fixed["lr"] if fixed["lr"] is not None else UNUSED_LR)
+                rec = run_sweep_of(out_root, b, m, seeds if wanted else [0], rate, jobs=jobs, smoke=smoke,
+                                   where="main" if wanted else "select-only")
                 if own and rec is not None:
                     selected.setdefault(b, {})[m] = _choice(rec)
     return selected
@@ -276,7 +330,10 @@ def run_benchmarks(benches: list[str], sel_benches: list[str], labels: list[str]
 
 def _fixed_rate(selected: dict, bench: str, label: str, first: str, local: bool) -> dict | None:
     """The rate of a sweep without its own selection: the first benchmark's choice (``local`` False), else a
-    reused one or the parent's choice on ``bench``; None when there is none."""
+    reused one or the parent's choice on ``bench``; None when there is none. A method that trains nothing has no
+    rate (``lr`` None)."""
+    if not lr_grid(bench, label):
+        return dict(UNTRAINED)
     if not local:
         entry = selected.get(first, {}).get(label)
         return None if entry is None else {"lr": entry["lr"], "selected_on": first}
@@ -298,6 +355,11 @@ def reused_selection(out_root: Path, benches: list[str], labels: list[str]) -> d
         for m in labels:
             if m in stored.get(b, {}):
                 selected.setdefault(b, {})[m] = stored[b][m]
+            elif not lr_grid(b, m):
+                selected.setdefault(b, {})[m] = dict(UNTRAINED)
+            elif m not in LINEAR_HEAD_SELECTION:
+                raise ValueError(f"--reuse-selection: {sel_file} has no learning rate for {m} on {b}, and the "
+                                 f"linear-head grid never selected one for it; run without --reuse-selection")
             elif b in TEXT_BENCHMARKS:
                 raise ValueError(f"--reuse-selection: {sel_file} has no learning rate for {m} on {b}, and the stored "
                                  f"rates were chosen on the image benchmarks; run without --reuse-selection to "
@@ -358,7 +420,8 @@ def main(argv: list[str] | None = None) -> None:
     archive_path = a.archive if a.archive is not None else (None if a.smoke else HERE / "runs.json")
     archive = load_archive(archive_path)
     write_results(a.out, a.results, list(BENCHMARKS), list(METHODS), smoke=a.smoke, val_fn=val_accuracy,
-                  rank_on=next(iter(BENCHMARKS)), archive=archive)  # the default benchmark: what `clmerge run` runs
+                  rank_on=next(iter(BENCHMARKS)),  # the default benchmark: what `clmerge run` runs
+                  archive=archive, baselines=CL_BASELINES)
     write_figures(a.out, a.figures, archive)
     if archive_path is not None:
         write_archive(a.out, archive_path, archive)

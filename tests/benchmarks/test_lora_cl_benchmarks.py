@@ -180,3 +180,113 @@ def test_archive_keeps_runs_whose_directories_are_gone(tmp_path) -> None:
     assert again["bench"]["m"]["seed1"]["heads"]["linear"]["acc"] == 60.0
     assert again["bench"]["m"]["seed0"]["heads"]["linear"]["acc"] == 40.0
     assert rep.load_archive(tmp_path / "absent.json") == {}
+
+
+def _planted(acc: float, *, variant: str = "linear", til: float = 90.0, heads: bool = False) -> dict:
+    """A run's metrics.json with planted numbers: ``acc`` for the primary head (and every shared head)."""
+    one = {"acc": acc, "aaa": acc + 10, "til": {"acc": til, "aaa": til}, "val_acc": acc - 1}
+    run = {**one, "head": {"variant": variant}, "timings": {"total_s": 100.0}}
+    if heads:
+        run["heads"] = {h: dict(one) for h in ("linear", "linear+align", "ncm", "ranpac")}
+    return run
+
+
+def test_baselines_config_uses_each_papers_head_and_selects_on_it() -> None:
+    """The baselines run with their papers' heads (the primary head, which the sweep's selection scores),
+    the four shared heads where the method allows them, and the default 200-example buffer for rehearsal."""
+    import clmerge.methods  # noqa: F401  (registers the methods the config names)
+    from clmerge.config import parse_config
+
+    ev = _load("run_evidence")
+    got = {m: parse_config(ev.make_config("split_mnist5k", m, 0, 1e-3, smoke=False)) for m in ev.CL_BASELINES}
+    assert {m: (c.head.classifier, c.head.align, c.head.compare) for m, c in got.items()} == {
+        "simplecil": ("ncm", False, False), "ranpac": ("ranpac", False, False), "aper": ("ncm", False, False),
+        "ease": ("linear", False, False), "mos": ("linear", False, False), "slca": ("linear", True, True),
+        "er": ("linear", False, True), "der": ("linear", False, True), "derpp": ("linear", False, True)}
+    assert all(got[m].method_options().buffer_size == 200 for m in ("er", "der", "derpp"))
+    assert ev.lr_grid("split_mnist5k", "simplecil") == [] == ev.lr_grid("split_mnist5k", "ranpac")
+    assert ev.lr_grid("split_mnist5k", "er") == ev.FULL_LRS and len(ev.lr_grid("split_mnist5k", "ease")) == 3
+    assert ev.LR_FROM["der"] == ev.LR_FROM["derpp"] == "er"
+
+
+def test_untrained_baselines_take_no_rate_and_reuse_refuses_unselected_ones(tmp_path) -> None:
+    ev = _load("run_evidence")
+    assert ev._fixed_rate({}, "split_mnist5k", "simplecil", "split_mnist5k", True) == ev.UNTRAINED
+    assert ev._fixed_rate({"split_mnist5k": {"er": {"lr": 3e-4}}}, "split_mnist5k", "derpp", "split_mnist5k",
+                          True) == {"lr": 3e-4, "selected_on": "er's selection"}
+    got = ev.reused_selection(tmp_path, ["split_mnist5k"], ["simplecil"])
+    assert got == {"split_mnist5k": {"simplecil": ev.UNTRAINED}}
+    with pytest.raises(ValueError, match="no learning rate for ease on split_mnist5k"):
+        ev.reused_selection(tmp_path, ["split_mnist5k"], ["ease"])
+
+
+def test_baselines_section_reports_se_rates_and_claim_verdicts_on_planted_numbers(tmp_path) -> None:
+    rep = _load("evidence_report")
+    seeds = ("seed0", "seed1", "seed2")
+    plant = {"simplecil": ([50, 52, 54], "ncm", False), "aper": ([51, 52, 53], "ncm", False),
+             "ease": ([60, 61, 62], "linear", False), "l2p": ([20, 21, 22], "linear", True),
+             "er": ([30, 31, 29], "linear", True), "derpp": ([40, 42, 44], "linear", True),
+             "seq_lora": ([28, 29, 30], "linear", True), "sd_lora": ([29, 28, 27], "linear", True),
+             "pm": ([41, 43, 45], "linear", True), "frozen": ([32, 33, 34], "linear", True)}
+    archive = {"bench": {m: {s: _planted(a, variant=v, heads=h) for s, a in zip(seeds, accs)}
+                         for m, (accs, v, h) in plant.items()},
+               "other": {"simplecil": {"seed0": _planted(50.0, variant="ncm")}}}
+    (tmp_path / "selected.json").write_text(json.dumps({"bench": {
+        "er": {"lr": 3e-4, "val_acc": {"0.0001": 25.0, "0.0003": 30.5, "0.001": 28.25}},
+        "derpp": {"lr": 3e-4, "selected_on": "er's selection"},
+        "simplecil": {"lr": None, "selected_on": "trains nothing"}}}))
+    path = tmp_path / "results.md"
+    rep.write_results(tmp_path, path, ["bench", "other"], list(plant), archive=archive, val_fn=lambda r, h: None,
+                      rank_on="bench", baselines=["simplecil", "aper", "ease", "mos", "er", "derpp"])
+    text = path.read_text()
+    main, section = text.split("## Continual-learning baselines")
+    assert "| simplecil |" not in main and "simplecil + " not in main and "| seq_lora | linear |" in main
+    # mean ± standard error (sample std / sqrt(n)): 52 ± 2/sqrt(3); TIL and AAA too; the rate and its scores
+    assert "| simplecil | cosine prototypes | 52.00 ± 1.15 | 62.00 ± 1.15 | 90.00 ± 0.00 | 90.00 ± 0.00 | 3 | " \
+           "— (trains nothing) |  | 100 |" in section
+    assert "| er | linear | 30.00 ± 0.58 |" in section
+    assert "| 0.0003 | 0.0001: 25.00; 0.0003: 30.50; 0.001: 28.25 |" in section
+    assert "| derpp | linear | 42.00 ± 1.15 |" in section and "0.0003 (er's selection)" in section
+    assert "| frozen | ranpac | 33.00 ± 0.58 |" in section  # the reference row: the frozen backbone's RanPAC head
+    assert "| er | 30.00 ± 0.58 / 90.00 ± 0.00 |" in section  # the four shared heads, where recorded
+    bench, other = section.split("### other")
+    claims = bench[bench.index("Claims"):].splitlines()
+    pilot = next(line for line in claims if "PILOT" in line)
+    # mos is missing: the measured pairs all hold, so the claim is not resolved, partly measured
+    assert "not resolved; partly measured (missing: mos)" in pilot
+    assert "  - ease − simplecil: +9.00 ± 0.58 (+10.0, +9.0, +8.0; holds" in bench
+    assert "  - mos − aper: not measured" in bench
+    rehearsal = next(line for line in claims if "rehearsal" in line)
+    assert "does not hold" in rehearsal  # er − pm: -12 ± 0.58
+    assert "  - er − seq_lora: +1.00 ± 1.00 (+2.0, +2.0, -1.0; not resolved" in bench
+    seeds_claim = next(line for line in claims if "SD-LoRA / P&M" in line)
+    assert "does not hold" in seeds_claim
+    assert "**rehearsal with a small buffer (er, derpp) beats rehearsal-free LoRA (seq_lora, sd_lora, pm) on CIL**: " \
+           "not measured (missing: derpp, er, pm, sd_lora, seq_lora)." in other
+    assert "| simplecil | cosine prototypes | 50.00 | " in other  # one seed: the mean alone
+
+
+def test_validation_accuracy_of_a_run_of_its_own_head_alone_is_its_recorded_one(tmp_path) -> None:
+    """A baseline without head.compare (SimpleCIL's prototypes) records head.val_acc for its own head only: the
+    ranking reads it instead of rebuilding the run (which has no config here to rebuild from)."""
+    ev = _load("run_evidence")
+    (tmp_path / "metrics.json").write_text(json.dumps({"head": {"variant": "ncm", "val_acc": 42.5}}))
+    assert ev.val_accuracy(tmp_path, "ncm") == 42.5
+
+
+@pytest.mark.slow  # 6 short runs: 1-2 min on a loaded 2-core machine
+def test_evidence_smoke_runs_baselines_into_their_section(tmp_path) -> None:
+    """simplecil trains nothing (no selection, one run per seed); derpp takes er's selected rate (er runs its
+    selection alone); both land in the baselines' section, not in the per-head tables."""
+    ev = _load("run_evidence")
+    ev.main(["--smoke", "--methods", "simplecil,derpp", "--seeds", "0,1", "--benchmarks", "split_mnist5k",
+             "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "r.md"), "--figures", str(tmp_path / "f")])
+    main, section = (tmp_path / "r.md").read_text().split("## Continual-learning baselines")
+    assert "| simplecil |" not in main and "| derpp |" not in main
+    assert "| simplecil | cosine prototypes |" in section and "| 2 | — (trains nothing) |" in section
+    sel = json.loads((tmp_path / "runs" / "selected.json").read_text())["split_mnist5k"]
+    assert sel["derpp"] == {"lr": sel["er"]["lr"], "selected_on": "er's selection"}
+    assert "| derpp | linear |" in section and f"| {sel['er']['lr']:g} (er's selection) |" in section
+    assert not (tmp_path / "runs" / "main" / "split_mnist5k" / "simplecil" / "select").exists()
+    assert "- **rehearsal with a small buffer (er, derpp) beats rehearsal-free LoRA (seq_lora, sd_lora, pm) on " \
+           "CIL**: not measured (missing: er, pm, sd_lora, seq_lora)." in section

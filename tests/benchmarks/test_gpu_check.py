@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "merging"
+from bench_helpers import load_bench
 
 
 def _load():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("merging_gpu_check", BENCH / "gpu_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("merging", "gpu_check")
 
 
 def test_max_abs_diff_reads_every_floating_tensor():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -11,16 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "merging"
+from bench_helpers import load_bench
 
 
 def _load(name: str):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"merging_{name}", BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("merging", name)
 
 
 def _folder(path: Path, sd: dict[str, torch.Tensor]) -> Path:

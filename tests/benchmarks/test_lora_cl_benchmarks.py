@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from clmerge.data import build_dataset
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "lora_cl"
+from bench_helpers import load_bench
 
 
 def _load(name: str):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"lora_cl_{name}", BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("lora_cl", name)
 
 
 def _has_fmnist() -> bool:

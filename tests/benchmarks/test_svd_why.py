@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "merging"
+from bench_helpers import load_bench
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("merging_svd_why", BENCH / "svd_why.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("merging", "svd_why")
 
 
 def test_rank_one_updates_in_one_subspace_and_in_orthogonal_ones():

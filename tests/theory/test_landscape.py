@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,16 +11,11 @@ import pytest
 from clmerge.engine.evaluate import evaluate_tasks
 from clmerge.engine.run import run_experiment
 from clmerge.report.plots import PNG_SIGNATURE
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "lora_cl"
+from bench_helpers import load_bench
 
 
 def _load():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("lora_cl_landscape", BENCH / "landscape.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("lora_cl", "landscape")
 
 
 def _finite(values) -> bool:

@@ -399,19 +399,17 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
         bufs = Buffers()  # full-size buffers (the base in the work dtype, magnitudes), reused key to key
 
         def merged(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:  # noqa: F811
+            # the model-wide thresholds were found in glob's dtype: compare in it (a key_spec's thresholds are
+            # in the work dtype of the key's tensors, as the per-tensor ones)
+            dt = work_dtype(b.dtype, *(x.dtype for x in xs), *(() if glob is None else (glob.dtype,)))
+            fb = bufs.get("base", b.numel(), dt, b).copy_(b.reshape(-1))
             cut = None
             if key_spec is not None:
                 thr, quotas, cut = key_spec(key, b, xs)
-                dt = work_dtype(thr.dtype, b.dtype, *(x.dtype for x in xs))
-                fb = bufs.get("base", b.numel(), dt, b).copy_(b.reshape(-1))
+            elif glob is None:
+                thr, quotas = per_tensor_trim_spec(b, xs, density, trim_rule, bufs, fb)
             else:
-                # the model-wide thresholds were found in glob's dtype: compare in it
-                dt = work_dtype(b.dtype, *(x.dtype for x in xs), *(() if glob is None else (glob.dtype,)))
-                fb = bufs.get("base", b.numel(), dt, b).copy_(b.reshape(-1))
-                if glob is None:
-                    thr, quotas = per_tensor_trim_spec(b, xs, density, trim_rule, bufs, fb)
-                else:
-                    thr, quotas = like_device(glob, b), (all_ties if gq is None else gq[key])
+                thr, quotas = like_device(glob, b), (all_ties if gq is None else gq[key])
             if dt not in works:
                 # a GPU gains nothing from cache-sized slices: 16M-entry ones keep its launches few
                 works[dt] = Work(models.num_experts, _CPU_CHUNK if b.device.type == "cpu" else _DEVICE_CHUNK, dt)

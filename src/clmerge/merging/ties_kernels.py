@@ -53,6 +53,31 @@ def sum_rows(x: Tensor, out: Tensor) -> Tensor:
     return out
 
 
+def _compare_spec(thr: Tensor, quotas: list[int], dtype: torch.dtype) -> tuple[Tensor, Tensor, list[int]]:
+    """Per expert: the threshold in ``dtype``, the value to compare with (``>= v`` keeps all ties when the quota
+    is :data:`TIE_ALL`; ``>=`` the next float above ``v``, i.e. ``> v``, when ties are rationed) and the ties
+    still to keep."""
+    thr_w = thr.to(dtype)
+    up = torch.nextafter(thr_w, thr_w.new_tensor(math.inf))
+    thr_c = torch.where(torch.tensor([q == TIE_ALL for q in quotas]), thr_w, up)
+    return thr_w, thr_c, [q if q != TIE_ALL else 0 for q in quotas]
+
+
+def _keep(mag: Tensor, thr_c: Tensor, thr: Tensor, rem: int, out: Tensor) -> int:
+    """``out`` (0/1 in place) = ``mag >= thr_c``, plus the first ``rem`` entries equal to ``thr`` while a quota
+    of ties runs; returns the quota left for the next slices. The slices before the quota runs out keep all their
+    ties (``>= thr``); the ties are the mask's growth (sums of 0/1 entries, exact up to 2^24 entries a slice)."""
+    torch.ge(mag, thr_c, out=out)
+    if rem <= 0:
+        return 0
+    above = float(out.sum())
+    ties = int(float(torch.ge(mag, thr, out=out).sum()) - above)
+    if ties > rem:  # the slice where it runs out: "> v" plus the first ``rem`` ties
+        torch.ge(mag, thr_c, out=out)
+        out.copy_(add_ties(out.bool(), mag, thr, rem))
+    return max(0, rem - ties)
+
+
 def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int], scaling: float,
                       merge_fn: str, w: Work, fb: Tensor | None = None,
                       cut: tuple[Tensor, list[int]] | None = None) -> tuple[Tensor, float, tuple[Tensor, ...] | None]:
@@ -71,16 +96,9 @@ def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int
     # base in the work dtype: bf16 - bf16 into a float32 buffer would round the difference to bf16 first
     fb = b.reshape(-1).to(w.dtype) if fb is None else fb
     fo, fx = out.view(-1), [x.reshape(-1) for x in xs]
-    thr32 = thr.to(w.dtype)
-    # ">= v" keeps all ties; ">= next float above v" is "> v" (ties added below, up to the quota)
-    up = torch.nextafter(thr32, thr32.new_tensor(math.inf))
-    thr_c = torch.where(torch.tensor([q == TIE_ALL for q in quotas]), thr32, up)
-    remaining = [q if q != TIE_ALL else 0 for q in quotas]
+    thr32, thr_c, remaining = _compare_spec(thr, quotas, w.dtype)
     if cut is not None:
-        cut_thr = cut[0].to(w.dtype)
-        cut_c = torch.where(torch.tensor([q == TIE_ALL for q in cut[1]]), cut_thr,
-                            torch.nextafter(cut_thr, cut_thr.new_tensor(math.inf)))
-        cut_rem = [q if q != TIE_ALL else 0 for q in cut[1]]
+        cut_thr, cut_c, cut_rem = _compare_spec(*cut, w.dtype)
     sign_sum, fixes, chunk = 0.0, [], w.tv.shape[1]
     for i in range(0, fb.numel(), chunk):
         n = min(chunk, fb.numel() - i)
@@ -91,24 +109,11 @@ def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int
             torch.sub(x[i:i + n], fb[i:i + n], out=tv[t])
         torch.abs(tv, out=tmp)
         for t in range(len(fx)):
-            torch.ge(tmp[t], thr_c[t], out=mask[t])
-        for t, rem in enumerate(remaining):
-            if rem > 0:  # a key (per expert) where the quota of threshold-equal entries runs out
-                # the slices before the quota runs out keep all their ties: ">= v"; the ties are the mask's
-                # growth (sums of 0/1 entries, exact up to 2^24 entries a slice)
-                above = float(mask[t].sum())
-                ties = int(float(torch.ge(tmp[t], thr32[t], out=mask[t]).sum()) - above)
-                if ties > rem:  # the slice where it runs out: "> v" plus the first ``rem`` ties
-                    torch.ge(tmp[t], thr_c[t], out=mask[t])
-                    mask[t].copy_(add_ties(mask[t].bool(), tmp[t], thr32[t], rem))
-                remaining[t] = max(0, rem - ties)
+            remaining[t] = _keep(tmp[t], thr_c[t], thr32[t], remaining[t], mask[t])
         if cut is not None:  # the cut's kept set, in ``pick`` (free until the election), taken off the mask
             for t in range(len(fx)):
-                drop = torch.ge(tmp[t], cut_c[t], out=pick)
-                if cut_rem[t] > 0:
-                    rem, cut_rem[t] = cut_rem[t], max(0, cut_rem[t] - int(torch.count_nonzero(tmp[t] == cut_thr[t])))
-                    drop.copy_(add_ties(drop.bool(), tmp[t], cut_thr[t], rem))
-                mask[t].sub_(drop)
+                cut_rem[t] = _keep(tmp[t], cut_c[t], cut_thr[t], cut_rem[t], pick)
+                mask[t].sub_(pick)
         tv.mul_(mask)  # trimmed (a product with 1 or 0, as with a bool mask)
         torch.sign(sum_rows(tv, total), out=sign)
         sign_sum += float(sign.sum())

@@ -80,33 +80,27 @@ def run_cells(data: Path, device, work: Path) -> list[dict]:
 
     base, variants = model_dirs(data)
     rows = []
-    for name, method, sets in MERGES:
-        recipe = build_recipe(None, method, str(base), [str(v) for v in variants], sets, {})
-        outs = {d: work / f"{method}_{d}" for d in ("cpu", "dev")}
+
+    def cell(label: str, run, read) -> None:
+        """``run(out, device)`` on the CPU (device None) and on ``device``, timed; outputs compared by ``read``."""
+        outs = {d: work / f"{label.split()[0]}_{label.split()[-1]}_{d}" for d in ("cpu", "dev")}
         for p in outs.values():
             shutil.rmtree(p, ignore_errors=True)
-        _, cpu_s = _timed(lambda: run_merge(recipe, outs["cpu"], hash_inputs=False))
-        dev = Device(device.torch, forced=device.forced)
-        info, dev_s = _timed(lambda: run_merge(recipe, outs["dev"], hash_inputs=False, device=dev))
-        diff = max_abs_diff(_state(outs["cpu"]), _state(outs["dev"]))
-        rows.append({"cell": f"merge {name}", "cpu_s": cpu_s, "dev_s": dev_s,
-                     "peak": info["device"]["peak_device_memory_bytes"], "max_abs_diff": diff})
+        _, cpu_s = _timed(lambda: run(outs["cpu"], None))
+        info, dev_s = _timed(lambda: run(outs["dev"], Device(device.torch, forced=device.forced)))
+        rows.append({"cell": label, "cpu_s": cpu_s, "dev_s": dev_s, "peak": info["device"]["peak_device_memory_bytes"],
+                     "max_abs_diff": max_abs_diff(read(outs["cpu"]), read(outs["dev"]))})
         for p in outs.values():
             shutil.rmtree(p, ignore_errors=True)
         print(rows[-1], flush=True)
-    outs = {d: work / f"extract_{d}" for d in ("cpu", "dev")}
-    for p in outs.values():
-        shutil.rmtree(p, ignore_errors=True)
-    _, cpu_s = _timed(lambda: extract_lora(base=base, tuned=variants[0], rank=EXTRACT_RANK, out=outs["cpu"]))
-    dev = Device(device.torch, forced=device.forced)
-    res, dev_s = _timed(lambda: extract_lora(base=base, tuned=variants[0], rank=EXTRACT_RANK, out=outs["dev"],
-                                             device=dev))
-    diff = max_abs_diff(_lora_products(outs["cpu"]), _lora_products(outs["dev"]))
-    rows.append({"cell": f"extract-lora rank {EXTRACT_RANK}", "cpu_s": cpu_s, "dev_s": dev_s,
-                 "peak": res["device"]["peak_device_memory_bytes"], "max_abs_diff": diff})
-    for p in outs.values():
-        shutil.rmtree(p, ignore_errors=True)
-    print(rows[-1], flush=True)
+
+    for name, method, sets in MERGES:
+        recipe = build_recipe(None, method, str(base), [str(v) for v in variants], sets, {})
+        cell(f"merge {name}", lambda out, dev, r=recipe: run_merge(r, out, hash_inputs=False,
+                                                                  **({} if dev is None else {"device": dev})), _state)
+    cell(f"extract-lora rank {EXTRACT_RANK}",
+         lambda out, dev: extract_lora(base=base, tuned=variants[0], rank=EXTRACT_RANK, out=out,
+                                       **({} if dev is None else {"device": dev})), _lora_products)
     return rows
 
 

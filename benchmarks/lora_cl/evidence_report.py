@@ -60,10 +60,15 @@ def collect(out_root: Path, archive: dict | None = None) -> dict[str, dict[str, 
             for b, ms in sorted(_runs(out_root, archive).items())}
 
 
+def _metrics_by_seed(out_root: Path, archive: dict | None = None) -> dict[str, dict[str, dict[str, dict]]]:
+    """``{benchmark: {method: {"seed<s>": metrics}}}`` (``_runs`` without the run directories), in seed order."""
+    return {b: {m: {k: seeds[k][0] for k in sorted(seeds, key=_seed_key)} for m, seeds in sorted(ms.items())}
+            for b, ms in sorted(_runs(out_root, archive).items())}
+
+
 def write_archive(out_root: Path, path: Path, archive: dict | None = None) -> None:
     """Write the merged archive (``load_archive``'s format) atomically to ``path``."""
-    merged = {b: {m: {k: seeds[k][0] for k in sorted(seeds, key=_seed_key)} for m, seeds in sorted(ms.items())}
-              for b, ms in sorted(_runs(out_root, archive).items())}
+    merged = _metrics_by_seed(out_root, archive)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(merged, separators=(",", ":"), sort_keys=True))
     tmp.replace(path)
@@ -171,9 +176,7 @@ def write_results(out_root: Path, path: Path, bench_order: list[str], method_ord
             lines.append(f"| {i} | {label} | {mean:.2f} ± {std:.2f} | {n} |")
         lines.append("")
     if baselines:
-        found = {b: {m: {k: v[0] for k, v in seeds.items()} for m, seeds in ms.items()}
-                 for b, ms in _runs(out_root, archive).items()}
-        lines += baselines_section(found, selected, baselines, bench_order)
+        lines += baselines_section(_metrics_by_seed(out_root, archive), selected, baselines, bench_order)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
 

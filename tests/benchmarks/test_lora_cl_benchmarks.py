@@ -223,6 +223,7 @@ def test_baselines_section_reports_se_rates_and_claim_verdicts_on_planted_number
     archive = {"bench": {m: {s: _planted(a, variant=v, heads=h) for s, a in zip(seeds, accs)}
                          for m, (accs, v, h) in plant.items()},
                "other": {"simplecil": {"seed0": _planted(50.0, variant="ncm")}}}
+    archive["bench"]["er"]["seed0"]["timings"] = {"total_s": 5650.0}  # one seed ran under heavy load
     (tmp_path / "selected.json").write_text(json.dumps({"bench": {
         "er": {"lr": 3e-4, "val_acc": {"0.0001": 25.0, "0.0003": 30.5, "0.001": 28.25}},
         "derpp": {"lr": 3e-4, "selected_on": "er's selection"},
@@ -237,6 +238,7 @@ def test_baselines_section_reports_se_rates_and_claim_verdicts_on_planted_number
     assert "| simplecil | cosine prototypes | 52.00 ± 1.15 | 62.00 ± 1.15 | 90.00 ± 0.00 | 90.00 ± 0.00 | 3 | " \
            "— (trains nothing) |  | 100 |" in section
     assert "| er | linear | 30.00 ± 0.58 |" in section
+    assert [ln for ln in section.splitlines() if ln.startswith("| er | linear")][0].endswith("| 100 |")  # fastest seed
     assert "| 0.0003 | 0.0001: 25.00; 0.0003: 30.50; 0.001: 28.25 |" in section
     assert "| derpp | linear | 42.00 ± 1.15 |" in section and "0.0003 (er's selection)" in section
     assert "| frozen | ranpac | 33.00 ± 0.58 |" in section  # the reference row: the frozen backbone's RanPAC head

@@ -353,7 +353,6 @@ def baselines_section(found: dict, selected: dict, labels: list[str], bench_orde
              "frozen backbone's RanPAC head). Mean ± standard error over seeds (sample standard deviation / √n).",
              "`validation (rate: CIL)`: the selecting head's validation accuracy of every rate phase 1 tried.",
              "`run s`: the fastest seed's wall time (`timings.total_s`; the others shared the machine with more runs).",
-             "der and derpp take er's rate;",
              "simplecil and ranpac train nothing. The rehearsal buffer holds 200 examples (`method.buffer_size`,",
              "the default).", ""]
     for bench in benches:

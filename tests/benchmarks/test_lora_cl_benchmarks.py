@@ -198,14 +198,15 @@ def test_baselines_config_uses_each_papers_head_and_selects_on_it() -> None:
     assert all(got[m].method_options().buffer_size == 200 for m in ("er", "der", "derpp"))
     assert ev.lr_grid("split_mnist5k", "simplecil") == [] == ev.lr_grid("split_mnist5k", "ranpac")
     assert ev.lr_grid("split_mnist5k", "er") == ev.FULL_LRS and len(ev.lr_grid("split_mnist5k", "ease")) == 3
-    assert ev.LR_FROM["der"] == ev.LR_FROM["derpp"] == "er"
+    assert "der" not in ev.LR_FROM and "derpp" not in ev.LR_FROM  # each selects its own rate, as er does
+    assert ev.lr_grid("split_mnist5k", "der") == ev.lr_grid("split_mnist5k", "derpp") == ev.FULL_LRS
 
 
 def test_untrained_baselines_take_no_rate_and_reuse_refuses_unselected_ones(tmp_path) -> None:
     ev = _load("run_evidence")
     assert ev._fixed_rate({}, "split_mnist5k", "simplecil", "split_mnist5k", True) == ev.UNTRAINED
-    assert ev._fixed_rate({"split_mnist5k": {"er": {"lr": 3e-4}}}, "split_mnist5k", "derpp", "split_mnist5k",
-                          True) == {"lr": 3e-4, "selected_on": "er's selection"}
+    assert ev._fixed_rate({"split_mnist5k": {"sd_lora": {"lr": 3e-4}}}, "split_mnist5k", "sd_lora_kd",
+                          "split_mnist5k", True) == {"lr": 3e-4, "selected_on": "sd_lora's selection"}
     got = ev.reused_selection(tmp_path, ["split_mnist5k"], ["simplecil"])
     assert got == {"split_mnist5k": {"simplecil": ev.UNTRAINED}}
     with pytest.raises(ValueError, match="no learning rate for ease on split_mnist5k"):
@@ -270,8 +271,8 @@ def test_validation_accuracy_of_a_run_of_its_own_head_alone_is_its_recorded_one(
 
 @pytest.mark.slow  # 6 short runs: 1-2 min on a loaded 2-core machine
 def test_evidence_smoke_runs_baselines_into_their_section(tmp_path) -> None:
-    """simplecil trains nothing (no selection, one run per seed); derpp takes er's selected rate (er runs its
-    selection alone); both land in the baselines' section, not in the per-head tables."""
+    """simplecil trains nothing (no selection, one run per seed); derpp selects its own rate on validation (its
+    phase 1 under select/); both land in the baselines' section, not in the per-head tables."""
     ev = _load("run_evidence")
     ev.main(["--smoke", "--methods", "simplecil,derpp", "--seeds", "0,1", "--benchmarks", "split_mnist5k",
              "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "r.md"), "--figures", str(tmp_path / "f")])
@@ -279,8 +280,10 @@ def test_evidence_smoke_runs_baselines_into_their_section(tmp_path) -> None:
     assert "| simplecil |" not in main and "| derpp |" not in main
     assert "| simplecil | cosine prototypes |" in section and "| 2 | — (trains nothing) |" in section
     sel = json.loads((tmp_path / "runs" / "selected.json").read_text())["split_mnist5k"]
-    assert sel["derpp"] == {"lr": sel["er"]["lr"], "selected_on": "er's selection"}
-    assert "| derpp | linear |" in section and f"| {sel['er']['lr']:g} (er's selection) |" in section
+    assert sel["derpp"]["lr"] == ev.FULL_LRS[0] and list(sel["derpp"]["val_acc"]) == [f"{ev.FULL_LRS[0]:g}"]
+    assert "er" not in sel and not (tmp_path / "runs" / "select-only").exists()
+    assert "| derpp | linear |" in section and f"| {ev.FULL_LRS[0]:g} | {ev.FULL_LRS[0]:g}: " in section
+    assert (tmp_path / "runs" / "main" / "split_mnist5k" / "derpp" / "select").is_dir()
     assert not (tmp_path / "runs" / "main" / "split_mnist5k" / "simplecil" / "select").exists()
     assert "- **rehearsal with a small buffer (er, derpp) beats rehearsal-free LoRA (seq_lora, sd_lora, pm) on " \
            "CIL**: not measured (missing: er, pm, sd_lora, seq_lora)." in section

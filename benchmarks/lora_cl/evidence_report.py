@@ -53,17 +53,20 @@ def _seed_key(name: str) -> tuple[int, str]:
     return (int(digits), name) if digits.isdigit() else (1 << 30, name)
 
 
-def collect(out_root: Path, archive: dict | None = None) -> dict[str, dict[str, list[dict]]]:
-    """``{benchmark: {method label: [metrics of each finished seed, in seed order]}}`` from the archive and
-    ``out_root/main``."""
-    return {b: {m: [seeds[k][0] for k in sorted(seeds, key=_seed_key)] for m, seeds in sorted(ms.items())}
-            for b, ms in sorted(_runs(out_root, archive).items())}
-
-
 def _metrics_by_seed(out_root: Path, archive: dict | None = None) -> dict[str, dict[str, dict[str, dict]]]:
     """``{benchmark: {method: {"seed<s>": metrics}}}`` (``_runs`` without the run directories), in seed order."""
     return {b: {m: {k: seeds[k][0] for k in sorted(seeds, key=_seed_key)} for m, seeds in sorted(ms.items())}
             for b, ms in sorted(_runs(out_root, archive).items())}
+
+
+def _as_lists(by_seed: dict) -> dict[str, dict[str, list[dict]]]:
+    return {b: {m: list(seeds.values()) for m, seeds in ms.items()} for b, ms in by_seed.items()}
+
+
+def collect(out_root: Path, archive: dict | None = None) -> dict[str, dict[str, list[dict]]]:
+    """``{benchmark: {method label: [metrics of each finished seed, in seed order]}}`` from the archive and
+    ``out_root/main``."""
+    return _as_lists(_metrics_by_seed(out_root, archive))
 
 
 def write_archive(out_root: Path, path: Path, archive: dict | None = None) -> None:
@@ -137,7 +140,8 @@ def write_results(out_root: Path, path: Path, bench_order: list[str], method_ord
     of rows in the per-head tables and the validation ranking."""
     baselines = list(baselines or [])
     method_order = [m for m in method_order if m not in baselines]
-    data = collect(out_root, archive)
+    by_seed = _metrics_by_seed(out_root, archive)  # every metrics.json read once, for both parts
+    data = _as_lists(by_seed)
     sel_file = out_root / "selected.json"
     selected = json.loads(sel_file.read_text()) if sel_file.exists() else {}
     lines = ["# LoRA continual learning: evidence grid (four heads, LoRA on key and value)", "",
@@ -176,7 +180,7 @@ def write_results(out_root: Path, path: Path, bench_order: list[str], method_ord
             lines.append(f"| {i} | {label} | {mean:.2f} ± {std:.2f} | {n} |")
         lines.append("")
     if baselines:
-        lines += baselines_section(_metrics_by_seed(out_root, archive), selected, baselines, bench_order)
+        lines += baselines_section(by_seed, selected, baselines, bench_order)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
 
@@ -286,10 +290,10 @@ def _baseline_row(label: str, head: str | None, runs: dict[str, dict], sel: dict
         return None
     name = OWN_HEAD.get(label, head or primary_head(next(iter(runs.values()))))
     til = [r.get("til") or {} for r in hm]
-    walls = [((r.get("timings") or {}).get("total_s")) for r in runs.values()]
+    walls = [w for r in runs.values() if (w := (r.get("timings") or {}).get("total_s")) is not None]
     # the fastest seed: the runs share a loaded 2-core machine, and a mean would report the load (one ER seed
     # took 5,650 s beside others' 171 s for the same work)
-    wall = f"{min(w for w in walls if w is not None):.0f}" if any(w is not None for w in walls) else "—"
+    wall = f"{min(walls):.0f}" if walls else "—"
     rate, vals = _rate_text(sel)
     cells = [mean_se_text([r["acc"] for r in hm]), mean_se_text([r["aaa"] for r in hm]),
              mean_se_text([t.get("acc") for t in til]), mean_se_text([t.get("aaa") for t in til])]

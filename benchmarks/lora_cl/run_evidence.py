@@ -183,10 +183,8 @@ OWN_HEAD_ONLY = {"head": {"compare": False}}
 BUFFER = {"method": {"buffer_size": 200}}
 EXTRA_CONFIG.update({"er": BUFFER, "der": BUFFER, "derpp": BUFFER, "simplecil": OWN_HEAD_ONLY,
                      "ranpac": OWN_HEAD_ONLY, "aper": OWN_HEAD_ONLY, "ease": OWN_HEAD_ONLY, "mos": OWN_HEAD_ONLY})
-# DER and DER++ select their own rates on FULL_LRS, like ER. (Until 2026-11-26 they took ER's, to save a phase 1
-# estimated from their step cost; measured, one run takes about 2.5 min on a free core, so it fits. With ER's rate,
-# 1e-4, they reached 40.8 and 64.8 CIL on split_mnist5k against ER's 69.9, while Mammoth ranks both above ER and
-# finds their best SGD rates 3x lower than ER's: the shared rate could not be told apart from the method.)
+# DER and DER++ select their own rates on FULL_LRS, like ER (not ER's: with it, DER++ reached 64.8 CIL on
+# split_mnist5k against 70.0 at its own choice; CHANGELOG.md).
 
 
 def make_config(bench: str, label: str, seed: int, lr: float, *, smoke: bool) -> dict:

@@ -356,7 +356,8 @@ def baselines_section(found: dict, selected: dict, labels: list[str], bench_orde
              "validation CIL accuracy, `head.val_acc`), beside the rows it is compared with (their own heads; the",
              "frozen backbone's RanPAC head). Mean ± standard error over seeds (sample standard deviation / √n).",
              "`validation (rate: CIL)`: the selecting head's validation accuracy of every rate phase 1 tried.",
-             "`run s`: the fastest seed's wall time (`timings.total_s`; the others shared the machine with more runs).",
+             "`run s`: the fastest seed's training time (`timings.total_s`: training and head statistics, summed over "
+             "tasks, without the evaluations; the others shared the machine with more runs).",
              "simplecil and ranpac train nothing. The rehearsal buffer holds 200 examples (`method.buffer_size`,",
              "the default).", ""]
     for bench in benches:

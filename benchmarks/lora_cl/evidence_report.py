@@ -290,14 +290,14 @@ def _baseline_row(label: str, head: str | None, runs: dict[str, dict], sel: dict
         return None
     name = OWN_HEAD.get(label, head or primary_head(next(iter(runs.values()))))
     til = [r.get("til") or {} for r in hm]
-    walls = [w for r in runs.values() if (w := (r.get("timings") or {}).get("total_s")) is not None]
+    train_s = [t for r in runs.values() if (t := (r.get("timings") or {}).get("total_s")) is not None]
     # the fastest seed: the runs share a loaded 2-core machine, and a mean would report the load (one ER seed
     # took 5,650 s beside others' 171 s for the same work)
-    wall = f"{min(walls):.0f}" if walls else "—"
+    fastest = f"{min(train_s):.0f}" if train_s else "—"
     rate, vals = _rate_text(sel)
     cells = [mean_se_text([r["acc"] for r in hm]), mean_se_text([r["aaa"] for r in hm]),
              mean_se_text([t.get("acc") for t in til]), mean_se_text([t.get("aaa") for t in til])]
-    return f"| {label} | {name} | {' | '.join(cells)} | {len(hm)} | {rate} | {vals} | {wall} |"
+    return f"| {label} | {name} | {' | '.join(cells)} | {len(hm)} | {rate} | {vals} | {fastest} |"
 
 
 def paired_difference(runs: dict, a: tuple[str, str | None], b: tuple[str, str | None]) -> dict | None:

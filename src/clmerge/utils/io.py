@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save
 
-from ..errors import InputError, clip
+from . import inpaths
 
 __all__ = [
     "atomic_write_bytes",
@@ -68,16 +68,11 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
-def read_json(path: str | Path) -> Any:
-    """The JSON in ``path``; a file that is not UTF-8 JSON (or nests too deeply to read) is an
-    :class:`~clmerge.errors.InputError` (a ``ValueError``) naming the file."""
-    path = Path(path)
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: not valid JSON ({clip(exc, 160)})") from None
-    except RecursionError:
-        raise InputError(f"{path}: not valid JSON (nested too deeply)") from None
+def read_json(path: str | Path, *, within: str | Path | None = None) -> Any:
+    """The JSON in ``path``, read through the input boundary (:func:`clmerge.utils.inpaths.read_json`: a regular
+    file of at most the JSON cap, inside ``within`` when given); a file that is not UTF-8 JSON (or nests too
+    deeply to read, or holds ``NaN``/``Infinity``) is an :class:`~clmerge.errors.InputError` naming the file."""
+    return inpaths.read_json(path, within=within)
 
 
 def append_jsonl(path: str | Path, record: dict) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from ..errors import InputError, clip
+from .inpaths import InputTooLarge, read_bytes
 
 __all__ = ["MAX_YAML_BYTES", "MAX_YAML_NODES", "MAX_YAML_DEPTH", "YamlError", "YamlLimitError", "load_yaml",
            "read_yaml"]
@@ -35,17 +36,21 @@ class YamlLimitError(YamlError):
     """A YAML document over the size, node-count or depth limit, or with a recursive alias."""
 
 
-def read_yaml(path: str | Path, *, max_bytes: int = MAX_YAML_BYTES, **limits: int) -> Any:
-    """The YAML document in ``path`` (at most ``max_bytes`` bytes of UTF-8), read by :func:`load_yaml`.
+def read_yaml(path: str | Path, *, max_bytes: int = MAX_YAML_BYTES, within: str | Path | None = None,
+              **limits: int) -> Any:
+    """The YAML document in ``path`` (at most ``max_bytes`` bytes of UTF-8), read through the input boundary
+    (:func:`clmerge.utils.inpaths.read_bytes`: a regular file, inside ``within`` when given) and parsed by
+    :func:`load_yaml`.
 
     Raises:
         YamlError: too large, not UTF-8, not YAML or over a limit (the message names ``path``).
-        OSError: the file cannot be opened (the caller names what was expected).
+        InputError: not a regular file, a symlink loop, or outside ``within``.
+        FileNotFoundError: no such file (an :class:`~clmerge.utils.inpaths.InputMissing`).
     """
-    with open(path, "rb") as fh:
-        data = fh.read(max_bytes + 1)  # never more: a device or a huge file is not read to its end
-    if len(data) > max_bytes:
-        raise YamlLimitError(f"{path}: larger than {max_bytes:,} bytes; not a clmerge YAML file")
+    try:
+        data = read_bytes(path, within=within, kind="yaml", max_bytes=max_bytes)
+    except InputTooLarge:
+        raise YamlLimitError(f"{path}: larger than {max_bytes:,} bytes; not a clmerge YAML file") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

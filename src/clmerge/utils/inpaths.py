@@ -115,21 +115,26 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _open_fd(path: Path, what: str) -> int:
+def _say(what: str | None, path: Path, problem: str) -> str:
+    """``what: path problem``, without naming the path twice when ``what`` is the path."""
+    return f"{path}: {problem}" if what in (None, str(path)) else f"{what}: {path} {problem}"
+
+
+def _open_fd(path: Path, what: str | None) -> int:
     try:
         # O_NONBLOCK: opening a FIFO for reading must not wait for a writer; it is refused after fstat
         return os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise InputMissing(f"{what}: no such file: {path}") from None
+        raise InputMissing(_say(what, path, "no such file")) from None
     except IsADirectoryError:
-        raise InputError(f"{what}: {path} is a folder, not a file") from None
+        raise InputError(_say(what, path, "is a folder, not a file")) from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise InputError(f"{what}: {path} is a symlink loop") from None
+            raise InputError(_say(what, path, "is a symlink loop")) from None
         if exc.errno == errno.ENOTDIR:
-            raise InputMissing(f"{what}: no such file: {path} (a part of the path is a file)") from None
+            raise InputMissing(_say(what, path, "no such file (a part of the path is a file)")) from None
         if exc.errno in (errno.EACCES, errno.EPERM):
-            raise InputError(f"{what}: cannot read {path} (permission denied)") from None
+            raise InputError(_say(what, path, "cannot be read (permission denied)")) from None
         raise
 
 
@@ -152,19 +157,18 @@ def _checked_fd(path: str | Path, *, within: str | Path | None, what: str | None
     """Open ``path``, then check the opened file: regular, inside ``within``, at most the cap. Yields
     ``(fd, cap)``; the descriptor is closed on exit."""
     path = Path(path)
-    what = what or str(path)
     cap = LIMITS[kind] if max_bytes is None else max_bytes
     fd = _open_fd(path, what)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise InputError(f"{what}: {path} is {_kind(st.st_mode)}, not a file")
+            raise InputError(_say(what, path, f"is {_kind(st.st_mode)}, not a file"))
         if within is not None:
             entry = path.relative_to(within) if path.is_relative_to(within) else path
-            _contained(_fd_real(fd, path), Path(within), entry, what)
+            _contained(_fd_real(fd, path), Path(within), entry, what or str(path))
         if st.st_size > cap:
-            raise InputTooLarge(f"{what}: {path} is {st.st_size:,} bytes, over the {cap:,}-byte limit for a "
-                                f"{kind} file; not a file clmerge writes or reads")
+            raise InputTooLarge(_say(what, path, f"is {st.st_size:,} bytes, over the {cap:,}-byte limit for a "
+                                                 f"{kind} file (docs/cli_errors.md)"))
         os.set_blocking(fd, True)
         yield fd, cap
     finally:
@@ -197,8 +201,7 @@ def read_bytes(path: str | Path, *, within: str | Path | None = None, what: str 
             chunks.append(block)
             total += len(block)
             if total > cap:  # grew, or lied about its size (a /proc file, a file being appended to)
-                raise InputTooLarge(f"{what or path}: {path} holds more than the {cap:,}-byte limit for a {kind} "
-                                    "file")
+                raise InputTooLarge(_say(what, path, f"holds more than the {cap:,}-byte limit for a {kind} file"))
         return b"".join(chunks)
 
 

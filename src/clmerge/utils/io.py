@@ -7,9 +7,11 @@ never a torn one.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save
 
+from ..errors import OutputError
 from . import inpaths
 
 __all__ = [
@@ -29,6 +32,7 @@ __all__ = [
     "sha256_file",
     "sha256_bytes",
     "append_jsonl",
+    "append_text",
 ]
 
 
@@ -80,9 +84,25 @@ def append_jsonl(path: str | Path, record: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps(record, default=_json_default) + "\n"
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(line)
-        fh.flush()
+    append_text(path, line)
+
+
+def append_text(path: str | Path, text: str) -> None:
+    """Append ``text`` with one ``write``; a symlink at ``path`` is refused (nothing is written through a link
+    into another place), as is anything but a regular file."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OutputError(f"{path}: is a symlink; clmerge does not append through links") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OutputError(f"{path}: is not a regular file; clmerge appends only to its own files")
+        os.write(fd, text.encode("utf-8"))
+    finally:
+        os.close(fd)
 
 
 def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor],
@@ -95,14 +115,17 @@ def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor],
     return sha256_bytes(data)
 
 
-def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+def load_tensors(path: str | Path, *, within: str | Path | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, read through the input boundary (a regular file, inside ``within``
+    when given)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no such weights file: {path}")
-    try:
-        return load_file(str(path))
-    except Exception as exc:  # safetensors raises several error types for corrupt headers
-        raise ValueError(f"{path}: not a readable safetensors file ({exc})") from exc
+    with inpaths.checked_path(path, within=within) as real:
+        try:
+            return load_file(real)
+        except Exception as exc:  # safetensors raises several error types for corrupt headers
+            raise ValueError(f"{path}: not a readable safetensors file ({exc})") from exc
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -111,7 +134,7 @@ def sha256_bytes(data: bytes) -> str:
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with inpaths.open_input(path, max_bytes=1 << 62) as fh:
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()

@@ -13,6 +13,8 @@ package's layers, so it does not import them: ``clmerge.methods`` hands its regi
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from difflib import get_close_matches
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -49,6 +51,10 @@ __all__ = [
     "PAPER_DIR",
     "available_configs",
     "resolve_config_arg",
+    "SEED_MIN",
+    "SEED_MAX",
+    "MAX_TASKS",
+    "seed_problem",
 ]
 
 
@@ -94,6 +100,30 @@ class ConfigFileError(ConfigError, InputError):
     exit_code = InputError.exit_code
 
 
+# Every seed key (``seed``, ``scenario.seed``, ``clmerge run --seeds``) takes an integer in [SEED_MIN, SEED_MAX]:
+# the range every generator a run feeds accepts. numpy's legacy RandomState (scenario.class_order_rng=legacy_seed,
+# the seeded task orders of ``--orders``) takes only [0, 2**32 - 1]; default_rng refuses negatives; torch's
+# manual_seed takes [-2**63, 2**64) but the methods derive per-step seeds as ``seed * 1_000_003 + k``, which must
+# stay inside it. [0, 2**32 - 1] satisfies them all, so a seed is refused when the config is validated instead
+# of failing after the run started (docs/cli_errors.md).
+SEED_MIN, SEED_MAX = 0, 2**32 - 1
+# The most tasks a scenario may have: more than the classes of any benchmark clmerge ships (ImageNet's 1000,
+# Omniglot's 1623), so a typo (``n_tasks=1000000000``) is refused at validation before a dataset is read or a
+# task built. The exact bound (at most one task per class) is checked against the data when the run starts.
+MAX_TASKS = 10_000
+
+
+def seed_problem(value: object, key: str) -> str | None:
+    """Why ``value`` is no valid seed for ``key`` (None: it is one); the message names the key, the value and
+    the range."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"{key}: a seed is an integer (got {clip(repr(value), 40)})"
+    if not SEED_MIN <= value <= SEED_MAX:
+        return (f"{key}={clip(value, 40)}: a seed must lie in [{SEED_MIN}, {SEED_MAX}] (2**32 - 1: the range "
+                "every random generator of a run accepts)")
+    return None
+
+
 class StrictModel(BaseModel):
     """A config section: unknown keys, wrong types and nan/inf are refused (recipes and specs use it too)."""
 
@@ -104,8 +134,9 @@ class StrictModel(BaseModel):
 class ScenarioConfig(StrictModel):
     dataset: str = "mnist5k"
     kind: Literal["class_incremental", "task_incremental", "domain_incremental"] = "class_incremental"
-    n_tasks: int = Field(5, ge=1)
-    seed: int = Field(0, description="the class order: which classes form which task (training randomness is "
+    n_tasks: int = Field(5, ge=1, le=MAX_TASKS, description=f"how many tasks (at most {MAX_TASKS:,}, and at most "
+                         "one per class of a class split)")
+    seed: int = Field(0, ge=SEED_MIN, le=SEED_MAX, description="the class order: which classes form which task (training randomness is "
                       "the top-level seed; docs/sweeps.md)")
     shuffle_classes: bool = Field(True, description="permute the class order with scenario.seed (else sorted)")
     class_order_rng: Literal["default_rng", "legacy_seed"] = Field(
@@ -240,7 +271,7 @@ class MethodConfig(BaseModel):
 
 
 class ExperimentConfig(StrictModel):
-    seed: int = Field(0, description="training randomness: new parameters' initial values, batch order, dropout "
+    seed: int = Field(0, ge=SEED_MIN, le=SEED_MAX, description="training randomness: new parameters' initial values, batch order, dropout "
                       "(the class order is scenario.seed; docs/sweeps.md)")
     scenario: ScenarioConfig = Field(default_factory=ScenarioConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -259,6 +290,9 @@ class ExperimentConfig(StrictModel):
             )
         if s.rotations is not None and len(s.rotations) != s.n_tasks:
             raise ValueError(f"scenario.rotations has {len(s.rotations)} entries but scenario.n_tasks is {s.n_tasks}")
+        if s.class_order is not None and s.n_tasks > len(s.class_order) and s.transform == "none":
+            raise ValueError(f"scenario.n_tasks={s.n_tasks}: more tasks than the {len(s.class_order)} classes of "
+                             f"scenario.class_order (at most {len(s.class_order)})")
         listed = [(f"task_orders[{i}]", o) for i, o in enumerate(s.task_orders or [])]
         for key, order in [("task_order", s.task_order)] + listed:
             if order is not None and sorted(order) != list(range(s.n_tasks)):
@@ -450,33 +484,65 @@ def available_configs() -> dict[str, Path]:
     return {p.stem: p for p in sorted(PAPER_DIR.glob("*.yaml"))}
 
 
-def resolve_config_arg(arg: str | Path) -> Path:
-    """The file a ``clmerge run CONFIG`` argument means: an existing path as given, else a shipped name.
+def _is_path_arg(text: str) -> bool:
+    """An argument written as a path: it holds a folder separator or ends in ``.yaml`` / ``.yml``."""
+    return "/" in text or "\\" in text or text.endswith(_SUFFIXES) or text.startswith("~")
 
-    A bare word (no folder, no ``.yaml``) that is not a shipped name is a usage error with the nearest name;
-    a missing path is an input error, which names the shipped config when the path's stem is one."""
+
+def resolve_config_arg(arg: str | Path, *, note: Callable[[str], None] | None = None) -> Path:
+    """The file a ``clmerge run CONFIG`` argument (or a sweep's ``base:``) means. The rule:
+
+    - an argument with a folder separator or a ``.yaml`` / ``.yml`` suffix is a path (``./NAME`` names a file
+      of the current folder); a missing one is an input error, which names the shipped config when the
+      path's stem is one;
+    - a bare name (no separator, no suffix) is the shipped config of that name (``clmerge configs``). When a
+      file or folder of that name also exists in the current folder, the shipped config is still the one
+      used, and one line (``note``, default: a warning on stderr) says so and how to pick the file
+      (``./NAME``);
+    - a bare name that is no shipped config but an existing file of the current folder is read as that file
+      (there is nothing else it could mean), with one line saying so;
+    - any other bare name is a usage error naming the nearest shipped config.
+    """
+    note = note or _note
+    text = str(arg)
     p = Path(arg)
-    if p.exists():
-        return p
     names = available_configs()
-    bare = len(p.parts) == 1 and p.suffix not in _SUFFIXES
-    if bare and str(arg) in names:
-        return names[str(arg)]
-    if bare:
-        near = get_close_matches(str(arg), list(names), n=1, cutoff=0.6)
-        hint = f"did you mean {near[0]!r}?" if near else "list them with `clmerge configs`"
-        raise ConfigError(f"config {str(arg)!r}: no such file and no shipped config of that name ({hint})")
-    also = f" (a shipped config has that name: `clmerge run {p.stem}`)" if p.stem in names else ""
-    raise ConfigFileError(f"config file not found: {p}{also}")
+    if _is_path_arg(text):
+        p = p.expanduser()
+        if p.exists():
+            return p
+        also = f" (a shipped config has that name: `clmerge run {p.stem}`)" if p.stem in names else ""
+        raise ConfigFileError(f"config file not found: {p}{also}")
+    if text in names:
+        if p.exists():
+            note(f"config {text!r}: using the shipped config {text!r}, not the {'folder' if p.is_dir() else 'file'} "
+                 f"{text!r} of the current folder (to use that, write ./{text})")
+        return names[text]
+    if p.is_file():
+        note(f"config {text!r}: no shipped config has that name; reading the file ./{text} of the current folder")
+        return p
+    if p.exists():
+        raise ConfigFileError(f"{p}: the config file is a folder, not a YAML file")
+    near = get_close_matches(text, list(names), n=1, cutoff=0.6)
+    hint = f"did you mean {near[0]!r}?" if near else "list them with `clmerge configs`"
+    raise ConfigError(f"config {text!r}: no such file and no shipped config of that name ({hint})")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+def _note(line: str) -> None:
+    """One line on stderr (``warning: ...``), the way the engine's warnings print."""
+    logging.getLogger("clmerge.config").warning("warning: %s", line)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *,
+                note: Callable[[str], None] | None = None) -> ExperimentConfig:
     """Read a YAML config (or the embedded default when ``path`` is None) and apply ``--set`` overrides.
 
-    ``path`` is a file, or the name of a config shipped with clmerge (``clmerge configs`` lists them)."""
+    ``path`` is a file, or the name of a config shipped with clmerge (``clmerge configs`` lists them; the rule:
+    :func:`resolve_config_arg`, whose one-line notes go to ``note``)."""
     import copy
 
-    data = read_yaml_mapping(resolve_config_arg(path)) if path is not None else copy.deepcopy(EMBEDDED_DEFAULT)
+    data = (read_yaml_mapping(resolve_config_arg(path, note=note)) if path is not None
+            else copy.deepcopy(EMBEDDED_DEFAULT))
     data = apply_overrides(data, overrides or [])
     return parse_config(data)
 

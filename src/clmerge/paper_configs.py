@@ -3,8 +3,9 @@
 Finding a config by name is the config layer's (:func:`clmerge.config.resolve_config_arg`, re-exported here);
 this module describes the shipped files for ``clmerge configs``.
 
-``clmerge run sd_lora_imagenet_r_10`` runs the shipped file of that name; an argument that names an existing
-file runs that file. ``clmerge configs`` lists the names with the method, dataset and paper of each.
+``clmerge run sd_lora_imagenet_r_10`` runs the shipped file of that name, even when the current folder holds a
+file of that name (``clmerge run ./sd_lora_imagenet_r_10`` runs that one); an argument with a ``/`` or a
+``.yaml`` / ``.yml`` suffix is a path (the rule: :func:`clmerge.config.resolve_config_arg`). ``clmerge configs`` lists the names with the method, dataset and paper of each.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import yaml
-
 from .config import PAPER_DIR, available_configs, resolve_config_arg
+from .utils import inpaths
+from .utils.yaml_io import load_yaml
 
 __all__ = ["PAPER_DIR", "available_configs", "describe_config", "resolve_config_arg"]
 
@@ -24,8 +25,8 @@ _CITATION = re.compile(r"^#\s*(?P<cite>[^(]+\([^()]*et al\.[^()]*\))")
 
 def describe_config(path: Path) -> str:
     """One line: method, dataset, tasks, backbone, and the paper cited on the file's first comment line."""
-    text = path.read_text()
-    data = yaml.safe_load(text) or {}
+    text = inpaths.read_text(path, kind="yaml")
+    data = load_yaml(text, source=str(path)) or {}
     sc, method, model = data.get("scenario", {}), data.get("method", {}), data.get("model", {})
     first = text.splitlines()[0] if text else ""
     m = _CITATION.match(first)

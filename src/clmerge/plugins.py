@@ -4,6 +4,11 @@ A plugin is a Python module, named as an importable module (``--plugin mypkg.met
 (``--plugin ./my_method.py``). Importing it runs its ``@register_method`` / ``@register_dataset`` /
 ``@register_backbone`` / ``@register_merge`` decorators, so the config can then name what it registered
 (docs/extending.md). This module belongs to the command-line layer: nothing below it imports it.
+
+A plugin is code: importing it runs the file with the rights of the user who runs clmerge, so name only files
+you trust. A plugin that ends the process while it is imported (``sys.exit(...)``, ``raise SystemExit``,
+``exit()``) is refused as an :class:`~clmerge.errors.InputError` (exit code 3) naming the plugin and quoting
+what it passed, instead of ending clmerge silently with the plugin's code.
 """
 
 from __future__ import annotations
@@ -15,9 +20,14 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from .errors import InputError
+from .errors import InputError, clip
 
-__all__ = ["load_plugin", "load_plugins"]
+__all__ = ["PLUGIN_HELP", "load_plugin", "load_plugins"]
+
+#: The ``--plugin`` help of every command that takes it.
+PLUGIN_HELP = ("import a Python module (a name or a .py file path) before the config is read, so its "
+               "@register_... methods, datasets and backbones can be named (repeatable). This RUNS the "
+               "plugin's code with your rights: name only files you trust (docs/extending.md)")
 
 _LOADED_FILES: dict[Path, ModuleType] = {}  # a file imported twice in one process would register twice
 
@@ -65,6 +75,11 @@ def load_plugin(spec: str) -> ModuleType:
         return _import_file(spec) if _is_path(spec) else _import_name(spec)
     except InputError:
         raise
+    except SystemExit as exc:  # sys.exit() in a plugin would end clmerge with the plugin's code, silently
+        code = exc.code
+        said = "no code" if code is None else clip(repr(code), 120)
+        raise InputError(f"--plugin {spec}: the plugin called sys.exit ({said}) while it was imported; a "
+                         "plugin must only define and register its names") from None
     except Exception as exc:  # noqa: BLE001  (the user's code: any failure is reported with the plugin's name)
         raise InputError(f"--plugin {spec}: importing it failed: {type(exc).__name__}: {exc}") from exc
     finally:

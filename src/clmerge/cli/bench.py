@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from .base import app, fail
+from ..utils import inpaths
 
 __all__ = ["merge_bench_command"]
 
@@ -71,12 +72,12 @@ def merge_bench_command(
     except (ValueError, FileNotFoundError, KeyError) as exc:
         fail(exc)
     name = "continual" if continual else "results"
-    typer.echo((out / f"{name}.md").read_text())
+    typer.echo(inpaths.read_text(out / f"{name}.md", within=out))
     typer.echo(f"wrote {out / f'{name}.json'} ({len(res['tasks'])} tasks)")
 
 
 def _parse_hp(items: list[str]) -> dict[str, dict]:
-    import yaml
+    from ..utils.yaml_io import YamlError, load_yaml
 
     out: dict[str, dict] = {}
     for item in items:
@@ -84,7 +85,10 @@ def _parse_hp(items: list[str]) -> dict[str, dict]:
         m, dot, k = key.partition(".")
         if not (eq and dot and m and k):
             fail(ValueError(f"--hp {item!r}: expected METHOD.KEY=VALUE, e.g. task_arithmetic.scaling=0.3"))
-        out.setdefault(m, {})[k] = yaml.safe_load(value)
+        try:
+            out.setdefault(m, {})[k] = load_yaml(value, source=f"--hp {key}")
+        except YamlError as exc:
+            fail(ValueError(f"--hp {item!r}: not a YAML value ({exc})"))
     return out
 
 
@@ -107,8 +111,8 @@ def _clip(out, suite, clip, experts, data_root, datasets, methods, hp, max_eval,
                        methods=methods or None, hparams=_parse_hp(hp), max_eval=max_eval, device=device)
     except (ValueError, FileNotFoundError, KeyError, OSError) as exc:
         fail(exc)
-    typer.echo((out / suite / "results.md").read_text())
-    typer.echo((out / "table1.md").read_text())
+    typer.echo(inpaths.read_text(out / suite / "results.md", within=out))
+    typer.echo(inpaths.read_text(out / "table1.md", within=out))
     typer.echo(f"wrote {out / suite / 'results.json'} and {out / 'table1.md'}")
 
 

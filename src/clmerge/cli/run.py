@@ -15,8 +15,10 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from .base import app, by_keys, console, err, exit_with, fail, split_keys
-from ..errors import UsageError
+from .base import app, by_keys, console, err, exit_with, fail, print_warning, split_keys
+from ..errors import ClmergeError, UsageError
+from ..plugins import PLUGIN_HELP
+from ..utils import inpaths
 from ..utils.threads import check_jobs
 
 RUNS_DIR_ENV = "CLMERGE_RUNS_DIR"  # where `clmerge run` puts a run without --out (default: ./runs)
@@ -50,8 +52,10 @@ def print_results(metrics: dict) -> None:
 
 @app.command()
 def run(
-    config: Path | None = typer.Argument(None, help="YAML config file, or the name of a shipped config (`clmerge "
-                                         "configs` lists them; default: the embedded default experiment)"),
+    config: str | None = typer.Argument(None, help="a shipped config's name (`clmerge configs` lists them), or a "
+                                        "YAML file: an argument with a / or a .yaml/.yml suffix is a path, a bare "
+                                        "name a shipped config (./NAME: the file NAME here); default: the "
+                                        "embedded default experiment"),
     set_: list[str] = typer.Option([], "--set", help="override a key: dotted.key=value (repeatable)"),
     out: Path | None = typer.Option(None, "--out", help="run directory (default: $CLMERGE_RUNS_DIR/<method>-"
                                     "<dataset>-<time>, or ./runs/... when that is unset; docs/cli.md)"),
@@ -67,9 +71,7 @@ def run(
     seeds: str | None = typer.Option(None, "--seeds", help="run once per seed (the training seed, `seed`; the "
                                       "class order is scenario.seed) into OUT/seed<N>: e.g. 0,1,2 (a one-key "
                                       "`clmerge sweep`, docs/sweeps.md)"),
-    plugin: list[str] = typer.Option([], "--plugin", help="import a Python module (a name or a .py file path) "
-                                     "before the config is read, so its @register_... methods, datasets and "
-                                     "backbones can be named (repeatable; docs/extending.md)"),
+    plugin: list[str] = typer.Option([], "--plugin", help=PLUGIN_HELP),
 ) -> None:
     """Run a continual-learning experiment and write a run directory."""
     from ..config import ConfigError, load_config
@@ -79,7 +81,7 @@ def run(
 
     load_plugins(plugin)
     try:
-        cfg = load_config(config, set_)
+        cfg = load_config(config, set_, note=print_warning)
         check_jobs(nproc, "--nproc")
     except (ConfigError, ValueError) as exc:
         fail(exc)
@@ -115,17 +117,21 @@ def run(
     console.print(f"run directory: [bold]{out.absolute()}[/] (report: {out.absolute() / 'report.html'})")
 
 
-def _run_seeds(config: Path | None, sets: list[str], text: str, out: Path | None, resume: bool, dry_run: bool,
+def _run_seeds(config: str | None, sets: list[str], text: str, out: Path | None, resume: bool, dry_run: bool,
                orders: int | None, nproc: int, cfg) -> None:
     """``clmerge run --seeds 0,1,2``: the sweep whose one grid key is ``seed`` (cells OUT/seed0, ...)."""
-    from ..config import apply_overrides
+    from ..config import apply_overrides, seed_problem
     from ..sweep.grid import SweepSpec, dotted_items, parse_seeds
     from .sweep import dry_run_spec, run_spec
 
     if orders is not None:
         raise UsageError("--seeds runs the seeds one after another: it does not combine with --orders")
+    seeds = parse_seeds(text)
+    for s in seeds:  # the range of the config's seed key (config.SEED_MAX), named as the flag
+        if (problem := seed_problem(s, "--seeds")) is not None:
+            raise UsageError(problem)
     spec = SweepSpec(base=str(config) if config is not None else None,
-                     set=dotted_items(apply_overrides({}, sets)), grid={"seed": parse_seeds(text)})
+                     set=dotted_items(apply_overrides({}, sets)), grid={"seed": seeds})
     if dry_run:
         return dry_run_spec(spec, nproc)
     if out is None:
@@ -143,7 +149,7 @@ def default_run_dir(method: str, dataset: str) -> Path:
     return Path(root).expanduser() / f"{method}-{dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def _resume_command(config: Path | None, sets: list[str], out: Path, orders: int | None) -> str:
+def _resume_command(config: str | None, sets: list[str], out: Path, orders: int | None) -> str:
     """The command that continues this run: the run directory's own resolved ``config.yaml`` (it holds every
     ``--set`` already, and no later edit of the original file or default changes it) with ``--set`` repeated
     for the record; ``--orders`` runs keep the original config (each order's directory holds its own)."""
@@ -203,6 +209,8 @@ def _dry_run(cfg) -> None:
         dry_run(cfg, echo=lambda line: console.print(line, markup=False, highlight=False))
     except MissingExtraError:
         raise  # an install to do, not a failed check: its own line and exit code
+    except ClmergeError as exc:  # a config the real run would refuse too (a bad key or bound): its own code
+        exit_with(f"dry run failed: {exc}", code=exc.exit_code)
     except Exception as exc:  # noqa: BLE001  (a dry run reports any failure as a failed check)
         exit_with(f"dry run failed: {type(exc).__name__}: {exc}", code=1)
 
@@ -218,7 +226,7 @@ def _run_orders(cfg, out: Path, n: int, resume: bool, resume_command: str) -> No
         fail(exc)
     if not summary:  # a data-parallel process other than 0
         return
-    console.print((out / "orders_summary.md").read_text())
+    console.print(inpaths.read_text(out / "orders_summary.md", within=out))
     console.print(f"order runs in: [bold]{out.absolute()}[/] (report: {out.absolute() / 'orders_report.html'}; "
                   f"mopd {_fmt(summary['mopd'])})")
 

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..errors import UsageError
 from .base import ClassificationData, DataSplits
 from .loading import file_sources, load_in_workers, pinning_available
 
@@ -255,10 +256,12 @@ def class_order_from_seed(classes: list[int], seed: int, shuffle: bool = True,
 def split_classes(order: list[int], n_tasks: int, classes_per_task: list[int] | None = None) -> list[list[int]]:
     """Cut ``order`` into task groups: equal groups, or the given (possibly uneven) sizes."""
     if classes_per_task is None:
+        if n_tasks > len(order):  # refused before any group is built, however large n_tasks is
+            raise UsageError(f"scenario.n_tasks={n_tasks}: {len(order)} classes cannot make {n_tasks} tasks (at "
+                             f"most {len(order)}, one class per task)")
         if len(order) % n_tasks:
-            raise ValueError(
-                f"{len(order)} classes do not split evenly into {n_tasks} tasks; set scenario.classes_per_task"
-            )
+            raise UsageError(f"scenario.n_tasks={n_tasks}: {len(order)} classes do not split evenly into {n_tasks} "
+                             "tasks; set scenario.classes_per_task")
         classes_per_task = [len(order) // n_tasks] * n_tasks
     if any(c < 1 for c in classes_per_task) or sum(classes_per_task) > len(order):
         raise ValueError(f"scenario.classes_per_task {classes_per_task} does not fit {len(order)} classes")

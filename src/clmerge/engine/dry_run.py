@@ -28,6 +28,7 @@ from pathlib import Path
 
 
 from ..adapters.structure import model_structure
+from ..utils import inpaths
 from ..config import ExperimentConfig
 from ..data.lookalike import LookalikeSpec, lookalike_class_count
 from ..data.lookalike import write_lookalike as write_dataset_lookalike
@@ -113,13 +114,13 @@ def _task_losses(out: Path) -> dict[int, float]:
         return {}
     import json
 
-    rows = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in inpaths.read_jsonl_lines(events, within=out) if line.strip()]
     return {r["task"]: r["loss"] for r in rows if r.get("event") == "epoch" and r.get("task") is not None}
 
 
 def _check_resume(cfg: ExperimentConfig, out: Path, device) -> None:
     """Restore the last checkpoint into a freshly built model and method (the ``--resume`` path)."""
-    start = restore(prepare_run(cfg, out, device, heads=False))[0]
+    start = restore(prepare_run(cfg, out, device, heads=False, data_check="fit"))[0]
     if start < 1:
         raise RuntimeError("dry run: the checkpoint could not be restored")
 
@@ -145,7 +146,16 @@ def _capped(objs, steps):
 def _run_tasks(cfg: ExperimentConfig, out: Path, tasks: int, echo: Callable[[str], None]) -> dict:
     dp = distributed.setup(cfg.run.device)
     device = dp.device if dp is not None else resolve_device(cfg.run.device)
-    run = prepare_run(cfg, out, device)  # with the configured head's statistics, as a run keeps them
+    # with the configured head's statistics, as a run keeps them; the method's options fit to the sample (a
+    # replay buffer holds at most its few images: the same draws, no allocation of the configured size)
+    run = prepare_run(cfg, out, device, data_check="fit")
+    given = cfg.method_options().model_dump()
+    cut = {k: v for k, v in run.method.options.model_dump().items() if given.get(k) != v}
+    if cut:
+        n_train = sum(len(t.train) for t in run.scenario.tasks)
+        echo("method options cut to this dry run's " + f"{n_train} training images: "
+             + ", ".join(f"method.{k}={given[k]} -> {v}" for k, v in cut.items())
+             + " (a real run refuses them when larger than its training set)")
     _cap_inner_loops(run.method, cfg.train.max_steps_per_epoch)
     run.fresh = lambda: _capped(fresh_objects(cfg), cfg.train.max_steps_per_epoch)
     run.model.to(device)

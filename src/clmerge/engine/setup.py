@@ -15,7 +15,7 @@ from .. import __version__
 from ..config import ExperimentConfig
 from ..data import build_dataset, build_scenario
 from ..data.scenarios import Scenario, configure_loading
-from ..methods import build_method
+from ..methods import build_method, method_class
 from ..methods.base import ContinualMethod
 from ..models import ContinualClassifier, IncrementalHead, build_backbone
 from .heads import HeadSuite, check_head_support
@@ -79,8 +79,13 @@ def build_classifier(cfg: ExperimentConfig) -> ContinualClassifier:
     backbone = build_backbone(m.name, pretrained=m.pretrained, source=m.source, config=m.config)
     return ContinualClassifier(backbone, IncrementalHead(backbone.feature_dim, bias=m.head_bias))
 
-def prepare(cfg: ExperimentConfig) -> tuple[Scenario, ContinualClassifier, ContinualMethod, dict]:
-    """Build the scenario, the model and the method (with ``setup`` applied) and the run manifest."""
+def prepare(cfg: ExperimentConfig, *, data_check: str = "refuse") -> tuple[Scenario, ContinualClassifier,
+                                                                           ContinualMethod, dict]:
+    """Build the scenario, the model and the method (with ``setup`` applied) and the run manifest.
+
+    ``data_check``: ``"refuse"``: the method's options are checked against the scenario's training set (a
+    replay buffer larger than it is a ConfigError) before the method is built; ``"fit"`` (a dry run, whose data
+    is a small sample): they are cut to it where that changes nothing the run computes."""
     s = cfg.scenario
     model = build_classifier(cfg)
     image_size = s.image_size or getattr(model.backbone, "image_size", None)
@@ -95,7 +100,13 @@ def prepare(cfg: ExperimentConfig) -> tuple[Scenario, ContinualClassifier, Conti
     )
     configure_loading(scenario, num_workers=cfg.train.num_workers, pin_memory=cfg.train.pin_memory,
                       fast_jpeg=cfg.train.fast_jpeg)
-    method = build_method(cfg.method.name, cfg.method_options(), seed=cfg.seed)
+    options, cls = cfg.method_options(), method_class(cfg.method.name)
+    n_train = sum(len(t.train) for t in scenario.tasks)
+    if data_check == "fit":
+        options = cls.fit_data(options, n_train)
+    else:
+        cls.check_data(options, n_train)
+    method = build_method(cfg.method.name, options, seed=cfg.seed)
     method.setup(model)
     manifest = {
         "clmerge_version": __version__, "python": sys.version.split()[0], "torch": torch.__version__,
@@ -108,10 +119,10 @@ def prepare(cfg: ExperimentConfig) -> tuple[Scenario, ContinualClassifier, Conti
     return scenario, model, method, manifest
 
 def prepare_run(cfg: ExperimentConfig, out: str | Path, device: torch.device | str, *,
-                heads: bool = True) -> Run:
+                heads: bool = True, data_check: str = "refuse") -> Run:
     """The :class:`Run` of ``cfg`` writing into ``out``: :func:`prepare`'s objects and, unless ``heads`` is
     False, the head suite (:func:`build_heads`)."""
-    scenario, model, method, manifest = prepare(cfg)
+    scenario, model, method, manifest = prepare(cfg, data_check=data_check)
     suite = build_heads(cfg, model, method) if heads else None
     return Run(cfg, scenario, model, method, Path(out), torch.device(device), suite, manifest=manifest)
 

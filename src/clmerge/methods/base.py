@@ -92,6 +92,20 @@ class ContinualMethod:
                 setattr(cls, hook, wrapped)
         _wrap_base_duties(cls)
 
+    @classmethod
+    def check_data(cls, options: MethodOptions, n_train: int) -> None:
+        """Refuse options that cannot fit a scenario of ``n_train`` training examples (all tasks together),
+        before the method is built or anything is allocated (``engine.setup.prepare``); raise a
+        :class:`~clmerge.config.ConfigError` naming the key, its value and the limit. Default: nothing to
+        check."""
+
+    @classmethod
+    def fit_data(cls, options: MethodOptions, n_train: int) -> MethodOptions:
+        """``options`` cut to a scenario of ``n_train`` training examples where that changes nothing the run
+        computes (a dry run's small sample: a replay buffer holds at most the examples it sees). Default:
+        ``options`` as they are."""
+        return options
+
     def __init__(self, options: MethodOptions, *, seed: int = 0) -> None:
         self.options = options
         self.seed = seed

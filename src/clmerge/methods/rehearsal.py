@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from ..config import ConfigError
 from ..models.losses import classification_loss
 from .base import ContinualMethod, MethodOptions, register_method
 from .reservoir import ReservoirBuffer
@@ -73,6 +74,23 @@ class _Replay(ContinualMethod):
 
     head_defaults: ClassVar[dict[str, Any]] = {"loss": "seen"}  # replayed classes need their logits in the CE
     keeps_logits: ClassVar[bool] = False
+
+    @classmethod
+    def check_data(cls, options: ReplayOptions, n_train: int) -> None:
+        """A buffer larger than the training set could never fill, and is allocated in full at the first
+        insertion (``buffer_size`` rows of every field): refused before anything is built."""
+        if options.buffer_size > n_train:
+            raise ConfigError(f"method.buffer_size={options.buffer_size}: larger than the {n_train} training "
+                              f"examples of the scenario (at most {n_train}); the buffer could never fill")
+
+    @classmethod
+    def fit_data(cls, options: ReplayOptions, n_train: int) -> ReplayOptions:
+        """A buffer of at least the stream's length stores every example at the same slot and draws the same
+        rows whatever its size: cut to ``n_train`` (an epoch's stream), the run is the same without the
+        allocation."""
+        if options.buffer_size <= n_train:
+            return options
+        return options.model_copy(update={"buffer_size": max(1, n_train)})
 
     def __init__(self, options: ReplayOptions, *, seed: int = 0) -> None:
         super().__init__(options, seed=seed)

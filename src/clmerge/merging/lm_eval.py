@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import InputError, UsageError
+from ..utils import inpaths
 from ..utils.progress import Progress
 
 __all__ = ["EvalOptions", "load_causal_lm", "perplexity", "read_texts", "windows"]
@@ -55,12 +57,16 @@ class EvalOptions:
 def read_texts(path: str | Path, max_samples: int | None = None) -> list[str]:
     """The documents of ``path``: JSONL lines' ``text`` values, or blank-line-separated plain text."""
     path = Path(path)
-    if not path.is_file():
-        raise InputError(f"--data {path}: no such file (expected a text file or a JSONL of {{\"text\": ...}})")
-    if path.stat().st_size > MAX_TEXT_BYTES:
-        raise InputError(f"--data {path}: larger than {MAX_TEXT_BYTES >> 20} MiB")
+    try:  # through the input boundary: a regular file (a FIFO or a folder is refused by name), under the cap
+        data = inpaths.read_bytes(path, what=f"--data {path}", max_bytes=MAX_TEXT_BYTES,
+                                  kind="jsonl" if path.suffix.lower() == ".jsonl" else "text")
+    except inpaths.InputMissing:
+        raise InputError(f"--data {path}: no such file (expected a text file or a JSONL of {{\"text\": ...}})") \
+            from None
+    except inpaths.InputTooLarge:
+        raise InputError(f"--data {path}: larger than {MAX_TEXT_BYTES >> 20} MiB") from None
     try:
-        raw = path.read_text(encoding="utf-8")
+        raw = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InputError(f"--data {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     texts = _jsonl_texts(path, raw) if path.suffix.lower() == ".jsonl" else _plain_texts(raw)
@@ -105,25 +111,36 @@ def windows(n_tokens: int, max_length: int, stride: int) -> list[tuple[int, int,
 
 def load_causal_lm(folder: str | Path, *, quiet: bool = False) -> tuple[Any, Any]:
     """The model (eval mode, float32 on CPU) and tokenizer of an HF causal-LM folder; ``quiet``: without
-    transformers' loading bar (a tune's trials)."""
+    transformers' loading bar (a tune's trials).
+
+    The folder is read through the input boundary as ``merge`` reads it: transformers loads a private folder of
+    links to the checked files (:func:`~clmerge.merging.io.staging.staged_model`: config, tokenizer, weights and
+    the shards an index lists, each opened, checked to be a regular file inside ``folder`` and held open while
+    it loads), so a shard index naming ``../x.safetensors``, a config or tokenizer file linked out of the
+    folder, a FIFO or a symlink loop is refused by name before transformers reads anything.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from .io.staging import staged_model
+
     folder = Path(folder)
-    if not (folder / "config.json").is_file():
+    if not os.path.lexists(folder / "config.json"):
         raise InputError(f"MODEL {folder}: not a model folder (no config.json)")
-    bars = hf_logging.is_progress_bar_enabled()
-    if quiet:
-        hf_logging.disable_progress_bar()
-    try:
-        tok = AutoTokenizer.from_pretrained(str(folder))
-        model = AutoModelForCausalLM.from_pretrained(str(folder)).float()
-    except (OSError, ValueError, KeyError) as exc:
-        raise InputError(f"MODEL {folder}: cannot load it as a causal LM with its tokenizer "
-                         f"({str(exc).splitlines()[0][:160]})") from None
-    finally:
-        if quiet and bars:
-            hf_logging.enable_progress_bar()
+    with staged_model(folder) as staged:
+        bars = hf_logging.is_progress_bar_enabled()
+        if quiet:
+            hf_logging.disable_progress_bar()
+        try:
+            tok = AutoTokenizer.from_pretrained(str(staged))
+            model = AutoModelForCausalLM.from_pretrained(str(staged)).float()
+        except (OSError, ValueError, KeyError) as exc:
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise InputError(f"MODEL {folder}: cannot load it as a causal LM with its tokenizer "
+                             f"({why.replace(str(staged), str(folder))[:160]})") from None
+        finally:
+            if quiet and bars:
+                hf_logging.enable_progress_bar()
     return model.eval(), tok
 
 

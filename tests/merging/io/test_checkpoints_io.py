@@ -130,7 +130,7 @@ def test_unsafe_out_is_refused_before_any_work(llama, tmp_path):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep").write_text("x")
     before = _listing(root), _listing(tmp_path)
-    cases = [(a, "overlaps the input"), (base / "sub", "overlaps the input"), (tmp_path / "full", "not empty"),
+    cases = [(a, "inside the input"), (base / "sub", "inside the input"), (tmp_path / "full", "not empty"),
              (tmp_path / "m.pt", "unsupported file suffix"), (tmp_path / "full" / "keep", "not a folder")]
     for out, words in cases:
         r = invoke("--method", "ties", "--base", base, "--expert", a, "--expert", b, "--out", out)

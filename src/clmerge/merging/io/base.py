@@ -5,6 +5,9 @@ This module imports nothing from the rest of :mod:`clmerge.merging`: readers, PE
 A source has ``keys()``, ``meta(key) -> (shape, dtype)``, ``get(key)``, ``name`` (how errors refer to it),
 ``files`` (the weight files it reads) and ``folder`` (the model folder, or ``None``). Safetensors are read one
 tensor at a time with plain reads; ``.bin`` / ``.pt`` files only with ``torch.load(weights_only=True)``.
+Every read goes through the input boundary (:mod:`clmerge.utils.inpaths`): the opened file is checked (a regular
+file, inside its model folder when it came from one), and readers that open paths themselves get the checked
+descriptor's ``/proc/self/fd/N`` (:func:`~clmerge.utils.inpaths.checked_path`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ...errors import InputError
+from ...utils import inpaths
 
 __all__ = ["ST_DTYPES", "MergeInputError", "ParamSource", "is_source", "torch_load_state_dict"]
 
@@ -25,6 +29,10 @@ ST_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+
+
+#: No size cap for weights files (they are read tensor by tensor, never whole).
+_NO_CAP = 1 << 62
 
 
 class MergeInputError(InputError):
@@ -37,9 +45,12 @@ class ParamSource:
     Args:
         obj: a ``dict[str, Tensor]`` or a path.
         name: how errors refer to this input (default: the path, or ``"<dict>"``).
+        within: the model folder the path was found in (a folder's weights file, a shard index's entry): the
+            file must resolve inside it (``None``: a path the user named).
     """
 
-    def __init__(self, obj: Mapping[str, Tensor] | str | Path, name: str | None = None) -> None:
+    def __init__(self, obj: Mapping[str, Tensor] | str | Path, name: str | None = None, *,
+                 within: str | Path | None = None) -> None:
         self._dict: Mapping[str, Tensor] | None = None
         self._handle = None
         self._reader: _SafetensorsReader | None = None
@@ -57,13 +68,14 @@ class ParamSource:
             if path.suffix == ".safetensors":
                 from safetensors import safe_open
 
-                try:
-                    self._handle = safe_open(str(path), framework="pt")  # validates the header
-                    self._reader = _SafetensorsReader(path)
-                except Exception as exc:  # safetensors raises several types for corrupt headers
-                    raise MergeInputError(f"{path}: not a readable safetensors file ({exc})") from exc
+                with inpaths.checked_path(path, within=within) as checked:
+                    try:
+                        self._handle = safe_open(checked, framework="pt")  # validates the header
+                    except Exception as exc:  # safetensors raises several types for corrupt headers
+                        raise MergeInputError(f"{path}: not a readable safetensors file ({exc})") from exc
+                self._reader = _SafetensorsReader(path, within)
             elif path.suffix in (".bin", ".pt", ".pth", ".ckpt"):
-                self._dict = torch_load_state_dict(path)
+                self._dict = torch_load_state_dict(path, within=within)
             else:
                 raise MergeInputError(f"{path}: not a weights file (expected .safetensors, .bin, .pt or .pth)")
         self._meta = self._read_meta()
@@ -99,14 +111,21 @@ class _SafetensorsReader:
     ``data_offsets`` per tensor, then the data.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, within: str | Path | None = None) -> None:
         import json
 
-        self.path = path
-        with open(path, "rb") as f:
+        self.path, self.within = path, within
+        with self._open() as f:
             n = int.from_bytes(f.read(8), "little")
-            self.header = {k: v for k, v in json.loads(f.read(n)).items() if k != "__metadata__"}
+            try:
+                self.header = {k: v for k, v in json.loads(f.read(n)).items() if k != "__metadata__"}
+            except (ValueError, AttributeError) as exc:  # safe_open accepted it: only a file changed meanwhile
+                raise MergeInputError(f"{path}: not a readable safetensors file ({exc})") from None
         self.data_start = 8 + n
+
+    def _open(self) -> Any:
+        """The file, opened and checked again (regular, inside its folder) for every read."""
+        return inpaths.open_input(self.path, within=self.within, max_bytes=_NO_CAP)
 
     def read(self, key: str) -> Tensor:
         info = self.header[key]
@@ -116,7 +135,7 @@ class _SafetensorsReader:
         if size == 0:
             return torch.empty(info["shape"], dtype=dtype)
         buf = _anonymous_buffer(size)
-        with open(self.path, "rb", buffering=0) as f:
+        with self._open() as f:
             f.seek(self.data_start + begin)
             view, got = memoryview(buf.numpy() if isinstance(buf, Tensor) else buf), 0
             while got < size:  # readinto may return short counts
@@ -154,22 +173,24 @@ def _unreadable_pickle(path: Path, exc: Exception) -> str:
     return f"{path}: not a readable PyTorch weights file ({(lines[0] if lines else type(exc).__name__)[:160]})"
 
 
-def torch_load_state_dict(path: Path, *, mmap: bool = False) -> dict[str, Tensor]:
-    """A state dict from a ``.bin`` / ``.pt`` file, ``weights_only=True`` (one-line errors).
+def torch_load_state_dict(path: Path, *, mmap: bool = False, within: str | Path | None = None) -> dict[str, Tensor]:
+    """A state dict from a ``.bin`` / ``.pt`` file, ``weights_only=True`` (one-line errors), read through the
+    input boundary (``within``: the model folder the file must lie in).
 
     Args:
         mmap: map the file instead of reading it (zip-format files only; the legacy format is read): for
             shapes and dtypes without reading the data.
     """
-    try:
+    with inpaths.checked_path(path, within=within) as checked:
         try:
-            obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=mmap)
-        except RuntimeError:
-            if not mmap:
-                raise
-            obj = torch.load(str(path), map_location="cpu", weights_only=True)  # legacy format: no mmap
-    except Exception as exc:  # torch's message advises weights_only=False: never repeat that advice
-        raise MergeInputError(_unreadable_pickle(path, exc)) from exc
+            try:
+                obj = torch.load(checked, map_location="cpu", weights_only=True, mmap=mmap)
+            except RuntimeError:
+                if not mmap:
+                    raise
+                obj = torch.load(checked, map_location="cpu", weights_only=True)  # legacy format: no mmap
+        except Exception as exc:  # torch's message advises weights_only=False: never repeat that advice
+            raise MergeInputError(_unreadable_pickle(path, exc)) from exc
     if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
         obj = obj["state_dict"]
     if not isinstance(obj, Mapping) or not all(isinstance(v, Tensor) for v in obj.values()):

@@ -1,12 +1,14 @@
 """The output of a merge: a complete model folder (or one safetensors file), built aside and renamed at the end.
 
-:func:`check_out` refuses an unsafe ``--out`` before any work: one that names an input or lies inside one,
-an existing non-empty folder or an existing file (unless ``overwrite``), another weight format's suffix
-(``.pt``, ``.bin``, ...; any other name but ``X.safetensors`` is a folder, ``merged-v1.5`` included).
+:func:`check_out` refuses an unsafe ``--out`` before any work with the one output guard
+(:func:`clmerge.utils.outpaths.check_output_dir`): one that names an input or lies inside one, an existing
+non-empty folder or an existing file (unless ``overwrite``), another weight format's suffix (``.pt``, ``.bin``,
+...; any other name but ``X.safetensors`` is a folder, ``merged-v1.5`` included).
 :class:`OutputTarget` builds everything in a temporary sibling folder and renames it into place only when the
 merge succeeded, never over an output another process wrote meanwhile; on any failure (SIGTERM included) the
 temporary folder is removed, so nothing is left. :func:`model_files` lists the config and tokenizer files to
-copy, each checked to lie inside its folder.
+copy, each checked to lie inside its folder and to be a regular file; every input file is read through
+:mod:`clmerge.utils.inpaths`.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from typing import Any
 
 import torch
 
-from ...errors import OutputError
-from ...utils.inpaths import inside
+from ...errors import InputError, OutputError
+from ...utils import inpaths
+from ...utils.inpaths import InputMissing, inside
 from ...utils.io import write_json
-from ...utils.outpaths import check_writable
-from .base import MergeInputError
+from ...utils.outpaths import check_output_dir
+from .base import _NO_CAP, MergeInputError
 
 __all__ = ["TOKENIZER_FILES", "InputHashes", "OutputTarget", "build_folder", "check_out", "copy_model_files",
            "model_files", "remove_stale_temps", "write_model_card"]
@@ -41,8 +44,8 @@ TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.json", "preprocessor_config.json", "processor_config.json", "spiece.model"]
 
 
-# names that mean a weights file of another format; any other name but X.safetensors is a folder (merged-v1.5)
-OTHER_WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".gguf", ".h5", ".onnx", ".npz", ".pkl")
+#: The files copied from the model folder (the others come from the tokenizer folder), and their size kind.
+_CONFIG_FILES = ("config.json", "generation_config.json")
 
 
 def _input_paths(sources: Iterable[Any]) -> list[Path]:
@@ -57,27 +60,14 @@ def _input_paths(sources: Iterable[Any]) -> list[Path]:
 def check_out(out: Path, sources: Iterable[Any], *, overwrite: bool = False) -> str:
     """Refuse an unsafe ``out`` before any work; returns ``"file"`` (``X.safetensors``) or ``"folder"``.
 
+    The rule is :func:`clmerge.utils.outpaths.check_output_dir`'s (a merge's output is never inside an input,
+    ``X.safetensors`` is a file, another weight format's suffix is refused); this only names the sources' paths.
+
     Raises:
         OutputError: one line naming ``out`` and what is wrong with it (exit code 5).
     """
-    out = Path(out)
-    real = out.resolve()
-    for p in _input_paths(sources):
-        if real == p or real.is_relative_to(p) or (p.is_relative_to(real) and real.exists()):
-            raise OutputError(f"--out {out}: overlaps the input {p}; choose another path "
-                              "(inputs are never overwritten)")
-    if out.suffix.lower() in OTHER_WEIGHT_SUFFIXES and not out.is_dir():
-        raise OutputError(f"--out {out}: unsupported file suffix {out.suffix!r} (clmerge writes safetensors); give "
-                          f"a folder or {out.with_suffix('.safetensors').name}")
-    kind = "file" if out.suffix == ".safetensors" else "folder"
-    if kind == "file" and out.is_dir():
-        raise OutputError(f"--out {out}: is a folder; give a new folder path or a .safetensors file name")
-    if kind == "folder" and out.exists() and not out.is_dir():
-        raise OutputError(f"--out {out}: exists and is not a folder")
-    if not overwrite and out.exists() and (kind == "file" or any(out.iterdir())):
-        raise OutputError(f"--out {out}: already exists and is not empty (pass --overwrite to replace it)")
-    check_writable(out)
-    return kind
+    return check_output_dir(Path(out), flag="--out", inputs=_input_paths(sources), overwrite=overwrite,
+                            file_suffix=".safetensors", inside_inputs=False)
 
 
 class OutputTarget:
@@ -221,33 +211,48 @@ def _replace_existing(src: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def file_kind(name: str) -> str:
+    """The size-cap kind (:data:`clmerge.utils.inpaths.LIMITS`) of a model folder's file ``name``."""
+    return "json" if name in _CONFIG_FILES else "tokenizer"
+
+
 def model_files(model_folder: Path | None, tokenizer_folder: Path | None) -> dict[str, Path]:
-    """``{name: source}`` of the config, generation config and tokenizer files a merge copies, each checked to
-    resolve inside its folder (a symlink to ``/etc/passwd`` is refused, before anything is read or merged:
-    :func:`clmerge.utils.inpaths.inside`)."""
-    wanted = [(model_folder, "config.json"), (model_folder, "generation_config.json")]
+    """``{name: source}`` of the config, generation config and tokenizer files a merge copies, each checked
+    before anything is read or merged: it resolves inside its folder (a symlink to ``/etc/passwd`` is refused:
+    :func:`clmerge.utils.inpaths.inside`), and it opens as a regular file under its size cap (a FIFO, a device,
+    a socket, a folder or a symlink loop of that name is refused by name, never skipped:
+    :func:`clmerge.utils.inpaths.open_input`)."""
+    wanted = [(model_folder, name) for name in _CONFIG_FILES]
     wanted += [(tokenizer_folder, name) for name in TOKENIZER_FILES]
     found = {}
     for folder, name in wanted:
-        if folder is not None and name not in found and ((folder / name).is_file() or (folder / name).is_symlink()):
-            found[name] = inside(folder, name, f"{folder}: model file")
+        if folder is None or name in found or not os.path.lexists(Path(folder) / name):
+            continue
+        what = f"{folder}: model file"
+        path = inside(folder, name, what)
+        with inpaths.open_input(path, within=folder, what=what, kind=file_kind(name)):
+            pass  # opened and checked; nothing read
+        found[name] = path
     return found
 
 
 def copy_model_files(dst: Path, model_folder: Path | None, tokenizer_folder: Path | None,
                      out_dtype: torch.dtype | None) -> list[str]:
     """Copy config / generation config from ``model_folder`` (recording ``out_dtype``) and the tokenizer files
-    from ``tokenizer_folder`` (:func:`model_files`); returns the names copied."""
+    from ``tokenizer_folder`` (:func:`model_files`), each read through the input boundary; returns the names
+    copied."""
     copied = []
     for name, src in model_files(model_folder, tokenizer_folder).items():
+        within = model_folder if name in _CONFIG_FILES else tokenizer_folder
+        what = f"{within}: model file"
         if name == "config.json":
-            config = json.loads(src.read_text())
+            config = inpaths.read_json(src, within=within, what=what)
             if out_dtype is not None and isinstance(config, dict):
                 config.pop("torch_dtype", None)  # transformers >= 4.56 reads "dtype" (older: torch_dtype)
                 config["dtype"] = str(out_dtype).removeprefix("torch.")
             (dst / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         elif not (dst / name).exists():
-            shutil.copyfile(src, dst / name)
+            (dst / name).write_bytes(inpaths.read_bytes(src, within=within, what=what, kind=file_kind(name)))
         else:
             continue
         copied.append(name)
@@ -272,12 +277,18 @@ class InputHashes:
         self._thread.start()
 
     def _run(self) -> None:
-        try:
-            for f in self.files:
+        for f in self.files:
+            try:
                 self._hash(f)
-        except OSError as exc:  # reported by get(), not as a stray thread traceback and a silent gap
-            self._error = MergeInputError(f"{exc.filename or ''}: cannot read this input to record its sha256 "
-                                          f"({exc.strerror or type(exc).__name__})")
+            except InputMissing:  # reported by get(), not as a stray thread traceback and a silent gap
+                self._error = MergeInputError(f"{f}: cannot read this input to record its sha256 (no such file)")
+            except InputError as exc:  # replaced by something that is not a regular file
+                self._error = MergeInputError(f"{f}: cannot read this input to record its sha256 ({exc})")
+            except OSError as exc:
+                self._error = MergeInputError(f"{exc.filename or f}: cannot read this input to record its sha256 "
+                                              f"({exc.strerror or type(exc).__name__})")
+            if self._error is not None:
+                return
 
     def _hash(self, f: Path) -> None:
         path = self._where / f
@@ -286,7 +297,7 @@ class InputHashes:
             self.result[str(f)] = blob  # a hub cache blob is named by its sha256 (LFS files)
             return
         h = hashlib.sha256()
-        with open(path, "rb") as fh:
+        with inpaths.open_input(path, max_bytes=_NO_CAP) as fh:
             while block := fh.read(1 << 22):
                 h.update(block)
         self.result[str(f)] = h.hexdigest()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...utils import inpaths
 from ...utils.inpaths import inside
 from .base import MergeInputError, ParamSource, torch_load_state_dict
 from .checks import check_dtype, check_finite_output, is_finite, source_meta
@@ -98,13 +100,10 @@ def _check_supported(cfg: dict, where: Path) -> None:
 def read_config(adapter_dir: str | Path) -> dict:
     """``adapter_config.json`` of ``adapter_dir``, checked to be a plain LoRA adapter."""
     path = Path(adapter_dir) / ADAPTER_CONFIG
-    if not path.is_file():
+    if not os.path.lexists(path):  # anything there is read through the boundary (a FIFO is refused by name)
         raise MergeInputError(f"{adapter_dir}: not a PEFT adapter folder (no {ADAPTER_CONFIG})")
     inside(Path(adapter_dir), ADAPTER_CONFIG, f"{adapter_dir}: adapter config")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise MergeInputError(f"{path}: not valid JSON ({exc})") from exc
+    cfg = inpaths.read_json(path, within=adapter_dir)
     if not isinstance(cfg, dict):
         raise MergeInputError(f"{path}: expected a JSON object (peft's LoraConfig fields), got {type(cfg).__name__}")
     _check_supported(cfg, path)
@@ -113,20 +112,22 @@ def read_config(adapter_dir: str | Path) -> dict:
 
 def _weights_file(adapter_dir: Path) -> Path:
     for name in _WEIGHT_FILES:
-        if (adapter_dir / name).is_file():
+        if os.path.lexists(adapter_dir / name):
             return inside(adapter_dir, name, f"{adapter_dir}: adapter weights")
     raise MergeInputError(f"{adapter_dir}: no adapter weights ({' or '.join(_WEIGHT_FILES)})")
 
 
 def _load_weights(path: Path) -> dict[str, Tensor]:
+    """The adapter's tensors, read through the input boundary (inside the adapter folder)."""
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        try:
-            return load_file(str(path))
-        except Exception as exc:  # safetensors raises several types for corrupt files
-            raise MergeInputError(f"{path}: not a readable safetensors file ({exc})") from exc
-    return torch_load_state_dict(path)  # weights_only=True
+        with inpaths.checked_path(path, within=path.parent) as checked:
+            try:
+                return load_file(checked)
+            except Exception as exc:  # safetensors raises several types for corrupt files
+                raise MergeInputError(f"{path}: not a readable safetensors file ({exc})") from exc
+    return torch_load_state_dict(path, within=path.parent)  # weights_only=True
 
 
 def read_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, LoraModule], Path, dict[str, Tensor]]:

@@ -9,7 +9,6 @@ path) is resolved with ``huggingface_hub.snapshot_download`` (weights, config an
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -18,10 +17,12 @@ from typing import Any
 
 from torch import Tensor
 
+from ...utils import inpaths
 from ...utils.inpaths import inside
 from .base import MergeInputError, ParamSource, is_source, torch_load_state_dict
 
-__all__ = ["HUB_PATTERNS", "BinShardedSource", "ShardedSource", "as_source", "open_checkpoint", "resolve_hub_id"]
+__all__ = ["HUB_PATTERNS", "BinShardedSource", "ShardedSource", "as_source", "open_checkpoint", "resolve_hub_id",
+           "shard_map"]
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # What a merge needs from a hub repository: weights, configs, tokenizer files (never optimizer states etc.)
@@ -35,7 +36,7 @@ class ShardedSource:
         self.folder = index.parent
         self.name = name or str(index.parent)
         self._file_of = _weight_map(index)
-        self._shards = {f: ParamSource(f) for f in dict.fromkeys(self._file_of.values())}
+        self._shards = {f: ParamSource(f, within=self.folder) for f in dict.fromkeys(self._file_of.values())}
         self.files = list(self._shards)
 
     def keys(self) -> list[str]:
@@ -62,7 +63,7 @@ class BinShardedSource:
         self.files = list(dict.fromkeys(self._file_of.values()))
         self._meta: dict[str, Any] = {}
         for f in self.files:
-            for k, v in torch_load_state_dict(f, mmap=True).items():
+            for k, v in torch_load_state_dict(f, mmap=True, within=self.folder).items():
                 self._meta[k] = (tuple(v.shape), v.dtype)
         missing = [k for k in self._file_of if k not in self._meta]
         if missing:
@@ -79,24 +80,37 @@ class BinShardedSource:
         f = self._file_of[key]
         if self._cached is None or self._cached[0] != f:
             self._cached = None  # drop the old shard before reading the next
-            self._cached = (f, torch_load_state_dict(f))
+            self._cached = (f, torch_load_state_dict(f, within=self.folder))
         return self._cached[1][key]
 
 
-def _weight_map(index: Path) -> dict[str, Path]:
-    """``{key: shard path}`` of a shard index; every shard must lie inside the index's folder (checked before
-    any shard is opened: :func:`clmerge.utils.inpaths.inside`)."""
+def shard_map(index: Path) -> dict[str, Path]:
+    """``{weight_map entry: shard path}`` of a shard index, each distinct entry once; every shard must lie
+    inside the index's folder (checked before any shard is opened: :func:`clmerge.utils.inpaths.inside`) and
+    exist."""
+    return _read_index(index)[1]
+
+
+def _read_index(index: Path) -> tuple[dict[str, str], dict[str, Path]]:
+    """The index's ``weight_map`` (read once, through the input boundary) and its checked shards."""
+    data = inpaths.read_json(index, within=index.parent)
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        weight_map = data["weight_map"]
+    except (KeyError, TypeError) as exc:
         raise MergeInputError(f"{index}: not a shard index (needs a 'weight_map'): {exc}") from None
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
         raise MergeInputError(f"{index}: 'weight_map' must map each tensor name to a shard file name, got "
                               f"{type(weight_map).__name__}")
     shards = {f: inside(index.parent, f, f"{index}: weight_map entry") for f in dict.fromkeys(weight_map.values())}
     for f in shards.values():
-        if not f.is_file():
+        if not os.path.lexists(f):
             raise MergeInputError(f"{index}: shard {f.name} is listed but missing")
+    return weight_map, shards
+
+
+def _weight_map(index: Path) -> dict[str, Path]:
+    """``{key: shard path}`` of a shard index (:func:`shard_map`'s checks)."""
+    weight_map, shards = _read_index(index)
     return {k: shards[f] for k, f in weight_map.items()}
 
 
@@ -112,7 +126,7 @@ def _open_folder(path: Path, base: Any, name: str | None) -> Any:
     for f in singles:
         if f.is_file() or f.is_symlink():
             f = inside(path, f.name, f"{path}: weights file")
-            src = ParamSource(f, name or str(path))
+            src = ParamSource(f, name or str(path), within=path)
             src.folder = path
             return src
     raise MergeInputError(f"{path}: no model weights in this folder (looked for model.safetensors, its shard "

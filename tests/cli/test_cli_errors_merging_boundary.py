@@ -179,7 +179,7 @@ def empty_vocab(ws):
 
 def union_symlink_loop(ws):
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (ws / "A" / name).unlink()
+        (ws / "A" / name).unlink(missing_ok=True)
     (ws / "A" / "tokenizer.json").symlink_to("loop.json")
     (ws / "A" / "loop.json").symlink_to("tokenizer.json")
 
@@ -271,14 +271,29 @@ def test_tune_out_inside_an_input_folder_is_refused_before_any_trial(ws):
     _check(res, OUTPUT, ["--out M/tuned", "input"], before, ws)
 
 
-def test_merge_out_is_checked_by_the_one_output_guard(ws, monkeypatch):
+@pytest.mark.parametrize("module", ["clmerge.merging.io.output", "clmerge.merging.io.lora_svd",
+                                    "clmerge.merging.tune"])
+def test_out_guards_are_the_one_output_guard(module):
+    import importlib
+
     from clmerge.utils import outpaths
 
-    calls = []
-    real = outpaths.check_output_dir
-    monkeypatch.setattr(outpaths, "check_output_dir", lambda *a, **k: calls.append(k) or real(*a, **k))
+    assert importlib.import_module(module).check_output_dir is outpaths.check_output_dir
+
+
+# (id, argv, exit code, words): merge, extract-lora and tune --out refusals, worded by utils.outpaths
+OUT_CASES = [
+    ("merge-out-not-empty", MERGE, OUTPUT, ["--out out", "not empty", "--overwrite"]),
+    ("merge-out-inside-input", [*MERGE[:-1], "M/sub"], OUTPUT, ["--out M/sub", "inside the input"]),
+    ("merge-out-other-format", [*MERGE[:-1], "m.bin"], OUTPUT, ["--out m.bin", "unsupported file suffix"]),
+    ("extract-out-is-input", ["extract-lora", "--base", "M", "--tuned", "A", "--rank", "2", "--out", "A"], OUTPUT,
+     ["--out A", "the input"]),
+]
+
+
+@pytest.mark.parametrize("argv, code, words", [c[1:] for c in OUT_CASES], ids=[c[0] for c in OUT_CASES])
+def test_out_refusals(ws, argv, code, words):
     (ws / "out").mkdir()
     (ws / "out" / "keep").write_text("x")
     before = _snapshot(ws)
-    _check(CliRunner().invoke(app, MERGE), OUTPUT, ["--out out", "not empty"], before, ws)
-    assert calls and calls[0].get("file_suffix") == ".safetensors" and calls[0].get("inside_inputs") is False
+    _check(CliRunner().invoke(app, argv), code, words, before, ws)

@@ -27,6 +27,7 @@ import torch
 
 from ..errors import InputError, UsageError
 from ..utils import inpaths
+from ..utils.inpaths import read_bytes
 from ..utils.progress import Progress
 
 __all__ = ["EvalOptions", "load_causal_lm", "perplexity", "read_texts", "windows"]
@@ -58,7 +59,7 @@ def read_texts(path: str | Path, max_samples: int | None = None) -> list[str]:
     """The documents of ``path``: JSONL lines' ``text`` values, or blank-line-separated plain text."""
     path = Path(path)
     try:  # through the input boundary: a regular file (a FIFO or a folder is refused by name), under the cap
-        data = inpaths.read_bytes(path, what=f"--data {path}", max_bytes=MAX_TEXT_BYTES,
+        data = read_bytes(path, what=f"--data {path}", max_bytes=MAX_TEXT_BYTES,
                                   kind="jsonl" if path.suffix.lower() == ".jsonl" else "text")
     except inpaths.InputMissing:
         raise InputError(f"--data {path}: no such file (expected a text file or a JSONL of {{\"text\": ...}})") \

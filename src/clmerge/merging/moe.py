@@ -44,9 +44,11 @@ from torch import Tensor
 
 from ..config import ConfigError, StrictModel, check_keys, read_yaml_mapping, validate_strict
 from ..errors import OutputError
+from ..utils import inpaths
 from .io.base import MergeInputError
 from .io.output import InputHashes, OutputTarget, check_out, copy_model_files, model_files, write_model_card
 from .io.readers import open_checkpoint
+from .io.staging import staged_model
 from .io.writer import ShardedWriter, parse_size
 from .recipes import DTYPES
 
@@ -94,11 +96,16 @@ def load_moe_recipe(path: str | Path) -> MoeRecipe:
 
 
 def _base_config(base: Any) -> dict:
+    """The base's ``config.json``; its config and tokenizer files are all checked here, before any work
+    (:func:`~clmerge.merging.io.output.model_files`: inside the folder, regular files), and read only through
+    the input boundary."""
     folder = getattr(base, "folder", None)
-    files = model_files(Path(folder), None) if folder is not None else {}
+    files = model_files(Path(folder), Path(folder)) if folder is not None else {}
     if "config.json" not in files:
         raise MergeInputError(f"base_model {base.name}: no config.json; expected a Llama or Mistral model folder")
-    config = json.loads(files["config.json"].read_text())
+    config = inpaths.read_json(files["config.json"], within=folder, what=f"base_model {base.name}")
+    if not isinstance(config, dict):
+        raise MergeInputError(f"base_model {base.name}: {files['config.json']} is not a JSON object")
     if config.get("model_type") not in _FAMILIES:
         raise MergeInputError(f"base_model {base.name}: model_type {config.get('model_type')!r}; expected one of "
                               f"{', '.join(_FAMILIES)} (a dense model with Mixtral's attention layout)")
@@ -136,14 +143,17 @@ def _open_inputs(recipe: MoeRecipe) -> tuple[Any, list[Any], dict]:
 
 
 def _tokenizer(base: Any) -> Any:
+    """The base's tokenizer, loaded from its checked files only (:func:`~.io.staging.staged_model`)."""
     from transformers import AutoTokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(str(base.folder))
-    except (OSError, ValueError) as exc:
-        raise MergeInputError(f"base_model {base.name}: no usable tokenizer ({str(exc).splitlines()[0][:120]}); "
-                              "gate modes hidden and cheap_embed tokenize the prompts: use gate_mode random or "
-                              "add the tokenizer files") from None
+    with staged_model(base.folder, weights=False) as staged:
+        try:
+            return AutoTokenizer.from_pretrained(str(staged))
+        except (OSError, ValueError) as exc:
+            why = str(exc).splitlines()[0].replace(str(staged), str(base.folder)) if str(exc) else type(exc).__name__
+            raise MergeInputError(f"base_model {base.name}: no usable tokenizer ({why[:120]}); gate modes hidden "
+                                  "and cheap_embed tokenize the prompts: use gate_mode random or add the tokenizer "
+                                  "files") from None
 
 
 def _ids(tok: Any, prompt: str) -> Tensor:
@@ -183,7 +193,8 @@ def router_rows(recipe: MoeRecipe, base: Any, layers: int, hidden: int) -> Tenso
     else:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(base.folder), dtype=torch.float32).eval()
+        with staged_model(base.folder) as staged:  # the base's checked files only
+            model = AutoModelForCausalLM.from_pretrained(str(staged), dtype=torch.float32).eval()
         def vec(prompts: list[str]) -> Tensor:
             return _hidden(model, tok, prompts)
     rows = []

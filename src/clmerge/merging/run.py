@@ -106,6 +106,8 @@ def run_merge(recipe: Any, out: Path | None, *, task: str | None = None, dry_run
     for src in prep.models.experts:  # an adapter whose config names another base model
         if getattr(src, "warning", None):
             log(src.warning)
+    for warning in (prep.vocab.warnings if prep.vocab is not None else []):  # tokenizers of different models
+        log(warning)
     if prep.models.mixed:
         log(f"note: the inputs mix floating dtypes on {len(prep.models.mixed)} keys; they are upcast to "
             f"{recipe.compute_dtype} for the merge")

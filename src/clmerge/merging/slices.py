@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 
-from ..errors import OutputError
+from ..errors import InputError, OutputError
+from ..utils import inpaths
+from ..utils.inpaths import read_bytes
 from .hparams import method_hparams
 from .io.base import MergeInputError
 from .io.checks import is_finite
@@ -226,12 +228,16 @@ def _layer_types(recipe: Any, sources: dict[str, Any]) -> list[Any] | None:
 
 
 def _read_config(src: Any) -> dict | None:
+    """A source's ``config.json`` (``None`` without one, or when it is not JSON), checked and read through the
+    input boundary (one leading out of the folder, a FIFO or a loop is refused by name)."""
     folder = getattr(src, "folder", None)
-    if folder is None or not (Path(folder) / "config.json").is_file():
+    files = model_files(Path(folder), None) if folder is not None else {}
+    if "config.json" not in files:
         return None
+    raw = read_bytes(files["config.json"], within=folder, what=f"{folder}: model file")
     try:
-        data = json.loads(model_files(Path(folder), None)["config.json"].read_text())
-    except (KeyError, ValueError, OSError):
+        data = inpaths.loads_json(raw, str(files["config.json"]))
+    except InputError:
         return None
     return data if isinstance(data, dict) else None
 
@@ -288,7 +294,7 @@ def _rewrite_config(folder: Path, sp: SlicePlan) -> None:
     path = folder / "config.json"
     if not path.is_file():
         return
-    config = json.loads(path.read_text())
+    config = inpaths.read_json(path, within=folder)  # copied a moment ago into the merge's temporary folder
     for key in _LAYER_COUNT_KEYS:
         if key in config:
             config[key] = sp.num_layers

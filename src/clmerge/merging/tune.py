@@ -37,8 +37,10 @@ import yaml
 
 from ..errors import InputError, OutputError, UsageError
 from ..utils.extras import require_extra
+from ..utils.inpaths import read_text
 from ..utils.io import atomic_write_text
-from ..utils.yaml_io import read_yaml
+from ..utils.outpaths import check_output_dir
+from ..utils.yaml_io import load_yaml, read_yaml
 from .lm_eval import EvalOptions, load_causal_lm, perplexity, read_texts
 from .pipeline import prepare
 from .recipes import load_recipe
@@ -214,11 +216,14 @@ class _Table:
         self.rows: list[dict] = self._read() if path.is_file() else []
 
     def _read(self) -> list[dict]:
-        rows = list(csv.DictReader(io.StringIO(self.path.read_text())))
+        rows = list(csv.DictReader(io.StringIO(read_text(self.path, within=self.path.parent))))
         if rows and set(self.paths) - set(rows[0]):
             raise InputError(f"{self.path}: its columns do not match the tune file's space: (another search "
                              "was run into this --out; give a new --out)")
-        return [{"trial": int(r["trial"]), "values": {p: yaml.safe_load(r[p]) for p in self.paths},
+        def value(r: dict, p: str) -> Any:
+            return load_yaml(r[p], source=f"{self.path}: {p}")
+
+        return [{"trial": int(r["trial"]), "values": {p: value(r, p) for p in self.paths},
                  "metric": float(r["metric"]), "seconds": float(r["seconds"])} for r in rows]
 
     def add(self, row: dict) -> None:
@@ -281,21 +286,31 @@ def _search_optuna(recipe_data: dict, spec: TuneSpec, table: _Table, executor: A
             study.tell(t, by_key[_key(t.params)])
 
 
-def check_tune_out(out: Path, overwrite: bool) -> None:
+#: The files that mark a folder as a tune's own output (written into again on resume).
+_TUNE_FILES = ("tune/trials.csv", "tune/best_recipe.yaml")
+
+
+def check_tune_out(out: Path, overwrite: bool, inputs: list[Path] = ()) -> None:
     """``out`` must be new, empty, or an unfinished tune (``tune/trials.csv`` and no ``best_recipe.yaml``,
-    resumed); ``--overwrite`` replaces a finished tune, and nothing else."""
-    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
-        return
-    if not out.is_dir():
-        raise OutputError(f"--out {out}: is a file, not a folder")
-    finished = (out / "tune" / "best_recipe.yaml").is_file()
-    if (out / "tune" / "trials.csv").is_file() and not finished:
-        return
-    if not finished:
+    resumed); ``--overwrite`` replaces a finished tune, and nothing else. Whether ``out`` may be written at all
+    (a file, an input or a folder inside one, no permission) is the one output guard's rule
+    (:func:`clmerge.utils.outpaths.check_output_dir`); ``inputs``: the recipe's model paths."""
+    finished = out.is_dir() and (out / "tune" / "best_recipe.yaml").is_file()
+    ours = finished or (out.is_dir() and (out / "tune" / "trials.csv").is_file())
+    if out.is_dir() and any(out.iterdir()) and not ours:  # --overwrite never replaces a foreign folder
         raise OutputError(f"--out {out}: exists and holds no tune (tune/trials.csv): give a new folder")
-    if not overwrite:
-        raise OutputError(f"--out {out}: holds a finished tune: give a new folder, or --overwrite to replace it")
-    shutil.rmtree(out)
+    check_output_dir(out, flag="--out", inputs=inputs, ours=_TUNE_FILES, inside_inputs=False)
+    if finished:
+        if not overwrite:
+            raise OutputError(f"--out {out}: holds a finished tune: give a new folder, or --overwrite to replace it")
+        shutil.rmtree(out)
+
+
+def _recipe_inputs(recipe_data: dict) -> list[Path]:
+    """The recipe's local model paths (a tune's output goes into none of them)."""
+    specs = [recipe_data.get("base")] + [m.get("model") for m in recipe_data.get("models") or []
+                                         if isinstance(m, dict)]
+    return [Path(s) for s in specs if isinstance(s, str) and Path(s).exists()]
 
 
 def tune(recipe_data: dict, spec: TuneSpec, out: Path, *, executor: Any, jobs: int = 1, overwrite: bool = False,
@@ -309,7 +324,7 @@ def tune(recipe_data: dict, spec: TuneSpec, out: Path, *, executor: Any, jobs: i
     read_texts(spec.eval.data, spec.eval.max_samples)  # a bad held-out file fails before any merge
     if spec.search == "optuna":
         require_extra("optuna", "tune", what="search: optuna")
-    check_tune_out(out, overwrite)
+    check_tune_out(out, overwrite, _recipe_inputs(recipe_data))
     (out / "tune").mkdir(parents=True, exist_ok=True)
     table = _Table(out / "tune" / "trials.csv", spec.space)
     search = _search_grid if spec.search == "grid" else _search_optuna

@@ -86,6 +86,7 @@ class VocabPlan:
     tied: bool = False
     report: dict = field(default_factory=dict)
     ref_vocab: dict[str, int] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
     _standins: dict[str, list[Tensor | None]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -239,17 +240,22 @@ def plan_vocab(*, mode: str, fill: str, out_vocab: dict[str, int], added: list[s
 
 
 def _config(src: Any) -> dict:
-    """An input's ``config.json`` (``{}`` without one); the text part of a multimodal config merged in."""
-    import json
+    """An input's ``config.json`` (``{}`` without one, or when it is not JSON), read through the input boundary
+    (one that leads out of the folder, a FIFO or a loop is refused by name); the text part of a multimodal
+    config merged in."""
+    import os
 
-    from ..utils.inpaths import inside
+    from ..errors import InputError
+    from ..utils.inpaths import inside, loads_json, read_bytes
 
     folder = getattr(src, "folder", None)
-    if folder is None or not (folder / "config.json").is_file():
+    if folder is None or not os.path.lexists(Path(folder) / "config.json"):
         return {}
+    what = f"{folder}: model file"
+    data = read_bytes(inside(folder, "config.json", what), within=folder, what=what)
     try:
-        config = json.loads(inside(folder, "config.json", f"{folder}: model file").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        config = loads_json(data, f"{folder}/config.json")
+    except InputError:
         return {}
     return {**config.get("text_config", {}), **config} if isinstance(config, dict) else {}
 
@@ -290,7 +296,7 @@ def prepare_vocab(recipe: Any, base: Any, experts: list[Any]) -> tuple[VocabPlan
     """The recipe's vocabulary plan, the output tokenizer, and the inputs wrapped to match (``base`` may be
     ``None``); ``(None, None, base, experts)`` when the recipe sets neither ``embeddings`` nor
     ``chat_template_from``."""
-    from .io.tokenizers import load_tokenizer, output_tokenizer
+    from .io.tokenizers import check_union, load_tokenizer, output_tokenizer
 
     if recipe.embeddings is None and "fill" in recipe.model_fields_set:
         raise ValueError(f"fill: {recipe.fill!r} applies only with embeddings: base, union or intersection "
@@ -307,6 +313,7 @@ def prepare_vocab(recipe: Any, base: Any, experts: list[Any]) -> tuple[VocabPlan
         return None, output_tokenizer("base", ref, [], template), base, experts
     r = _reference(recipe, names)
     toks = [load_tokenizer(getattr(s, "folder", None), n) for s, n in zip(sources, names)]
+    warnings = check_union(recipe.embeddings, toks)  # an empty vocabulary is refused here
     out = output_tokenizer(recipe.embeddings, toks[r], toks[:r] + toks[r + 1:], template)
     keys = embedding_keys(sources[0].keys(), lambda k: sources[0].meta(k)[0])
     if not keys:
@@ -318,6 +325,7 @@ def prepare_vocab(recipe: Any, base: Any, experts: list[Any]) -> tuple[VocabPlan
     plan = plan_vocab(mode=recipe.embeddings, fill=recipe.fill, out_vocab=out.vocab, added=out.added,
                       inputs=inputs, keys=keys, has_base=base is not None, tied=_tied(sources[r], sources, keys))
     plan.ref_vocab = toks[r].vocab
+    plan.warnings = warnings
     wrapped = [ReindexedSource(s, plan, i, sources) for i, s in enumerate(sources)]
     return plan, out, (wrapped[0] if base is not None else None), wrapped[1 if base is not None else 0:]
 
@@ -365,11 +373,12 @@ def write_vocab_files(folder: Any, plan: VocabPlan) -> None:
     ``vocab_size`` and token ids, and ``merge_report.json`` with the rows added, dropped and filled."""
     import json
 
+    from ..utils.inpaths import read_json
     from ..utils.io import write_json
 
     for name in ("config.json", "generation_config.json"):
         path = Path(folder) / name
-        if path.is_file():
-            config = json.loads(path.read_text())
+        if path.is_file():  # written a moment ago by copy_model_files, in the merge's own temporary folder
+            config = read_json(path, within=folder)
             path.write_text(json.dumps(_renumber(config, plan), indent=2, sort_keys=True) + "\n")
     write_json(Path(folder) / "merge_report.json", {"vocabulary": plan.report})

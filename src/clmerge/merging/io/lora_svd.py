@@ -24,9 +24,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ...errors import OutputError, UsageError
+from ...errors import UsageError
 from ...utils.device import cpu_draw, current_device
-from ...utils.outpaths import check_writable
+from ...utils.outpaths import check_output_dir
 
 __all__ = ["low_rank_factors", "device_low_rank_factors", "LowRank", "SVD_MODES", "check_svd", "numerical_rank",
            "check_out_dir", "error_summary", "rank_pattern", "clamped_note"]
@@ -161,16 +161,6 @@ def error_summary(per_module: dict[str, LowRank | tuple[float, float]]) -> dict:
 
 def check_out_dir(out: Path, inputs: list[Path] = (), overwrite: bool = False) -> None:
     """Refuse an ``--out`` that names an input, holds one, or holds something already unless ``overwrite``
-    (a new folder inside an input folder is fine: nothing there is read)."""
-    out = Path(out)
-    resolved = out.resolve()
-    for p in inputs:
-        p = Path(p).resolve()
-        if resolved == p or p.is_relative_to(resolved):
-            raise OutputError(f"--out {out}: is or contains the input {p}; choose a new folder")
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"--out {out}: exists and is not a folder; choose a new one")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise OutputError(f"--out {out}: already exists and is not an empty folder; choose a new one "
-                          "(or pass --overwrite to replace it)")
-    check_writable(out)
+    (a new folder inside an input folder is fine: nothing there is read); the rule is the one output guard's,
+    :func:`clmerge.utils.outpaths.check_output_dir`."""
+    check_output_dir(Path(out), flag="--out", inputs=inputs, overwrite=overwrite)

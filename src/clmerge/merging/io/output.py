@@ -31,7 +31,7 @@ import torch
 
 from ...errors import InputError, OutputError
 from ...utils import inpaths
-from ...utils.inpaths import InputMissing, inside
+from ...utils.inpaths import InputMissing, inside, read_bytes
 from ...utils.io import write_json
 from ...utils.outpaths import check_output_dir
 from .base import _NO_CAP, MergeInputError
@@ -252,7 +252,7 @@ def copy_model_files(dst: Path, model_folder: Path | None, tokenizer_folder: Pat
                 config["dtype"] = str(out_dtype).removeprefix("torch.")
             (dst / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         elif not (dst / name).exists():
-            (dst / name).write_bytes(inpaths.read_bytes(src, within=within, what=what, kind=file_kind(name)))
+            (dst / name).write_bytes(read_bytes(src, within=within, what=what, kind=file_kind(name)))
         else:
             continue
         copied.append(name)

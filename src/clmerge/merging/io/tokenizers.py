@@ -4,8 +4,9 @@ A vocabulary here is what ``tokenizer.get_vocab()`` of ``transformers`` gives: `
 added tokens included. The output tokenizer is the reference tokenizer (the base's), changed as the recipe's
 ``embeddings`` asks, and is built in a temporary folder at planning time; its files are kept in memory
 (a few MB) and written into the merged model's folder at the end, so what the rows were merged for is exactly
-what is saved. Every tokenizer file is checked to lie inside its folder before it is read
-(:func:`~clmerge.merging.io.output.model_files`). Errors are one line naming the input.
+what is saved. Every tokenizer file is checked before it is read, and ``transformers`` reads only the checked
+files (:func:`~clmerge.merging.io.staging.staged_model`): a file leading out of its folder, a FIFO, a device or
+a symlink loop is refused by name. Errors are one line naming the input.
 """
 
 from __future__ import annotations
@@ -17,22 +18,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...utils.inpaths import read_bytes
 from .base import MergeInputError
 from .output import model_files
 
-__all__ = ["InputTokenizer", "OutputTokenizer", "load_tokenizer", "output_tokenizer", "write_tokenizer"]
+__all__ = ["InputTokenizer", "OutputTokenizer", "check_union", "load_tokenizer", "output_tokenizer",
+           "write_tokenizer"]
 
-# the files that hold a vocabulary (a tokenizer_config.json alone does not)
-_VOCAB_FILES = {"tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model"}
+# the files that hold a vocabulary (a tokenizer_config.json alone does not), the first found named in errors
+_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
 @dataclass
 class InputTokenizer:
-    """One input's tokenizer: its name in the recipe, its vocabulary and the ``transformers`` object."""
+    """One input's tokenizer: its name in the recipe, its vocabulary and the ``transformers`` object;
+    ``file``: the file that holds its vocabulary; ``model_type``: the ``tokenizers`` model (``BPE``,
+    ``WordPiece``, ``WordLevel``, ``Unigram``; ``None`` for a slow tokenizer)."""
 
     name: str
     vocab: dict[str, int]
     tokenizer: Any
+    file: Path | None = None
+    model_type: str | None = None
 
 
 @dataclass
@@ -50,18 +57,26 @@ def load_tokenizer(folder: Path | None, name: str) -> InputTokenizer:
     Raises:
         MergeInputError: no folder or no tokenizer files there, or ``transformers`` cannot read them.
     """
-    if folder is None or not _VOCAB_FILES & set(model_files(None, Path(folder))):
+    files = model_files(None, Path(folder)) if folder is not None else {}
+    vocab_files = [files[n] for n in _VOCAB_FILES if n in files]
+    if not vocab_files:
         where = (f"no tokenizer in {folder} (looked for tokenizer.json, tokenizer.model, vocab.json)"
                  if folder is not None else "a weights file has no tokenizer: give its model folder")
         raise MergeInputError(f"{name}: {where}; matching rows by token needs every input's tokenizer")
     from transformers import AutoTokenizer
 
-    try:
-        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
-    except Exception as exc:  # transformers raises many types for a broken or unknown tokenizer
-        raise MergeInputError(f"{name}: cannot read the tokenizer in {folder} ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0][:160] if str(exc) else 'no message'})") from None
-    return InputTokenizer(name, dict(tok.get_vocab()), tok)
+    from .staging import staged_model
+
+    with staged_model(folder, weights=False) as staged:
+        try:
+            tok = AutoTokenizer.from_pretrained(str(staged), local_files_only=True, trust_remote_code=False)
+        except Exception as exc:  # transformers raises many types for a broken or unknown tokenizer
+            why = str(exc).splitlines()[0].replace(str(staged), str(folder)) if str(exc) else "no message"
+            raise MergeInputError(f"{name}: cannot read the tokenizer in {folder} ({type(exc).__name__}: "
+                                  f"{why[:160]})") from None
+    backend = getattr(tok, "backend_tokenizer", None)
+    model_type = type(backend.model).__name__ if backend is not None else None
+    return InputTokenizer(name, dict(tok.get_vocab()), tok, vocab_files[0], model_type)
 
 
 def _saved(tok: Any, chat_template: str | None) -> dict[str, bytes]:
@@ -70,7 +85,8 @@ def _saved(tok: Any, chat_template: str | None) -> dict[str, bytes]:
         tok.chat_template = chat_template
     with tempfile.TemporaryDirectory(prefix="clmerge-tok-") as tmp:
         tok.save_pretrained(tmp)
-        return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+        return {p.name: read_bytes(p, within=tmp, kind="tokenizer") for p in sorted(Path(tmp).iterdir())
+                if p.is_file()}
 
 
 def _reloaded_vocab(files: dict[str, bytes]) -> dict[str, int]:
@@ -157,6 +173,27 @@ def output_tokenizer(mode: str, ref: InputTokenizer, others: Sequence[InputToken
         raise MergeInputError(f"{ref.name}: the output tokenizer's ids are not 0..{len(ids) - 1} without gaps; "
                               "expected one embedding row per id")
     return OutputTokenizer(files, vocab, added)
+
+
+def check_union(mode: str, toks: Sequence[InputTokenizer]) -> list[str]:
+    """Refuse an input tokenizer with an empty vocabulary (its embedding rows would all be dropped: no token
+    names them); under ``union``, warnings (``"warning: ..."`` lines) when the inputs' tokenizer models differ
+    (a WordPiece and a WordLevel tokenizer may split the same text differently, so one token string need not
+    mean the same text in both).
+
+    Raises:
+        MergeInputError: names the input and its tokenizer file.
+    """
+    for t in toks:
+        if not t.vocab:
+            raise MergeInputError(f"{t.name}: its tokenizer ({t.file}) has an empty vocabulary; embeddings: {mode} "
+                                  "matches embedding rows by token, so none of this input's rows would be kept")
+    if mode != "union":
+        return []
+    typed = [t for t in toks if t.model_type is not None]
+    return [f"warning: embeddings: union merges tokenizers of different models: {typed[0].name!r} is "
+            f"{typed[0].model_type} ({typed[0].file}), {t.name!r} is {t.model_type} ({t.file}); the same token "
+            "string may stand for different text in each" for t in typed[1:] if t.model_type != typed[0].model_type]
 
 
 def write_tokenizer(folder: Path, tok: OutputTokenizer) -> list[str]:

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from .config import PAPER_DIR, available_configs, resolve_config_arg
-from .utils import inpaths
+from .utils.inpaths import read_text as read_input_text
 from .utils.yaml_io import load_yaml
 
 __all__ = ["PAPER_DIR", "available_configs", "describe_config", "resolve_config_arg"]
@@ -25,7 +25,7 @@ _CITATION = re.compile(r"^#\s*(?P<cite>[^(]+\([^()]*et al\.[^()]*\))")
 
 def describe_config(path: Path) -> str:
     """One line: method, dataset, tasks, backbone, and the paper cited on the file's first comment line."""
-    text = inpaths.read_text(path, kind="yaml")
+    text = read_input_text(path, kind="yaml")
     data = load_yaml(text, source=str(path)) or {}
     sc, method, model = data.get("scenario", {}), data.get("method", {}), data.get("model", {})
     first = text.splitlines()[0] if text else ""

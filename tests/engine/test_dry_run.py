@@ -88,7 +88,8 @@ def test_cli_dry_run_reports_failure(tmp_path) -> None:
     cfg.write_text("scenario: {dataset: imagenet_r, n_tasks: 7}\nmodel: {name: vit-b16, config: {num_hidden_layers: 1}}\n"
                    "method: {name: seq_lora}\n")
     res = CliRunner().invoke(app, ["run", str(cfg), "--dry-run"])
-    assert res.exit_code == 1 and "dry run failed" in res.output
+    # a config error the real run would refuse too (200 classes in 7 tasks): the usage code, naming the key
+    assert res.exit_code == 2 and "dry run failed" in res.output and "scenario.n_tasks=7" in res.output
 
 
 @pytest.mark.slow  # full-depth ViT-B/16 on CPU

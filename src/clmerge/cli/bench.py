@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from .base import app, fail
-from ..utils import inpaths
+from ..utils.inpaths import read_text as read_input_text
 
 __all__ = ["merge_bench_command"]
 
@@ -72,7 +72,7 @@ def merge_bench_command(
     except (ValueError, FileNotFoundError, KeyError) as exc:
         fail(exc)
     name = "continual" if continual else "results"
-    typer.echo(inpaths.read_text(out / f"{name}.md", within=out))
+    typer.echo(read_input_text(out / f"{name}.md", within=out))
     typer.echo(f"wrote {out / f'{name}.json'} ({len(res['tasks'])} tasks)")
 
 
@@ -111,8 +111,8 @@ def _clip(out, suite, clip, experts, data_root, datasets, methods, hp, max_eval,
                        methods=methods or None, hparams=_parse_hp(hp), max_eval=max_eval, device=device)
     except (ValueError, FileNotFoundError, KeyError, OSError) as exc:
         fail(exc)
-    typer.echo(inpaths.read_text(out / suite / "results.md", within=out))
-    typer.echo(inpaths.read_text(out / "table1.md", within=out))
+    typer.echo(read_input_text(out / suite / "results.md", within=out))
+    typer.echo(read_input_text(out / "table1.md", within=out))
     typer.echo(f"wrote {out / suite / 'results.json'} and {out / 'table1.md'}")
 
 

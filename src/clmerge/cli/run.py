@@ -18,7 +18,7 @@ from rich.table import Table
 from .base import app, by_keys, console, err, exit_with, fail, print_warning, split_keys
 from ..errors import ClmergeError, UsageError
 from ..plugins import PLUGIN_HELP
-from ..utils import inpaths
+from ..utils.inpaths import read_text as read_input_text
 from ..utils.threads import check_jobs
 
 RUNS_DIR_ENV = "CLMERGE_RUNS_DIR"  # where `clmerge run` puts a run without --out (default: ./runs)
@@ -226,7 +226,7 @@ def _run_orders(cfg, out: Path, n: int, resume: bool, resume_command: str) -> No
         fail(exc)
     if not summary:  # a data-parallel process other than 0
         return
-    console.print(inpaths.read_text(out / "orders_summary.md", within=out))
+    console.print(read_input_text(out / "orders_summary.md", within=out))
     console.print(f"order runs in: [bold]{out.absolute()}[/] (report: {out.absolute() / 'orders_report.html'}; "
                   f"mopd {_fmt(summary['mopd'])})")
 

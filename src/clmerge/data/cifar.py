@@ -20,6 +20,8 @@ from clmerge.data.base import DataSplits, TensorData, register_dataset
 from clmerge.data.folders import missing_data_error, resolve_data_root
 from clmerge.data.lookalike import LookalikeSpec, register_lookalike
 from clmerge.utils.io import sha256_file
+from clmerge.errors import InputError
+from clmerge.utils.inpaths import open_input
 
 __all__ = ["RestrictedUnpickler", "load_cifar_pickle", "cifar100", "CIFAR100_HOWTO", "write_cifar100_lookalike"]
 
@@ -96,12 +98,12 @@ def load_cifar_pickle(path: str | Path) -> dict[str, Any]:
         ValueError: the file is not a readable pickle of a dict, or references a forbidden global.
     """
     path = Path(path)
-    try:
-        with open(path, "rb") as fh:
+    try:  # through the input boundary: a regular file under the data cap, never a FIFO or a folder
+        with open_input(path, kind="data") as fh:
             obj = RestrictedUnpickler(fh, path).load()
     except _ForbiddenGlobal as exc:
         raise ValueError(str(exc) if str(exc).startswith(str(path)) else f"{path}: {exc}") from None
-    except FileNotFoundError:
+    except (FileNotFoundError, InputError):
         raise
     except (
         Exception

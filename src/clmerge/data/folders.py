@@ -23,6 +23,7 @@ import numpy as np
 from clmerge.data.base import DataSplits, FileListData, register_dataset
 from clmerge.data.lookalike import LookalikeSpec, png_pool, register_lookalike, write_presplit
 from clmerge.utils.io import sha256_file
+from clmerge.utils.inpaths import read_bytes as read_input_bytes
 
 __all__ = [
     "DATA_ENV_VAR",
@@ -264,8 +265,9 @@ def names_from_parents(paths: Sequence[Path], labels: Sequence[int]) -> list[str
 
 def read_utf8_text(path: Path) -> str:
     """Read a UTF-8 text file; raise ``ValueError`` naming it if it is not text."""
+    data = read_input_bytes(path, kind="text")  # a regular file under the text cap (utils.inpaths)
     try:
-        return path.read_text(encoding="utf-8")
+        return data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not a UTF-8 text file ({exc})") from exc
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
+from ..utils import inpaths
 from ..utils.io import atomic_write_bytes
 from .base import ClassificationData
 
@@ -107,8 +108,8 @@ class TokenCache:
     def load(self) -> dict[str, np.ndarray] | None:
         if not self.path.is_file():
             return None
-        try:
-            with np.load(self.path, allow_pickle=False) as z:
+        try:  # a regular file, read as the descriptor checked (utils.inpaths)
+            with inpaths.checked_path(self.path) as real, np.load(real, allow_pickle=False) as z:
                 return {k: z[k] for k in z.files}
         except (OSError, ValueError) as exc:  # a damaged cache file is rebuilt, never trusted
             log.warning("ignoring unreadable token cache %s (%s)", self.path, exc)

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
+from ..utils.inpaths import read_text as read_input_text
 from ..utils.io import sha256_file
 from .base import DataSplits, register_dataset
 from .text_tokens import TokenCache, TokenData, cache_dir_for, load_tokenizer, tokenize_texts, tokenizer_digest
@@ -95,11 +96,14 @@ def parse_data_line(line: str, *, where: str = "") -> Synset | None:
 
 def read_data_file(path: Path) -> list[Synset]:
     out = []
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        for i, line in enumerate(fh, 1):
-            s = parse_data_line(line.rstrip("\n"), where=f"{path}:{i}")
-            if s is not None:
-                out.append(s)
+    text = read_input_text(path, kind="data", errors="replace")  # a regular file (utils.inpaths)
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")  # the lines text mode gives
+    if lines and lines[-1] == "":
+        lines.pop()
+    for i, line in enumerate(lines, 1):
+        s = parse_data_line(line, where=f"{path}:{i}")
+        if s is not None:
+            out.append(s)
     return out
 
 
@@ -144,7 +148,7 @@ def _lexnames(folder: Path) -> list[str]:
     if not f.is_file():
         return list(LEXNAMES)
     names = list(LEXNAMES)
-    for line in f.read_text(encoding="utf-8").splitlines():
+    for line in read_input_text(f, kind="text").splitlines():
         parts = line.split()
         if len(parts) >= 2 and parts[0].isdigit() and int(parts[0]) < len(names):
             names[int(parts[0])] = parts[1]

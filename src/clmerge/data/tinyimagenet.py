@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..utils.inpaths import read_text as read_input_text
 from .base import DataSplits, register_dataset
 from .lookalike import LookalikeSpec, png_pool, register_lookalike
 from .folders import (
@@ -49,7 +50,7 @@ def _tiny_dir(root: Path) -> Path | None:
 def _wnids(folder: Path) -> list[str]:
     path = folder / "wnids.txt"
     if path.is_file():
-        ids = sorted({line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()})
+        ids = sorted({line.strip() for line in read_input_text(path, kind="text").splitlines() if line.strip()})
     else:
         ids = [d.name for d in subdirs(folder / "train")]
     if not ids:
@@ -82,7 +83,7 @@ def _words(folder: Path, wnids: list[str]) -> list[str]:
     if not path.is_file():
         return list(wnids)
     table = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in read_input_text(path, kind="text").splitlines():
         if "\t" in line:
             k, v = line.split("\t", 1)
             table[k.strip()] = v.split(",")[0].strip()

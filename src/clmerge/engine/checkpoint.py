@@ -26,6 +26,8 @@ import torch
 from safetensors import safe_open
 
 from ..errors import ClmergeError, RunStateError, clip
+from ..utils import inpaths
+from ..utils.inpaths import read_bytes as read_input_bytes, read_text as read_input_text
 from ..utils.io import read_json, save_tensors, sha256_bytes, sha256_file, write_json
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "load_head_tensors", "RunLock",
@@ -86,7 +88,7 @@ def _write_record(run_dir: Path, record: dict[str, str]) -> None:
 def _read_manifest(run_dir: Path) -> dict:
     path = Path(run_dir) / "manifest.json"
     try:
-        manifest = read_json(path)
+        manifest = read_json(path, within=Path(run_dir))
     except (ValueError, OSError) as exc:
         raise CheckpointIntegrityError(f"{path}: unreadable ({exc})") from None
     if not isinstance(manifest, dict):
@@ -172,8 +174,8 @@ def load_head_tensors(path: Path, sha256: str | None = None) -> dict[str, torch.
 
 
 def _load_parts(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
-    try:
-        with safe_open(str(path), framework="pt") as fh:
+    try:  # the run's own file: a regular file inside its checkpoints folder, read as the file checked
+        with inpaths.checked_path(path, within=Path(path).parent) as real, safe_open(real, framework="pt") as fh:
             meta = json.loads((fh.metadata() or {})["clmerge"])
             parts: dict[str, dict[str, torch.Tensor]] = {"model": {}, "method": {}, "head": {}}
             for key in fh.keys():
@@ -258,7 +260,7 @@ class RunLock:
             aside.unlink(missing_ok=True)
             raise self._in_use(holder)
         if self._stale is None:
-            self._stale = (aside.read_bytes(), aside.stat())
+            self._stale = (read_input_bytes(aside, within=aside.parent, kind="text"), aside.stat())
         aside.unlink(missing_ok=True)
 
     def __exit__(self, exc_type, *exc) -> None:
@@ -272,15 +274,15 @@ class RunLock:
 
 def _boot_id() -> str | None:
     try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
+        return read_input_text("/proc/sys/kernel/random/boot_id", kind="text").strip()
+    except (OSError, ValueError):  # no /proc (InputMissing is an OSError), or not a readable file
         return None
 
 
 def _start_ticks(pid: int) -> int | None:
     """The process's start time in clock ticks after boot (Linux ``/proc/PID/stat`` field 22); None elsewhere."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat = read_input_text(f"/proc/{pid}/stat", kind="text")
         return int(stat[stat.rindex(")") + 2:].split()[19])
     except (OSError, ValueError, IndexError):
         return None
@@ -297,8 +299,8 @@ def lock_holder(path: Path) -> str | None:
     A lock from another host cannot be checked from here and counts as held; one written by an older clmerge
     (a bare pid) is held while that pid runs a process started before the lock was written."""
     try:
-        text = path.read_text(errors="replace").strip()
-    except OSError:
+        text = read_input_text(path, within=Path(path).parent, kind="text", errors="replace").strip()
+    except (OSError, ClmergeError):  # gone, or not a file clmerge wrote: no owner to wait for
         return None
     try:
         rec = json.loads(text) if text.startswith("{") else {"pid": int(text or 0)}
@@ -322,7 +324,7 @@ def _started_after(pid: int, path: Path) -> bool:
     """Whether process ``pid`` started after ``path`` was last written (so it did not write it); Linux only."""
     ticks = _start_ticks(pid)
     try:
-        btime = next(int(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines()
+        btime = next(int(ln.split()[1]) for ln in read_input_text("/proc/stat", kind="text").splitlines()
                      if ln.startswith("btime "))
     except (OSError, StopIteration, ValueError):
         return False

@@ -14,11 +14,11 @@ import math
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from ..config import ExperimentConfig, dump_config, parse_config
 from ..metrics import order_robustness
 from ..utils.io import atomic_write_text, read_json, write_json
+from ..utils.yaml_io import load_yaml
 
 __all__ = ["task_orders", "run_orders", "summarize_orders"]
 
@@ -46,7 +46,7 @@ def task_orders(cfg: ExperimentConfig, n: int) -> list[list[int]]:
 
 
 def _with_order(cfg: ExperimentConfig, order: list[int]) -> ExperimentConfig:
-    data = yaml.safe_load(dump_config(cfg))
+    data = load_yaml(dump_config(cfg), source="the resolved config")
     data["scenario"]["task_order"] = list(order)
     return parse_config(data)
 
@@ -106,7 +106,7 @@ def run_orders(cfg: ExperimentConfig, out_dir: str | Path, n: int, *, resume: bo
         state = [(sub / "metrics.json").exists(), (sub / "config.yaml").exists()]
         done, started = distributed.broadcast_json(dp, state) if dp is not None else state
         if done:
-            metrics.append(read_json(sub / "metrics.json") if distributed.is_main() else {})
+            metrics.append(read_json(sub / "metrics.json", within=out) if distributed.is_main() else {})
             continue
         metrics.append(run_experiment(_with_order(cfg, order), sub, resume=resume and started))
     if not distributed.is_main():

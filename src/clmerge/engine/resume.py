@@ -10,9 +10,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
+from ..errors import InputError
+from ..utils import inpaths
+from ..utils.inpaths import read_bytes as read_input_bytes
+from ..utils.inpaths import InputTooLarge
 from ..utils.io import read_json, sha256_bytes
 from ..utils.yaml_io import MAX_YAML_BYTES, YamlError, load_yaml
 from .checkpoint import ResumeError
@@ -42,6 +47,17 @@ def check_resumable(out: Path) -> None:
     missing = [name for name in RUN_FILES if not (out / name).is_file()]
     if missing:
         raise ResumeError(f"{out}: holds no clmerge run to resume (no {' or '.join(missing)}); {hint}")
+    for name in (*RUN_FILES, "events.jsonl"):  # a run file is the run's own: a link out of the run is refused
+        if os.path.lexists(out / name):
+            _inside_run(out, name)
+
+
+def _inside_run(out: Path, name: str) -> Path:
+    """``out / name`` after checking that it resolves inside the run directory (a ResumeError if not)."""
+    try:
+        return inpaths.inside(out, name, str(out / name))
+    except InputError as exc:
+        raise ResumeError(f"{exc}; nothing was changed: restore the run's own file to resume") from None
 
 
 CONFIG_SHA_KEY = "config_sha256"  # manifest.json: sha256 of the config.yaml written with it
@@ -51,7 +67,7 @@ def recorded_config_sha256(out: Path) -> str | None:
     """The sha256 of ``config.yaml`` that ``manifest.json`` recorded when the run (re)started; None for a run
     written before it was recorded (or an unreadable manifest: the checkpoint checks name that)."""
     try:
-        manifest = read_json(Path(out) / "manifest.json")
+        manifest = read_json(Path(out) / "manifest.json", within=out)
     except (OSError, ValueError):
         return None
     sha = manifest.get(CONFIG_SHA_KEY) if isinstance(manifest, dict) else None
@@ -80,9 +96,12 @@ def check_same_config(cfg_file: Path, cfg_text: str, recorded_sha256: str | None
 
 
 def _stored_config(cfg_file: Path, recorded_sha256: str | None) -> str:
-    if cfg_file.stat().st_size > MAX_YAML_BYTES:
-        raise ResumeError(f"{cfg_file}: larger than {MAX_YAML_BYTES:,} bytes; not the config this run wrote")
-    data = cfg_file.read_bytes()
+    try:  # the run's own file: a regular file inside the run directory, at most the YAML cap
+        data = read_input_bytes(cfg_file, within=cfg_file.parent, kind="yaml", max_bytes=MAX_YAML_BYTES)
+    except InputTooLarge:
+        raise ResumeError(f"{cfg_file}: larger than {MAX_YAML_BYTES:,} bytes; not the config this run wrote") from None
+    except InputError as exc:
+        raise ResumeError(f"{exc}; cannot check the config: restore the run's own config.yaml to resume") from None
     if recorded_sha256 is not None and sha256_bytes(data) != recorded_sha256:
         raise ResumeError(f"{cfg_file}: edited since the run wrote it (its sha256 differs from manifest.json's "
                           f"{CONFIG_SHA_KEY}), so the checkpoints were made with another config; nothing was "
@@ -102,7 +121,7 @@ def thread_history(manifest_file: Path, threads: int, task: int) -> dict:
     takes the current count without a warning.
     """
     try:
-        stored = read_json(manifest_file)
+        stored = read_json(manifest_file, within=Path(manifest_file).parent)
     except (OSError, ValueError):
         stored = {}
     start, history = stored.get("threads"), list(stored.get("threads_resumed", []))
@@ -178,8 +197,12 @@ def _show(value: Any, width: int = 40) -> str:
 
 def _event_lines(events: Path) -> list[str]:
     """The lines of ``events.jsonl`` (kept ends); a file that is not UTF-8 text is refused, naming it."""
+    try:  # the run's own log: inside the run directory, at most the JSON-lines cap
+        data = read_input_bytes(events, within=events.parent, kind="jsonl")
+    except InputError as exc:
+        raise ResumeError(f"{exc}; nothing was changed: restore the run's own events.jsonl to resume") from None
     try:
-        return events.read_bytes().decode("utf-8").splitlines(keepends=True)
+        return data.decode("utf-8").splitlines(keepends=True)
     except UnicodeDecodeError as exc:
         raise ResumeError(f"{events}: not UTF-8 text (byte {exc.start}), so not the log this run wrote; nothing "
                           "was changed: restore it to resume") from None

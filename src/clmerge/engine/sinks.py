@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ..utils.extras import require_extra
-from ..utils.io import atomic_write_text
+from ..utils import inpaths
+from ..utils.io import append_text, atomic_write_text
 
 __all__ = ["SINKS", "Sinks", "check_sinks", "scalars"]
 
@@ -90,7 +91,8 @@ class Sinks:
         """``scalars.csv`` from the events kept so far (none for a new run; a resumed run's kept lines)."""
         events = self.out / "events.jsonl"
         rows = [list(_COLUMNS)]
-        for line in events.read_text(encoding="utf-8").splitlines() if events.exists() else []:
+        lines = inpaths.read_jsonl_lines(events, within=self.out) if events.exists() else []
+        for line in lines:
             try:
                 rows += _csv_rows(json.loads(line))
             except json.JSONDecodeError:
@@ -99,8 +101,7 @@ class Sinks:
 
     def write(self, event: dict) -> None:
         if "csv" in self.names:
-            with open(self.out / CSV_NAME, "a", encoding="utf-8") as f:
-                f.write(_lines(_csv_rows(event)))
+            append_text(self.out / CSV_NAME, _lines(_csv_rows(event)))
         if self._tb is None and self._wandb is None:
             return
         tagged = {f"{event.get('event', 'event')}/{n}": v for n, v in scalars(event)}

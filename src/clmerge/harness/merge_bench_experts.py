@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..utils.io import load_tensors, save_tensors, write_json
+from ..utils.io import load_tensors, read_json, save_tensors, write_json
 from .merge_bench_config import HEAD_INITS, HEAD_PROTOCOLS, PROBE_STEPS, PROBE_WEIGHT_DECAY, BenchConfig, BenchTask
 
 __all__ = ["BenchConfig", "HEAD_PROTOCOLS", "HEAD_INITS", "build_base", "features", "fit_probe", "prototype_head",
@@ -197,8 +197,8 @@ def cached_file_sha256(path: Path) -> str | None:
     were recorded, or no JSON)."""
     meta = path.with_suffix(".json")
     try:
-        return json.loads(meta.read_text()).get("file_sha256") if meta.is_file() else None
-    except (json.JSONDecodeError, AttributeError):
+        return read_json(meta, within=meta.parent).get("file_sha256") if meta.is_file() else None
+    except (ValueError, AttributeError):  # not JSON (an InputError is a ValueError), or not an object
         return None
 
 

@@ -8,7 +8,6 @@ restated with standard errors of the paired (same-seed) differences.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..metrics import mean_se
-from ..utils.io import atomic_write_text, write_json
+from ..utils.io import atomic_write_text, read_json, write_json
 from .merge_bench import ROW_LABELS, protocol_line
 
 __all__ = ["mean_se", "summarise", "summary_markdown", "paired_verdict", "PAIRED_CLAIMS"]
@@ -34,7 +33,7 @@ def summarise(out: Path, seeds: Sequence[int]) -> dict[str, Any]:
     A row (or a claim) missing from some seeds' runs is summarised over the seeds that have it; its ``seeds``
     entry says which.
     """
-    runs = {s: json.loads((out / f"seed{s}" / "results.json").read_text()) for s in seeds}
+    runs = {s: read_json(out / f"seed{s}" / "results.json", within=out) for s in seeds}
     names = list(dict.fromkeys(n for r in runs.values() for n in r["rows"]))
     rows: dict[str, dict[str, Any]] = {}
     for name in names:

@@ -70,7 +70,8 @@ def _direct_reads(path: Path) -> list[tuple[str, int, str]]:
                 owner = f.value.id if isinstance(f.value, ast.Name) else None
                 if (owner, f.attr) in _QUALIFIED:
                     name = f"{owner}.{f.attr}"
-                elif f.attr in _METHODS and owner not in {"os", "Image", "tarfile", "zipfile", "gzip", "webbrowser"}:
+                elif f.attr in _METHODS and owner not in {"inpaths", "os", "Image", "tarfile", "zipfile", "gzip",
+                                                           "webbrowser"}:
                     name = f".{f.attr}"
             first = node.args[0] if node.args else None
             if name and isinstance(first, ast.Name) and first.id in checked:

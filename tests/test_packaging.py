@@ -39,10 +39,10 @@ def test_a_config_resolves_by_name_and_a_path_still_works(tmp_path, monkeypatch)
     assert resolve_config_arg(name) == PAPER_DIR / f"{name}.yaml"
     assert load_config(name) == load_config(PAPER_DIR / f"{name}.yaml")
     monkeypatch.chdir(tmp_path)
-    local = tmp_path / name  # a file in the working folder wins over the shipped name
+    local = tmp_path / name  # a bare name is the shipped config, even beside a file of that name ...
     local.write_text(yaml.safe_dump({"scenario": {"n_tasks": 2}}))
-    assert resolve_config_arg(name) == Path(name)
-    assert load_config(name).scenario.n_tasks == 2
+    assert resolve_config_arg(name) == PAPER_DIR / f"{name}.yaml"
+    assert load_config(f"./{name}").scenario.n_tasks == 2  # ... and ./NAME is the file
 
 
 def test_configs_lists_every_shipped_config_with_method_dataset_and_paper():

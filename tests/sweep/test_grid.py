@@ -25,7 +25,8 @@ def test_cells_cross_the_grid_first_key_slowest_with_readable_unique_names():
     ({"seed": 0, "scenario.seed": 2}, "seed0-scenario.seed2"),  # two keys ending in "seed": the whole key
     ({"head.compare": True}, "comparetrue"),
     ({"scenario.classes_per_task": [2, 3]}, "classes_per_task2_3"),
-    ({"scenario.data_root": "../x y"}, "data_root.._x_y"),  # no folder separators or spaces
+    # not a safe folder name: its safe characters and a hash of the whole name (outpaths.slug)
+    ({"scenario.data_root": "../x y"}, "data_root.._x_y-h62923e728b80"),
     ({}, "base"),
 ])
 def test_cell_names(overrides, name):
@@ -34,7 +35,10 @@ def test_cell_names(overrides, name):
 
 def test_cells_that_would_share_a_folder_are_refused():
     with pytest.raises(ConfigError, match="share the folder"):
-        expand_cells(spec_from_dict({"grid": {"scenario.data_root": ["a/b", "a b"]}}))
+        expand_cells(spec_from_dict({"grid": {"head.compare": [True, "true"]}}))
+    # values that differ only in unsafe characters get distinct hashed names
+    names = [c.name for c in expand_cells(spec_from_dict({"grid": {"scenario.data_root": ["a/b", "a b"]}}))]
+    assert len(set(names)) == 2 and all(n.startswith("data_roota_b-h") for n in names)
 
 
 @pytest.mark.parametrize("data, words", [

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from .base import app, by_keys, console, err, split_keys
+from .base import app, by_keys, console, err, print_warning, split_keys
 
 _METRICS_DEFAULT = "acc,aaa,forgetting,til_acc"
 
@@ -25,7 +25,7 @@ def _check_output(output: Path, runs: list[Path]) -> None:
 @app.command()
 def results(
     dirs: list[Path] = typer.Argument(..., help="run directories, or folders holding them (a sweep's --out; "
-                                      "searched two levels down)"),
+                                      "searched two levels down; symlinks inside are skipped with a warning)"),
     by: str = typer.Option("method.name", "--by",
                            help="group by these config keys (comma-separated, dotted)"),
     metrics: str = typer.Option(_METRICS_DEFAULT, "--metrics", help="comma-separated: acc, aaa, forgetting, "
@@ -38,7 +38,13 @@ def results(
     output: Path = typer.Option(None, "--output", help="write the table to this file (atomically) instead "
                                 "of printing it"),
 ) -> None:
-    """Mean ± standard error over seeds per group of runs, paired differences (docs/results_tables.md)."""
+    """Mean ± standard error over seeds per group of runs, paired differences (docs/results_tables.md).
+
+    Every file is read through the input boundary (:mod:`clmerge.utils.inpaths`): a run's ``config.yaml`` and
+    ``metrics.json`` must resolve inside its run directory, ``metrics.json`` is strict JSON (no NaN/Infinity)
+    and every mean must be finite (InputError, exit 3). A symlinked entry inside a folder of runs is never
+    followed: it is skipped with a warning naming it, as git treats a symlink to a folder.
+    """
     from ..errors import UsageError
     from ..report import tables
     from ..utils.io import atomic_write_text
@@ -46,7 +52,7 @@ def results(
     if fmt not in tables.FORMATS:
         raise UsageError(f"--format {fmt}: expected one of {', '.join(tables.FORMATS)}")
     names, keys = tables.parse_metrics(metrics), by_keys(by)
-    done, unfinished = tables.find_runs(dirs)
+    done, unfinished = tables.find_runs(dirs, warn=print_warning)
     if output is not None:
         _check_output(output, done + unfinished)
     table = tables.build_table(tables.load_runs(done), by=keys, metrics=names, vs=vs, ignore=split_keys(ignore),

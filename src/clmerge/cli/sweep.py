@@ -39,11 +39,21 @@ def sweep_command(
     plugin: list[str] = typer.Option([], "--plugin", help="import a Python module (a name or a .py file path) "
                                      "first, so the methods, datasets and backbones it registers can be named "
                                      "(repeatable; cells then run in this process: docs/extending.md)"),
+    max_cells: int | None = typer.Option(None, "--max-cells", min=1, help="refuse a grid of more cells than this "
+                                         "(default 10,000; the count is the product of the grid's list lengths)"),
 ) -> None:
-    """Run a grid of experiments (methods x seeds x ...), one run directory per cell."""
+    """Run a grid of experiments (methods x seeds x ...), one run directory per cell.
+
+    The spec must have a grid (an empty spec or one without a grid is a usage error, not a one-cell sweep of
+    the base config), and at most ``--max-cells`` cells (default 10,000, as ``merge --tune``'s grid), counted
+    as the product of the grid's list lengths before any cell is built or anything is written. A cell's
+    folder is a slug of its grid values (``..`` or an over-long value get a safe name with a hash), always
+    directly inside ``--out``; a cell folder that is a symlink is refused (exit 5), never written through.
+    """
     from ..config import ConfigError
     from ..plugins import load_plugins
     from ..sweep import load_spec
+    from ..sweep.grid import MAX_CELLS, check_cell_count
 
     _check_processes(jobs, nproc, backend)
     if plugin and (jobs or nproc > 1 or backend != "local"):
@@ -54,6 +64,8 @@ def sweep_command(
         sweep = load_spec(spec)
     except ConfigError as exc:
         fail(exc)
+    sweep.max_cells = MAX_CELLS if max_cells is None else max_cells
+    check_cell_count(sweep, sweep.max_cells, source=f"{spec}: grid")
     resume_cmd = f"clmerge sweep {shlex.quote(str(spec))} --out {shlex.quote(str(out))} --resume"
     resume_cmd += f" --nproc {nproc}" if nproc > 1 else ""
     if dry_run:

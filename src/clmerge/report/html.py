@@ -13,6 +13,7 @@ or null, and the matching part of the report is then left out or shows "—".
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from html import escape
@@ -27,9 +28,14 @@ from clmerge.report.elements import img as _img, is_number as _is_number, page a
 from clmerge.report.elements import section as _section, table as _table
 from clmerge.report.method_values import method_values_html
 from clmerge.errors import InputError
+from clmerge.utils import inpaths
 from clmerge.utils.io import atomic_write_text, read_json
+from clmerge.utils.outpaths import check_writable, child
 
-__all__ = ["build_report", "build_sweep_report", "check_accuracy_matrix", "load_run", "format_number"]
+__all__ = ["PAGE", "build_report", "build_sweep_report", "check_accuracy_matrix", "load_run", "format_number",
+           "page_path"]
+
+PAGE = "report.html"
 
 # (label, task-weighted key, sample-weighted key or None); values are percent / percentage points.
 METRIC_ROWS: tuple[tuple[str, str, str | None], ...] = (
@@ -43,16 +49,16 @@ METRIC_ROWS: tuple[tuple[str, str, str | None], ...] = (
 SWEEP_METRICS: tuple[str, ...] = ("acc", "aaa", "forgetting")
 
 
-def _read_events(path: Path) -> tuple[list[dict], int]:
-    """Parse ``events.jsonl``; return the records and the number of unreadable lines skipped.
+def _read_events(path: Path, run_dir: Path) -> tuple[list[dict], int]:
+    """Parse ``events.jsonl`` (read through the input boundary: inside ``run_dir``, under the JSON-lines cap);
+    return the records and the number of unreadable lines skipped.
 
     A run killed mid-write can leave a torn last line; the report shows what it can and says how much it
     skipped instead of failing.
     """
-    if not path.exists():
-        return [], 0
+    lines = _optional(path, run_dir, lambda: inpaths.read_jsonl_lines(path, within=run_dir))
     events, bad = [], 0
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+    for line in lines or ():
         if not line.strip():
             continue
         try:
@@ -65,6 +71,18 @@ def _read_events(path: Path) -> tuple[list[dict], int]:
         else:
             bad += 1
     return events, bad
+
+
+def _optional(path: Path, run_dir: Path, read: Callable[[], Any]) -> Any:
+    """``read()`` of an optional file of a run directory, or None when there is no such entry. An entry that
+    is there is read through the input boundary like any other: a symlink out of the run directory, a FIFO or
+    a file over its cap is an :class:`InputError`."""
+    if not os.path.lexists(path):
+        return None
+    try:
+        return read()
+    except inpaths.InputMissing:  # a dangling symlink: nothing to read
+        return None
 
 
 def check_accuracy_matrix(metrics: Mapping[str, Any], metrics_path: Path) -> None:
@@ -92,30 +110,37 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
         ``{"metrics", "manifest", "config_text", "events", "bad_event_lines", "metrics_mtime"}``;
         ``manifest`` is ``{}`` and ``config_text`` ``None`` when their files are absent.
 
+    Every file is read through the input boundary (:mod:`clmerge.utils.inpaths`) with the run directory as
+    ``within``: a file that is a symlink out of it (``events.jsonl -> /elsewhere``), a FIFO, a symlink loop or
+    a file over its size cap is refused, naming it.
+
     Raises:
-        FileNotFoundError: if ``metrics.json`` is missing (the message names the expected path).
-        ValueError: if ``metrics.json`` or ``manifest.json`` is not valid JSON, or ``metrics.json`` has no
-            usable ``accuracy_matrix``.
+        FileNotFoundError: if ``metrics.json`` is missing (an :class:`~clmerge.utils.inpaths.InputMissing`;
+            the message names the expected path).
+        InputError: a file outside the run directory or not a regular file; ``metrics.json`` or
+            ``manifest.json`` not valid JSON, or ``metrics.json`` with no usable ``accuracy_matrix``.
     """
     run_dir = Path(run_dir)
     metrics_path = run_dir / "metrics.json"
-    if not metrics_path.is_file():
-        raise FileNotFoundError(f"no metrics.json in run directory {run_dir} (expected {metrics_path})")
-    metrics = read_json(metrics_path)
+    try:
+        metrics = read_json(metrics_path, within=run_dir)
+    except inpaths.InputMissing:
+        raise inpaths.InputMissing(f"no metrics.json in run directory {run_dir} (expected {metrics_path})") from None
     if not isinstance(metrics, dict):
         raise InputError(f"{metrics_path}: expected a JSON object, got {type(metrics).__name__}")
     check_accuracy_matrix(metrics, metrics_path)
     manifest_path, config_path = run_dir / "manifest.json", run_dir / "config.yaml"
-    manifest = read_json(manifest_path) if manifest_path.is_file() else {}
-    events, bad = _read_events(run_dir / "events.jsonl")
-    config_text = config_path.read_text(encoding="utf-8", errors="replace") if config_path.is_file() else None
+    manifest = _optional(manifest_path, run_dir, lambda: read_json(manifest_path, within=run_dir))
+    events, bad = _read_events(run_dir / "events.jsonl", run_dir)
+    config_text = _optional(config_path, run_dir, lambda: inpaths.read_text(
+        config_path, within=run_dir, kind="yaml", errors="replace"))
     return {
         "metrics": metrics,
         "manifest": manifest if isinstance(manifest, dict) else {},
         "config_text": config_text,
         "events": events,
         "bad_event_lines": bad,
-        "metrics_mtime": datetime.fromtimestamp(metrics_path.stat().st_mtime, tz=timezone.utc),
+        "metrics_mtime": datetime.fromtimestamp(os.stat(metrics_path).st_mtime, tz=timezone.utc),
     }
 
 
@@ -287,9 +312,12 @@ def build_report(run_dir: str | Path) -> Path:
 
     Raises:
         FileNotFoundError: if ``RUN_DIR/metrics.json`` is missing.
-        ValueError: if a JSON file is malformed or the accuracy matrix is unusable.
+        ValueError: if a JSON file is malformed or the accuracy matrix is unusable, or a file of the run lies
+            outside it (an :class:`InputError`).
+        OutputError: ``RUN_DIR/report.html`` is a symlink or cannot be written (checked before the page is made).
     """
     run_dir = Path(run_dir)
+    page_path(run_dir, PAGE)
     run = load_run(run_dir)
     metrics = run["metrics"]
     names = _task_names(metrics, run["manifest"], plots.matrix_to_array(metrics["accuracy_matrix"]).shape[0])
@@ -299,8 +327,20 @@ def build_report(run_dir: str | Path) -> Path:
     if run["config_text"] is not None:
         sections.append(_section("Resolved config", f"<pre>{escape(run['config_text'])}</pre>"))
     title = f"clmerge report: {format_number(metrics.get('method'))}"
-    out = run_dir / "report.html"
+    out = page_path(run_dir, PAGE)
     atomic_write_text(out, _page(title, _header(run, run_dir), sections))
+    return out
+
+
+def page_path(folder: Path, name: str) -> Path:
+    """Where a page is written inside a folder the command was handed (:func:`clmerge.utils.outpaths.child`:
+    never through a symlink, never a name with separators) after checking it can be written there.
+
+    Raises:
+        OutputError: the entry is a symlink or a special file, or the folder cannot be written.
+    """
+    out = child(Path(folder), name, flag="report")
+    check_writable(out, "report")
     return out
 
 
@@ -317,7 +357,7 @@ def build_sweep_report(
     Returns:
         ``out_path`` as a :class:`~pathlib.Path`.
     """
-    out_path = Path(out_path)
+    out_path = page_path(Path(out_path).parent, Path(out_path).name)
     keys = [*SWEEP_METRICS, "bwt", "acc_sample"]
     rows = [[str(label), *(format_number(m.get(k)) for k in keys)] for label, m in runs.items()]
     sections = [_section("Metrics", _table(["run", *keys], rows))]

@@ -11,6 +11,8 @@ first file is written; without matplotlib the page keeps its tables and says how
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable, Sequence
 from html import escape
 from pathlib import Path
@@ -19,18 +21,17 @@ from urllib.parse import quote
 
 from clmerge.report import plots, sweep_plots, tables
 from clmerge.report.elements import details, format_value, img, link, page, section, table
-from clmerge.report.html import build_report, check_accuracy_matrix
+from clmerge.report.html import PAGE, build_report, check_accuracy_matrix, page_path
 from clmerge.report.sweep_data import Band, cil_curve, forgetting_values, old_new_split, seed_band, til_curve
 from clmerge.utils.extras import MissingExtraError, require_extra
 from clmerge.errors import InputError
+from clmerge.utils.inpaths import read_text
 from clmerge.utils.io import atomic_write_text, read_json
-from clmerge.utils.outpaths import check_writable
 from clmerge.utils.yaml_io import read_yaml
 
 __all__ = ["PAGE", "DEFAULT_METRICS", "is_run_dir", "default_by", "build_sweep_page", "sweep_page_html",
            "sweep_figures", "selection_rows"]
 
-PAGE = "report.html"
 SPEC_FILE = "sweep.yaml"
 DEFAULT_METRICS = ("acc", "aaa", "forgetting", "til_acc")
 NO_PLOTS = ('The plots need matplotlib, which is not installed: pip install "clmerge[plots]" '
@@ -41,42 +42,58 @@ BAND_NOTE = ("Line: mean over the group's runs (seeds); band: ± 1 standard erro
 
 def is_run_dir(path: Path) -> bool:
     """A run directory (its own report), not a folder of them: it holds ``config.yaml`` or ``metrics.json``."""
-    return (path / "config.yaml").is_file() or (path / "metrics.json").is_file()
+    return (path / "config.yaml").is_file() or _exists(path / "metrics.json")
+
+
+def _exists(path: Path) -> bool:
+    """An entry is there (a symlink too, dangling or not: the input boundary then says what is wrong with it)."""
+    return os.path.lexists(path)
 
 
 def default_by(sweep_dir: Path) -> list[str]:
     """The grouping keys when none are given: the grid keys of ``sweep.yaml`` but the seed keys, else
     ``method.name``."""
     spec = sweep_dir / SPEC_FILE
-    data = read_yaml(spec) if spec.is_file() else None
+    data = read_yaml(spec, within=sweep_dir) if _exists(spec) else None
     grid = data.get("grid") if isinstance(data, dict) else None
     keys = [str(k) for k in grid if k not in tables.SEED_KEYS] if isinstance(grid, dict) else []
     return keys or ["method.name"]
 
 
+def _warn_stderr(line: str) -> None:
+    print(f"warning: {line}", file=sys.stderr)
+
+
 def build_sweep_page(sweep_dir: str | Path, *, by: Sequence[str] | None = None,
                      metrics: Sequence[str] = DEFAULT_METRICS, vs: str | None = None,
-                     ignore: Sequence[str] = ()) -> Path:
+                     ignore: Sequence[str] = (), warn: Callable[[str], None] = _warn_stderr) -> Path:
     """Write ``SWEEP_DIR/report.html`` (atomically) and the missing pages of its runs; return the page's path.
+
+    A symlinked entry inside ``sweep_dir`` (a run directory elsewhere, a link back up, a symlink loop) is never
+    followed, as git records a symlink to a folder without descending into it: it is skipped, ``warn`` gets a
+    line naming it (default: ``warning: ...`` on stderr). No page is ever written
+    into a symlinked folder or through a symlinked ``report.html``
+    (:func:`clmerge.utils.outpaths.child`), and every run file is read inside its run directory
+    (:func:`clmerge.report.tables.find_runs`, :func:`clmerge.report.html.load_run`).
 
     Raises:
         InputError: no run directory, runs that cannot be averaged (tables.build_table), a metrics.json
-            without a usable accuracy matrix; nothing is written then.
+            without a usable accuracy matrix, a run file outside its run directory; nothing is written then.
         UsageError: a ``by`` key in no config, an unknown ``vs`` group.
-        OutputError: the page cannot be written in ``sweep_dir`` (checked before anything is written).
+        OutputError: a page cannot be written (a symlinked ``report.html``, no permission; checked before
+            anything is written).
     """
     sweep_dir = Path(sweep_dir)
-    done, unfinished = tables.find_runs([sweep_dir])
+    done, unfinished = tables.find_runs([sweep_dir], warn=warn)
     t = tables.build_table(tables.load_runs(done), by=list(by or default_by(sweep_dir)), metrics=list(metrics),
                            vs=vs, ignore=list(ignore), skipped=unfinished)
     for r in _runs(t):
         check_accuracy_matrix(r.metrics, r.path / "metrics.json")
-    out = sweep_dir / PAGE
+    out = page_path(sweep_dir, PAGE)
+    missing = [r.path for r in _runs(t) if not _exists(page_path(r.path, PAGE))]
     html = sweep_page_html(sweep_dir, t)  # reads selected.json too: a bad one stops before any write
-    check_writable(out, "report")
-    for r in _runs(t):
-        if not (r.path / PAGE).is_file():
-            build_report(r.path)
+    for run_dir in missing:
+        build_report(run_dir)
     atomic_write_text(out, html)
     return out
 
@@ -123,7 +140,7 @@ def selection_rows(path: Path) -> tuple[str, str, list[list[str]]]:
     """A sweep's ``selected.json`` (its choice on validation, docs/sweeps.md) as (key, metric, rows): per
     group, the chosen value, every value tried with its mean validation score, and whether the choice sits at
     an edge of the values tried. A file of another shape: InputError naming the file and the key."""
-    doc = read_json(path)
+    doc = read_json(path, within=path.parent)
     key, metric = (doc.get(k) if isinstance(doc, dict) else None for k in ("key", "metric"))
     groups = doc.get("groups") if isinstance(doc, dict) else None
     if not isinstance(key, str) or not isinstance(metric, str) or not isinstance(groups, dict):
@@ -141,7 +158,7 @@ def selection_rows(path: Path) -> tuple[str, str, list[list[str]]]:
 
 def _selection_section(sweep_dir: Path) -> str:
     path = sweep_dir / tables.SELECTED_FILE
-    if not path.is_file():
+    if not _exists(path):
         return ""
     key, metric, rows = selection_rows(path)
     head = ["group", f"chosen {key}", f"values tried: mean validation {metric}", "at an edge"]
@@ -224,8 +241,8 @@ def _number(v: float | None) -> str:
 
 def _spec_section(sweep_dir: Path) -> str:
     spec = sweep_dir / SPEC_FILE
-    if not spec.is_file():
+    if not _exists(spec):
         return ""
-    text = spec.read_text(encoding="utf-8", errors="replace")
+    text = read_text(spec, within=sweep_dir, kind="yaml", errors="replace")
     return section("Sweep spec", details(f"{SPEC_FILE} (as run)", f"<pre>{escape(text)}</pre>"))
 

@@ -24,18 +24,23 @@ import csv
 import io
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from clmerge.errors import InputError, UsageError
 from clmerge.metrics import mean_se
+from clmerge.utils import inpaths
+from clmerge.utils.inpaths import real_subdirs
 from clmerge.utils.io import read_json
 from clmerge.utils.yaml_io import read_yaml
 
 __all__ = ["METRICS", "SEED_KEYS", "FORMATS", "Run", "Group", "ResultsTable", "find_runs", "load_runs",
-           "build_table", "flatten", "metric_value", "parse_metrics", "render", "table_rows"]
+           "build_table", "flatten", "link_warning", "read_metrics", "metric_value", "parse_metrics", "render",
+           "table_rows"]
 
 SEED_KEYS = ("seed", "scenario.seed")
 # name -> path in metrics.json; the TIL ones (task-incremental: the task's own classes only) sit under "til"
@@ -126,21 +131,36 @@ def _is_sweep_dir(folder: Path) -> bool:
     return (folder / SELECTED_FILE).is_file() or (folder / "sweep.yaml").is_file()
 
 
-def _search(folder: Path, depth: int) -> list[Path]:
-    """Run directories at or below ``folder`` (at most ``depth`` levels down), hidden folders skipped."""
+def _search(folder: Path, depth: int, links: list[Path]) -> list[Path]:
+    """Run directories at or below ``folder`` (at most ``depth`` levels down), hidden folders skipped; a
+    symlinked entry is never followed (added to ``links``)."""
     if _is_run_dir(folder):
         return [folder]
     if depth == 0:
         return []
     skip = SELECT_DIR if _is_sweep_dir(folder) else None  # selection runs: not results
-    kids = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != skip)
-    return [r for k in kids for r in _search(k, depth - 1)]
+    kids, linked = real_subdirs(folder)
+    links += [p for p in linked if not p.name.startswith(".")]
+    kids = [p for p in kids if not p.name.startswith(".") and p.name != skip]
+    return [r for k in kids for r in _search(k, depth - 1, links)]
 
 
-def find_runs(dirs: Iterable[str | Path]) -> tuple[list[Path], list[Path]]:
+def link_warning(link: Path) -> str:
+    """The warning line for a symlinked entry skipped in a folder of runs."""
+    return (f"{link}: a symlink, skipped (clmerge does not follow symlinks inside a folder of runs; name the "
+            "run directory itself to include it)")
+
+
+def find_runs(dirs: Iterable[str | Path], *, warn: Callable[[str], None] | None = None
+              ) -> tuple[list[Path], list[Path]]:
     """``(finished, unfinished)`` run directories in ``dirs``: each a run directory or a folder holding run
     directories up to :data:`SEARCH_DEPTH` levels down. A run directory holds ``config.yaml``; it is finished
     when it holds ``metrics.json`` too.
+
+    A folder named in ``dirs`` is the user's choice and is read even when it is a symlink; inside it, a
+    symlinked entry (to a run directory elsewhere, to a folder above, a symlink loop) is never followed, as git
+    records a symlink to a folder without descending into it: it is skipped and ``warn`` is called with a line
+    naming it (:func:`link_warning`).
 
     Raises:
         InputError: a folder that does not exist or holds no run directory.
@@ -148,15 +168,19 @@ def find_runs(dirs: Iterable[str | Path]) -> tuple[list[Path], list[Path]]:
     found: list[Path] = []
     for d in map(Path, dirs):
         if not d.is_dir():
-            what = "not a folder" if d.exists() else "no such folder"
+            what = "not a folder" if d.exists() or d.is_symlink() else "no such folder"
             raise InputError(f"{d}: {what} (expected a run directory or a folder of run directories)")
-        runs = _search(d, SEARCH_DEPTH)
+        links: list[Path] = []
+        runs = _search(d, SEARCH_DEPTH, links)
+        for link in links:
+            if warn is not None:
+                warn(link_warning(link))
         if not runs:
             raise InputError(f"{d}: no run directory (config.yaml + metrics.json) in it or "
-                             f"{SEARCH_DEPTH} levels below")
+                             f"{SEARCH_DEPTH} levels below" + (" (symlinks are not followed)" if links else ""))
         seen = {f.resolve() for f in found}
         found += [r for r in runs if r.resolve() not in seen]
-    done = [r for r in found if (r / "metrics.json").is_file()]
+    done = [r for r in found if (r / "metrics.json").is_file() or (r / "metrics.json").is_symlink()]
     return done, [r for r in found if r not in done]
 
 
@@ -173,21 +197,50 @@ def flatten(cfg: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _load_run(path: Path) -> Run:
-    cfg = read_yaml(path / "config.yaml")
+    cfg = read_yaml(path / "config.yaml", within=path)
     if not isinstance(cfg, dict):
         raise InputError(f"{path / 'config.yaml'}: expected a mapping of config keys, "
                          f"got {type(cfg).__name__}")
-    metrics = read_json(path / "metrics.json")
+    metrics = read_metrics(path / "metrics.json", within=path)
     if not isinstance(metrics, dict):
         raise InputError(f"{path / 'metrics.json'}: expected a JSON object, got {type(metrics).__name__}")
     return Run(path, flatten(cfg), metrics, _selected_keys(path.parent / SELECTED_FILE))
 
 
+def read_metrics(path: Path, *, within: Path) -> Any:
+    """A run's ``metrics.json``, read through the input boundary (a regular file inside ``within``, under the
+    JSON cap) as strict JSON: ``NaN`` / ``Infinity`` (which Python's json writes, JSON does not have) are an
+    :class:`InputError` naming the file and the key that holds one."""
+    data = inpaths.read_bytes(path, within=within, kind="json")
+    try:
+        return inpaths.loads_json(data, str(path), strict=True)
+    except InputError:
+        doc = inpaths.loads_json(data, str(path))  # not strict: where is the non-finite number?
+        key, value = _non_finite(doc)
+        if key is None:
+            raise
+        raise InputError(f"{path}: '{key}' is {value}, not a finite number (JSON has no NaN or Infinity; "
+                         "a finished run's metrics are finite)") from None
+
+
+def _non_finite(doc: Any, prefix: str = "") -> tuple[str | None, str]:
+    """The first dotted key (list items as ``[i]``) holding NaN or an infinity, and that value as JSON spells it."""
+    items = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
+    for k, v in items:
+        key = f"{prefix}[{k}]" if isinstance(doc, list) else (f"{prefix}.{k}" if prefix else str(k))
+        if isinstance(v, float) and not math.isfinite(v):
+            return key, "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+        found = _non_finite(v, key)
+        if found[0] is not None:
+            return found
+    return None, ""
+
+
 def _selected_keys(path: Path) -> list[str]:
     """The key a sweep chose on validation, from its ``selected.json`` (none without one)."""
-    if not path.is_file():
+    if not path.is_file() and not path.is_symlink():
         return []
-    doc = read_json(path)
+    doc = read_json(path, within=path.parent)
     key = doc.get("key") if isinstance(doc, dict) else None
     if not isinstance(key, str):
         raise InputError(f"{path}: key: expected the config key the sweep selected, got {key!r}")
@@ -225,13 +278,26 @@ def metric_value(run: Run, name: str) -> float | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise InputError(f"{run.path / 'metrics.json'}: '{'.'.join(METRICS[name])}' should be a number, "
                          f"got {str(v)[:40]!r}")
-    return float(v)
+    try:
+        x = float(v)
+    except OverflowError:  # an integer beyond any float
+        x = math.inf
+    if not math.isfinite(x):
+        raise InputError(f"{run.path / 'metrics.json'}: '{'.'.join(METRICS[name])}' is {str(v)[:40]}, not a "
+                         "finite number")
+    return x
 
 
-def _stat(xs: Sequence[float]) -> dict[str, Any]:
+def _stat(xs: Sequence[float], what: str = "the values") -> dict[str, Any]:
+    """Mean, standard error and n of ``xs``; a mean or SE that overflows (finite values near 1e308) is an
+    :class:`InputError` naming ``what``, never an ``inf`` in the table."""
     if not xs:
         return {"mean": None, "se": None, "n": 0}
-    m, se = mean_se(xs)
+    with np.errstate(over="ignore", invalid="ignore"):
+        m, se = mean_se(xs)
+    if not math.isfinite(m) or not (math.isnan(se) and len(xs) < 2 or math.isfinite(se)):
+        raise InputError(f"{what}: the mean ± standard error over {len(xs)} run(s) is not finite (the values, up "
+                         f"to {max(abs(x) for x in xs):.3g}, overflow a float); not a metric clmerge writes")
     return {"mean": m, "se": None if math.isnan(se) else se, "n": len(xs)}
 
 
@@ -312,7 +378,8 @@ def _pair(g: Group, ref: Group, metrics: Sequence[str]) -> None:
     g.unpaired += [r.path for r in ref.runs if r.seeds() not in mine]
     for m in metrics:
         vals = [(metric_value(a, m), metric_value(b, m)) for a, b in pairs]
-        g.diffs[m] = _stat([a - b for a, b in vals if a is not None and b is not None])
+        g.diffs[m] = _stat([a - b for a, b in vals if a is not None and b is not None],
+                           f"{m}: group {g.label!r} minus {ref.label!r}")
 
 
 def _find_group(groups: Sequence[Group], label: str) -> Group:
@@ -339,7 +406,8 @@ def build_table(runs: Sequence[Run], *, by: Sequence[str], metrics: Sequence[str
     skip = set(by) | set(SEED_KEYS) | set(ignore)
     for g in groups:
         _check_group(g, skip)
-        g.stats = {m: _stat([v for r in g.runs if (v := metric_value(r, m)) is not None]) for m in metrics}
+        g.stats = {m: _stat([v for r in g.runs if (v := metric_value(r, m)) is not None], f"{m} of group {g.label!r}")
+                   for m in metrics}
     ref = _find_group(groups, vs) if vs is not None else None
     groups.sort(key=lambda g: g is not ref)  # the reference first, the others in the order found
     for g in groups:

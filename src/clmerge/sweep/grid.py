@@ -9,13 +9,23 @@ A spec is a YAML mapping (docs/sweeps.md)::
     select: {key: optim.lr, values: [1e-3, 3e-3]}       # optional: a key chosen on validation (.select)
 
 Every cell is one ``clmerge run`` with the base config, then ``set``, then its own grid values. A cell is
-named by its grid values (:func:`cell_name`), e.g. ``method.name=pm, seed=1`` -> ``pm-seed1``.
+named by its grid values (:func:`cell_name`), e.g. ``method.name=pm, seed=1`` -> ``pm-seed1``; a name that
+would not be a safe folder name (``..``, ``.``, a separator, a space, more than
+:data:`~clmerge.utils.outpaths.MAX_NAME` characters) is made one by :func:`clmerge.utils.outpaths.slug`
+(its safe characters, cut, and a hash of the whole name), so a cell's run always lands in its own folder
+directly inside the sweep directory.
+
+A grid holds at most :data:`MAX_CELLS` cells (10,000, the bound of ``merge --tune``'s grid): the count is the
+product of the grid's list lengths, checked (:func:`check_cell_count`) before any cell is built or anything
+is written; ``clmerge sweep --max-cells N`` raises it. A spec without a grid (an empty file, only ``set``) is
+refused: it would run the base config as a one-cell sweep.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,13 +34,16 @@ from typing import Any
 from ..config import (EMBEDDED_DEFAULT, ConfigError, ExperimentConfig, parse_config, read_yaml_mapping,
                       resolve_config_arg)
 from ..errors import UsageError, clip
+from ..utils.outpaths import slug
 from .select_spec import SelectSpec, parse_link, parse_select
 
 __all__ = ["SweepSpec", "Cell", "load_spec", "spec_from_dict", "expand_cells", "cell_name", "cell_config",
-           "base_data", "dotted_items", "parse_seeds", "set_dotted", "linked", "SPEC_KEYS"]
+           "base_data", "dotted_items", "parse_seeds", "set_dotted", "linked", "SPEC_KEYS", "MAX_CELLS",
+           "cell_count", "check_cell_count"]
 
 SPEC_KEYS = ("base", "set", "grid", "link", "select")
-_UNSAFE = re.compile(r"[^A-Za-z0-9._+=-]")  # characters a cell's folder name does not keep
+#: The most cells a sweep's grid may have unless ``--max-cells`` raises it (``merge --tune``'s MAX_TRIALS).
+MAX_CELLS = 10_000
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
@@ -45,6 +58,7 @@ class SweepSpec:
     grid: dict[str, list[Any]] = field(default_factory=dict)
     link: dict[str, str] = field(default_factory=dict)
     select: SelectSpec | None = None
+    max_cells: int = field(default=MAX_CELLS, compare=False)  # the bound on the cells (``--max-cells``)
 
     def as_dict(self) -> dict[str, Any]:
         out = {"base": self.base, "set": dict(self.set), "grid": {k: list(v) for k, v in self.grid.items()}}
@@ -65,8 +79,33 @@ class Cell:
 
 def load_spec(path: str | Path) -> SweepSpec:
     """Read and check a sweep spec file (unknown keys, a grid key with no list, a bad dotted key: ConfigError
-    naming the key; a missing or unreadable file: ConfigFileError)."""
-    return spec_from_dict(read_yaml_mapping(path, what="sweep spec"), source=str(path))
+    naming the key; a missing or unreadable file: ConfigFileError; no grid, or an empty file: UsageError
+    naming the file)."""
+    data = read_yaml_mapping(path, what="sweep spec")
+    if not data.get("grid"):
+        what = "is empty" if not data else "has no grid (or an empty one)"
+        raise UsageError(f"{path}: the sweep spec {what}; give a grid of values to cross, e.g. grid: {{seed: "
+                         "[0, 1, 2]}} (a single run is `clmerge run CONFIG`)")
+    return spec_from_dict(data, source=str(path))
+
+
+def cell_count(spec: SweepSpec) -> int:
+    """The number of cells of the spec's grid: the product of its list lengths (nothing enumerated)."""
+    return math.prod(len(v) for v in spec.grid.values())
+
+
+def check_cell_count(spec: SweepSpec, max_cells: int = MAX_CELLS, source: str = "grid") -> int:
+    """The grid's cell count, after refusing one over ``max_cells`` (before any cell is built).
+
+    Raises:
+        UsageError: naming the keys with their lengths, the count and the limit.
+    """
+    n = cell_count(spec)
+    if n > max_cells:
+        sizes = " x ".join(f"{k} ({len(v)})" for k, v in spec.grid.items())
+        raise UsageError(f"{source}: {sizes} = {n:,} cells, over the limit of {max_cells:,}; split the sweep or "
+                         "raise the limit with --max-cells N")
+    return n
 
 
 def spec_from_dict(data: dict, source: str = "sweep spec") -> SweepSpec:
@@ -106,7 +145,7 @@ def _label(value: Any) -> str:
         return str(value).lower()
     if isinstance(value, (list, tuple)):
         return "_".join(_label(v) for v in value)
-    return _UNSAFE.sub("_", str(value))
+    return str(value)
 
 
 def _prefixes(keys: list[str]) -> dict[str, str]:
@@ -118,10 +157,13 @@ def _prefixes(keys: list[str]) -> dict[str, str]:
 
 def cell_name(overrides: dict[str, Any], prefixes: dict[str, str] | None = None) -> str:
     """A readable folder name: ``{method.name: pm, seed: 1}`` -> ``pm-seed1``; ``optim.lr: 0.001`` ->
-    ``lr0.001``; ``{seed: 0, scenario.seed: 2}`` -> ``seed0-scenario.seed2``. Characters other than
-    letters, digits and ``._+=-`` become ``_``."""
+    ``lr0.001``; ``{seed: 0, scenario.seed: 2}`` -> ``seed0-scenario.seed2``. A name that is not a safe folder
+    name as it stands (a character other than letters, digits and ``._+=-``, a leading ``.`` as in ``..``,
+    longer than :data:`~clmerge.utils.outpaths.MAX_NAME`) is :func:`~clmerge.utils.outpaths.slug`'s: its safe
+    characters, cut, then ``-h`` and 12 hex digits of the sha256 of the whole name, so two names never
+    become one folder and a cell's run never leaves the sweep directory."""
     prefixes = prefixes if prefixes is not None else _prefixes(list(overrides))
-    return "-".join(f"{prefixes[k]}{_label(v)}" for k, v in overrides.items()) or "base"
+    return slug("-".join(f"{prefixes[k]}{_label(v)}" for k, v in overrides.items()) or "base")
 
 
 def linked(overrides: dict[str, Any], link: dict[str, str]) -> dict[str, Any]:
@@ -131,7 +173,9 @@ def linked(overrides: dict[str, Any], link: dict[str, str]) -> dict[str, Any]:
 
 def expand_cells(spec: SweepSpec) -> list[Cell]:
     """Every combination of the grid's values (the first key varies slowest), each with its unique name (the
-    name is the grid values'; the overrides carry the linked keys too)."""
+    name is the grid values'; the overrides carry the linked keys too); a grid of more than
+    ``spec.max_cells`` cells is a UsageError before any is built (:func:`check_cell_count`)."""
+    check_cell_count(spec, spec.max_cells)
     keys = list(spec.grid)
     prefixes = _prefixes(keys)
     cells = [Cell(cell_name(dict(zip(keys, combo)), prefixes), linked(dict(zip(keys, combo)), spec.link))
@@ -139,8 +183,8 @@ def expand_cells(spec: SweepSpec) -> list[Cell]:
     seen: dict[str, Cell] = {}
     for c in cells:
         if c.name in seen:
-            raise ConfigError(f"grid: cells {seen[c.name].overrides} and {c.overrides} would share the folder "
-                              f"{c.name!r}; make the values differ in letters or digits")
+            raise ConfigError(f"grid: cells {clip(seen[c.name].overrides, 100)} and {clip(c.overrides, 100)} would "
+                              f"share the folder {c.name!r}; make the values differ")
         seen[c.name] = c
     return cells
 

@@ -13,6 +13,13 @@ With a ``select:`` block (:mod:`.select`), phase 1 runs the selection cells unde
 statuses in ``DIR/select/cells.json``) and writes ``DIR/selected.json``; then the grid's cells run with the
 chosen values. A grid cell whose config is a finished selection cell's (the chosen value at a selection seed)
 is copied from it instead of run again.
+
+Every cell's folder is named by :func:`clmerge.utils.outpaths.child` inside ``DIR`` before anything is
+written: a cell folder that is a symlink (to another run, another disk) is refused with an
+:class:`~clmerge.errors.OutputError` naming the cell, so no run is ever written through a link. A grid of more
+cells than ``max_cells`` (:data:`~.grid.MAX_CELLS`, 10,000) is a UsageError before anything is built. Files
+read back from ``DIR`` (``sweep.yaml``, ``selected.json``, ``cells.json``, a cell's ``metrics.json``) go
+through the input boundary with ``DIR`` (or the cell) as ``within``.
 """
 
 from __future__ import annotations
@@ -21,22 +28,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import math
 import os
 import shutil
 
 import yaml
 
 from ..engine.resume import RUN_FILES, check_same_config, recorded_config_sha256
-from ..errors import ClmergeError, OutputError, RunStateError
+from ..errors import ClmergeError, OutputError, RunStateError, UsageError
+from ..utils.inpaths import open_input
 from ..utils.io import atomic_write_text, read_json, write_json
-from ..utils.outpaths import check_output_dir
+from ..utils.outpaths import check_output_dir, child
 from ..utils.yaml_io import read_yaml
 from .executors import Executor, make_executor
-from .grid import Cell, SweepSpec, base_data, cell_config, expand_cells, spec_from_dict
+from .grid import MAX_CELLS, Cell, SweepSpec, base_data, cell_config, check_cell_count, expand_cells, spec_from_dict
 from .select import SELECT_DIR, SELECTED_FILE, group_label, groups, phase2_cells, run_selection, selection_plan
 
 __all__ = ["SweepError", "plan_sweep", "plan_selection", "run_sweep", "run_cell", "run_cell_torchrun",
-           "check_nproc", "cell_state", "read_cells"]
+           "check_nproc", "cell_state", "read_cells", "cell_dir", "check_selection_count"]
 
 SPEC_FILE, CELLS_FILE = "sweep.yaml", "cells.json"
 TORCHRUN_LOGS = ".torchrun"  # with --nproc: each cell's torchrun output, <cell>.log
@@ -48,7 +57,9 @@ class SweepError(ClmergeError, RuntimeError):
 
 def plan_sweep(spec: SweepSpec, chosen: dict[str, Any] | None = None) -> list[tuple[Cell, dict]]:
     """Every cell with its config mapping, each validated (the first bad one: ConfigError naming it). With a
-    ``select`` block: the grid's cells with ``chosen`` (group label -> value; None: the first candidate)."""
+    ``select`` block: the grid's cells with ``chosen`` (group label -> value; None: the first candidate).
+    A grid over ``spec.max_cells`` cells: UsageError before any cell is built."""
+    check_cell_count(spec, spec.max_cells)
     base = base_data(spec)
     cells = expand_cells(spec) if spec.select is None else phase2_cells(spec, chosen)
     return [(cell, cell_config(base, cell)[0]) for cell in cells]
@@ -58,8 +69,43 @@ def plan_selection(spec: SweepSpec) -> list[tuple[Cell, dict]]:
     """The selection cells of the spec's candidate values (before any extension), each validated."""
     if spec.select is None:
         return []
+    check_selection_count(spec)
     return selection_plan(spec, base_data(spec), {group_label(g): (g, list(spec.select.values))
                                                   for g in groups(spec)})
+
+
+def check_selection_count(spec: SweepSpec) -> int:
+    """The number of selection cells before any extension (every grid combination but the seed, x each
+    candidate value, x each selection seed), refused over ``spec.max_cells`` (UsageError naming the counts)."""
+    sel = spec.select
+    n = math.prod(len(v) for k, v in spec.grid.items() if k != "seed") * len(sel.values) * len(sel.seeds or [None])
+    if n > spec.max_cells:
+        raise UsageError(f"select: {len(sel.values)} values of {sel.key} x {len(sel.seeds or [None])} seed(s) x the "
+                         f"grid's other combinations = {n:,} selection cells, over the limit of {spec.max_cells:,}; "
+                         "raise it with --max-cells N")
+    return n
+
+
+def cell_dir(out: Path, name: str) -> Path:
+    """``out/<name>`` (a selection cell: ``out/select/<name>``), each part named by
+    :func:`clmerge.utils.outpaths.child`: a part that is a symlink or a special file is refused.
+
+    Raises:
+        OutputError: naming the cell and what is in the way.
+    """
+    path = Path(out)
+    try:
+        for part in name.split("/"):
+            path = child(path, part)
+    except OutputError as exc:
+        raise OutputError(f"cell {name}: {exc}") from None
+    return path
+
+
+def _check_cell_dirs(out: Path, plans: list[list[tuple[Cell, dict]]]) -> None:
+    for plan in plans:
+        for cell, _ in plan:
+            cell_dir(out, cell.name)
 
 
 def cell_state(cell_dir: Path) -> str:
@@ -89,7 +135,7 @@ def run_cell_torchrun(data: dict, out: str, resume: bool, nproc: int) -> dict[st
     from ..config import dump_config, parse_config
     from ..engine.distributed import torchrun_command
 
-    log = Path(out).parent / TORCHRUN_LOGS / f"{Path(out).name}.log"
+    log = child(child(Path(out).parent, TORCHRUN_LOGS), f"{Path(out).name}.log")
     log.parent.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="clmerge-cell-") as tmp, log.open("a", encoding="utf-8") as f:
         cfg = Path(tmp) / "config.yaml"
@@ -97,11 +143,18 @@ def run_cell_torchrun(data: dict, out: str, resume: bool, nproc: int) -> dict[st
         args = ["run", str(cfg), "--out", out, *(["--resume"] if resume else [])]
         code = subprocess.run(torchrun_command(nproc, args), stdout=f, stderr=subprocess.STDOUT).returncode
     if code != 0:
-        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+        lines = _tail(log).splitlines()
         tail = [ln.strip() for ln in lines if ln.strip()][-2:]
         raise RuntimeError(f"torchrun exited with {code} ({log}): {' | '.join(tail)}")
-    metrics = read_json(Path(out) / "metrics.json")
+    metrics = read_json(Path(out) / "metrics.json", within=out)
     return {k: metrics.get(k) for k in ("acc", "aaa", "forgetting")}
+
+
+def _tail(log: Path, size: int = 1 << 16) -> str:
+    """The last ``size`` bytes of a cell's torchrun log (read through the input boundary, any length)."""
+    with open_input(log, within=log.parent, kind="text", max_bytes=1 << 62) as fh:
+        fh.seek(max(0, os.fstat(fh.fileno()).st_size - size))
+        return fh.read(size).decode("utf-8", errors="replace")
 
 
 def check_nproc(plan: list[tuple[Cell, dict]], nproc: int) -> None:
@@ -141,7 +194,8 @@ def _check_cells_unchanged(out: Path, plan: list[tuple[Cell, dict]]) -> None:
 
 
 def _check_only_adds(out: Path, spec: SweepSpec, cells: list[Cell]) -> None:
-    old = spec_from_dict(read_yaml(out / SPEC_FILE) or {}, source=str(out / SPEC_FILE))
+    old = spec_from_dict(read_yaml(out / SPEC_FILE, within=out) or {}, source=str(out / SPEC_FILE))
+    old.max_cells = spec.max_cells
     for key in ("base", "set", "link", "select"):
         if getattr(old, key) != getattr(spec, key):
             raise RunStateError(f"{out}: the spec's {key} differs from the sweep's {SPEC_FILE}; a resumed sweep "
@@ -167,6 +221,7 @@ def run_sweep(spec: SweepSpec, out: Path, *, resume: bool = False, backend: str 
     plan, sel_plan = plan_sweep(spec), plan_selection(spec)
     check_nproc(sel_plan + plan, nproc)
     _check_out(out, spec, expand_cells(spec), resume)
+    _check_cell_dirs(out, [sel_plan, plan])
     if resume:
         _check_cells_unchanged(out, sel_plan or plan)
     out.mkdir(parents=True, exist_ok=True)
@@ -177,6 +232,7 @@ def run_sweep(spec: SweepSpec, out: Path, *, resume: bool = False, backend: str 
 
     if spec.select is not None:
         plan = _select(spec, out, new_executor, log)
+        _check_cell_dirs(out, [plan])
         if resume:
             _check_cells_unchanged(out, plan)
     status = {c.name: ("done" if cell_state(out / c.name) == "done" else "pending") for c, _ in plan}
@@ -222,7 +278,8 @@ def _select(spec: SweepSpec, out: Path, new_executor: Callable[[], _CellExecutor
 
 
 def _check_same_choice(path: Path, records: dict[str, dict]) -> None:
-    old = read_json(path).get("groups", {}) if path.is_file() else {}
+    doc = read_json(path, within=path.parent) if os.path.lexists(path) else {}
+    old = doc.get("groups", {}) if isinstance(doc, dict) else {}
     for label, r in records.items():
         if label in old and old[label].get("value") != r["value"]:
             raise RunStateError(f"{path}: {label} chose {old[label].get('value')!r}, the selection cells now give "
@@ -259,7 +316,7 @@ def _run_cells(cx: _CellExecutor, out: Path, todo: list, status: dict[str, str],
                save: Callable[[], None]) -> None:
     ex = cx.ex
     try:
-        handles = {cx.submit_cell(data, str(out / c.name), cell_state(out / c.name) == "started"): c
+        handles = {cx.submit_cell(data, str(cell_dir(out, c.name)), cell_state(out / c.name) == "started"): c
                    for c, data in todo}
         while handles:
             h = ex.wait_any(list(handles))
@@ -286,4 +343,4 @@ def _write_cells(path: Path, plan: list, status: dict[str, str]) -> None:
 
 def read_cells(out: Path) -> dict[str, dict]:
     """``out/cells.json``: cell name -> {overrides, status}."""
-    return read_json(Path(out) / CELLS_FILE)
+    return read_json(Path(out) / CELLS_FILE, within=out)

@@ -12,6 +12,7 @@ study's point order, so the local and Ray backends leave the same file (up to th
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from ..harness.merge_bench import BenchConfig, expert_digest, expert_path, parse
 from ..harness.merge_bench_experts import cached_file_sha256
 from ..theory.jobs import expert_job, merge_job, stability_configs
 from ..theory.spec import HYPERPARAMETERS, Point, StudySpec, canonical_method, expand_points
+from ..utils.inpaths import read_bytes, read_json, read_jsonl_lines
 from ..utils.io import append_jsonl, atomic_write_text, save_tensors, write_json
 from ..utils.yaml_io import YamlError, load_yaml, read_yaml
 from .executors import Executor, make_executor
@@ -41,10 +43,10 @@ class StudyError(ClmergeError, RuntimeError):
 def read_results(out: Path) -> list[dict[str, Any]]:
     """The records of ``out/results.jsonl`` (a torn last line, from a killed run, is skipped)."""
     path = Path(out) / "results.jsonl"
-    if not path.exists():
+    if not os.path.lexists(path):
         return []
     rows = []
-    for line in path.read_text().splitlines():
+    for line in read_jsonl_lines(path, within=out):
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
@@ -72,9 +74,10 @@ class _Experts:
         path = expert_path(self.cache, parse_task(task), cfg)
         meta = path.with_suffix(".json")
         if path.exists() and meta.exists():
-            info = json.loads(meta.read_text()).get("info")
+            doc = read_json(meta, within=self.cache)
+            info = doc.get("info") if isinstance(doc, dict) else None
             if info is not None:
-                params = path.read_bytes()
+                params = read_bytes(path, within=self.cache, what="cached expert", kind="data")
                 verify_sha256(path, cached_file_sha256(path), what="cached expert", data=params,
                               hint="delete it and its .json to retrain")
                 self.infos[digest] = info
@@ -157,7 +160,7 @@ def _prepare(out: Path, spec: StudySpec, resume: bool) -> set[str]:
 def _read_saved_spec(saved: Path) -> dict:
     """The ``study.yaml`` a study directory holds (a corrupt one refuses the resume, naming it)."""
     try:
-        stored = read_yaml(saved) or {}
+        stored = read_yaml(saved, within=saved.parent) or {}
     except YamlError as exc:
         raise ResumeError(f"{exc}; cannot check the study to resume") from None
     if not isinstance(stored, dict):

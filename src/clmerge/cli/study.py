@@ -7,6 +7,7 @@ The commands are thin: the work is in :func:`clmerge.sweep.run_study` (jobs), :f
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -123,7 +124,7 @@ def predict_command(
         method = OLD_METHOD_NAMES[method]
     hp = _parse_assignments(assignments or [])
     try:
-        fits = read_json(study_dir / "fits.json")
+        fits = read_json(study_dir / "fits.json", within=study_dir)
         if not isinstance(fits, dict) or not isinstance(fits.get("laws"), dict):
             raise InputError(f"{study_dir / 'fits.json'}: not a study's fits (no 'laws' mapping); refit with "
                              f"clmerge study SPEC --out {study_dir} --fit-only")
@@ -143,10 +144,11 @@ def advise_command(study_dir: Path = typer.Argument(..., help="a study directory
     from ..theory.advise import advise
     from ..utils.io import read_json
 
-    if not (study_dir / "results.jsonl").exists():
+    if not os.path.lexists(study_dir / "results.jsonl"):
         raise InputError(f"{study_dir}: no results.jsonl (run `clmerge study` first)")
     try:
-        fits = read_json(study_dir / "fits.json") if (study_dir / "fits.json").exists() else finish_study(study_dir)
+        fits = (read_json(study_dir / "fits.json", within=study_dir) if os.path.lexists(study_dir / "fits.json")
+                else finish_study(study_dir))
     except (FileNotFoundError, ValueError) as exc:
         fail(exc)
     typer.echo(advise(read_results(study_dir), fits))

@@ -82,11 +82,14 @@ def load_spec(path: str | Path) -> SweepSpec:
     naming the key; a missing or unreadable file: ConfigFileError; no grid, or an empty file: UsageError
     naming the file)."""
     data = read_yaml_mapping(path, what="sweep spec")
-    if not data.get("grid"):
+    spec = spec_from_dict(data, source=str(path))
+    if not spec.grid:
+        if spec.set:  # a bad base or set key is the more precise error: name it first
+            cell_config(base_data(spec), Cell("base", {}))
         what = "is empty" if not data else "has no grid (or an empty one)"
         raise UsageError(f"{path}: the sweep spec {what}; give a grid of values to cross, e.g. grid: {{seed: "
-                         "[0, 1, 2]}} (a single run is `clmerge run CONFIG`)")
-    return spec_from_dict(data, source=str(path))
+                         "[0, 1, 2]} (a single run is `clmerge run CONFIG`)")
+    return spec
 
 
 def cell_count(spec: SweepSpec) -> int:

@@ -225,7 +225,7 @@ def run_sweep(spec: SweepSpec, out: Path, *, resume: bool = False, backend: str 
     if resume:
         _check_cells_unchanged(out, sel_plan or plan)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / SPEC_FILE, yaml.safe_dump(spec.as_dict(), sort_keys=False))
+    atomic_write_text(child(out, SPEC_FILE), yaml.safe_dump(spec.as_dict(), sort_keys=False))
 
     def new_executor() -> _CellExecutor:
         return _CellExecutor(make_executor(backend, workers=jobs, address=address), nproc)
@@ -267,7 +267,7 @@ def _select(spec: SweepSpec, out: Path, new_executor: Callable[[], _CellExecutor
 
     records, sel_plan = run_selection(spec, base_data(spec), out, run, log)
     _check_same_choice(out / SELECTED_FILE, records)
-    write_json(out / SELECTED_FILE, {"key": spec.select.key, "metric": spec.select.metric, "split": "val",
+    write_json(child(out, SELECTED_FILE), {"key": spec.select.key, "metric": spec.select.metric, "split": "val",
                                      "seeds": spec.select.seeds, "groups": records})
     for label, r in records.items():
         edge = " (at the edge of the values tried)" if r["at_edge"] else ""
@@ -338,7 +338,7 @@ def _pct(v: Any) -> str:
 
 
 def _write_cells(path: Path, plan: list, status: dict[str, str]) -> None:
-    write_json(path, {c.name: {"overrides": c.overrides, "status": status[c.name]} for c, _ in plan})
+    write_json(child(path.parent, path.name), {c.name: {"overrides": c.overrides, "status": status[c.name]} for c, _ in plan})
 
 
 def read_cells(out: Path) -> dict[str, dict]:

@@ -135,7 +135,7 @@ def _scores(out: Path, spec: SweepSpec, per: dict, values: list[Any]) -> dict[An
     res = {}
     for value in values:
         names = [c.name for c in selection_cells(spec, per, value)]
-        got = [val_score(read_json(out / n / "metrics.json"), spec.select.metric) for n in names]
+        got = [val_score(read_json(out / n / "metrics.json", within=out / n), spec.select.metric) for n in names]
         if any(s is None for s in got):
             bad = names[[s is None for s in got].index(True)]
             raise RunStateError(f"select: {out / bad / 'metrics.json'} has no validation score (head.val_acc); "

@@ -30,6 +30,7 @@ from ..theory.jobs import expert_job, merge_job, stability_configs
 from ..theory.spec import HYPERPARAMETERS, Point, StudySpec, canonical_method, expand_points
 from ..utils.inpaths import read_bytes, read_json, read_jsonl_lines
 from ..utils.io import append_jsonl, atomic_write_text, save_tensors, write_json
+from ..utils.outpaths import child
 from ..utils.yaml_io import YamlError, load_yaml, read_yaml
 from .executors import Executor, make_executor
 
@@ -150,10 +151,10 @@ def _prepare(out: Path, spec: StudySpec, resume: bool) -> set[str]:
         if diffs and not _only_adds_seeds(stored, given):
             raise ResumeError(f"{saved} differs from the spec given: --resume needs the same study (it may "
                               f"only add seeds)\n{summarize_differences(diffs)}")
-    atomic_write_text(saved, text)
+    atomic_write_text(child(out, saved.name), text)
     rows = read_results(out)
     # rewrite without a torn last line (a killed run), so appended records start on a fresh line
-    atomic_write_text(results, "".join(json.dumps(r) + "\n" for r in rows))
+    atomic_write_text(child(out, results.name), "".join(json.dumps(r) + "\n" for r in rows))
     return {r["point_id"] for r in rows}
 
 
@@ -197,7 +198,7 @@ def run_study(spec: StudySpec, out: str | Path, *, backend: str = "local", worke
         ex.close()
     order = {p.id: i for i, p in enumerate(points)}
     rows = sorted((r for r in read_results(out) if r["point_id"] in order), key=lambda r: order[r["point_id"]])
-    atomic_write_text(out / "results.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    atomic_write_text(child(out, "results.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
     if failures:
         raise StudyError(f"{len(failures)} job(s) failed (first: {failures[0]}); rerun with --resume")
     return rows
@@ -240,7 +241,7 @@ def _schedule(ex: Executor, spec: StudySpec, todo: list[Point], out: Path, cache
             submit_ready()
             continue
         p, needs = merges.pop(h)
-        append_jsonl(out / "results.jsonl", _record(p, res, needs, experts))
+        append_jsonl(child(out, "results.jsonl"), _record(p, res, needs, experts))
         n_done += 1
         log(f"[{n_done}/{len(todo)} {time.perf_counter() - t0:.0f}s] {p.method['name']} {p.varied or 'default'} "
             f"N={p.n_experts} seed={p.seed} g={p.group}: loss {res['merged_loss']:.4f} acc {res['merged_acc']:.1f}")

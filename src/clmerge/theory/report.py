@@ -12,6 +12,7 @@ import numpy as np
 from ..report.elements import img, page, section, table
 from ..report.plots import new_figure, to_png
 from ..utils.io import atomic_write_text
+from ..utils.outpaths import child
 from .laws import FORMS, evaluate_form
 
 __all__ = ["law_plot", "stability_plot", "build_study_report"]
@@ -121,6 +122,6 @@ def build_study_report(out: str | Path, rows: list[dict], fits: dict[str, Any], 
         sections.append(section("L2 stability (Theorem 1)",
                                  img(stability_plot(stab), "stability") + _stability_table(stab)))
     name, header = _header(out, rows, fits)
-    path = out / "report.html"
+    path = child(out, "report.html", flag="report")  # never through a symlink
     atomic_write_text(path, page(f"clmerge study {name}", header, sections))
     return path

@@ -13,6 +13,12 @@ the group's runs. A paired difference against the reference group takes, for eve
 seed keys) present in both groups, ``x_group - x_reference``, and reports the mean and standard error of those
 differences and the number of pairs; runs without a partner are listed, not dropped silently.
 
+Every file is read through the input boundary (:mod:`clmerge.utils.inpaths`): a run's ``config.yaml`` and
+``metrics.json`` must resolve inside its run directory, ``metrics.json`` is strict JSON (``NaN`` and
+``Infinity`` refused, naming the key), and a mean or standard error that overflows is refused rather than shown
+as ``inf`` (:class:`~clmerge.errors.InputError`, exit 3). Inside a folder of runs, a symlinked entry is never
+followed (:func:`find_runs`).
+
 A sweep with a ``select:`` block (``selected.json`` beside its cells) chose a key on validation: its
 selection runs (``select/``) are not results and are skipped, and the table gets a column with the chosen
 value(s) of that key in each group.
@@ -295,7 +301,8 @@ def _stat(xs: Sequence[float], what: str = "the values") -> dict[str, Any]:
         return {"mean": None, "se": None, "n": 0}
     with np.errstate(over="ignore", invalid="ignore"):
         m, se = mean_se(xs)
-    if not math.isfinite(m) or not (math.isnan(se) and len(xs) < 2 or math.isfinite(se)):
+    se_ok = math.isfinite(se) or (len(xs) < 2 and math.isnan(se))  # one run: no SE (NaN), not an overflow
+    if not math.isfinite(m) or not se_ok:
         raise InputError(f"{what}: the mean ± standard error over {len(xs)} run(s) is not finite (the values, up "
                          f"to {max(abs(x) for x in xs):.3g}, overflow a float); not a metric clmerge writes")
     return {"mean": m, "se": None if math.isnan(se) else se, "n": len(xs)}

@@ -41,7 +41,7 @@ from ..utils.io import atomic_write_text, read_json, write_json
 from ..utils.outpaths import check_output_dir, child
 from ..utils.yaml_io import read_yaml
 from .executors import Executor, make_executor
-from .grid import MAX_CELLS, Cell, SweepSpec, base_data, cell_config, check_cell_count, expand_cells, spec_from_dict
+from .grid import Cell, SweepSpec, base_data, cell_config, check_cell_count, expand_cells, spec_from_dict
 from .select import SELECT_DIR, SELECTED_FILE, group_label, groups, phase2_cells, run_selection, selection_plan
 
 __all__ = ["SweepError", "plan_sweep", "plan_selection", "run_sweep", "run_cell", "run_cell_torchrun",
@@ -338,7 +338,8 @@ def _pct(v: Any) -> str:
 
 
 def _write_cells(path: Path, plan: list, status: dict[str, str]) -> None:
-    write_json(child(path.parent, path.name), {c.name: {"overrides": c.overrides, "status": status[c.name]} for c, _ in plan})
+    cells = {c.name: {"overrides": c.overrides, "status": status[c.name]} for c, _ in plan}
+    write_json(child(path.parent, path.name), cells)
 
 
 def read_cells(out: Path) -> dict[str, dict]:

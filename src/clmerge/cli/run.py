@@ -270,7 +270,8 @@ def _sweep_report(sweep_dir: Path, by: str | None, vs: str | None, metrics: str 
 
     names = tables.parse_metrics(metrics) if metrics is not None else list(sweep_page.DEFAULT_METRICS)
     keys = by_keys(by) if by is not None else None
-    return sweep_page.build_sweep_page(sweep_dir, by=keys, metrics=names, vs=vs, ignore=split_keys(ignore))
+    return sweep_page.build_sweep_page(sweep_dir, by=keys, metrics=names, vs=vs, ignore=split_keys(ignore),
+                                      warn=print_warning)
 
 
 @app.command()

@@ -13,6 +13,7 @@ import typer
 
 from .base import app, err, fail, make_console
 from ..errors import UsageError, clip
+from ..plugins import PLUGIN_HELP
 
 __all__ = ["sweep_command", "run_spec", "dry_run_spec", "next_commands"]
 
@@ -36,9 +37,7 @@ def sweep_command(
     backend: str = typer.Option("local", "--backend", help="local (in process / --jobs pool) or ray"),
     address: str | None = typer.Option(None, "--address", help="Ray: an existing cluster (auto, HOST:PORT, "
                                        "ray://...); default: start a local one"),
-    plugin: list[str] = typer.Option([], "--plugin", help="import a Python module (a name or a .py file path) "
-                                     "first, so the methods, datasets and backbones it registers can be named "
-                                     "(repeatable; cells then run in this process: docs/extending.md)"),
+    plugin: list[str] = typer.Option([], "--plugin", help=PLUGIN_HELP + "; cells then run in this process"),
     max_cells: int | None = typer.Option(None, "--max-cells", min=1, help="refuse a grid of more cells than this "
                                          "(default 10,000; the count is the product of the grid's list lengths)"),
 ) -> None:

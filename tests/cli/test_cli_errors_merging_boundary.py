@@ -297,3 +297,28 @@ def test_out_refusals(ws, argv, code, words):
     (ws / "out" / "keep").write_text("x")
     before = _snapshot(ws)
     _check(CliRunner().invoke(app, argv), code, words, before, ws)
+
+
+def weights_fifo(ws):
+    _fifo(ws, "model.safetensors")
+
+
+def shard_fifo(ws):
+    _sharded(ws / "M")
+    _fifo(ws, "model-00001-of-00001.safetensors")
+
+
+# (id, setup, words): a weights file or a shard that is a FIFO is refused by name by merge and eval alike
+WEIGHTS_CASES = [
+    ("weights-fifo", weights_fifo, ["model.safetensors", "FIFO"]),
+    ("shard-fifo", shard_fifo, ["model-00001-of-00001.safetensors", "FIFO"]),
+]
+
+
+@pytest.mark.timeout(120, method="thread")  # before issue 36, eval blocked forever on a FIFO shard
+@pytest.mark.parametrize("argv", [MERGE, EVAL], ids=["merge", "eval"])
+@pytest.mark.parametrize("setup, words", [c[1:] for c in WEIGHTS_CASES], ids=[c[0] for c in WEIGHTS_CASES])
+def test_weights_that_are_fifos_are_refused_by_name(ws, setup, words, argv):
+    setup(ws)
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, argv), INPUT, words, before, ws)

@@ -32,7 +32,7 @@ ST_DTYPES = {
 
 
 #: No size cap for weights files (they are read tensor by tensor, never whole).
-_NO_CAP = 1 << 62
+NO_CAP = 1 << 62
 
 
 class MergeInputError(InputError):
@@ -125,7 +125,7 @@ class _SafetensorsReader:
 
     def _open(self) -> Any:
         """The file, opened and checked again (regular, inside its folder) for every read."""
-        return inpaths.open_input(self.path, within=self.within, max_bytes=_NO_CAP)
+        return inpaths.open_input(self.path, within=self.within, max_bytes=NO_CAP)
 
     def read(self, key: str) -> Tensor:
         info = self.header[key]

@@ -34,7 +34,7 @@ from ...utils import inpaths
 from ...utils.inpaths import InputMissing, inside, read_bytes
 from ...utils.io import write_json
 from ...utils.outpaths import check_output_dir
-from .base import _NO_CAP, MergeInputError
+from .base import NO_CAP, MergeInputError
 
 __all__ = ["TOKENIZER_FILES", "InputHashes", "OutputTarget", "build_folder", "check_out", "copy_model_files",
            "model_files", "remove_stale_temps", "write_model_card"]
@@ -297,7 +297,7 @@ class InputHashes:
             self.result[str(f)] = blob  # a hub cache blob is named by its sha256 (LFS files)
             return
         h = hashlib.sha256()
-        with inpaths.open_input(path, max_bytes=_NO_CAP) as fh:
+        with inpaths.open_input(path, max_bytes=NO_CAP) as fh:
             while block := fh.read(1 << 22):
                 h.update(block)
         self.result[str(f)] = h.hexdigest()

@@ -124,7 +124,7 @@ def _open_folder(path: Path, base: Any, name: str | None) -> Any:
     singles = [path / "model.safetensors", path / "pytorch_model.bin"]
     singles += sorted(path.glob("*.safetensors")) if len(list(path.glob("*.safetensors"))) == 1 else []
     for f in singles:
-        if f.is_file() or f.is_symlink():
+        if os.path.lexists(f):  # a FIFO or a loop of that name is refused by name when it is opened
             f = inside(path, f.name, f"{path}: weights file")
             src = ParamSource(f, name or str(path), within=path)
             src.folder = path

@@ -322,3 +322,16 @@ def test_weights_that_are_fifos_are_refused_by_name(ws, setup, words, argv):
     setup(ws)
     before = _snapshot(ws)
     _check(CliRunner().invoke(app, argv), INPUT, words, before, ws)
+
+
+def test_eval_refuses_an_index_entry_that_leaves_and_reenters_the_folder(ws):
+    """``../M/shard`` resolves inside M, but a private staging folder cannot hold a link there: refused, and
+    nothing is written beside the staging folder."""
+    _sharded(ws / "M")
+    index = ws / "M" / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"] = {k: "../M/model-00001-of-00001.safetensors" for k in data["weight_map"]}
+    index.write_text(json.dumps(data))
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, EVAL), INPUT, ["weight_map entry", "../M/model-00001-of-00001.safetensors"],
+           before, ws)

@@ -53,9 +53,10 @@ def _weight_files(folder: Path) -> dict[str, tuple[Path, int | None]]:
             continue
         found[name] = (path, inpaths.LIMITS["json"])
         for entry, shard in shard_map(path).items():
-            if Path(entry).is_absolute():  # a link cannot stand in for it in the private folder
-                raise MergeInputError(f"{path}: weight_map entry {entry}: an absolute path; name the shards "
-                                      "relative to the folder")
+            norm = os.path.normpath(entry)
+            if os.path.isabs(norm) or norm == ".." or norm.startswith("../"):  # no link can stand in for it
+                raise MergeInputError(f"{path}: weight_map entry {entry}: name the shards by their path inside "
+                                      f"{folder} (no absolute path, no '..' above it)")
             found[entry] = (shard, None)
     return found
 

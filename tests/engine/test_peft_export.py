@@ -94,7 +94,7 @@ def test_extract_lora_bad_input_is_one_line_exit_2(tmp_path, fine_tune):
     res = _cli("extract-lora", "--base", d / "base", "--tuned", d / "base", "--rank", 2, "--out", tmp_path / "z")
     assert res.exit_code == 3 and "nothing to extract" in res.output and not (tmp_path / "z").exists()
     res = _cli("extract-lora", "--base", d / "base", "--tuned", d / "tuned", "--rank", 2, "--out", d / "base")
-    assert res.exit_code == 5 and "is or contains the input" in res.output  # OutputError
+    assert res.exit_code == 5 and "contains or lies inside the input" in res.output  # OutputError
 
 
 def _run(tmp_path_factory, method: str):

@@ -21,7 +21,7 @@ One module decides whether an input path may be read, for every command (``merge
 
 Paths the user typed (``--base``, a recipe's models, ``--out`` of ``report``) are the user's own choice: they
 are not contained (``within=None``), but rules 2 and 3 still hold. An architecture test
-(``tests/test_architecture.py::test_input_boundary``) fails when code outside this module opens a file
+(``tests/test_input_boundary.py``) fails when code outside this module opens a file
 directly (``open``, ``read_text``, ``read_bytes``, ``json.load``, ``safe_open``, ``load_file``, ``torch.load``,
 YAML loads), so a new command cannot forget the boundary.
 """

@@ -50,7 +50,8 @@ def read_yaml(path: str | Path, *, max_bytes: int = MAX_YAML_BYTES, within: str 
     try:
         data = read_bytes(path, within=within, kind="yaml", max_bytes=max_bytes)
     except InputTooLarge:
-        raise YamlLimitError(f"{path}: larger than {max_bytes:,} bytes; not a clmerge YAML file") from None
+        raise YamlLimitError(f"{path}: larger than {max_bytes:,} bytes, the limit for a YAML file; not a "
+                             "clmerge YAML file") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -1,4 +1,4 @@
-"""Issue 36, the run side: bounds checked before any work, plugins that end the process, the config-name rule,
+"""The input boundary, the run side: bounds checked before any work, plugins that end the process, the config-name rule,
 and run files linked out of a run directory.
 
 Each table row runs the CLI in process (``clmerge run`` with ``--dry-run``, or a real run refused before it

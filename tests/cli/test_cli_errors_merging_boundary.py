@@ -1,4 +1,4 @@
-"""Issue 36: ``eval``, ``moe`` and the tokenizer-merging paths refuse the hostile input folders ``merge`` refuses
+"""The input boundary: ``eval``, ``moe`` and the tokenizer-merging paths refuse the hostile input folders ``merge`` refuses
 (a shard index naming ``../x.safetensors``, config or tokenizer files that are symlinks out of the folder, FIFOs,
 symlink loops) with one line naming the file, and exit 3; the tokenizer edge cases of ``embeddings: union``
 (an empty vocabulary, tokenizers of different model types) are refused or warned about.
@@ -315,7 +315,7 @@ WEIGHTS_CASES = [
 ]
 
 
-@pytest.mark.timeout(120, method="thread")  # before issue 36, eval blocked forever on a FIFO shard
+@pytest.mark.timeout(120, method="thread")  # before the boundary, eval blocked forever on a FIFO shard
 @pytest.mark.parametrize("argv", [MERGE, EVAL], ids=["merge", "eval"])
 @pytest.mark.parametrize("setup, words", [c[1:] for c in WEIGHTS_CASES], ids=[c[0] for c in WEIGHTS_CASES])
 def test_weights_that_are_fifos_are_refused_by_name(ws, setup, words, argv):

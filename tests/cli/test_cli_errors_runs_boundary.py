@@ -1,4 +1,4 @@
-"""The input boundary and the output guard for the commands that read folders of runs (issue 36): ``report``,
+"""The input boundary and the output guard for the commands that read folders of runs: ``report``,
 ``results`` and ``sweep``.
 
 Each case builds tiny fake run directories (config.yaml, metrics.json, events.jsonl, manifest.json) or a sweep

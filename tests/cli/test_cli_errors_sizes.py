@@ -1,4 +1,4 @@
-"""Issue 36: no command reads a huge input file whole. A 3 GiB (sparse) ``config.json``, ``metrics.json``,
+"""The input boundary: no command reads a huge input file whole. A 3 GiB (sparse) ``config.json``, ``metrics.json``,
 ``events.jsonl``, run ``config.yaml`` or spec is refused from its size, before a byte is read, with one line
 naming the file and the limit (docs/cli_errors.md, "Size caps"); the exit code is the command's own for an
 unusable input (3; ``--resume``: 4, the run directory cannot be resumed)."""

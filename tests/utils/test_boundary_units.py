@@ -1,5 +1,5 @@
 """The input boundary (utils.inpaths) and the output guard's naming helpers (utils.outpaths.child / slug), case
-by case: each hostile input of issue 36's class is refused with one line naming the path."""
+by case: each hostile input of the classes an outside test found is refused with one line naming the path."""
 
 from __future__ import annotations
 

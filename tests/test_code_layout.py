@@ -49,9 +49,9 @@ def _imports_module(path: Path, target: str) -> bool:
     ("adapters/task_modules.py", "clmerge.adapters.structure"),
     ("harness/merge_bench_data.py", "clmerge.harness.merge_bench_experts"),
     ("harness/merge_bench_config.py", "clmerge.harness"),
-    ("merging/trim.py", "clmerge.merging.ties"),  # kth_smallest lives in trim, the lowest of ties/kernels/trim
-    ("merging/trim.py", "clmerge.merging.ties_kernels"),
-    ("merging/ties_kernels.py", "clmerge.merging.ties"),
+    ("merging/methods/trim.py", "clmerge.merging.methods.ties"),  # kth_smallest lives in trim, the lowest of ties/kernels/trim
+    ("merging/methods/trim.py", "clmerge.merging.methods.ties_kernels"),
+    ("merging/methods/ties_kernels.py", "clmerge.merging.methods.ties"),
 ])
 def test_imports_run_one_way(importer, target):
     assert not _imports_module(PKG / importer, target)
@@ -105,7 +105,7 @@ def test_checkpoint_io_lives_under_merging_io_and_export_in_engine():
     ("merging/io/base.py", "clmerge.merging.io.readers"),  # the base types import nothing back
     ("merging/io/base.py", "clmerge.merging.io.peft"),
     ("merging/io/peft.py", "clmerge.merging.io.readers"),
-    ("merging/io/readers.py", "clmerge.merging.registry"),
+    ("merging/io/readers.py", "clmerge.merging.methods.registry"),
     ("merging/run.py", "clmerge.cli"),
 ])
 def test_merge_io_imports_run_one_way(importer, target):

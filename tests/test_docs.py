@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from clmerge import merging
 from clmerge.cli import app
 from clmerge.data.base import DATASETS
-from clmerge.merging.registry import MERGES
+from clmerge.merging.methods.registry import MERGES
 from clmerge.methods.base import METHODS
 from clmerge.models.backbones import BACKBONES
 

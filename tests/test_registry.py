@@ -57,7 +57,7 @@ def test_duplicate_name_names_the_first_module():
 
 
 @pytest.mark.parametrize("module, name, attr", [
-    ("clmerge.merging.registry", "MERGES", "ties"),
+    ("clmerge.merging.methods.registry", "MERGES", "ties"),
     ("clmerge.methods", "METHODS", "seq_lora"),
     ("clmerge.data.base", "DATASETS", "mnist5k"),
     ("clmerge.models.backbones", "BACKBONES", "vit-tiny-fmnist"),

@@ -52,7 +52,7 @@ from clmerge.adapters.folded import folded_copy
 from clmerge.config import ExperimentConfig, parse_config
 from clmerge.engine.run import prepare, resolve_device, task_generator
 from clmerge.engine.training import fit
-from clmerge.merging.analysis import interpolate
+from clmerge.merging.methods.analysis import interpolate
 from clmerge.methods.base import TaskContext
 from clmerge.utils.io import atomic_write_bytes, write_json
 

@@ -33,10 +33,10 @@ def read(folder: Path, key: str) -> torch.Tensor:
 
 
 def updates(base: torch.Tensor, xs: list[torch.Tensor], svd: str) -> dict[str, torch.Tensor]:
-    from clmerge.merging.cart import centered_low_rank_sum
-    from clmerge.merging.iso import iso_cts_matrix
-    from clmerge.merging.lowrank import target_rank, task_matrices
-    from clmerge.merging.tsv import tsv_merge_matrix
+    from clmerge.merging.methods.cart import centered_low_rank_sum
+    from clmerge.merging.methods.iso import iso_cts_matrix
+    from clmerge.merging.methods.lowrank import target_rank, task_matrices
+    from clmerge.merging.methods.tsv import tsv_merge_matrix
 
     taus = task_matrices(base, xs)
     k = target_rank(tuple(base.shape), 0.08, "ceil")

@@ -29,7 +29,7 @@ from clmerge.harness.merge_bench import SUITES, BenchConfig
 from clmerge.harness.merge_bench_experts import expert_path
 from clmerge.harness.merge_bench_continual import load_bench
 from clmerge.harness.merge_bench_data import SUITE_CAPS
-from clmerge.merging.lowrank import is_lowrank_param
+from clmerge.merging.methods.lowrank import is_lowrank_param
 
 
 def measure(base: dict, experts: list[dict]) -> dict:

@@ -10,8 +10,8 @@ import torch
 
 from clmerge import merging
 from clmerge.harness.merge_bench_continual import make_merger
-from clmerge.merging.dop import dop_fold, dop_matrix, energy_rank, min_norm_weight
-from clmerge.merging.opcm import opcm_project, opcm_split_rank
+from clmerge.merging.methods.dop import dop_fold, dop_matrix, energy_rank, min_norm_weight
+from clmerge.merging.methods.opcm import opcm_project, opcm_split_rank
 
 
 def _full_svd_projection(merged: torch.Tensor, tau: torch.Tensor, alpha: float) -> torch.Tensor:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from clmerge import merging
-from clmerge.merging.dare import dare_generator
+from clmerge.merging.methods.dare import dare_generator
 
 W1, W2, B = "blk.fc1.weight", "blk.fc2.weight", "blk.fc1.bias"
 
@@ -131,7 +131,7 @@ def test_knots_one_task_ta_at_scaling_1_is_the_expert_and_dare_masks_repeat():
 
 
 def test_knots_basis_spans_a_low_rank_concatenation_with_its_rank():
-    from clmerge.merging.knots import knots_basis
+    from clmerge.merging.methods.knots import knots_basis
 
     base, ex = models(3, rank=1)
     taus = torch.stack([e[W1] - base[W1] for e in ex])  # three rank-1 updates of a 7 x 5 matrix

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from clmerge import merging
-from clmerge.merging.adamerging import entropy
+from clmerge.merging.methods.adamerging import entropy
 
 
 class TwoHead(nn.Module):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from clmerge import merging
-from clmerge.merging import analysis
+from clmerge.merging.methods import analysis
 
 from merging_helpers import make_models
 

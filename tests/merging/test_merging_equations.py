@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from clmerge import merging
-from clmerge.merging.lowrank import target_rank
+from clmerge.merging.methods.lowrank import target_rank
 
 from merging_helpers import flat, float_keys, make_models
 

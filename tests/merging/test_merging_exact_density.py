@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from clmerge import merging
-from clmerge.merging.sources import ModelSet
-from clmerge.merging.ties import global_trim, plain_task_vectors
-from clmerge.merging.trim import TIE_ALL, add_ties, keep_count, top_magnitude_mask
+from clmerge.merging.methods.sources import ModelSet
+from clmerge.merging.methods.ties import global_trim, plain_task_vectors
+from clmerge.merging.methods.trim import TIE_ALL, add_ties, keep_count, top_magnitude_mask
 
 SHAPES = {"a.weight": (40, 30), "a.bias": (30,), "b.weight": (17, 13), "c.scale": (5,)}
 
@@ -171,7 +171,7 @@ def test_generic_ties_election_in_column_blocks_equals_one_block(density, monkey
     including entries whose trimmed values cancel (settled by the model-wide majority sign)."""
     import importlib
 
-    ties_mod = importlib.import_module("clmerge.merging.ties")
+    ties_mod = importlib.import_module("clmerge.merging.methods.ties")
     g = torch.Generator().manual_seed(3)
     base = {"a.w": torch.randn(9, 11, generator=g), "b.w": torch.randn(37, generator=g)}
     ex = []
@@ -291,7 +291,7 @@ def test_global_trim_on_a_model_mixing_float64_and_float32_keys_compares_exactly
 def test_row_sums_are_torch_sum_for_few_experts(rows, n, dtype):
     """The TIES kernel adds expert rows one by one (20x faster than a dim-0 reduction on the CPU); up to
     ROW_SUM_MAX rows that must be the very numbers of torch.sum(x, 0), or outputs would move by rounding."""
-    from clmerge.merging.ties_kernels import ROW_SUM_MAX, sum_rows
+    from clmerge.merging.methods.ties_kernels import ROW_SUM_MAX, sum_rows
 
     assert rows <= ROW_SUM_MAX
     g = torch.Generator().manual_seed(rows * n)

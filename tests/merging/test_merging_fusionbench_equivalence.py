@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from clmerge import merging
-from clmerge.merging.sources import ModelSet
-from clmerge.merging.ties import global_magnitude_thresholds, kth_smallest, plain_task_vectors, ties_tensor
+from clmerge.merging.methods.sources import ModelSet
+from clmerge.merging.methods.ties import global_magnitude_thresholds, kth_smallest, plain_task_vectors, ties_tensor
 
 from merging_helpers import make_models
 
@@ -160,7 +160,7 @@ def test_streamed_thresholds_exact_when_bracket_buffers_overflow(monkeypatch):
     """Magnitudes with many ties put far more entries inside the sampled bracket than the preallocated
     buffers hold: they are grown, and the thresholds stay exact. Two magnitudes, 0.1 and 0.2, in about equal
     numbers: at density 0.5 the bracket spans both (everything is inside); at 0.2 it closes on 0.2."""
-    ties_mod = sys.modules["clmerge.merging.ties"]  # the package's ``ties`` attribute is the function
+    ties_mod = sys.modules["clmerge.merging.methods.ties"]  # the package's ``ties`` attribute is the function
     calls = []
     grown = ties_mod._grown
     monkeypatch.setattr(ties_mod, "_grown", lambda *a: calls.append(a[1:]) or grown(*a))

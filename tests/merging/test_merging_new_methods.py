@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from clmerge import merging
-from clmerge.merging.dare import dare_generator
-from clmerge.merging.della import magprune_drop_probabilities, magprune_tensor
+from clmerge.merging.methods.dare import dare_generator
+from clmerge.merging.methods.della import magprune_drop_probabilities, magprune_tensor
 
 from merging_helpers import float_keys, make_models
 

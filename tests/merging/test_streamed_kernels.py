@@ -19,15 +19,15 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from clmerge import merging
-from clmerge.merging import driver
-from clmerge.merging.breadcrumbs import breadcrumbs_mask
-from clmerge.merging.dare import dare_generator
-from clmerge.merging.della import magprune_drop_probabilities
-from clmerge.merging.sce import sce_tensor
-from clmerge.merging.sources import open_models
-from clmerge.merging.spherical import karcher_tensor, multislerp_tensor, nuslerp_tensor
-from clmerge.merging.ties import ties_from_task_vectors
-from clmerge.merging.trim import work_dtype
+from clmerge.merging.methods import driver
+from clmerge.merging.methods.breadcrumbs import breadcrumbs_mask
+from clmerge.merging.methods.dare import dare_generator
+from clmerge.merging.methods.della import magprune_drop_probabilities
+from clmerge.merging.methods.sce import sce_tensor
+from clmerge.merging.methods.sources import open_models
+from clmerge.merging.methods.spherical import karcher_tensor, multislerp_tensor, nuslerp_tensor
+from clmerge.merging.methods.ties import ties_from_task_vectors
+from clmerge.merging.methods.trim import work_dtype
 
 SHAPES = {"w": (37, 23), "b": (300,)}  # 851 and 300 entries: 14 and 5 blocks of 64 entries
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]

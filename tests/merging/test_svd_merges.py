@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from clmerge import merging
-from clmerge.merging.iso import iso_cts_ranks
-from clmerge.merging.lowrank import polar_factor
+from clmerge.merging.methods.iso import iso_cts_ranks
+from clmerge.merging.methods.lowrank import polar_factor
 
 W, B, N, E = "blk.fc.weight", "blk.fc.bias", "norm.weight", "embed_tokens.weight"
 
@@ -271,7 +271,7 @@ def test_tsv_c_needs_task_and_all_writes_every_task(files):
 def test_an_svd_that_fails_to_converge_in_float32_is_retried_in_float64(monkeypatch):
     """LAPACK's divide-and-conquer SVD fails to converge on some float32 task residuals of ViT-B-sized layers
     (seen with iso_cts); the merge retries that matrix in float64 instead of crashing."""
-    from clmerge.merging import lowrank
+    from clmerge.merging.methods import lowrank
 
     real, calls = torch.linalg.svd, []
 
@@ -294,7 +294,7 @@ def test_an_svd_that_fails_to_converge_in_float32_is_retried_in_float64(monkeypa
 # --- memory at LLM scale: no (T, m, n) stacks where one tensor at a time does, no full factors kept alive
 
 def test_exact_svd_factors_do_not_keep_the_full_factors_alive():
-    from clmerge.merging.lowrank import svd_factors
+    from clmerge.merging.methods.lowrank import svd_factors
 
     u, s, vh = svd_factors(torch.randn(40, 30), 5, method="exact")
     for f in (u, s, vh):  # a slice of the full U (40 x 30) would hold all of its storage
@@ -306,7 +306,7 @@ def _no_stack(*a, **k):
 
 
 def test_cart_centered_sum_and_averaged_keys_never_stack_the_experts(monkeypatch):
-    from clmerge.merging.cart import centered_low_rank_sum
+    from clmerge.merging.methods.cart import centered_low_rank_sum
 
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(12, 9, generator=g).bfloat16() for _ in range(3)]
@@ -331,7 +331,7 @@ def test_non_matrix_keys_are_averaged_without_a_stack(monkeypatch, name):
             "norm.weight": torch.randn(4, generator=g)}
     experts = [{k: v + 0.1 * torch.randn(v.shape, generator=g) for k, v in base.items()} for _ in range(3)]
     mod = {"cart": "cart", "tsv_m": "tsv", "iso_cts": "iso"}[name]
-    fn = getattr(importlib.import_module(f"clmerge.merging.{mod}"), name)
+    fn = getattr(importlib.import_module(f"clmerge.merging.methods.{mod}"), name)
     want = fn(base=base, experts=experts, scaling=0.5)
     monkeypatch.setattr(torch, "stack", _no_stack)
     got = fn(base=base, experts=experts, scaling=0.5)

@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from clmerge import merging
-from clmerge.merging.dare import dare_generator, dare_sum_blocks
-from clmerge.merging.sources import ModelSet
-from clmerge.merging.ties import global_trim, per_tensor_trim_spec, plain_task_vectors
-from clmerge.merging.ties_kernels import Work, ties_key_streamed
-from clmerge.merging.trim import TIE_ALL, Buffers, add_ties, keep_count, kth_smallest_counts
+from clmerge.merging.methods.dare import dare_generator, dare_sum_blocks
+from clmerge.merging.methods.sources import ModelSet
+from clmerge.merging.methods.ties import global_trim, per_tensor_trim_spec, plain_task_vectors
+from clmerge.merging.methods.ties_kernels import Work, ties_key_streamed
+from clmerge.merging.methods.trim import TIE_ALL, Buffers, add_ties, keep_count, kth_smallest_counts
 
-ties_mod = sys.modules["clmerge.merging.ties"]  # the package's ``ties`` attribute is the function
+ties_mod = sys.modules["clmerge.merging.methods.ties"]  # the package's ``ties`` attribute is the function
 
 
 def reference_counts(x: torch.Tensor, k: int) -> tuple[float, int, int]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from clmerge import merging
-from clmerge.merging.wudi import wudi_matrix, wudi_objective
+from clmerge.merging.methods.wudi import wudi_matrix, wudi_objective
 
 W, B, E = "blk.fc.weight", "blk.fc.bias", "embed_tokens.weight"
 
@@ -54,7 +54,7 @@ def test_objective_is_the_papers_and_the_gradient_is_autograds():
     obj = wudi_objective(tau_m, taus)
     torch.testing.assert_close(obj, ref_objective(tau_m.detach(), list(taus)))
     obj.backward()
-    from clmerge.merging.wudi import _quadratic
+    from clmerge.merging.methods.wudi import _quadratic
 
     h, c = _quadratic(taus)
     torch.testing.assert_close(2 * (tau_m.detach() @ h - c), tau_m.grad)
@@ -81,7 +81,7 @@ def test_defaults_are_fusionbench_and_a_long_run_reaches_the_closed_form_minimis
     assert (hp["steps"], hp["lr"], hp["optimizer"]) == (300, 1e-5, "adam")
     base, ex = models(3, (6, 4))
     taus = torch.stack(taus_of(base, ex))
-    from clmerge.merging.wudi import _quadratic
+    from clmerge.merging.methods.wudi import _quadratic
 
     h, c = _quadratic(taus)
     star = torch.linalg.solve(h, c.T).T  # tau_m H = C, H symmetric positive definite here (n = 4 < 3 * 6)

@@ -16,7 +16,7 @@ from clmerge.cli import app
 from clmerge.config import ConfigError, load_config, parse_config
 from clmerge.engine.checkpoint import load_checkpoint
 from clmerge.engine.run import prepare, run_experiment
-from clmerge.merging.magmax import max_magnitude_fold
+from clmerge.merging.methods.magmax import max_magnitude_fold
 from clmerge.methods.base import TaskContext
 from clmerge.paper_configs import PAPER_DIR
 

@@ -17,7 +17,7 @@ import typer
 
 from ..utils.device import parse_device, stats_line
 from ..utils.threads import default_threads, set_threads
-from ..merging.registry import available, get_method
+from ..merging.methods.registry import available, get_method
 from ..merging.run import build_recipe, run_merge
 from .base import app, console, exit_with, fail
 
@@ -95,7 +95,7 @@ def merge_command(
 def list_methods(verbose: bool = typer.Option(False, "--verbose", "-v",
                                               help="hyperparameters, defaults, meaning")) -> None:
     """Print the registered merge methods (with ``--verbose``: each one's hyperparameters)."""
-    from ..merging.hparams import DATA_HPARAMS, method_hparams
+    from ..merging.methods.hparams import DATA_HPARAMS, method_hparams
 
     every = {name: method_hparams(get_method(name)) for name in available()} if verbose else {}
     for name, desc in available().items():

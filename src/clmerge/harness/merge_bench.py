@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor, nn
 
-from ..merging.registry import merge
+from ..merging.methods.registry import merge
 from ..utils.extras import require_extra
 from ..utils.io import atomic_write_text, write_json
 from .merge_bench_data import SUITES, BenchTask, load_task, parse_task

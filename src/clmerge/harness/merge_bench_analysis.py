@@ -26,9 +26,9 @@ import numpy as np
 from torch import Tensor
 
 from ..report.plots import new_figure, to_png
-from ..merging.analysis import interference_curves, task_vector_spectra
-from ..merging.lowrank import is_lowrank_param
-from ..merging.registry import merge
+from ..merging.methods.analysis import interference_curves, task_vector_spectra
+from ..merging.methods.lowrank import is_lowrank_param
+from ..merging.methods.registry import merge
 
 __all__ = ["RATIOS", "analyse", "write_plots", "claims", "analysis_markdown"]
 

@@ -28,8 +28,8 @@ from torch import Tensor
 
 from ..data.clip_tasks import CLIP_SUITES, class_prompts, clip_test_files, load_clip_images
 from ..errors import InputError, UsageError
-from ..merging.hparams import coerce_value, method_hparams
-from ..merging.registry import get_method, merge
+from ..merging.methods.hparams import coerce_value, method_hparams
+from ..merging.methods.registry import get_method, merge
 from ..utils.io import atomic_write_text, load_tensors, read_json, save_tensors, write_json
 
 __all__ = ["CLIP_HPARAMS", "CLIP_HPARAM_SOURCES", "DEFAULT_EXPERTS", "run_clip_bench", "zero_shot_heads",

@@ -9,8 +9,8 @@ final average accuracy ``Acc = mean_j R[T-1][j]`` and ``BWT = mean_(j<T-1) (R[T-
 
 Methods (each keeps only a running state, never the list of earlier experts):
 
-- ``opcm``: :mod:`clmerge.merging.opcm` (running projected sum and task-vector norms);
-- ``dop``: :mod:`clmerge.merging.dop` (the previous merge);
+- ``opcm``: :mod:`clmerge.merging.methods.opcm` (running projected sum and task-vector norms);
+- ``dop``: :mod:`clmerge.merging.methods.dop` (the previous merge);
 - ``running_average``: task arithmetic with ``lambda = 1/t``, i.e. ``theta_0 + (1/t) sum_(i<=t) tau_i``;
 - ``magmax``: the running maximum-magnitude task vector, ``theta_0 + lambda tau_MagMax`` (Marczak et al. 2024;
   ``lambda = 0.5``, the official default);
@@ -36,10 +36,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..merging.dop import dop_fold
-from ..merging.lowrank import is_lowrank_param
-from ..merging.magmax import max_magnitude_fold
-from ..merging.opcm import opcm_fold, opcm_scale
+from ..merging.methods.dop import dop_fold
+from ..merging.methods.lowrank import is_lowrank_param
+from ..merging.methods.magmax import max_magnitude_fold
+from ..merging.methods.opcm import opcm_fold, opcm_scale
 from ..metrics import backward_transfer, final_accuracy, mean_se, validate_matrix
 from ..utils.io import atomic_write_text, write_json
 from .merge_bench_seeds import paired_verdict

@@ -31,7 +31,7 @@ from .io.checks import source_get, source_meta
 from .io.lora_svd import check_out_dir, check_svd, clamped_note, device_low_rank_factors, error_summary
 from .io.output import build_folder
 from .io.peft import AdapterSource, LoraModule, adapter_config, write_adapter
-from .registry import get_method, merge
+from .methods.registry import get_method, merge
 
 __all__ = ["merge_adapters", "REPORT_FILE", "LINEAR_METHODS"]
 

@@ -19,14 +19,14 @@ from typing import Any
 import torch
 
 from ..utils.device import Device, using_device
-from .hparams import DATA_HPARAMS, HParam, coerce_value, method_hparams, per_expert_name
+from .methods.hparams import DATA_HPARAMS, HParam, coerce_value, method_hparams, per_expert_name
 from .io.output import InputHashes, OutputTarget, copy_model_files, model_files, write_model_card
 from .io.readers import open_checkpoint, resolve_hub_id
 from .io.tokenizers import write_tokenizer
 from .io.writer import BackgroundWriter, ShardedWriter, parse_size
 from .recipes import key_groups
-from .registry import MergeMethod, get_method
-from .sources import ModelSet
+from .methods.registry import MergeMethod, get_method
+from .methods.sources import ModelSet
 from .vocab import VocabPlan, prepare_vocab, write_vocab_files
 
 __all__ = ["Prepared", "check_params", "dry_run_text", "execute", "per_model_params", "prepare"]

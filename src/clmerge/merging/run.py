@@ -22,7 +22,7 @@ from .io.peft import is_peft_adapter
 from .io.readers import open_checkpoint
 from .lora_merge import merge_adapters
 from .recipes import PASSTHROUGH, load_recipe
-from .registry import get_method
+from .methods.registry import get_method
 from .slices import run_slices
 from .stages import check_stage_refs, intermediate_folder, model_refs, with_stage_paths
 

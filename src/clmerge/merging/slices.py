@@ -29,7 +29,7 @@ import torch
 from ..errors import InputError, OutputError
 from ..utils import inpaths
 from ..utils.inpaths import read_bytes
-from .hparams import method_hparams
+from .methods.hparams import method_hparams
 from .io.base import MergeInputError
 from .io.checks import is_finite
 from .io.output import InputHashes, OutputTarget, check_out, copy_model_files, model_files, write_model_card
@@ -37,8 +37,8 @@ from .io.readers import open_checkpoint, resolve_hub_id
 from .io.writer import ShardedWriter, parse_size
 from .pipeline import check_params, per_model_params
 from .recipes import PASSTHROUGH, key_groups
-from .registry import get_method
-from .sources import ModelSet
+from .methods.registry import get_method
+from .methods.sources import ModelSet
 
 __all__ = ["LAYER_KEY", "SlicePlan", "plan_slices", "run_slices", "split_layer_key"]
 

@@ -12,7 +12,7 @@ and the row t of the accuracy matrix is measured on ``theta_MagMax`` over tasks 
 :meth:`MagMax.inference_model`, a cached copy of the live model with the merged backbone; the live model
 keeps ``theta_t`` for the next task.
 
-Memory: the maximum-magnitude rule is associative (:func:`clmerge.merging.magmax.max_magnitude_fold`), so
+Memory: the maximum-magnitude rule is associative (:func:`clmerge.merging.methods.magmax.max_magnitude_fold`), so
 the method keeps one running ``tau_MagMax`` tensor per merged parameter (float32), plus ``theta_0``, instead
 of every task vector: O(1) in the number of tasks and the same numbers (tested against the batch merge).
 With ``track_sources`` an int16 tensor per parameter records which task each entry came from (-1: no task
@@ -37,7 +37,7 @@ from torch import nn
 
 from ..adapters import add_lora_component, fold_component, inject_lora, lora_layers
 from ..adapters.folded import FoldedCache
-from ..merging.magmax import max_magnitude_fold
+from ..merging.methods.magmax import max_magnitude_fold
 from .base import ContinualMethod, register_method
 from .seq_lora import LoRAMethodOptions
 

@@ -25,7 +25,7 @@ from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
 from ..merging import merge
-from ..merging.adamerging import adamerging
+from ..merging.methods.adamerging import adamerging
 from ..harness.merge_bench import BenchConfig, init_expert, load_task, loss_and_accuracy, parse_task, split_expert, train_expert
 from . import quantities as q
 from .spec import Point, StudySpec, canonical_method, expert_config

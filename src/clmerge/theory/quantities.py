@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..merging.dare import dare_generator
-from ..merging.dare import dare_tensor
-from ..merging.ties import magnitude_threshold
+from ..merging.methods.dare import dare_generator
+from ..merging.methods.dare import dare_tensor
+from ..merging.methods.ties import magnitude_threshold
 from ..params.fisher import per_sample_grads
 
 __all__ = ["gradient_stats", "heterogeneity", "dispersion", "ties_operator", "dare_operator", "squared_distance",

@@ -21,7 +21,7 @@ from ..errors import InputError, clip
 from .inpaths import InputTooLarge, read_bytes
 
 __all__ = ["MAX_YAML_BYTES", "MAX_YAML_NODES", "MAX_YAML_DEPTH", "YamlError", "YamlLimitError", "load_yaml",
-           "read_yaml"]
+           "read_yaml", "parse_value", "parse_assignment"]
 
 MAX_YAML_BYTES = 1 << 20  # 1 MiB: a config is a few KB, a recipe or study spec a few tens
 MAX_YAML_NODES = 100_000  # scalars + collections once aliases are expanded (a full config: about 150)
@@ -126,3 +126,40 @@ def _alias_size(ev: yaml.AliasEvent, open_: list[list], sizes: dict[str, int], s
         raise YamlLimitError(f"{source}: the YAML alias *{clip(ev.anchor, 40)} refers to a node that contains "
                              "it (a recursive structure)")
     return sizes.get(ev.anchor, 1)  # an undefined alias: the loader names it
+
+
+def parse_value(text: str, source: str = "--set value") -> Any:
+    """The one ``key=value`` value grammar of every command (``run --set``, ``merge --set``, ``sweep``,
+    ``merge-bench --hp``, ``predict``): a YAML scalar or flow collection, read by :func:`load_yaml`.
+    ``1e-3`` is a float (YAML 1.1 would read it as a string), ``[1, 2]`` a list, ``true``/``yes`` a bool,
+    ``null`` None; text that is not YAML (``a: b: c``) stays the string it was.
+
+    Raises:
+        YamlLimitError: an alias bomb or a value nested too deeply (the caller reports it as a bad value).
+    """
+    try:
+        value = load_yaml(text, source=source)
+    except YamlLimitError:
+        raise
+    except YamlError:
+        return text
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def parse_assignment(item: str, flag: str = "--set", example: str = "key=value") -> tuple[str, Any]:
+    """``"key=value"`` -> ``(key, parse_value(value))``: the one ``key=value`` grammar of the command line.
+
+    Raises:
+        ValueError: no ``=`` or an empty key (the message names the flag, the item and an example); the callers
+            turn it into their usage error.
+        YamlLimitError: see :func:`parse_value`.
+    """
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"{flag} {clip(repr(item), 80)}: expected {example}")
+    return key.strip(), parse_value(text.strip(), source=f"{flag} {clip(key.strip(), 80)}")

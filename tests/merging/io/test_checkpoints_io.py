@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from clmerge import merging
 from clmerge.merging.io import open_checkpoint
 from clmerge.merging.io.writer import ShardedWriter
-from clmerge.merging.sources import ModelSet
+from clmerge.merging.methods.sources import ModelSet
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +245,7 @@ def test_failed_merge_leaves_no_folder_not_even_new_parents(tmp_path):
 
 
 def test_sink_view_writes_back_a_tensor_patched_in_place(tmp_path):
-    from clmerge.merging.driver import SinkView
+    from clmerge.merging.methods.driver import SinkView
 
     w = ShardedWriter(tmp_path, [("a", (3,), torch.float32), ("b", (2,), torch.float32)])
     view = SinkView(w, ["a", "b"])
@@ -259,7 +259,7 @@ def test_sink_view_writes_back_a_tensor_patched_in_place(tmp_path):
 
 
 def test_writer_refuses_nonfinite_tensors_by_name_and_a_rewrite_clears_one(tmp_path):
-    from clmerge.merging.sources import MergeInputError
+    from clmerge.merging.methods.sources import MergeInputError
 
     plan = [("a", (3,), torch.float32), ("b", (2,), torch.float16), ("c", (2,), torch.int64)]
     w = ShardedWriter(tmp_path, plan)
@@ -279,7 +279,7 @@ def test_writer_refuses_nonfinite_tensors_by_name_and_a_rewrite_clears_one(tmp_p
 
 def test_unsupported_dtype_and_key_listed_but_absent_name_file_and_key(tmp_path):
     from clmerge.merging.io.checks import source_get, source_meta
-    from clmerge.merging.sources import MergeInputError
+    from clmerge.merging.methods.sources import MergeInputError
 
     base = {"w": torch.zeros(2, 2)}
     f8 = {"w": torch.ones(2, 2).to(torch.float8_e4m3fn)}

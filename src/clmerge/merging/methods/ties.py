@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..utils.device import like_device, to_host
+from ...utils.device import like_device, to_host
 from .driver import bshape, map_keys
 from .registry import register_merge
 from .sources import ModelSet, open_models

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import UsageError
+from ...errors import UsageError
 from .driver import map_keys
 from .registry import register_merge
 from .sources import ModelSet, open_models

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..registry import Registry
+from ...registry import Registry
 
 __all__ = ["MergeMethod", "MERGES", "register_merge", "available", "merge", "get_method"]
 

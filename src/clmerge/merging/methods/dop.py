@@ -160,7 +160,7 @@ def dop(*, base: Any, experts: Sequence[Any], lr: float = 1e-4, num_steps: int =
 
     Defaults are FusionBench's ``config/method/dop/dop.yaml``. Differences from ``ContinualDOPForCLIP``:
     (1) ``shuffle`` off (FusionBench's config shuffles, unseeded); (2) which tensors are matrices, as in
-    :func:`~clmerge.merging.opcm.opcm`; (3) the gradients are formed in closed form instead of by autograd
+    :func:`~clmerge.merging.methods.opcm.opcm`; (3) the gradients are formed in closed form instead of by autograd
     (the same values), float32 (float64 for float64 inputs).
 
     Args:
@@ -173,7 +173,7 @@ def dop(*, base: Any, experts: Sequence[Any], lr: float = 1e-4, num_steps: int =
         svd_epsilon: the share of the singular-value sum each subspace keeps.
         space: ``"uv"`` (both sides), ``"u"`` or ``"v"``.
         others: non-matrix tensors: ``"pair_mean"`` (FusionBench) or ``"running_mean"``.
-        shuffle, seed, include, exclude: as in :func:`~clmerge.merging.opcm.opcm`.
+        shuffle, seed, include, exclude: as in :func:`~clmerge.merging.methods.opcm.opcm`.
     """
     _check(space, others, alpha, svd_epsilon, ema_beta, num_steps)
     models = open_models(base, experts)

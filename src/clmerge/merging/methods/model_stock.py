@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import UsageError
+from ...errors import UsageError
 from .driver import map_keys, task_vectors64
 from .registry import register_merge
 from .sources import open_models

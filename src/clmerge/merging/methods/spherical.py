@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import UsageError
-from ..utils.device import like_device
+from ...errors import UsageError
+from ...utils.device import like_device
 from .driver import check_experts_weights, chunk_for, map_keys
 from .registry import register_merge
 from .sources import ModelSet, open_models

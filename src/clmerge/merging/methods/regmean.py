@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from .driver import map_keys, stack64
 from .registry import register_merge
-from .io import MergeInputError
+from ..io import MergeInputError
 from .sources import open_models
 
 __all__ = ["regmean", "regmean_tensor", "gram_matrices"]

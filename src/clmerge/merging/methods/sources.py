@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .io.base import MergeInputError
-from .io.checks import check_dtype, source_get, source_meta
-from .io.readers import as_source
+from ..io.base import MergeInputError
+from ..io.checks import check_dtype, source_get, source_meta
+from ..io.readers import as_source
 
 __all__ = ["ModelSet", "open_models"]
 
@@ -35,7 +35,7 @@ class ModelSet:
         compute_dtype: floating dtype the inputs of a key are cast to when their dtypes differ, or always
             when it is wider than float32 (kernels do their arithmetic in at least float32 anyway).
         keys: restrict the merge to these keys (a group of a recipe with per-key overrides).
-        sink: where :func:`~clmerge.merging.driver.map_keys` streams each merged tensor (``write(key, t)``,
+        sink: where :func:`~clmerge.merging.methods.driver.map_keys` streams each merged tensor (``write(key, t)``,
             ``read(key)``) instead of collecting a dict; ``None``: collect in memory.
 
     Attributes:

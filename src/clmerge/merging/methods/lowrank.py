@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..utils.device import cpu_draw
+from ...utils.device import cpu_draw
 
 __all__ = ["target_rank", "low_rank_approx", "svd_factors", "thin_svd", "is_lowrank_param", "polar_factor",
            "task_matrices", "mean64", "DEFAULT_EXCLUDE"]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..utils.device import like_device
+from ...utils.device import like_device
 from .dare import dare_generator, dare_tensor
 from .driver import map_keys
 from .lowrank import DEFAULT_EXCLUDE, is_lowrank_param, task_matrices, thin_svd

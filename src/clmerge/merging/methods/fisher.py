@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .driver import bshape, check_experts_weights, map_keys, stack64
 from .registry import register_merge
-from .io import MergeInputError
+from ..io import MergeInputError
 from .sources import open_models
 
 __all__ = ["fisher_merging", "fisher_tensor"]

@@ -13,7 +13,7 @@ Per weight matrix, ``Delta_t = theta_t - theta_0 = U_t S_t V_t^T`` and ``k = flo
   describes when ``U`` has full column rank), and add ``alpha * U_perp diag(S) V_perp^T``. Other tensors get
   ``theta_0 + alpha * mean_t Delta_t`` (the averaged task vectors, as FusionBench and the official code).
 
-Randomized SVD (``svd="randomized"``, :func:`~clmerge.merging.lowrank.svd_factors`: a seeded range finder with
+Randomized SVD (``svd="randomized"``, :func:`~clmerge.merging.methods.lowrank.svd_factors`: a seeded range finder with
 ``p = 10`` extra columns and ``q = 2`` power iterations, Halko et al. 2011, Alg. 4.4): the sketch ``Q``
 satisfies ``E||Delta - Q Q^T Delta||_2 <= [(1 + sqrt(k/(p-1))) s^(2q+1) + (e sqrt(k+p)/p) sqrt(sum_(j>k)
 s_j^(2(2q+1)))]^(1/(2q+1))`` with ``s = s_(k+1)`` (their bound for the power scheme), at most ``(1 + sqrt(k/9) + 0.272

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..utils.device import Device, current_device
+from ...utils.device import Device, current_device
 from .sources import ModelSet
 
 __all__ = ["CHUNK", "DEVICE_CHUNK", "Kernel", "SinkView", "apply_chunked", "check_experts_weights", "chunk_for",

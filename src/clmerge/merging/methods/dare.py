@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..utils.device import cpu_draw
+from ...utils.device import cpu_draw
 from .driver import CHUNK, map_keys
 from .registry import register_merge
 from .sources import open_models

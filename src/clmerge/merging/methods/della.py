@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..utils.device import cpu_draw
+from ...utils.device import cpu_draw
 from .dare import dare_generator
 from .driver import map_keys, row_blocks
 from .registry import register_merge

@@ -19,7 +19,7 @@ Other tensors (biases, norms, and the 2-D tensors the matrix rule excludes) get
 
 Iso-C needs every singular value, so its SVD is exact (float32, or float64 for float64 inputs); so is
 Iso-CTS's SVD of ``Delta_TA``. Iso-CTS's residual SVDs keep ``s`` triplets (about ``0.2 r / T``) and may
-be randomized (``svd="randomized"``, error bound in :mod:`clmerge.merging.tsv`).
+be randomized (``svd="randomized"``, error bound in :mod:`clmerge.merging.methods.tsv`).
 """
 
 from __future__ import annotations

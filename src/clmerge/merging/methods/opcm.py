@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from .driver import map_keys
-from .io.checks import source_get
+from ..io.checks import source_get
 from .lowrank import DEFAULT_EXCLUDE, is_lowrank_param, thin_svd
 from .registry import register_merge
 from .sources import open_models
@@ -112,7 +112,7 @@ def opcm(*, base: Any, experts: Sequence[Any], alpha: float = 0.5, zero_diagonal
         zero_diagonal: also remove the diagonal components ``u_i v_i^T`` (FusionBench; False: only the block).
         shuffle: merge in a seeded random order instead of the order given.
         seed: the seed of ``shuffle``.
-        include, exclude: which keys are projected matrices, as in :func:`~clmerge.merging.tsv.tsv_m`.
+        include, exclude: which keys are projected matrices, as in :func:`~clmerge.merging.methods.tsv.tsv_m`.
     """
     if not 0.0 <= alpha < 1.0:
         raise ValueError(f"alpha must be in [0, 1), got {alpha}")

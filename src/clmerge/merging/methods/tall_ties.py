@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..utils.device import like_device
+from ...utils.device import like_device
 from .consensus import tall_masks_tensor
 from .driver import map_keys
 from .registry import register_merge

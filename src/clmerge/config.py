@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import InputError, UsageError, clip
-from .utils.yaml_io import YamlError, YamlLimitError, load_yaml, read_yaml
+from .utils.yaml_io import YamlError, YamlLimitError, load_yaml, parse_value, read_yaml
 from .utils.threads import threads_problem
 
 __all__ = [
@@ -429,19 +429,8 @@ def _check_method_head(cfg: ExperimentConfig) -> None:
 
 
 def _parse_value(text: str, source: str = "--set value") -> Any:
-    """``--set`` values are YAML scalars/lists: ``1e-3`` -> float, ``[1,2]`` -> list, ``null`` -> None."""
-    try:
-        value = load_yaml(text, source=source)
-    except YamlLimitError:
-        raise
-    except YamlError:
-        return text
-    if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
+    """``--set`` values: the one value grammar of the command line (:func:`clmerge.utils.yaml_io.parse_value`)."""
+    return parse_value(text, source=source)
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

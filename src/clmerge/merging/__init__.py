@@ -12,22 +12,8 @@ or ``.bin``/``.pt`` files (``torch.load(weights_only=True)``).
 Layer: above report and data; ``merging/io`` is its checkpoint I/O. Imports no method, engine or command (docs/architecture.md).
 """
 
-# importing .methods registers every built-in method
-from .methods import (  # noqa: F401
-    MERGES, available, get_method, merge, register_merge, MergeInputError, ModelSet, ParamSource,
-    weight_average, task_arithmetic, low_rank_task_arithmetic, ties, dare, consensus, tall_masks, tall_mask_ties,
-    emr_merging, fisher_merging, regmean, gram_matrices, cart, cart_indexing, adamerging, slerp,
-    model_stock, breadcrumbs, della, magmax, tsv_m, tsv_c, iso_c, iso_cts,
-    knots, wudi, breadcrumbs_ties, della_linear, nuslerp, multislerp, karcher, sce,
-    nearswap, arcee_fusion, opcm, dop,
-)
+# importing .methods registers every built-in method; its public names are this package's
+from . import methods
+from .methods import *  # noqa: F403
 
-__all__ = [
-    "MERGES", "available", "get_method", "merge", "register_merge", "MergeInputError", "ModelSet", "ParamSource",
-    "weight_average", "task_arithmetic", "low_rank_task_arithmetic", "ties", "dare", "consensus", "tall_masks",
-    "tall_mask_ties", "emr_merging", "fisher_merging", "regmean", "gram_matrices", "cart", "cart_indexing", "adamerging",
-    "slerp", "model_stock", "breadcrumbs", "della", "magmax",
-    "tsv_m", "tsv_c", "iso_c", "iso_cts", "knots", "wudi",
-    "breadcrumbs_ties", "della_linear", "nuslerp", "multislerp", "karcher", "sce", "nearswap", "arcee_fusion",
-    "opcm", "dop",
-]
+__all__ = list(methods.__all__)

@@ -66,10 +66,7 @@ def _accuracy(run_dir: Path, data: str, data_option: list[str], batch_size: int)
     from ..engine.classifier_eval import run_accuracy
     from ..merging.run import parse_set
 
-    try:
-        options = parse_set(data_option)
-    except ValueError as exc:
-        raise UsageError(str(exc).replace("--set", "--data-option")) from None
+    options = parse_set(data_option, "--data-option")
     return {"model": str(run_dir), **run_accuracy(run_dir, data, options, batch_size=max(batch_size, 1))}
 
 

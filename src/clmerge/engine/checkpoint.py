@@ -28,6 +28,7 @@ from safetensors import safe_open
 from ..errors import ClmergeError, RunStateError, clip
 from ..utils import inpaths
 from ..utils.inpaths import read_bytes as read_input_bytes, read_text as read_input_text
+from ..utils.procs import pid_alive
 from ..utils.io import read_json, save_tensors, sha256_bytes, sha256_file, write_json
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "load_head_tensors", "RunLock",
@@ -312,7 +313,7 @@ def lock_holder(path: Path) -> str | None:
     host = rec.get("host")
     if host and host != platform.node():
         return f"process {pid} on {host}"
-    if rec.get("boot_id") and rec["boot_id"] != _boot_id() or not _alive(pid):
+    if rec.get("boot_id") and rec["boot_id"] != _boot_id() or not pid_alive(pid):
         return None
     now = _start_ticks(pid)
     if rec.get("start_ticks") is not None and now is not None:
@@ -333,13 +334,3 @@ def _started_after(pid: int, path: Path) -> bool:
     return btime + ticks / os.sysconf("SC_CLK_TCK") > path.stat().st_mtime + 1.0
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OverflowError:
-        return False
-    return True

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from ..data.clip_tasks import CLIP_SUITES, class_prompts, clip_test_files, load_
 from ..errors import InputError, UsageError
 from ..merging.methods.hparams import coerce_value, method_hparams
 from ..merging.methods.registry import get_method, merge
+from ..utils.extras import offline
 from ..utils.io import atomic_write_text, load_tensors, read_json, save_tensors, write_json
 
 __all__ = ["CLIP_HPARAMS", "CLIP_HPARAM_SOURCES", "DEFAULT_EXPERTS", "run_clip_bench", "zero_shot_heads",
@@ -56,10 +56,6 @@ CLIP_HPARAM_SOURCES = {
 }
 ROWS = {"zero-shot": "zero-shot (pretrained CLIP)", "individual": "individual experts"}
 SUITE_TASKS = {"clip-ta8": 8, "clip-tall14": 14, "clip-tall20": 20}
-
-
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE") == "1"
 
 
 def expert_source(pattern: str, dataset: str) -> str:
@@ -90,11 +86,11 @@ def _from_pretrained(cls, source: str, what: str):
     try:
         with _quiet_loading():
             return cls.from_pretrained(str(local) if local.is_dir() else source,
-                                       local_files_only=_offline() or local.is_dir())
+                                       local_files_only=offline() or local.is_dir())
     except (OSError, ValueError) as exc:
         where = f"folder {local}" if local.is_dir() else f"hub id {source!r} (no folder {local})"
         raise InputError(f"{what}: cannot load {cls.__name__} from {where}; expected a save_pretrained folder or "
-                         f"a hub id{' in the local cache (HF_HUB_OFFLINE=1)' if _offline() else ''}") from exc
+                         f"a hub id{' in the local cache (HF_HUB_OFFLINE=1)' if offline() else ''}") from exc
 
 
 def load_clip(source: str):

@@ -9,11 +9,12 @@ asks for one (:mod:`.lora_merge`). Errors are raised as exceptions with one-line
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 from typing import Any
 
 from ..config import read_yaml_mapping
+from ..errors import UsageError
+from ..utils.yaml_io import YamlLimitError, parse_assignment
 from ..utils.device import Device, parse_device
 from ..utils.threads import io_threads
 from . import pipeline
@@ -29,22 +30,25 @@ from .stages import check_stage_refs, intermediate_folder, model_refs, with_stag
 __all__ = ["build_recipe", "parse_set", "run_merge"]
 
 
-def parse_set(items: list[str]) -> dict[str, Any]:
+def parse_set(items: list[str], flag: str = "--set") -> dict[str, Any]:
     """``["density=0.2", "trim_scope=global"]`` -> ``{"density": 0.2, "trim_scope": "global"}``.
 
-    Values are read as Python literals (numbers, booleans ``true``/``false``, ``none``, lists), else kept as
-    strings; names and types are checked against the method's signature later (:func:`pipeline.prepare`).
+    Each value is read by the one ``key=value`` grammar of every command
+    (:func:`clmerge.utils.yaml_io.parse_assignment`: YAML, so ``yes`` is true and ``[0.6, 1.0]`` a list, as in
+    ``clmerge run --set``); names and types are checked against the method's signature later.
+
+    Raises:
+        UsageError: an item without ``=`` (exit code 2).
     """
     out: dict[str, Any] = {}
     for item in items:
-        if "=" not in item:
-            raise ValueError(f"--set {item!r}: expected key=value")
-        key, raw = item.split("=", 1)
-        lowered = {"true": "True", "false": "False", "none": "None", "null": "None"}.get(raw.strip().lower(), raw)
         try:
-            out[key.strip()] = ast.literal_eval(lowered)
-        except (ValueError, SyntaxError):
-            out[key.strip()] = raw
+            key, value = parse_assignment(item, flag)
+        except YamlLimitError:
+            raise
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        out[key] = value
     return out
 
 

@@ -12,11 +12,12 @@ HTML reports). ``study``: scipy and matplotlib (fitting and plotting the laws of
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 
 from ..errors import InputError
 
-__all__ = ["EXTRAS", "MissingExtraError", "require_extra"]
+__all__ = ["offline", "EXTRAS", "MissingExtraError", "require_extra"]
 
 # top-level module -> (distribution, extra that installs it)
 EXTRAS: dict[str, tuple[str, str]] = {
@@ -46,3 +47,9 @@ def require_extra(module: str, extra: str | None = None, *, what: str | None = N
         extra = extra or default_extra
         fix = f'pip install "clmerge[{extra}]" (from a checkout: pip install ".[{extra}]")'
         raise MissingExtraError(f"{what or module} needs the package {dist}, which is not installed: {fix}") from None
+
+
+def offline() -> bool:
+    """Whether the Hugging Face hub is switched off (``HF_HUB_OFFLINE`` = 1, true, yes or on): hub ids are then
+    looked up in the local cache only."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")

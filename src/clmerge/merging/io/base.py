@@ -21,14 +21,10 @@ from torch import Tensor
 
 from ...errors import InputError
 from ...utils import inpaths
+from ...utils.dtypes import ST_DTYPES
 
 __all__ = ["ST_DTYPES", "MergeInputError", "ParamSource", "is_source", "torch_load_state_dict"]
 
-ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 #: No size cap for weights files (they are read tensor by tensor, never whole).

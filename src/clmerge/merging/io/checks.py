@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import ST_DTYPES, MergeInputError
+from ...utils.dtypes import ST_DTYPES
+from .base import MergeInputError
 
 __all__ = ["SUPPORTED_DTYPES", "check_dtype", "source_meta", "source_get", "is_finite", "check_finite_output"]
 

@@ -34,6 +34,7 @@ from ...utils import inpaths
 from ...utils.inpaths import InputMissing, inside, read_bytes
 from ...utils.io import write_json
 from ...utils.outpaths import check_output_dir
+from ...utils.procs import pid_alive
 from .base import NO_CAP, MergeInputError
 
 __all__ = ["TOKENIZER_FILES", "InputHashes", "OutputTarget", "build_folder", "check_out", "copy_model_files",
@@ -157,22 +158,10 @@ def remove_stale_temps(out: Path) -> list[Path]:
     removed = []
     for p in out.absolute().parent.glob(f".{glob.escape(out.name)}.*"):
         m = pattern.fullmatch(p.name)
-        if m and p.is_dir() and not p.is_symlink() and not _alive(int(m.group(1))):
+        if m and p.is_dir() and not p.is_symlink() and not pid_alive(int(m.group(1))):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process
-        return True
-    return True
 
 
 def _appeared(out: Path) -> OutputError:

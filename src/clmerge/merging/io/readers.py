@@ -18,6 +18,7 @@ from typing import Any
 from torch import Tensor
 
 from ...utils import inpaths
+from ...utils.extras import offline as offline_mode
 from ...utils.inpaths import inside
 from .base import MergeInputError, ParamSource, is_source, torch_load_state_dict
 
@@ -147,10 +148,6 @@ def _open_adapter(path: Path, base: Any, name: str | None) -> Any:
     return src
 
 
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def _hub_reachable(timeout: float = 3.0) -> bool:
     import socket
     from urllib.parse import urlparse
@@ -173,7 +170,7 @@ def resolve_hub_id(repo_id: str) -> Path:
         from huggingface_hub import snapshot_download
     except ImportError:
         raise MergeInputError(f"{repo_id}: not a local path, and huggingface_hub is not installed") from None
-    offline = _offline() or not _hub_reachable()
+    offline = offline_mode() or not _hub_reachable()
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=offline,
                                       etag_timeout=10))

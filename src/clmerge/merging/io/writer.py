@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .base import ST_DTYPES
+from ...utils.dtypes import ST_DTYPES
 from .checks import check_finite_output, is_finite
 
 __all__ = ["DEFAULT_SHARD_SIZE", "BackgroundWriter", "ShardedWriter", "TensorPlan", "parse_size"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from clmerge import merging
-from clmerge.merging.methods.breadcrumbs import breadcrumbs_mask
+from clmerge.merging.methods.sparse_family import breadcrumbs_mask
 
 from merging_helpers import float_keys, make_models
 
@@ -182,7 +182,7 @@ def test_della_linear_at_density_one_is_task_arithmetic():
 
 def test_della_linear_is_unbiased_and_uses_della_masks():
     from clmerge.merging.methods.dare import dare_generator
-    from clmerge.merging.methods.della import magprune_tensor
+    from clmerge.merging.methods.sparse_family import magprune_tensor
 
     base, ex = make_models(2, seed=7)
     out = merging.merge("della_linear", base=base, experts=ex, density=0.4, epsilon=0.3, scaling=0.5, seed=3)

@@ -10,7 +10,7 @@ import torch
 
 from clmerge import merging
 from clmerge.merging.methods.dare import dare_generator
-from clmerge.merging.methods.della import magprune_drop_probabilities, magprune_tensor
+from clmerge.merging.methods.sparse_family import magprune_drop_probabilities, magprune_tensor
 
 from merging_helpers import float_keys, make_models
 

@@ -20,9 +20,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from clmerge import merging
 from clmerge.merging.methods import driver
-from clmerge.merging.methods.breadcrumbs import breadcrumbs_mask
+from clmerge.merging.methods.sparse_family import breadcrumbs_mask
 from clmerge.merging.methods.dare import dare_generator
-from clmerge.merging.methods.della import magprune_drop_probabilities
+from clmerge.merging.methods.sparse_family import magprune_drop_probabilities
 from clmerge.merging.methods.sce import sce_tensor
 from clmerge.merging.methods.sources import open_models
 from clmerge.merging.methods.spherical import karcher_tensor, multislerp_tensor, nuslerp_tensor

@@ -6,9 +6,11 @@ with :func:`~.registry.register_merge`; importing this package registers every b
 - the registry (``registry.py``) and the hyperparameter check (``hparams.py``);
 - the key driver (``driver.py``: one kernel call per key, streaming, chunking, the device) and the inputs
   (``sources.py``: a base and experts read key by key);
-- shared math: trimming (``trim.py``, ``ties_kernels.py``), low rank (``lowrank.py``), spherical interpolation
-  (``spherical.py``) and task-vector analysis (``analysis.py``);
-- one file per method or family of methods.
+- shared math: trimming (``trim.py``, ``ties_kernels.py``), the TIES engine (``ties.py``), DARE's random drop
+  (``dare.py``), low rank (``lowrank.py``), spherical interpolation (``spherical.py``) and task-vector analysis
+  (``analysis.py``);
+- one file per method or family of methods (``sparse_family.py``: the sparsification family as rows of one
+  kernel); no method file imports another.
 
 A new per-element method is one function plus one registration (docs/extending.md).
 """
@@ -21,10 +23,9 @@ from .sources import ModelSet
 from .averaging import weight_average
 from .task_arithmetic import task_arithmetic
 from .low_rank_ta import low_rank_task_arithmetic
-from .ties import ties
-from .dare import dare
-from .consensus import consensus, tall_masks
-from .tall_ties import tall_mask_ties
+# the sparsification family (ties, dare, della, breadcrumbs and their variants): one kernel, a row each
+from .sparse_family import breadcrumbs, breadcrumbs_ties, dare, della, della_linear, ties
+from .consensus import consensus, tall_mask_ties, tall_masks
 from .emr import emr_merging
 from .fisher import fisher_merging
 from .regmean import gram_matrices, regmean
@@ -32,8 +33,6 @@ from .cart import cart, cart_indexing
 from .adamerging import adamerging
 from .slerp import slerp
 from .model_stock import model_stock
-from .breadcrumbs import breadcrumbs, breadcrumbs_ties
-from .della import della, della_linear
 from .magmax import magmax
 # the SVD family: task singular vectors and isotropic merging
 from .tsv import tsv_c, tsv_m

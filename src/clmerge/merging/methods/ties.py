@@ -1,4 +1,8 @@
-"""TIES-merging (Yadav et al. 2023): trim, elect sign, disjoint merge.
+"""The TIES engine (Yadav et al. 2023): trim, elect the sign, disjoint merge, over any task-vector transform.
+
+Shared math, registers nothing: the sparsification family (:mod:`.sparse_family`: ``ties``, ``dare``, ``della``,
+``breadcrumbs_ties``, ...) runs its consensus rows through :func:`ties_from_task_vectors`, and KnOTS and
+TALL-mask + TIES call :func:`ties_tensor` on their own task vectors.
 
 ``density`` is the fraction of each task vector kept by magnitude over the **whole** task vector, as in the
 original TIES code (``trim_scope="global"``). The global threshold of expert ``t`` is found from that expert's
@@ -11,22 +15,21 @@ default) or every ``|tau| >= thr`` (``"threshold"``, the TIES / FusionBench code
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from ...utils.device import like_device, to_host
 from .driver import bshape, map_keys
-from .registry import register_merge
-from .sources import ModelSet, open_models
+from .sources import ModelSet
 from .ties_kernels import Work, fix_values, negative_choice, ties_key_streamed
 from .trim import (TIE_ALL, Buffers, add_ties, allocate_tie_quotas, check_trim_rule, exact_trim_rows,
                    keep_count, kth_smallest, tensor_trim_spec, work_dtype)
 
-__all__ = ["ties", "ties_tensor", "global_magnitude_thresholds", "global_trim", "magnitude_threshold",
-           "kth_smallest", "TaskVectorFn"]
+__all__ = ["ties_from_task_vectors", "plain_task_vectors", "per_tensor_trim_spec", "ties_tensor",
+           "global_magnitude_thresholds", "global_trim", "magnitude_threshold", "kth_smallest", "TaskVectorFn",
+           "KeyTrimSpec"]
 
 # (key, base, experts, expert indices) -> task vectors of those experts for that key, shape (len, *shape)
 _BLOCK = 1 << 20  # columns per block of the generic TIES election
@@ -425,26 +428,3 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
         for key, (pos, if_negative, if_zero) in fixes.items():
             out[key].view(-1)[pos.long()] = if_zero if merge_fn == "max" and majority == 0.0 else if_negative
     return out
-
-
-@register_merge("ties", "trim small task-vector entries, elect a sign per entry, average the agreeing ones")
-def ties(*, base: Any, experts: Sequence[Any], density: float = 0.2, scaling: float = 1.0,
-         trim_scope: str = "global", merge_fn: str = "mean", trim_rule: str = "exact") -> dict[str, Tensor]:
-    """TIES-merging, Yadav et al. 2023, Eq. / Alg. 1: ``theta_0 + lambda * tau_m``.
-
-    1. trim: ``tau_hat_t`` keeps the top-``density`` magnitudes of ``tau_t`` (others set to 0);
-    2. elect: ``gamma = sgn(sum_t tau_hat_t)``;
-    3. disjoint mean: ``tau_m = mean_{t: sgn(tau_hat_t) = gamma} tau_hat_t``.
-
-    Args:
-        density: fraction of each task vector kept (paper's ``k``: 20%).
-        scaling: ``lambda`` (paper: 1.0 works well; select on validation).
-        trim_scope: ``"global"`` (top-k over the whole task vector: the TIES paper and FusionBench) or
-            ``"per_tensor"`` (top-k within each tensor: mergekit).
-        merge_fn: ``"mean"`` (paper), ``"sum"`` or ``"max"``.
-        trim_rule: ``"exact"`` (keep exactly ``round(density*n)`` entries, ties broken by key order then flat
-            index) or ``"threshold"`` (keep ``|tau| >= thr``, the TIES / FusionBench code); see ``merging.trim``.
-    """
-    models = open_models(base, experts)
-    return ties_from_task_vectors(models, plain_task_vectors, density=density, scaling=scaling,
-                                  trim_scope=trim_scope, merge_fn=merge_fn, trim_rule=trim_rule)

@@ -10,9 +10,10 @@ which is what is reported. The factors split the singular values evenly: ``B' = 
 
 A full SVD of a 4096 x 4096 matrix takes about a minute on one core, so large matrices with ``k`` well below
 their size use the randomized range finder with subspace iteration (Halko, Martinsson & Tropp 2011, Alg. 4.4
-then Alg. 5.1): ``Q = orth((Delta W Delta W^T)^q Delta W Omega)`` with ``k + p`` columns, then the exact SVD of
-``Q^T Delta W``. Its error is measured directly (``||Delta W - B' A'||_F``), not taken from singular values;
-on the test matrices it is within 0.5 % of the optimum.
+then Alg. 5.1, :func:`clmerge.merging.methods.lowrank.randomized_svd`): ``Q = orth((Delta W Delta W^T)^q Delta W
+Omega)`` with ``k + p`` columns, then the exact SVD of ``Q^T Delta W``. Its error is measured directly
+(``||Delta W - B' A'||_F``), not taken from singular values; on the test matrices it is within 0.5 % of the
+optimum.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import torch
 from torch import Tensor
 
 from ...errors import UsageError
-from ...utils.device import cpu_draw, current_device
+from ...utils.device import current_device
 from ...utils.outpaths import check_output_dir
+from ..methods.lowrank import randomized_svd
 
 __all__ = ["low_rank_factors", "device_low_rank_factors", "LowRank", "SVD_MODES", "check_svd", "numerical_rank",
            "check_out_dir", "error_summary", "rank_pattern", "clamped_note"]
@@ -55,21 +57,13 @@ def check_svd(svd: str) -> None:
         raise UsageError(f"--svd {svd!r}: expected one of {', '.join(SVD_MODES)}")
 
 
+def _oversample(k: int) -> int:
+    """The sketch's extra columns here: ``max(10, k // 2)`` (more than the SVD merges' 10 for large ranks)."""
+    return max(10, k // 2)
+
+
 def _oversampled(k: int, m: int, n: int) -> int:
-    return min(k + max(10, k // 2), m, n)
-
-
-def _randomized_svd(delta: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Top-``k`` singular triplets by a seeded randomized range finder (Halko et al. 2011, Alg. 4.4 + 5.1)."""
-    m, n = delta.shape
-    g = torch.Generator().manual_seed(0)  # deterministic factors for the same input
-    omega = cpu_draw(torch.randn, n, _oversampled(k, m, n), generator=g, like=delta, dtype=delta.dtype)
-    q = torch.linalg.qr(delta @ omega).Q
-    for _ in range(_POWER_ITERATIONS):  # re-orthonormalised each half step (Alg. 4.4)
-        q = torch.linalg.qr(delta.T @ q).Q
-        q = torch.linalg.qr(delta @ q).Q
-    u, s, vh = torch.linalg.svd(q.T @ delta, full_matrices=False)
-    return q @ u[:, :k], s[:k], vh[:k]
+    return min(k + _oversample(k), m, n)
 
 
 def low_rank_factors(delta: Tensor, rank: int, svd: str = "auto") -> LowRank:
@@ -98,7 +92,9 @@ def low_rank_factors(delta: Tensor, rank: int, svd: str = "auto") -> LowRank:
         u, s, vh = torch.linalg.svd(x, full_matrices=False)
         u, vh = u[:, :k], vh[:k]
     else:
-        u, s, vh = _randomized_svd(x, k)
+        # seeded (0): the same factors for the same input
+        u, s, vh = randomized_svd(x, k, oversample=_oversample(k), power_iters=_POWER_ITERATIONS, seed=0,
+                                  slice_first=True)
     root = s[:k].sqrt()
     b = (u[:, :k] * root).float()
     a = (root[:, None] * vh[:k]).float()

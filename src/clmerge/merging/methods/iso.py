@@ -31,8 +31,7 @@ import torch
 from torch import Tensor
 
 from .driver import map_keys
-from .lowrank import (DEFAULT_EXCLUDE, is_lowrank_param, mean64, polar_factor, svd_factors, task_matrices,
-                      thin_svd)
+from .lowrank import DEFAULT_EXCLUDE, check_svd_method, matrix_update_kernel, polar_factor, svd_factors, thin_svd
 from .registry import register_merge
 from .sources import open_models
 
@@ -73,16 +72,6 @@ def iso_cts_matrix(taus: Tensor, fraction: float, *, svd: str = "exact", seed: i
     return (polar_factor(torch.cat(us, dim=1)) * sigma) @ polar_factor(torch.cat(vhs, dim=0))
 
 
-def _iso_kernel(update, scaling: float, include: str | None, exclude: str | None):
-    def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
-        if not is_lowrank_param(key, tuple(b.shape), exclude, include):  # mean task vector, no (T, ...) stack
-            return mean64(xs, minus=b).mul_(scaling).add_(b.double())
-        taus = task_matrices(b, xs)
-        return b.double() + scaling * update(taus).double()
-
-    return kernel
-
-
 @register_merge("iso_c", "isotropic merge: the summed task matrix with its singular values flattened to "
                 "their mean (Iso-C, Marczak et al. 2025)")
 def iso_c(*, base: Any, experts: Sequence[Any], scaling: float = 1.0, include: str | None = None,
@@ -98,7 +87,7 @@ def iso_c(*, base: Any, experts: Sequence[Any], scaling: float = 1.0, include: s
         exclude: regex of 2-D ``*weight`` keys treated as non-matrix tensors (default: embeddings, norms).
     """
     models = open_models(base, experts)
-    return map_keys(models, _iso_kernel(iso_c_matrix, scaling, include, exclude), needs_base=True)
+    return map_keys(models, matrix_update_kernel(iso_c_matrix, scaling, include, exclude), needs_base=True)
 
 
 @register_merge("iso_cts", "isotropic merge in a common subspace plus task-specific subspaces (Iso-CTS, "
@@ -121,11 +110,10 @@ def iso_cts(*, base: Any, experts: Sequence[Any], scaling: float = 1.0, common_s
     """
     if not 0.0 <= common_space_fraction <= 1.0:
         raise ValueError(f"common_space_fraction must be in [0, 1], got {common_space_fraction}")
-    if svd not in ("exact", "randomized"):
-        raise ValueError(f"svd must be 'exact' or 'randomized', got {svd!r}")
+    check_svd_method(svd)
     models = open_models(base, experts)
 
     def update(taus: Tensor) -> Tensor:
         return iso_cts_matrix(taus, common_space_fraction, svd=svd, seed=seed)
 
-    return map_keys(models, _iso_kernel(update, scaling, include, exclude), needs_base=True)
+    return map_keys(models, matrix_update_kernel(update, scaling, include, exclude), needs_base=True)

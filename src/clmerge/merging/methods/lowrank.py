@@ -4,28 +4,30 @@
   official code's ``max(1, int(rank_ratio * r))`` with ``rounding="floor"``; ``rank_ratio = 0`` gives 0 and
   ``rank_ratio = 1`` gives ``r`` under both rules. The merging benchmarks use the default ``ceil``
   (benchmarks/merging/README.md, "Rank rounding").
-- :func:`low_rank_approx`: ``SVD_k(M)``, exact (thin SVD) or randomized (a seeded range finder with power
-  iterations, Halko et al. 2011, Alg. 4.4), so results repeat exactly for a given seed.
+- :func:`low_rank_approx`: ``SVD_k(M)``, exact (thin SVD) or randomized (:func:`randomized_svd`, a seeded
+  range finder with power iterations, Halko et al. 2011, Alg. 4.4, the package's one randomized SVD), so
+  results repeat exactly for a given seed.
 - :func:`is_lowrank_param`: which tensors get low-rank treatment (CART Sec. 5.1: the attention and MLP weight
   matrices; biases, norms and embeddings are averaged).
 - :func:`polar_factor`: the orthogonal factor of a polar decomposition (orthogonal Procrustes), which TSV-M and
   Iso-CTS use to orthogonalise concatenated singular vectors; :func:`task_matrices`: one key's task vectors in
-  the work dtype those SVD merges use.
+  the work dtype those SVD merges use; :func:`matrix_update_kernel`: the key kernel of TSV-M, Iso-C and Iso-CTS
+  (a per-matrix update from the stacked task matrices, the mean task vector elsewhere).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from ...utils.device import cpu_draw
 
-__all__ = ["target_rank", "low_rank_approx", "svd_factors", "thin_svd", "is_lowrank_param", "polar_factor",
-           "task_matrices", "mean64", "DEFAULT_EXCLUDE"]
+__all__ = ["target_rank", "low_rank_approx", "svd_factors", "randomized_svd", "thin_svd", "is_lowrank_param",
+           "polar_factor", "task_matrices", "mean64", "matrix_update_kernel", "check_svd_method", "DEFAULT_EXCLUDE"]
 
 # 2-D "weight" tensors whose name matches this are NOT truncated (embeddings, norms, position tables).
 DEFAULT_EXCLUDE = r"(embed|norm|(^|\.)ln|position|cls_token|class_embedding|(^|\.)proj$)"
@@ -80,6 +82,25 @@ def svd_factors(m: Tensor, k: int, *, method: str = "exact", oversample: int = 1
         u, s, vh = thin_svd(m)
         # copies, so the full factors (an m x r U: 0.26 GB for a 32000 x 2048 LM head) are freed at return
         return u[:, :k].clone(), s[:k].clone(), vh[:k].clone()
+    return randomized_svd(m, k, oversample=oversample, power_iters=power_iters, seed=seed)
+
+
+def randomized_svd(m: Tensor, k: int, *, oversample: int, power_iters: int, seed: int = 0,
+                   slice_first: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """Top-``k`` singular triplets ``(U_k (m,k), S_k (k,), Vh_k (k,n))`` of ``m`` by a seeded randomized range
+    finder with subspace iteration (Halko, Martinsson & Tropp 2011, Alg. 4.4 then Alg. 5.1): ``Q`` an
+    orthonormal basis of ``(m m^T)^q m Omega`` with ``l = min(m, n, k + oversample)`` columns, re-orthonormalised
+    at each half step, then the exact thin SVD of ``Q^T m``. The one randomized SVD of the package (the SVD
+    merges through :func:`svd_factors`, the LoRA extraction in ``merging.io.lora_svd``).
+
+    Args:
+        oversample: ``p``, the extra columns of the sketch.
+        power_iters: ``q``, the subspace iterations.
+        seed: seed of the Gaussian sketch ``Omega`` (drawn on the CPU: the same numbers on any device).
+        slice_first: ``U_k = Q (U_b)_{:, :k}`` (fewer flops; the LoRA extraction) instead of ``(Q U_b)_{:, :k}``
+            (the SVD merges). The same numbers up to the last bit, which BLAS rounds differently on some
+            shapes; each caller keeps the one it always used, so its outputs do not move.
+    """
     g = torch.Generator().manual_seed(seed)
     ell = min(min(m.shape), k + oversample)
     omega = cpu_draw(torch.randn, m.shape[1], ell, generator=g, like=m, dtype=m.dtype)  # (n, l), same on any device
@@ -88,7 +109,7 @@ def svd_factors(m: Tensor, k: int, *, method: str = "exact", oversample: int = 1
         q = torch.linalg.qr(m.T @ q).Q
         q = torch.linalg.qr(m @ q).Q
     ub, s, vh = thin_svd(q.T @ m)  # (l, n) sketch
-    return (q @ ub)[:, :k], s[:k], vh[:k]
+    return (q @ ub[:, :k] if slice_first else (q @ ub)[:, :k]), s[:k], vh[:k]
 
 
 def low_rank_approx(m: Tensor, k: int, **svd_kw) -> Tensor:
@@ -138,3 +159,25 @@ def task_matrices(base: Tensor, experts: list[Tensor]) -> Tensor:
     dtype = torch.promote_types(experts[0].dtype, torch.float32)
     b = base.to(dtype)
     return torch.stack([x.to(dtype) - b for x in experts])
+
+
+def check_svd_method(svd: str) -> None:
+    """Raise a one-line error unless ``svd`` is ``"exact"`` or ``"randomized"`` (the SVD merges' ``svd``)."""
+    if svd not in ("exact", "randomized"):
+        raise ValueError(f"svd must be 'exact' or 'randomized', got {svd!r}")
+
+
+def matrix_update_kernel(update: Callable[[Tensor], Tensor], scaling: float, include: str | None,
+                         exclude: str | None) -> Callable[[str, Tensor, list[Tensor]], Tensor]:
+    """The key kernel ``(key, base, experts) -> merged`` of the SVD merges that replace the task vectors of each
+    weight matrix by one update (TSV-M, Iso-C, Iso-CTS): ``theta_0 + alpha * update(taus)`` with ``taus`` the
+    stacked task matrices (:func:`task_matrices`), and ``theta_0 + alpha * mean_t tau_t`` (float64, no stack)
+    for the tensors that are not matrices (:func:`is_lowrank_param` with ``include`` / ``exclude``)."""
+
+    def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
+        if not is_lowrank_param(key, tuple(b.shape), exclude, include):  # mean task vector, no (T, ...) stack
+            return mean64(xs, minus=b).mul_(scaling).add_(b.double())
+        taus = task_matrices(b, xs)
+        return b.double() + scaling * update(taus).double()
+
+    return kernel

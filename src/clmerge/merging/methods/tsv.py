@@ -32,7 +32,8 @@ import torch
 from torch import Tensor
 
 from .driver import map_keys
-from .lowrank import DEFAULT_EXCLUDE, is_lowrank_param, mean64, polar_factor, svd_factors, task_matrices
+from .lowrank import (DEFAULT_EXCLUDE, check_svd_method, is_lowrank_param, matrix_update_kernel, polar_factor,
+                      svd_factors, task_matrices)
 from .registry import register_merge
 from .sources import open_models
 
@@ -42,11 +43,6 @@ __all__ = ["tsv_m", "tsv_c", "tsv_rank", "tsv_merge_matrix"]
 def tsv_rank(shape: tuple[int, ...], num_tasks: int) -> int:
     """``k = floor(min(m, n) / T)``, the singular triplets each task keeps (0 when ``min(m, n) < T``)."""
     return min(shape) // num_tasks
-
-
-def _check_svd(svd: str) -> None:
-    if svd not in ("exact", "randomized"):
-        raise ValueError(f"svd must be 'exact' or 'randomized', got {svd!r}")
 
 
 def tsv_merge_matrix(taus: Tensor, *, svd: str = "exact", seed: int = 0) -> Tensor:
@@ -80,16 +76,13 @@ def tsv_m(*, base: Any, experts: Sequence[Any], scaling: float = 1.0, svd: str =
         include: regex of keys treated as matrices, replacing the default rule (``"."``: every 2-D tensor).
         exclude: regex of 2-D ``*weight`` keys treated as non-matrix tensors (default: embeddings, norms).
     """
-    _check_svd(svd)
+    check_svd_method(svd)
     models = open_models(base, experts)
 
-    def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
-        if not is_lowrank_param(key, tuple(b.shape), exclude, include):  # mean task vector, no (T, ...) stack
-            return mean64(xs, minus=b).mul_(scaling).add_(b.double())
-        taus = task_matrices(b, xs)
-        return b.double() + scaling * tsv_merge_matrix(taus, svd=svd, seed=seed).double()
+    def update(taus: Tensor) -> Tensor:
+        return tsv_merge_matrix(taus, svd=svd, seed=seed)
 
-    return map_keys(models, kernel, needs_base=True)
+    return map_keys(models, matrix_update_kernel(update, scaling, include, exclude), needs_base=True)
 
 
 @register_merge("tsv_c", "compression: task t's model = base + its own top 1/T singular vectors (TSV-C, "
@@ -112,7 +105,7 @@ def tsv_c(*, base: Any, experts: Sequence[Any], task: int = 0, scaling: float = 
             (``T`` compressed tasks take about one model's storage).
         svd, seed, include, exclude: as in :func:`tsv_m`.
     """
-    _check_svd(svd)
+    check_svd_method(svd)
     models = open_models(base, experts)
     n = models.num_experts
     if not 0 <= task < n:

@@ -31,7 +31,6 @@ from .fisher import fisher_merging
 from .regmean import gram_matrices, regmean
 from .cart import cart, cart_indexing
 from .adamerging import adamerging
-from .slerp import slerp
 from .model_stock import model_stock
 from .magmax import magmax
 # the SVD family: task singular vectors and isotropic merging
@@ -39,10 +38,9 @@ from .tsv import tsv_c, tsv_m
 from .iso import iso_c, iso_cts
 from .knots import knots
 from .wudi import wudi
-from .spherical import karcher, multislerp, nuslerp
+from .spherical import karcher, multislerp, nuslerp, slerp
 from .sce import sce
-from .nearswap import nearswap
-from .arcee_fusion import arcee_fusion
+from .base_and_expert import arcee_fusion, nearswap
 # continual merges over an ordered expert list
 from .opcm import opcm
 from .dop import dop

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from .driver import map_keys
 from .lowrank import DEFAULT_EXCLUDE, is_lowrank_param, thin_svd
-from .opcm import shuffled_order
+from .order import expert_order
 from .registry import register_merge
 from .sources import open_models
 
@@ -177,7 +177,7 @@ def dop(*, base: Any, experts: Sequence[Any], lr: float = 1e-4, num_steps: int =
     """
     _check(space, others, alpha, svd_epsilon, ema_beta, num_steps)
     models = open_models(base, experts)
-    order = shuffled_order(models.num_experts, seed) if shuffle else list(range(models.num_experts))
+    order = expert_order(models.num_experts, shuffle, seed)
     options = {"lr": lr, "num_steps": num_steps, "mgda": mgda, "ema": ema, "ema_beta": ema_beta, "alpha": alpha,
                "svd_epsilon": svd_epsilon, "space": space}
 

@@ -35,10 +35,11 @@ from torch import Tensor
 from .driver import map_keys
 from ..io.checks import source_get
 from .lowrank import DEFAULT_EXCLUDE, is_lowrank_param, thin_svd
+from .order import expert_order
 from .registry import register_merge
 from .sources import open_models
 
-__all__ = ["opcm", "opcm_split_rank", "opcm_project", "opcm_fold", "opcm_scale", "shuffled_order"]
+__all__ = ["opcm", "opcm_split_rank", "opcm_project", "opcm_fold", "opcm_scale"]
 
 
 def opcm_split_rank(s: Tensor, alpha: float) -> int:
@@ -89,11 +90,6 @@ def opcm_scale(sum_sq: float, tau_sq: Sequence[float]) -> float:
     return sum(math.sqrt(x) for x in tau_sq) / len(tau_sq) / math.sqrt(sum_sq)
 
 
-def shuffled_order(n: int, seed: int) -> list[int]:
-    """A seeded permutation of ``range(n)`` (FusionBench shuffles the model order by default)."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @register_merge("opcm", "continual merge: each expert in order projected away from the running merge's principal "
                 "subspace, rescaled to the mean task-vector norm (OPCM, Tang et al. 2025)")
 def opcm(*, base: Any, experts: Sequence[Any], alpha: float = 0.5, zero_diagonal: bool = True, shuffle: bool = False,
@@ -117,7 +113,7 @@ def opcm(*, base: Any, experts: Sequence[Any], alpha: float = 0.5, zero_diagonal
     if not 0.0 <= alpha < 1.0:
         raise ValueError(f"alpha must be in [0, 1), got {alpha}")
     models = open_models(base, experts)
-    order = shuffled_order(models.num_experts, seed) if shuffle else list(range(models.num_experts))
+    order = expert_order(models.num_experts, shuffle, seed)
     norms = {"sum": 0.0, "tau": [0.0] * models.num_experts}
 
     def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:

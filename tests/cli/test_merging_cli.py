@@ -114,3 +114,22 @@ def test_merge_error_during_compute_writes_nothing(files):
                "--set", "density=2", "--overwrite")  # without --overwrite an existing file is refused
     assert r.exit_code == 2 and "density" in r.output
     assert out.read_bytes() == b"old"
+
+
+def test_set_values_read_the_same_yaml_grammar_as_run_set():
+    # `[a,b]`, `yes` and `1e-3` mean in `clmerge merge --set` what they mean in `clmerge run --set`
+    from clmerge.merging.run import parse_set
+    from clmerge.utils.yaml_io import parse_assignment
+
+    items = ["scaling=[0.6,1.0]", "normalize=yes", "density=1e-3", "trim_scope=global", "x=[a,b]"]
+    assert parse_set(items) == dict(parse_assignment(i) for i in items)
+    assert parse_set(items) == {"scaling": [0.6, 1.0], "normalize": True, "density": 1e-3,
+                                "trim_scope": "global", "x": ["a", "b"]}
+
+
+def test_a_set_without_equals_is_a_usage_error():
+    from clmerge.errors import UsageError
+    from clmerge.merging.run import parse_set
+
+    with pytest.raises(UsageError, match="--set 'density': expected key=value"):
+        parse_set(["density"])

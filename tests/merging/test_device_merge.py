@@ -62,7 +62,7 @@ def test_forced_device_path_is_bit_identical(tmp_path, models, method, sets, exp
     dev = StrictCpuDevice()
     info = _merge(models, tmp_path / "dev", method, sets, device=dev, experts=experts)
     assert dev.moved > 0 and dev.checked > 0  # the inputs took the device path
-    assert info["device"]["device"] == "cpu" and info["device"]["peak_device_memory_bytes"] is None
+    assert info.device["device"] == "cpu" and info.device["peak_device_memory_bytes"] is None
     want, got = folder_state(tmp_path / "cpu"), folder_state(tmp_path / "dev")
     assert want.keys() == got.keys()
     for k in want:
@@ -71,7 +71,7 @@ def test_forced_device_path_is_bit_identical(tmp_path, models, method, sets, exp
 
 def test_plain_cpu_path_reports_no_device(tmp_path, models):
     info = _merge(models, tmp_path / "m", "task_arithmetic", ["scaling=0.4"], device="cpu")
-    assert "device" not in info
+    assert info.device is None
 
 
 def test_forced_extract_lora_is_bit_identical(tmp_path, models):
@@ -141,7 +141,7 @@ def _close(want: torch.Tensor, got: torch.Tensor, key: str) -> None:
 def test_cuda_merge_agrees_with_cpu_and_reports_peak_memory(tmp_path, models, method, sets):
     _merge(models, tmp_path / "cpu", method, sets)
     info = _merge(models, tmp_path / "gpu", method, sets, device="cuda")
-    assert info["device"]["device"].startswith("cuda") and info["device"]["peak_device_memory_bytes"] > 0
+    assert info.device["device"].startswith("cuda") and info.device["peak_device_memory_bytes"] > 0
     want, got = folder_state(tmp_path / "cpu"), folder_state(tmp_path / "gpu")
     for k in want:
         _close(want[k], got[k], k)

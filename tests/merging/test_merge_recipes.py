@@ -171,5 +171,5 @@ def test_a_merge_run_is_library_code_the_command_only_wraps(files, tmp_path):
                "--out", tmp_path / "cli.safetensors")
     assert r.exit_code == 0, r.output
     got, want = load_file(str(tmp_path / "lib.safetensors")), load_file(str(tmp_path / "cli.safetensors"))
-    assert info["keys"] == len(want) and got.keys() == want.keys()
+    assert info.keys == len(want) and got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want)

@@ -72,23 +72,24 @@ def merge_command(
         if adapter_out not in ("full", "peft", "factored"):
             raise ValueError(f"--adapter-out: expected full, peft or factored, got {adapter_out!r}")
         spec = build_recipe(recipe, method, base, expert, set_, options)
-        info = run_merge(spec, out, task=task, dry_run=dry_run, overwrite=overwrite, adapter_out=adapter_out,
-                         adapter_rank=adapter_rank, hash_inputs=hash_inputs, device=dev,
-                         where="parameters." if recipe else "--set ",
-                         log=lambda s: typer.echo(s, err=True))
+        res = run_merge(spec, out, task=task, dry_run=dry_run, overwrite=overwrite, adapter_out=adapter_out,
+                        adapter_rank=adapter_rank, hash_inputs=hash_inputs, device=dev,
+                        where="parameters." if recipe else "--set ",
+                        log=lambda s: typer.echo(s, err=True))
     except (KeyError, ValueError, FileNotFoundError, TypeError, OSError) as exc:
         fail(exc)  # printed by clmerge.cli.base.handle_errors, exit code by kind
-    if "plan" in info:
-        typer.echo(info["plan"])
+    if res.plan is not None:
+        typer.echo(res.plan)
         return
-    for line in info.get("warnings", []):  # adapter merges: another base model named, ranks clamped
+    for line in res.warnings:  # adapter merges: another base model named, ranks clamped
         typer.echo(line, err=True)
-    typer.echo(f"wrote {info['out']} ({info['keys']} tensors, {spec.method} {spec.parameters})")
-    if "device" in info and adapter_out != "full":  # a full merge logged it already
-        typer.echo(stats_line(info["device"]), err=True)
-    if "overall_rel_error" in info:  # an adapter re-factorised by truncated SVD
-        typer.echo(f"rank {info.get('rank')}: relative error of the merged delta W {info['overall_rel_error']:.3g} "
-                   f"overall, {info.get('max_rel_error', float('nan')):.3g} at worst (merge_report.json)")
+    typer.echo(f"wrote {res.out} ({res.keys} tensors, {spec.method} {spec.parameters})")
+    if res.device is not None and adapter_out != "full":  # a full merge logged it already
+        typer.echo(stats_line(res.device), err=True)
+    if "overall_rel_error" in res.report:  # an adapter re-factorised by truncated SVD
+        r = res.report
+        typer.echo(f"rank {r.get('rank')}: relative error of the merged delta W {r['overall_rel_error']:.3g} "
+                   f"overall, {r.get('max_rel_error', float('nan')):.3g} at worst (merge_report.json)")
 
 
 @app.command("merges", help="List the model-merging methods.")

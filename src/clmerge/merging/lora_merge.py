@@ -31,6 +31,7 @@ from .io.checks import source_get, source_meta
 from .io.lora_svd import check_out_dir, check_svd, clamped_note, device_low_rank_factors, error_summary
 from .io.output import build_folder
 from .io.peft import AdapterSource, LoraModule, adapter_config, write_adapter
+from .methods.hparams import check_hyperparameters
 from .methods.registry import get_method, merge
 
 __all__ = ["merge_adapters", "REPORT_FILE", "LINEAR_METHODS"]
@@ -163,10 +164,8 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
         raise UsageError(f"--adapter-rank must be >= 1, got {rank}")
     check_svd(svd)
     hp = dict(hyperparameters or {})
-    valid = get_method(method).hyperparameters()  # unknown names fail before any work, in either form
-    for key in hp:
-        if key not in valid:
-            raise TypeError(f"{method}: unknown hyperparameter {key!r}; valid: {', '.join(valid) or 'none'}")
+    # unknown names fail before any work, in either form
+    check_hyperparameters(get_method(method), hp, types=False, data_ok=True, error=TypeError)
     base, srcs = _open(base, adapters)
     check_out_dir(Path(out), [Path(s.name) for s in srcs] + [p for p in [Path(str(base.name))] if p.exists()],
                   overwrite)

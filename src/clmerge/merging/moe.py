@@ -39,22 +39,21 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import yaml
 from pydantic import Field
 from torch import Tensor
 
 from ..config import ConfigError, StrictModel, check_keys, read_yaml_mapping, validate_strict
-from ..errors import OutputError
 from ..utils import inpaths
+from ..utils.dtypes import DtypeName, to_dtype
 from .io.base import MergeInputError
-from .io.output import InputHashes, OutputTarget, check_out, copy_model_files, model_files, write_model_card
+from .io.output import OutputFolder, model_files
 from .io.readers import open_checkpoint
 from .io.staging import staged_model
 from .io.writer import ShardedWriter, parse_size
-from .recipes import DTYPES
 
 __all__ = ["MoeExpert", "MoeRecipe", "load_moe_recipe", "router_rows", "run_moe"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 _MLP = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _FAMILIES = ("llama", "mistral")
 
@@ -70,7 +69,7 @@ class MoeRecipe(StrictModel):
     experts: list[MoeExpert] = Field(min_length=2)
     gate_mode: Literal["hidden", "cheap_embed", "random"] = "hidden"
     experts_per_token: int = Field(2, ge=1)
-    dtype: DTYPES | None = None
+    dtype: DtypeName | None = None
     seed: int = 0
     out_shard_size: str | int = "5GB"
 
@@ -246,38 +245,27 @@ def run_moe(recipe: MoeRecipe, out: Path, *, overwrite: bool = False, hash_input
             log: Callable[[str], None] = lambda s: None) -> dict:
     """Check the inputs, initialise the routers, then stream the MoE model into the folder ``out``."""
     base, experts, config = _open_inputs(recipe)
-    if check_out(out, [base, *experts], overwrite=overwrite) != "folder":
-        raise OutputError(f"--out {out}: an MoE model is a folder (with its config.json), not one .safetensors file")
+    output = OutputFolder(out, [base, *experts], overwrite=overwrite, hash_inputs=hash_inputs, log=log,
+                          folder_only="an MoE model is a folder (with its config.json), not one .safetensors file")
     layers = int(config["num_hidden_layers"])
     hidden = base.meta("model.embed_tokens.weight")[0][1]
     gates = router_rows(recipe, base, layers, hidden)
-    dtype = _DTYPES[recipe.dtype] if recipe.dtype else None
-    plan = _plan(base, len(experts), layers, dtype)
-    hashes = InputHashes([f for s in [base, *experts] for f in getattr(s, "files", [])], enabled=hash_inputs)
-    with OutputTarget(out, "folder", log=log) as target:
-        writer = ShardedWriter(target.tmp, plan, shard_size=parse_size(recipe.out_shard_size),
-                               metadata={"clmerge_method": "moe"})
-        try:
-            _write(writer, base, experts, gates, layers)
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-        _finish_folder(target.tmp, recipe, base, experts, config, plan, hashes)
-        target.commit()
+    plan = _plan(base, len(experts), layers, to_dtype(recipe.dtype))
+    dtype = {k: d for k, _, d in plan}["model.embed_tokens.weight"]
+    text = yaml.safe_dump(recipe.model_dump(exclude_defaults=True), sort_keys=False)
+
+    def mixtral_config(folder: Path) -> None:
+        (folder / "config.json").write_text(json.dumps(_mixtral_config(config, recipe, dtype), indent=2,
+                                                       sort_keys=True) + "\n")
+
+    with output:
+        output.write_shards(output.tmp, plan, lambda w: _write(w, base, experts, gates, layers),
+                            shard_size=parse_size(recipe.out_shard_size), metadata={"clmerge_method": "moe"})
+        output.write_files(output.tmp, model_folder=Path(base.folder), tokenizer_folder=Path(base.folder), dtype=dtype,
+                           recipe_file="clmerge_moe.yaml", recipe_yaml=text, base_model=recipe.base_model,
+                           inputs=[("base", base.name, base.files)]
+                           + [("model", e.name, getattr(e, "files", [])) for e in experts],
+                           after_copy=mixtral_config)
+        output.commit()
     log(f"assembled {len(experts)} experts x {layers} layers ({recipe.gate_mode} routers)")
     return {"out": str(out), "keys": len(plan), "experts": len(experts), "layers": layers}
-
-
-def _finish_folder(tmp: Path, recipe: MoeRecipe, base: Any, experts: list[Any], config: dict, plan: list,
-                   hashes: InputHashes) -> None:
-    dtype = {k: d for k, _, d in plan}["model.embed_tokens.weight"]
-    copy_model_files(tmp, Path(base.folder), Path(base.folder), dtype)
-    (tmp / "config.json").write_text(json.dumps(_mixtral_config(config, recipe, dtype), indent=2,
-                                                sort_keys=True) + "\n")
-    import yaml
-
-    text = yaml.safe_dump(recipe.model_dump(exclude_defaults=True), sort_keys=False)
-    (tmp / "clmerge_moe.yaml").write_text(text)
-    inputs = [("base", base.name, base.files)] + [("model", e.name, getattr(e, "files", [])) for e in experts]
-    write_model_card(tmp, recipe_yaml=text, inputs=inputs, hashes=hashes.get(), base_model=recipe.base_model)

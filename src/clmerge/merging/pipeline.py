@@ -10,7 +10,6 @@ being merged (plus a method's per-key temporaries), whatever the model's size.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,26 +18,25 @@ from typing import Any
 import torch
 
 from ..utils.device import Device, using_device
-from .methods.hparams import DATA_HPARAMS, HParam, coerce_value, method_hparams, per_expert_name
-from .io.output import InputHashes, OutputTarget, copy_model_files, model_files, write_model_card
+from ..utils.dtypes import DTYPES, config_dtype, dtype_name, to_dtype
+from .methods.hparams import DATA_HPARAMS, HParam, check_hyperparameters, method_hparams, per_model_params
+from .io.output import OutputFolder
 from .io.readers import open_checkpoint, resolve_hub_id
 from .io.tokenizers import write_tokenizer
-from .io.writer import BackgroundWriter, ShardedWriter, parse_size
-from .recipes import key_groups
+from .io.writer import parse_size
+from .recipes import Recipe, key_groups
 from .methods.registry import MergeMethod, get_method
 from .methods.sources import ModelSet
 from .vocab import VocabPlan, prepare_vocab, write_vocab_files
 
-__all__ = ["Prepared", "check_params", "dry_run_text", "execute", "per_model_params", "prepare"]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+__all__ = ["Prepared", "dry_run_text", "execute", "prepare"]
 
 
 @dataclass
 class Prepared:
     """Everything a merge needs, checked: the method, the opened inputs and the key groups."""
 
-    recipe: Any
+    recipe: Recipe
     method: MergeMethod
     models: ModelSet
     groups: list[tuple[dict[str, Any], list[str]]]
@@ -48,40 +46,6 @@ class Prepared:
     plan: list[tuple[str, tuple[int, ...], torch.dtype]] = field(default_factory=list)
     vocab: VocabPlan | None = None
     tokenizer: Any = None  # an OutputTokenizer to write instead of copying the tokenizer files
-
-
-def check_params(method: MergeMethod, hps: dict[str, HParam], params: dict[str, Any], where: str,
-                  gradient_ok: bool) -> None:
-    for name, value in params.items():
-        if name not in hps or name in DATA_HPARAMS:
-            import difflib
-
-            near = difflib.get_close_matches(name, list(hps), n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else f"; valid: {', '.join(hps) or 'none'}"
-            raise ValueError(f"{where}{name}: not a hyperparameter of {method.name}{hint}")
-        if isinstance(value, list) and not hps[name].is_list and gradient_ok:
-            if not value or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-                raise ValueError(f"{where}{name}: a depth gradient is a non-empty list of numbers, got {value!r}")
-            for v in value:
-                coerce_value(method.name, hps[name], v, f"{where}{name}")
-        elif name != "task":
-            coerce_value(method.name, hps[name], value, f"{where}{name}")
-
-
-def per_model_params(method: MergeMethod, hps: dict[str, HParam], recipe: Any) -> dict[str, list]:
-    names = [set(m.parameters) for m in recipe.models]
-    if not any(names):
-        return {}
-    for i, n in enumerate(names):
-        if n != names[0]:
-            raise ValueError(f"models[{i}].parameters: gives {sorted(n)} but models[0] gives {sorted(names[0])} "
-                             "(every model needs the same per-model parameters)")
-    out = {}
-    for key in names[0]:
-        target = per_expert_name(method.name, hps, key)
-        out[target] = [coerce_value(method.name, hps[target], [m.parameters[key]], f"models[{i}].parameters.{key}")[0]
-                       for i, m in enumerate(recipe.models)]
-    return out
 
 
 def _tasks(method: MergeMethod, hps: dict[str, HParam], task: str | int | None, n: int) -> list[int | None]:
@@ -102,7 +66,7 @@ def _tasks(method: MergeMethod, hps: dict[str, HParam], task: str | int | None, 
     return [t]
 
 
-def prepare(recipe: Any, *, task: str | int | None = None, where: str = "parameters.") -> Prepared:
+def prepare(recipe: Recipe, *, task: str | int | None = None, where: str = "parameters.") -> Prepared:
     """Check ``recipe`` against its method and open its inputs (headers only); raises one-line errors.
 
     Args:
@@ -118,14 +82,14 @@ def prepare(recipe: Any, *, task: str | int | None = None, where: str = "paramet
         raise ValueError(f"{method.name} needs --base PATH (the pretrained weights)")
     task = recipe.parameters.get("task", task) if task is None else task
     params = {k: v for k, v in recipe.parameters.items() if k != "task"}
-    check_params(method, hps, params, where, True)
+    check_hyperparameters(method, params, where, hps=hps)
     for i, o in enumerate(recipe.overrides):
-        check_params(method, hps, o.parameters, f"overrides[{i}].parameters.", True)
-    per_model = per_model_params(method, hps, recipe)
+        check_hyperparameters(method, o.parameters, f"overrides[{i}].parameters.", hps=hps)
+    per_model = per_model_params(method, hps, recipe.models)
     base = None if recipe.base is None else open_checkpoint(recipe.base, name=recipe.base)
     experts = [open_checkpoint(m.model, base=base, name=m.model) for m in recipe.models]
     vocab, tokenizer, base, experts = prepare_vocab(recipe, base, experts)
-    compute = _DTYPES[recipe.compute_dtype]
+    compute = DTYPES[recipe.compute_dtype]
     models = ModelSet(base, experts, compute_dtype=compute)
     tasks = _tasks(method, hps, task, models.num_experts)
     list_params = {n for n, h in hps.items() if h.is_list}
@@ -134,7 +98,7 @@ def prepare(recipe: Any, *, task: str | int | None = None, where: str = "paramet
     if missing:
         raise ValueError(f"{method.name}: missing required hyperparameter {', '.join(missing)} "
                          f"(--set {missing[0]}=...)")
-    out_dtype = None if recipe.out_dtype is None else _DTYPES[recipe.out_dtype]
+    out_dtype = to_dtype(recipe.out_dtype)
     prep = Prepared(recipe, method, models, groups, tasks, out_dtype, parse_size(recipe.out_shard_size),
                     vocab=vocab, tokenizer=tokenizer)
     ref = models.base if models.base is not None else models.experts[0]
@@ -142,16 +106,6 @@ def prepare(recipe: Any, *, task: str | int | None = None, where: str = "paramet
         shape, dtype = ref.meta(key)
         prep.plan.append((key, tuple(shape), out_dtype if out_dtype is not None and dtype.is_floating_point else dtype))
     return prep
-
-
-def _config_dtype(prep: Prepared) -> torch.dtype:
-    if prep.out_dtype is not None:
-        return prep.out_dtype
-    sizes: Counter = Counter()
-    for _, shape, dtype in prep.plan:
-        if dtype.is_floating_point:
-            sizes[dtype] += math.prod(shape)
-    return sizes.most_common(1)[0][0] if sizes else torch.float32
 
 
 def _folder_of(spec: str | None) -> Path | None:
@@ -182,47 +136,50 @@ def _merge_into(prep: Prepared, writer: ShardedWriter | BackgroundWriter, task: 
         prep.models.sink = None
 
 
-def execute(prep: Prepared, out: Path, kind: str, *, io_threads: bool = False, hash_inputs: bool = True,
+def execute(prep: Prepared, output: OutputFolder, *, io_threads: bool = False,
             log: Callable[[str], None] = lambda s: None, device: Device | None = None) -> dict:
-    """Run the merge and move the result into ``out`` (nothing is left on failure); returns a summary.
+    """Run the merge into ``output`` (:class:`~clmerge.merging.io.output.OutputFolder`, checked) and move the
+    result into place (nothing is left on failure); returns a summary.
 
     Args:
         io_threads: read the next key and write the last one in background threads, overlapping both with
             the merge (``--threads`` >= 2).
-        hash_inputs: record every input file's sha256 in the model card.
         device: where the kernels compute (:mod:`clmerge.utils.device`); ``None``: the CPU. An active device
             adds ``"device"`` (its name, the wall time, the peak device memory) to the summary and the log.
     """
     prep.models.prefetch = io_threads
     if prep.vocab is not None:
         log(prep.vocab.summary() + " (merge_report.json)")
-    files = [f for s in [prep.models.base, *prep.models.experts] if s is not None for f in getattr(s, "files", [])]
-    if kind == "folder":
-        model_files(*_model_folders(prep))  # refuse a config or tokenizer file that leads out, before any work
-    hashes = InputHashes(files, enabled=hash_inputs) if kind == "folder" else None
+    model_folder, tokenizer_folder = _model_folders(prep)
+    output.check_files(model_folder, tokenizer_folder)  # a config or tokenizer file that leads out: before any work
     recipe = prep.recipe
     meta = {"clmerge_method": prep.method.name}
     if device is not None:
         device.start()
-    with OutputTarget(out, kind, log=log) as target:
+    with output:
         for task in prep.tasks:
-            folder = target.tmp if len(prep.tasks) == 1 else target.tmp / f"task_{task}"
+            folder = output.tmp if len(prep.tasks) == 1 else output.tmp / f"task_{task}"
             folder.mkdir(exist_ok=True)
-            writer = ShardedWriter(folder, prep.plan, shard_size=prep.shard_size, metadata=meta,
-                                   single_file=out.name if kind == "file" else None)
-            writer = BackgroundWriter(writer) if io_threads else writer
-            try:
+
+            def fill(writer: Any, task: int | None = task) -> None:
                 with using_device(device):
                     _merge_into(prep, writer, task)
-                writer.close()
-            except BaseException:
-                writer.abort()
-                raise
-            if kind == "folder":
-                _write_folder_files(prep, folder, recipe, hashes, task)
+
+            output.write_shards(folder, prep.plan, fill, shard_size=prep.shard_size, metadata=meta,
+                                background=io_threads)
+            if output.kind == "folder" and prep.tokenizer is not None:
+                write_tokenizer(folder, prep.tokenizer)
+            text = recipe.to_yaml() + (f"# this folder: task {task}\n" if task is not None else "")
+            inputs = ([("base", prep.models.base.name, prep.models.base.files)] if prep.models.base is not None
+                      else [])
+            inputs += [("model", e.name, getattr(e, "files", [])) for e in prep.models.experts]
+            output.write_files(folder, model_folder=model_folder, tokenizer_folder=tokenizer_folder,
+                               dtype=prep.out_dtype or config_dtype(prep.plan), recipe_file="clmerge_recipe.yaml",
+                               recipe_yaml=text, inputs=inputs, base_model=recipe.base,
+                               after_copy=(lambda f: write_vocab_files(f, prep.vocab)) if prep.vocab else None)
             log(f"merged {'task ' + str(task) + ' ' if task is not None else ''}({len(prep.plan)} tensors)")
-        target.commit()
-    info = {"method": prep.method.name, "keys": len(prep.plan), "out": str(out), "tasks": prep.tasks}
+        output.commit()
+    info = {"method": prep.method.name, "keys": len(prep.plan), "out": str(output.out), "tasks": prep.tasks}
     if device is not None and device.active:
         log(device.summary())
         info["device"] = device.stats()
@@ -234,30 +191,13 @@ def _model_folders(prep: Prepared) -> tuple[Path | None, Path | None]:
     ref = prep.models.base if prep.models.base is not None else prep.models.experts[0]
     model_folder = getattr(ref, "folder", None)
     tok = prep.recipe.tokenizer_from
-    if prep.tokenizer is not None:  # built for the merged vocabulary, written by _write_folder_files
+    if prep.tokenizer is not None:  # built for the merged vocabulary, written by execute
         return model_folder, None
     return model_folder, (_folder_of(tok) if tok else model_folder)
 
 
-def _write_folder_files(prep: Prepared, folder: Path, recipe: Any, hashes: InputHashes, task: int | None) -> None:
-    if prep.tokenizer is not None:
-        write_tokenizer(folder, prep.tokenizer)
-    copy_model_files(folder, *_model_folders(prep), _config_dtype(prep))
-    if prep.vocab is not None:
-        write_vocab_files(folder, prep.vocab)
-    text = recipe.to_yaml() + (f"# this folder: task {task}\n" if task is not None else "")
-    (folder / "clmerge_recipe.yaml").write_text(text)
-    inputs = ([("base", prep.models.base.name, prep.models.base.files)] if prep.models.base is not None else [])
-    inputs += [("model", e.name, getattr(e, "files", [])) for e in prep.models.experts]
-    write_model_card(folder, recipe_yaml=text, inputs=inputs, hashes=hashes.get(), base_model=recipe.base)
-
-
 def _size(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def dry_run_text(prep: Prepared) -> str:
@@ -273,7 +213,7 @@ def dry_run_text(prep: Prepared) -> str:
     lines = [f"method: {prep.method.name}; inputs: {ms.num_experts} models" + (" + base" if ms.base else ""),
              f"keys: {len(prep.plan)} tensors, {sum(numels):,} parameters; largest {prep.plan[largest][0]} "
              f"{list(prep.plan[largest][1])}" if numels else "keys: none",
-             f"output: {_size(out_bytes)} ({', '.join(sorted({_dtype_name(d) for *_, d in prep.plan}))}), "
+             f"output: {_size(out_bytes)} ({', '.join(sorted({dtype_name(d) for *_, d in prep.plan}))}), "
              f"shards of at most {_size(prep.shard_size)}",
              f"memory estimate: about {_size(peak)} beyond the Python process (the largest key's inputs, "
              "output and float32 temporaries; nothing else is held)",

@@ -40,12 +40,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
+from ..utils.dtypes import DtypeName
 from ..config import ConfigError, StrictModel, check_keys, read_yaml_mapping, validate_strict
 
-__all__ = ["DTYPES", "PASSTHROUGH", "ModelEntry", "Override", "Recipe", "Slice", "SliceSource", "key_groups",
+__all__ = ["PASSTHROUGH", "ModelEntry", "Override", "Recipe", "Slice", "SliceSource", "key_groups",
            "layer_index", "load_recipe"]
 
-DTYPES = Literal["float32", "bfloat16", "float16", "float64"]
 
 
 class ModelEntry(StrictModel):
@@ -116,7 +116,7 @@ class Recipe(StrictModel):
     models: list[ModelEntry] = Field(default_factory=list)
     parameters: dict[str, Any] = Field(default_factory=dict)
     overrides: list[Override] = Field(default_factory=list)
-    out_dtype: DTYPES | None = None
+    out_dtype: DtypeName | None = None
     compute_dtype: Literal["float32", "float64"] = "float32"
     tokenizer_from: str | None = None
     out_shard_size: str | int = "5GB"

@@ -1,33 +1,38 @@
-"""A merge run as ``clmerge merge`` asks for it: a recipe (from a file or from flags) checked, then merged.
+"""The one recipe runner of ``clmerge merge``: a typed recipe, planned and checked once, then run.
 
-:func:`build_recipe` turns a recipe file or the flag form into a :class:`~clmerge.merging.recipes.Recipe`;
-:func:`run_merge` checks everything (method, hyperparameters, inputs, output path), then streams the merge into
-a model folder (:mod:`.pipeline`), or into one PEFT adapter when the experts are adapters and the output form
-asks for one (:mod:`.lora_merge`). Errors are raised as exceptions with one-line messages; the command
-(:mod:`clmerge.cli.merge`) prints them.
+:func:`build_recipe` turns a recipe file or the flag form into a :class:`~clmerge.merging.recipes.Recipe`
+(``--set`` values in the one YAML ``key=value`` grammar). :func:`plan` resolves what kind of recipe it is
+(a merge of whole models, layer slices, named stages, or LoRA adapters merged into one adapter) and checks
+everything before any work: the method, the hyperparameters (once, :func:`~.methods.hparams.check_hyperparameters`),
+the inputs. :func:`run_merge` then writes the output through the one model-folder writer
+(:class:`~.io.output.OutputFolder`) and returns a :class:`MergeResult`. Errors are exceptions with one-line
+messages; the command (:mod:`clmerge.cli.merge`) prints them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ..config import read_yaml_mapping
 from ..errors import UsageError
-from ..utils.yaml_io import YamlLimitError, parse_assignment
 from ..utils.device import Device, parse_device
 from ..utils.threads import io_threads
-from . import pipeline
-from .io.output import check_out
+from ..utils.yaml_io import YamlLimitError, parse_assignment
+from . import pipeline, slices
+from .io.output import OutputFolder, check_out
 from .io.peft import is_peft_adapter
 from .io.readers import open_checkpoint
 from .lora_merge import merge_adapters
-from .recipes import PASSTHROUGH, load_recipe
+from .recipes import PASSTHROUGH, Recipe, load_recipe
 from .methods.registry import get_method
-from .slices import run_slices
 from .stages import check_stage_refs, intermediate_folder, model_refs, with_stage_paths
 
-__all__ = ["build_recipe", "parse_set", "run_merge"]
+__all__ = ["MergeResult", "Plan", "build_recipe", "parse_set", "plan", "run_merge"]
+
+NEEDS_OUT = "--out PATH is required (a new folder, or a .safetensors file)"
 
 
 def parse_set(items: list[str], flag: str = "--set") -> dict[str, Any]:
@@ -53,7 +58,7 @@ def parse_set(items: list[str], flag: str = "--set") -> dict[str, Any]:
 
 
 def build_recipe(recipe_path: Path | None, method: str | None, base: str | None, experts: list[str],
-                 sets: list[str], options: dict[str, Any]) -> Any:
+                 sets: list[str], options: dict[str, Any]) -> Recipe:
     """The :class:`~clmerge.merging.recipes.Recipe` of a recipe file or of the flag form (flags override the
     file)."""
     if recipe_path is not None:
@@ -80,11 +85,93 @@ def build_recipe(recipe_path: Path | None, method: str | None, base: str | None,
         raise ValueError(msg) from None
 
 
-def run_merge(recipe: Any, out: Path | None, *, task: str | None = None, dry_run: bool = False,
+@dataclass
+class MergeResult:
+    """What a merge wrote (or, for a dry run, the plan it printed)."""
+
+    method: str
+    out: str | None = None
+    keys: int | str = 0
+    plan: str | None = None  # a dry run: the plan; nothing was written
+    tasks: list[int | None] = field(default_factory=list)
+    layers: int | None = None  # a slice recipe: the output's layer count
+    stages: list[str] = field(default_factory=list)
+    device: dict | None = None  # the device's name, wall time and peak memory when one was active
+    warnings: list[str] = field(default_factory=list)
+    report: dict = field(default_factory=dict)  # an adapter merge: merge_report.json
+
+
+@dataclass
+class Plan:
+    """A recipe checked and resolved into one kind of run.
+
+    ``models``: whole models merged key by key (:mod:`.pipeline`, ``prepared``); ``slices``: layer ranges
+    stacked (:mod:`.slices`, ``prepared``); ``stages``: named merges run in order before the final one
+    (each planned when its inputs exist); ``adapters``: PEFT adapters merged into one adapter (:mod:`.lora_merge`).
+    """
+
+    recipe: Recipe
+    kind: Literal["models", "slices", "stages", "adapters"]
+    prepared: Any = None  # pipeline.Prepared | slices.SlicePlan
+    adapter_out: str = "full"
+    adapter_rank: int | None = None
+
+    def text(self) -> str:
+        """The dry run's plan."""
+        if self.kind == "models":
+            return pipeline.dry_run_text(self.prepared)
+        if self.kind == "slices":
+            return slices.dry_run_text(self.prepared)
+        if self.kind == "stages":
+            r = self.recipe
+            lines = [f"stage {s.name}: {s.method} of {', '.join(m for _, m in model_refs(s))}" for s in r.stages]
+            return "\n".join([*lines, f"final: {r.method} of {', '.join(m for _, m in model_refs(r))}"])
+        return f"{self.recipe.method} of {len(self.recipe.models)} adapters into one {self.adapter_out} adapter"
+
+    def inputs(self) -> list[Any]:
+        """The opened inputs (an output never goes into one)."""
+        if self.kind == "models":
+            return [s for s in [self.prepared.models.base, *self.prepared.models.experts] if s is not None]
+        if self.kind == "slices":
+            return list(self.prepared.sources.values())
+        return []
+
+
+def plan(recipe: Recipe, *, task: str | None = None, adapter_out: str = "full", adapter_rank: int | None = None,
+         where: str = "parameters.") -> Plan:
+    """Resolve and check ``recipe`` before any work; raises one-line errors (nothing is written).
+
+    Args:
+        where: how errors name the global parameters (``"--set "`` for the flag form).
+    """
+    if recipe.stages:
+        check_stage_refs(recipe)
+        for stage in [*recipe.stages, recipe]:
+            if stage.method != PASSTHROUGH:
+                get_method(stage.method)
+        return Plan(recipe, "stages", adapter_out=adapter_out, adapter_rank=adapter_rank)
+    if recipe.slices:
+        if adapter_out != "full" or task is not None:
+            raise ValueError("a slice recipe writes a full model folder: drop --adapter-out / --task")
+        return Plan(recipe, "slices", slices.plan_slices(recipe))
+    get_method(recipe.method)
+    if adapter_out != "full":
+        paths = [Path(m.model) for m in recipe.models]
+        bad = next((p for p in paths if not is_peft_adapter(p)), None)
+        if bad is not None:
+            raise ValueError(f"--adapter-out {adapter_out}: every expert must be a PEFT adapter folder; {bad} is not")
+        if recipe.base is None:
+            raise ValueError(f"--adapter-out {adapter_out} needs --base (the adapters' base model) and --out")
+        return Plan(recipe, "adapters", adapter_out=adapter_out, adapter_rank=adapter_rank)
+    return Plan(recipe, "models", pipeline.prepare(recipe, task=task, where=where))
+
+
+def run_merge(recipe: Recipe, out: Path | None, *, task: str | None = None, dry_run: bool = False,
               overwrite: bool = False, adapter_out: str = "full", adapter_rank: int | None = None,
               hash_inputs: bool = True, device: str | Device | None = None,
-              where: str = "parameters.", log: Any = lambda s: None) -> dict:
-    """Check everything, then merge into ``out`` (a folder or one ``.safetensors`` file) or print the plan.
+              where: str = "parameters.", log: Callable[[str], None] = lambda s: None) -> MergeResult:
+    """Plan and check ``recipe`` (:func:`plan`), then merge into ``out`` (a folder or one ``.safetensors``
+    file), or return the plan (``dry_run``).
 
     Args:
         device: ``cpu`` (default), ``cuda`` or ``cuda:N`` (or a :class:`~clmerge.utils.device.Device`): where
@@ -95,18 +182,38 @@ def run_merge(recipe: Any, out: Path | None, *, task: str | None = None, dry_run
         written then.
     """
     device = parse_device(device)
-    if recipe.stages:
-        return _run_stages(recipe, out, dry_run=dry_run, overwrite=overwrite, hash_inputs=hash_inputs, log=log,
-                           task=task, adapter_out=adapter_out, adapter_rank=adapter_rank, where=where,
-                           device=device)
-    if recipe.slices:
-        if adapter_out != "full" or task is not None:
-            raise ValueError("a slice recipe writes a full model folder: drop --adapter-out / --task")
-        return run_slices(recipe, out, dry_run=dry_run, overwrite=overwrite, hash_inputs=hash_inputs, log=log)
-    get_method(recipe.method)
-    if adapter_out != "full":
-        return _adapter_merge(recipe, out, adapter_out, adapter_rank, overwrite, device)
-    prep = pipeline.prepare(recipe, task=task, where=where)
+    p = plan(recipe, task=task, adapter_out=adapter_out, adapter_rank=adapter_rank, where=where)
+    if p.kind == "models":
+        _log_notes(p.prepared, log)
+    if dry_run and p.kind != "adapters":
+        return MergeResult(recipe.method, plan=p.text())
+    if out is None:
+        raise ValueError({"adapters": f"--adapter-out {adapter_out} needs --base (the adapters' base model) and --out",
+                          "slices": "--out PATH is required (a new folder)"}.get(p.kind, NEEDS_OUT))
+    if p.kind == "stages":
+        return _run_stages(p, Path(out), overwrite=overwrite, hash_inputs=hash_inputs, log=log, task=task,
+                           device=device, where=where)
+    if p.kind == "adapters":
+        return _adapter_merge(p, Path(out), overwrite, device)
+    output = OutputFolder(out, p.inputs(), overwrite=overwrite, hash_inputs=hash_inputs, log=log,
+                          folder_only=None if p.kind == "models" else
+                          "a slice recipe writes a model folder (its config.json names the new layer count), "
+                          "not one .safetensors file")
+    if p.kind == "slices":
+        info = slices.execute_slices(p.prepared, output, log=log)
+        return MergeResult(recipe.method, out=info["out"], keys=info["keys"], layers=info["layers"])
+    prep = p.prepared
+    if output.kind == "file" and prep.tokenizer is not None:
+        raise ValueError(f"--out {out}: embeddings / chat_template_from build a tokenizer for the merged rows, "
+                         "which a single .safetensors file cannot hold: give --out a folder")
+    if output.kind == "file" and len(prep.tasks) > 1:
+        raise ValueError("--task all writes one folder per task: give --out a folder, not a .safetensors file")
+    info = pipeline.execute(prep, output, io_threads=io_threads(), log=log, device=device)
+    return MergeResult(info["method"], out=info["out"], keys=info["keys"], tasks=info["tasks"],
+                       device=info.get("device"))
+
+
+def _log_notes(prep: pipeline.Prepared, log: Callable[[str], None]) -> None:
     for src in prep.models.experts:  # an adapter whose config names another base model
         if getattr(src, "warning", None):
             log(src.warning)
@@ -114,36 +221,14 @@ def run_merge(recipe: Any, out: Path | None, *, task: str | None = None, dry_run
         log(warning)
     if prep.models.mixed:
         log(f"note: the inputs mix floating dtypes on {len(prep.models.mixed)} keys; they are upcast to "
-            f"{recipe.compute_dtype} for the merge")
-    if dry_run:
-        return {"plan": pipeline.dry_run_text(prep)}
-    if out is None:
-        raise ValueError("--out PATH is required (a new folder, or a .safetensors file)")
-    kind = check_out(out, [s for s in [prep.models.base, *prep.models.experts] if s is not None],
-                     overwrite=overwrite)
-    if kind == "file" and prep.tokenizer is not None:
-        raise ValueError(f"--out {out}: embeddings / chat_template_from build a tokenizer for the merged rows, "
-                         "which a single .safetensors file cannot hold: give --out a folder")
-    if kind == "file" and len(prep.tasks) > 1:
-        raise ValueError("--task all writes one folder per task: give --out a folder, not a .safetensors file")
-    return pipeline.execute(prep, out, kind, io_threads=io_threads(), hash_inputs=hash_inputs, log=log,
-                            device=device)
+            f"{prep.recipe.compute_dtype} for the merge")
 
 
-def _run_stages(recipe: Any, out: Path | None, *, dry_run: bool, overwrite: bool, hash_inputs: bool, log: Any,
-                **final: Any) -> dict:
+def _run_stages(p: Plan, out: Path, *, overwrite: bool, hash_inputs: bool, log: Callable[[str], None],
+                **final: Any) -> MergeResult:
     """Run the named stages in order into a temporary folder beside ``out``, then the final merge into ``out``;
-    the intermediates are removed whatever happens (:mod:`.stages`). Every reference and method is checked
-    before the first stage runs."""
-    check_stage_refs(recipe)
-    for stage in [*recipe.stages, recipe]:
-        if stage.method != PASSTHROUGH:
-            get_method(stage.method)
-    if dry_run:
-        lines = [f"stage {s.name}: {s.method} of {', '.join(r for _, r in model_refs(s))}" for s in recipe.stages]
-        return {"plan": "\n".join([*lines, f"final: {recipe.method} of {', '.join(r for _, r in model_refs(recipe))}"])}
-    if out is None:
-        raise ValueError("--out PATH is required (a new folder, or a .safetensors file)")
+    the intermediates are removed whatever happens (:mod:`.stages`)."""
+    recipe = p.recipe
     check_out(out, [], overwrite=overwrite)  # a bad --out fails before the first stage
     done: dict[str, Path] = {}
     with intermediate_folder(out) as tmp:
@@ -153,23 +238,20 @@ def _run_stages(recipe: Any, out: Path | None, *, dry_run: bool, overwrite: bool
             done[stage.name] = tmp / f"stage_{i}"
             log(f"stage {stage.name}: merged")
         final_recipe = with_stage_paths(recipe, done).recorded_as(recipe.to_yaml())
-        info = run_merge(final_recipe, out, overwrite=overwrite, hash_inputs=hash_inputs,
-                         log=log, **final)
-    return {**info, "stages": [s.name for s in recipe.stages]}
+        res = run_merge(final_recipe, out, overwrite=overwrite, hash_inputs=hash_inputs, log=log,
+                        adapter_out=p.adapter_out, adapter_rank=p.adapter_rank, **final)
+    res.stages = [s.name for s in recipe.stages]
+    return res
 
 
-def _adapter_merge(recipe: Any, out: Path | None, form: str, rank: int | None, overwrite: bool,
-                   device: Device) -> dict:
+def _adapter_merge(p: Plan, out: Path, overwrite: bool, device: Device) -> MergeResult:
     """LoRA adapters merged into one adapter (``form`` peft or factored, :mod:`.lora_merge`)."""
-    paths = [Path(m.model) for m in recipe.models]
-    if not all(is_peft_adapter(p) for p in paths):
-        bad = next(p for p in paths if not is_peft_adapter(p))
-        raise ValueError(f"--adapter-out {form}: every expert must be a PEFT adapter folder; {bad} is not")
-    if recipe.base is None or out is None:
-        raise ValueError(f"--adapter-out {form} needs --base (the adapters' base model) and --out")
+    recipe = p.recipe
     base = open_checkpoint(recipe.base, name=recipe.base)
     check_out(out, [base], overwrite=overwrite)
-    info = merge_adapters(method=recipe.method, base=base, adapters=paths, hyperparameters=recipe.parameters,
-                          out=out, form=form, rank=rank, overwrite=overwrite, device=device)
+    info = merge_adapters(method=recipe.method, base=base, adapters=[Path(m.model) for m in recipe.models],
+                          hyperparameters=recipe.parameters, out=out, form=p.adapter_out, rank=p.adapter_rank,
+                          overwrite=overwrite, device=device)
     keys = info.get("keys", "?")
-    return {**info, "method": recipe.method, "keys": len(keys) if isinstance(keys, list) else keys, "out": str(out)}
+    return MergeResult(recipe.method, out=str(out), keys=len(keys) if isinstance(keys, list) else keys,
+                       device=info.get("device"), warnings=list(info.get("warnings", [])), report=info)

@@ -26,23 +26,21 @@ from typing import Any
 
 import torch
 
-from ..errors import InputError, OutputError
+from ..errors import InputError
 from ..utils import inpaths
+from ..utils.dtypes import DTYPES, config_dtype, to_dtype
 from ..utils.inpaths import read_bytes
-from .methods.hparams import method_hparams
+from .methods.hparams import check_hyperparameters, method_hparams, per_model_params
 from .io.base import MergeInputError
 from .io.checks import is_finite
-from .io.output import InputHashes, OutputTarget, check_out, copy_model_files, model_files, write_model_card
+from .io.output import OutputFolder, model_files
 from .io.readers import open_checkpoint, resolve_hub_id
-from .io.writer import ShardedWriter, parse_size
-from .pipeline import check_params, per_model_params
-from .recipes import PASSTHROUGH, key_groups
+from .io.writer import parse_size
+from .recipes import PASSTHROUGH, Recipe, key_groups
 from .methods.registry import get_method
 from .methods.sources import ModelSet
 
-__all__ = ["LAYER_KEY", "SlicePlan", "plan_slices", "run_slices", "split_layer_key"]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+__all__ = ["LAYER_KEY", "SlicePlan", "plan_slices", "execute_slices", "split_layer_key"]
 
 # a per-layer key: "<prefix>.layers.<i>.<rest>" (Llama, Mistral, Qwen), also GPT-2's ".h.<i>." and ".blocks.<i>."
 LAYER_KEY = re.compile(r"^(?P<head>(?:.*\.)?(?:layers|h|blocks))\.(?P<i>\d+)\.(?P<tail>.+)$")
@@ -91,7 +89,7 @@ class Segment:
 class SlicePlan:
     """A checked slice recipe: the segments in output order, the output tensors and the layer count."""
 
-    recipe: Any
+    recipe: Recipe
     sources: dict[str, Any]
     segments: list[Segment]
     plan: list[tuple[str, tuple[int, ...], torch.dtype]]
@@ -191,7 +189,7 @@ def _outer_segments(recipe: Any, sources: dict[str, Any]) -> tuple[Segment, Segm
     return segs[0], segs[1]
 
 
-def plan_slices(recipe: Any) -> SlicePlan:
+def plan_slices(recipe: Recipe) -> SlicePlan:
     """Open the slice recipe's models (headers only) and check every slice; raises one-line errors naming it."""
     if recipe.method != PASSTHROUGH:
         get_method(recipe.method)
@@ -205,7 +203,7 @@ def plan_slices(recipe: Any) -> SlicePlan:
         start += sl.sources[0].layer_range[1] - sl.sources[0].layer_range[0]
     pre, post = _outer_segments(recipe, sources)
     segments = [pre, *segments, post]
-    out_dtype = None if recipe.out_dtype is None else _DTYPES[recipe.out_dtype]
+    out_dtype = to_dtype(recipe.out_dtype)
     plan = []
     for seg in segments:
         for key in seg.views[0].keys():
@@ -265,9 +263,9 @@ def _merge_segment(sp: SlicePlan, seg: Segment, writer: Any) -> None:
                               "among this slice's sources" if recipe.base else
                               f"{seg.label}: {method.name} needs a base: set the recipe's base to one of its sources")
     params = {k: v for k, v in recipe.parameters.items() if k != "task"}
-    check_params(method, hps, params, "parameters.", True)
-    per_model = per_model_params(method, hps, SimpleNamespace(models=entries))
-    models = ModelSet(base, experts, compute_dtype=_DTYPES[recipe.compute_dtype])
+    check_hyperparameters(method, params, "parameters.", hps=hps)
+    per_model = per_model_params(method, hps, entries)
+    models = ModelSet(base, experts, compute_dtype=DTYPES[recipe.compute_dtype])
     local = seg.local or {k: k for k in models.keys()}
     back = {v: k for k, v in local.items()}
     list_params = {n for n, h in hps.items() if h.is_list}
@@ -280,14 +278,6 @@ def _merge_segment(sp: SlicePlan, seg: Segment, writer: Any) -> None:
                 writer.write(k, v)
         elif hasattr(res, "flush"):
             res.flush()
-
-
-def _config_dtype(plan: list) -> torch.dtype:
-    sizes: dict[torch.dtype, int] = {}
-    for _, shape, dtype in plan:
-        if dtype.is_floating_point:
-            sizes[dtype] = sizes.get(dtype, 0) + int(torch.Size(shape).numel())
-    return max(sizes, key=sizes.get) if sizes else torch.float32
 
 
 def _rewrite_config(folder: Path, sp: SlicePlan) -> None:
@@ -330,38 +320,24 @@ def dry_run_text(sp: SlicePlan) -> str:
     return "\n".join(lines)
 
 
-def run_slices(recipe: Any, out: Path | None, *, dry_run: bool = False, overwrite: bool = False,
-               hash_inputs: bool = True, log: Callable[[str], None] = lambda s: None) -> dict:
-    """Check the slice recipe, then stream the output model into ``out`` (a folder); returns a summary."""
-    sp = plan_slices(recipe)
-    if dry_run:
-        return {"plan": dry_run_text(sp)}
-    if out is None:
-        raise ValueError("--out PATH is required (a new folder)")
-    if check_out(out, list(sp.sources.values()), overwrite=overwrite) != "folder":
-        raise OutputError(f"--out {out}: a slice recipe writes a model folder (its config.json names the new "
-                         "layer count), not one .safetensors file")
+def execute_slices(sp: SlicePlan, output: OutputFolder, *, log: Callable[[str], None] = lambda s: None) -> dict:
+    """Stream the checked slice plan's output model into ``output`` (a folder); returns a summary."""
+    recipe = sp.recipe
     ref = _ref_folder(sp)
     tok = _tokenizer_folder(recipe.tokenizer_from) if recipe.tokenizer_from else ref
-    model_files(ref, tok)  # refuse a config or tokenizer file that leads out, before any work
-    files = [f for s in sp.sources.values() for f in getattr(s, "files", [])]
-    hashes = InputHashes(files, enabled=hash_inputs)
-    with OutputTarget(out, "folder", log=log) as target:
-        writer = ShardedWriter(target.tmp, sp.plan, shard_size=parse_size(recipe.out_shard_size),
-                               metadata={"clmerge_method": recipe.method})
-        try:
-            for seg in sp.segments:
-                (_copy_segment if len(seg.views) == 1 else lambda s, w: _merge_segment(sp, s, w))(seg, writer)
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-        copy_model_files(target.tmp, ref, tok, _config_dtype(sp.plan))
-        _rewrite_config(target.tmp, sp)
-        text = recipe.to_yaml()
-        (target.tmp / "clmerge_recipe.yaml").write_text(text)
-        inputs = [("model", name, getattr(s, "files", [])) for name, s in sp.sources.items()]
-        write_model_card(target.tmp, recipe_yaml=text, inputs=inputs, hashes=hashes.get(), base_model=recipe.base)
-        target.commit()
+    output.check_files(ref, tok)  # a config or tokenizer file that leads out: before any work
+
+    def fill(writer: Any) -> None:
+        for seg in sp.segments:
+            (_copy_segment if len(seg.views) == 1 else lambda s, w: _merge_segment(sp, s, w))(seg, writer)
+
+    with output:
+        output.write_shards(output.tmp, sp.plan, fill, shard_size=parse_size(recipe.out_shard_size),
+                            metadata={"clmerge_method": recipe.method})
+        output.write_files(output.tmp, model_folder=ref, tokenizer_folder=tok, dtype=config_dtype(sp.plan),
+                           recipe_file="clmerge_recipe.yaml", recipe_yaml=recipe.to_yaml(), base_model=recipe.base,
+                           inputs=[("model", name, getattr(s, "files", [])) for name, s in sp.sources.items()],
+                           after_copy=lambda folder: _rewrite_config(folder, sp))
+        output.commit()
     log(f"sliced {len(recipe.slices)} slices into {sp.num_layers} layers ({len(sp.plan)} tensors)")
-    return {"method": recipe.method, "keys": len(sp.plan), "out": str(out), "layers": sp.num_layers}
+    return {"method": recipe.method, "keys": len(sp.plan), "out": str(output.out), "layers": sp.num_layers}

@@ -352,4 +352,4 @@ def _finish(recipe_data: dict, table: _Table, out: Path, log: Any) -> dict:
     staging.rmdir()
     atomic_write_text(out / "tune" / "best_recipe.yaml", yaml.safe_dump(best_data, sort_keys=False))
     return {"best": best["values"], "metric": best["metric"], "trials": len(table.rows), "out": str(out),
-            "keys": info.get("keys")}
+            "keys": info.keys}

@@ -36,8 +36,9 @@ from ...utils.io import write_json
 from ...utils.outpaths import check_output_dir
 from ...utils.procs import pid_alive
 from .base import NO_CAP, MergeInputError
+from .writer import BackgroundWriter, ShardedWriter
 
-__all__ = ["TOKENIZER_FILES", "InputHashes", "OutputTarget", "build_folder", "check_out", "copy_model_files",
+__all__ = ["TOKENIZER_FILES", "InputHashes", "OutputFolder", "OutputTarget", "build_folder", "check_out", "copy_model_files",
            "model_files", "remove_stale_temps", "write_model_card"]
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -323,3 +324,73 @@ def write_model_card(dst: Path, *, recipe_yaml: str, inputs: list[tuple[str, str
             digest = f"`{hashes[str(f)]}`" if str(f) in hashes else "not computed (--no-hash-inputs)"
             lines.append(f"| {role} | {name} | {Path(f).name} | {digest} |")
     (dst / "README.md").write_text("\n".join(lines) + "\n")
+
+
+class OutputFolder:
+    """The one writer of a model folder (``clmerge merge``, its slice and stage recipes, ``clmerge moe``).
+
+    Made before any work, it checks ``out`` against the inputs (:func:`check_out`: ``"folder"``, or ``"file"``
+    for ``X.safetensors`` unless ``folder_only`` names why a folder is needed) and the config and tokenizer
+    files it will copy (:func:`model_files`). As a context manager it hashes the inputs in the background and
+    builds into a temporary sibling folder (:class:`OutputTarget`); :meth:`write_shards` streams the tensors
+    into it, :meth:`write_files` copies the model files and writes the recipe and the model card, and
+    :meth:`commit` moves the result into place (nothing is left behind otherwise).
+    """
+
+    def __init__(self, out: Path, inputs: Iterable[Any], *, overwrite: bool = False, folder_only: str | None = None,
+                 hash_inputs: bool = True, log: Callable[[str], None] = lambda s: None) -> None:
+        self.out, self.inputs, self.log = Path(out), [s for s in inputs if s is not None], log
+        self.kind = check_out(self.out, self.inputs, overwrite=overwrite)
+        if folder_only and self.kind != "folder":
+            raise OutputError(f"--out {out}: {folder_only}")
+        self.hash_inputs = hash_inputs
+        self.hashes: InputHashes | None = None
+        self.target: OutputTarget | None = None
+
+    def check_files(self, model_folder: Path | None, tokenizer_folder: Path | None) -> None:
+        """Refuse a config or tokenizer file that leads out of its folder, before any work (folders only)."""
+        if self.kind == "folder":
+            model_files(model_folder, tokenizer_folder)
+
+    def __enter__(self) -> OutputFolder:
+        files = [f for s in self.inputs for f in getattr(s, "files", [])]
+        self.hashes = InputHashes(files, enabled=self.hash_inputs) if self.kind == "folder" else None
+        self.target = OutputTarget(self.out, self.kind, log=self.log).__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.target.__exit__(*exc)
+
+    @property
+    def tmp(self) -> Path:
+        return self.target.tmp
+
+    def write_shards(self, folder: Path, plan: list, fill: Callable[[Any], None], *, shard_size: int,
+                     metadata: dict[str, str], background: bool = False) -> None:
+        """Stream ``plan``'s tensors into ``folder``: ``fill(writer)`` writes each one (``writer.write``)."""
+        writer = ShardedWriter(folder, plan, shard_size=shard_size, metadata=metadata,
+                               single_file=self.out.name if self.kind == "file" else None)
+        writer = BackgroundWriter(writer) if background else writer
+        try:
+            fill(writer)
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+
+    def write_files(self, folder: Path, *, model_folder: Path | None, tokenizer_folder: Path | None,
+                    dtype: torch.dtype | None, recipe_file: str, recipe_yaml: str, base_model: str | None,
+                    inputs: list[tuple[str, str, list[str]]], after_copy: Callable[[Path], None] | None = None) -> None:
+        """The files beside the shards (folders only): config and tokenizer files (the config recording
+        ``dtype``; ``after_copy(folder)`` may rewrite them), the recipe as ``recipe_file`` and ``README.md``."""
+        if self.kind != "folder":
+            return
+        copy_model_files(folder, model_folder, tokenizer_folder, dtype)
+        if after_copy is not None:
+            after_copy(folder)
+        (folder / recipe_file).write_text(recipe_yaml)
+        write_model_card(folder, recipe_yaml=recipe_yaml, inputs=inputs, hashes=self.hashes.get(),
+                         base_model=base_model)
+
+    def commit(self) -> None:
+        self.target.commit()

@@ -4,15 +4,23 @@ docstring's ``Args:`` section), and the check of a user's value against them (on
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from .registry import MergeMethod
 
-__all__ = ["DATA_HPARAMS", "HParam", "coerce_value", "method_hparams", "per_expert_name"]
+class MergeMethod(Protocol):
+    """What these checks read of a registered method (:class:`~.registry.MergeMethod`)."""
+
+    name: str
+    fn: Any
+
+__all__ = ["DATA_HPARAMS", "HParam", "check_hyperparameters", "coerce_value", "method_hparams", "per_expert_name",
+           "per_model_params"]
 
 # Hyperparameters that are data-dependent statistics (computed by the Python API from a dataset).
 DATA_HPARAMS = ("fishers", "grams")
@@ -123,3 +131,53 @@ def per_expert_name(method: str, hps: dict[str, HParam], key: str) -> str:
     lists = [n for n, h in hps.items() if h.is_list and n not in DATA_HPARAMS]
     have = f"its per-model lists: {', '.join(lists)}" if lists else "it takes no per-model values"
     raise ValueError(f"per-model parameter {key!r}: {method} has no per-expert list {key!r} or {key + 's'!r} ({have})")
+
+
+def check_hyperparameters(method: MergeMethod, params: Mapping[str, Any], where: str = "", *,
+                          hps: dict[str, HParam] | None = None, types: bool = True, data_ok: bool = False,
+                          error: type[Exception] = ValueError) -> None:
+    """The one check of a user's hyperparameters against ``method``: every name is one of its keyword
+    hyperparameters (else the nearest valid name, or the valid ones), and with ``types`` every value has the
+    annotated type; a list for a scalar hyperparameter is a depth gradient (a non-empty list of numbers).
+
+    Args:
+        where: how the message names the values (``"parameters."``, ``"--set "``, ``"overrides[0].parameters."``).
+        data_ok: accept the data-dependent statistics (:data:`DATA_HPARAMS`; the Python API computes them).
+        error: the exception raised for an unknown name (``TypeError`` in the Python API, as for a call).
+
+    Raises:
+        ``error`` (unknown name) or ValueError (a value of the wrong type): one line naming it.
+    """
+    hps = method_hparams(method) if hps is None else hps
+    for name, value in params.items():
+        if name not in hps or (name in DATA_HPARAMS and not data_ok):
+            near = difflib.get_close_matches(name, list(hps), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else f"; valid: {', '.join(hps) or 'none'}"
+            raise error(f"{where}{name}: not a hyperparameter of {method.name}{hint}")
+        if not types or name == "task":
+            continue
+        if isinstance(value, list) and not hps[name].is_list:
+            if not value or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+                raise ValueError(f"{where}{name}: a depth gradient is a non-empty list of numbers, got {value!r}")
+            for v in value:
+                coerce_value(method.name, hps[name], v, f"{where}{name}")
+        else:
+            coerce_value(method.name, hps[name], value, f"{where}{name}")
+
+
+def per_model_params(method: MergeMethod, hps: dict[str, HParam], models: Sequence[Any]) -> dict[str, list]:
+    """The per-expert lists that ``models[i].parameters`` feed (``weight`` -> ``weights``), checked: every model
+    gives the same names."""
+    names = [set(m.parameters) for m in models]
+    if not any(names):
+        return {}
+    for i, n in enumerate(names):
+        if n != names[0]:
+            raise ValueError(f"models[{i}].parameters: gives {sorted(n)} but models[0] gives {sorted(names[0])} "
+                             "(every model needs the same per-model parameters)")
+    out = {}
+    for key in names[0]:
+        target = per_expert_name(method.name, hps, key)
+        out[target] = [coerce_value(method.name, hps[target], [m.parameters[key]], f"models[{i}].parameters.{key}")[0]
+                       for i, m in enumerate(models)]
+    return out

@@ -6,7 +6,6 @@ with :func:`register_merge`. Registering a name twice is an error (no silent ove
 
 from __future__ import annotations
 
-import difflib
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from typing import Any
 from torch import Tensor
 
 from ...registry import Registry
+from .hparams import check_hyperparameters
 
 __all__ = ["MergeMethod", "MERGES", "register_merge", "available", "merge", "get_method"]
 
@@ -80,15 +80,11 @@ def merge(name: str, *, base: Any = None, experts: Sequence[Any], **hyperparamet
         **hyperparameters: the method's keyword hyperparameters (see its function's docstring).
 
     Raises:
-        UnknownNameError (a KeyError): unknown method. TypeError: unknown hyperparameter (with the nearest valid names).
+        UnknownNameError (a KeyError): unknown method. TypeError: unknown hyperparameter
+        (:func:`~.hparams.check_hyperparameters`, with the nearest valid name).
     """
     method = get_method(name)
-    valid = method.hyperparameters()
-    for key in hyperparameters:
-        if key not in valid:
-            near = difflib.get_close_matches(key, valid, n=2)
-            hint = f" (did you mean {', '.join(near)}?)" if near else ""
-            raise TypeError(f"{name}: unknown hyperparameter {key!r}{hint}; valid: {', '.join(valid) or 'none'}")
+    check_hyperparameters(method, hyperparameters, types=False, data_ok=True, error=TypeError)
     if method.needs_base and base is None:
         raise ValueError(f"{name}: needs base= (the pretrained parameters)")
     return method.fn(base=base, experts=experts, **hyperparameters)

@@ -6,11 +6,13 @@ with :func:`~.registry.register_merge`; importing this package registers every b
 - the registry (``registry.py``) and the hyperparameter check (``hparams.py``);
 - the key driver (``driver.py``: one kernel call per key, streaming, chunking, the device) and the inputs
   (``sources.py``: a base and experts read key by key);
-- shared math: trimming (``trim.py``, ``ties_kernels.py``), the TIES engine (``ties.py``), DARE's random drop
-  (``dare.py``), low rank (``lowrank.py``), spherical interpolation (``spherical.py``) and task-vector analysis
-  (``analysis.py``);
-- one file per method or family of methods (``sparse_family.py``: the sparsification family as rows of one
-  kernel); no method file imports another.
+- shared math, registering nothing: trimming (``trim.py``, ``ties_kernels.py``), the TIES engine (``ties.py``),
+  DARE's random drop (``dare.py``), low rank and the one randomized SVD (``lowrank.py``), the expert order of
+  continual merges (``order.py``) and task-vector analysis (``analysis.py``);
+- one file per method or family of methods: ``sparse_family.py`` holds the sparsification family (TIES, DARE,
+  DELLA, Model Breadcrumbs and their variants) as rows of one kernel, ``spherical.py`` the spherical merges,
+  ``base_and_expert.py`` the merges of a base and one expert; the SVD merges (``tsv.py``, ``iso.py``,
+  ``cart.py``, ``knots.py``, ``low_rank_ta.py``) are thin over ``lowrank.py``. No method file imports another.
 
 A new per-element method is one function plus one registration (docs/extending.md).
 """

@@ -133,3 +133,26 @@ def test_a_set_without_equals_is_a_usage_error():
 
     with pytest.raises(UsageError, match="--set 'density': expected key=value"):
         parse_set(["density"])
+
+
+def test_a_merge_method_from_a_plugin_file_is_usable_from_merge(files, tmp_path):
+    # one function plus one registration (docs/extending.md), loaded by `clmerge merge --plugin FILE`
+    d, base, ex, paths = files
+    plugin = tmp_path / "half_tv_plugin.py"
+    plugin.write_text(
+        "from clmerge.merging.methods.driver import map_keys\n"
+        "from clmerge.merging.methods.registry import register_merge\n"
+        "from clmerge.merging.methods.sources import open_models\n\n\n"
+        "@register_merge('half_tv_test_plugin', 'base + scaling * the mean task vector')\n"
+        "def half_tv(*, base, experts, scaling: float = 1.0):\n"
+        "    models = open_models(base, experts)\n"
+        "    return map_keys(models, lambda k, b, xs: b.float() + scaling * sum(x.float() - b.float() for x in xs)"
+        " / len(xs), needs_base=True)\n")
+    out = tmp_path / "plug.safetensors"
+    r = invoke("--plugin", plugin, "--method", "half_tv_test_plugin", "--base", d / "base.safetensors",
+               *expert_args(paths), "--set", "scaling=0.5", "--out", out)
+    assert r.exit_code == 0, r.output
+    got = load_file(str(out))
+    for k, b in base.items():
+        want = b.float() + 0.5 * sum(e[k].float() - b.float() for e in ex) / len(ex)
+        assert torch.allclose(got[k].float(), want, atol=1e-6)

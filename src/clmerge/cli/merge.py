@@ -15,6 +15,7 @@ from pathlib import Path
 
 import typer
 
+from ..plugins import PLUGIN_HELP
 from ..utils.device import parse_device, stats_line
 from ..utils.threads import default_threads, set_threads
 from ..merging.methods.registry import available, get_method
@@ -51,10 +52,15 @@ def merge_command(
     backend: str = typer.Option("local", "--backend", help="--tune: local (in process / --jobs pool) or ray"),
     device: str = typer.Option("cpu", "--device", help="where the merge computes: cpu, cuda or cuda:N (tensors "
                                "stream there key by key and back)"),
+    plugin: list[str] = typer.Option([], "--plugin", help=PLUGIN_HELP + " (e.g. a merge method registered with "
+                                     "clmerge.merging.register_merge)"),
 ) -> None:
     """Merge checkpoints (model folders, weights files, hub ids, PEFT adapters) into a model folder."""
+    from ..plugins import load_plugins
     from ..utils.threads import check_threads
     from .eval import run_tune
+
+    load_plugins(plugin)
 
     try:
         set_threads(check_threads(threads) if threads is not None else default_threads())

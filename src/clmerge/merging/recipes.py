@@ -24,7 +24,7 @@ chat_template_from: path/to/expert_a    # the chat template of this input (defau
 A frankenmerge lists ``slices`` instead of ``models`` (mergekit's ``slices:``): each slice's ``sources`` give a model
 and a half-open ``layer_range: [a, b]``; one source is copied (``method: passthrough``), several are merged
 with ``method`` layer by layer. A recipe can also define named ``stages`` (each a full recipe with a ``name``)
-whose results later stages and the final merge use as inputs by that name (:mod:`.slices`, :mod:`.stages`).
+whose results later stages and the final merge use as inputs by that name (:mod:`.slices`, :mod:`.run`).
 
 Keys are grouped by equal hyperparameters and each group is merged on its own (a method's global statistics,
 such as TIES's model-wide top-k, are then per group).

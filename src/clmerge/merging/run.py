@@ -7,11 +7,20 @@ everything before any work: the method, the hyperparameters (once, :func:`~.meth
 the inputs. :func:`run_merge` then writes the output through the one model-folder writer
 (:class:`~.io.output.OutputFolder`) and returns a :class:`MergeResult`. Errors are exceptions with one-line
 messages; the command (:mod:`clmerge.cli.merge`) prints them.
+
+Multi-stage recipes. 
+A recipe's ``stages`` (each a full recipe with a ``name``; mergekit-multi's several YAML documents) run in
+order before the recipe's own merge. A model reference (``base``, ``models[].model``, ``slices[].sources[].model``,
+``tokenizer_from``) equal to an earlier stage's name reads that stage's result. Every reference is checked
+before anything runs. Intermediate results are streamed into a temporary folder beside the output
+(``.OUT.<pid>.<random>.tmp``, removed after the run, on failure and on SIGTERM too; a later run removes one
+left by a killed process), so only the final model remains.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -22,15 +31,16 @@ from ..utils.device import Device, parse_device
 from ..utils.threads import io_threads
 from ..utils.yaml_io import YamlLimitError, parse_assignment
 from . import pipeline, slices
-from .io.output import OutputFolder, check_out
+from .io.base import MergeInputError
+from .io.output import OutputFolder, OutputTarget, check_out
 from .io.peft import is_peft_adapter
-from .io.readers import open_checkpoint
+from .io.readers import HUB_ID, open_checkpoint
 from .lora_merge import merge_adapters
 from .recipes import PASSTHROUGH, Recipe, load_recipe
 from .methods.registry import get_method
-from .stages import check_stage_refs, intermediate_folder, model_refs, with_stage_paths
 
-__all__ = ["MergeResult", "Plan", "build_recipe", "parse_set", "plan", "run_merge"]
+__all__ = ["MergeResult", "Plan", "build_recipe", "check_stage_refs", "model_refs", "parse_set", "plan", "run_merge",
+           "with_stage_paths"]
 
 NEEDS_OUT = "--out PATH is required (a new folder, or a .safetensors file)"
 
@@ -227,7 +237,7 @@ def _log_notes(prep: pipeline.Prepared, log: Callable[[str], None]) -> None:
 def _run_stages(p: Plan, out: Path, *, overwrite: bool, hash_inputs: bool, log: Callable[[str], None],
                 **final: Any) -> MergeResult:
     """Run the named stages in order into a temporary folder beside ``out``, then the final merge into ``out``;
-    the intermediates are removed whatever happens (:mod:`.stages`)."""
+    the intermediates are removed whatever happens (below)."""
     recipe = p.recipe
     check_out(out, [], overwrite=overwrite)  # a bad --out fails before the first stage
     done: dict[str, Path] = {}
@@ -255,3 +265,63 @@ def _adapter_merge(p: Plan, out: Path, overwrite: bool, device: Device) -> Merge
     keys = info.get("keys", "?")
     return MergeResult(recipe.method, out=str(out), keys=len(keys) if isinstance(keys, list) else keys,
                        device=info.get("device"), warnings=list(info.get("warnings", [])), report=info)
+
+
+# --- stages: named merges whose results later stages and the final merge read ---
+
+
+def model_refs(recipe: Recipe) -> list[tuple[str, str]]:
+    """``(where, reference)`` of every model a recipe reads."""
+    refs = [("base", recipe.base)] if recipe.base else []
+    refs += [(f"models[{i}].model", m.model) for i, m in enumerate(recipe.models)]
+    refs += [(f"slices[{i}].sources[{j}].model", s.model) for i, sl in enumerate(recipe.slices)
+             for j, s in enumerate(sl.sources)]
+    refs += [("tokenizer_from", recipe.tokenizer_from)] if recipe.tokenizer_from else []
+    return refs
+
+
+def check_stage_refs(recipe: Recipe) -> None:
+    """Refuse, before anything runs, a reference that is neither an earlier stage's name nor an existing input.
+
+    Raises:
+        MergeInputError: names the stage, the key and the reference (exit code 3).
+    """
+    names = [s.name for s in recipe.stages]
+    for i, stage in enumerate([*recipe.stages, recipe]):
+        label = f"stages[{i}] ({stage.name})" if i < len(names) else "the final merge"
+        for where, ref in model_refs(stage):
+            if ref in names[:i]:
+                continue
+            if ref in names:
+                raise MergeInputError(f"{label}: {where} {ref!r} is the stage stages[{names.index(ref)}], which runs "
+                                      "later; expected the name of an earlier stage or a model")
+            if not Path(ref).exists() and not (HUB_ID.match(ref) and not ref.startswith(".")):
+                known = ", ".join(names[:i]) or "none"
+                raise MergeInputError(f"{label}: {where} {ref!r} is neither the name of an earlier stage "
+                                      f"({known}) nor an existing model folder or weights file")
+
+
+def with_stage_paths(recipe: Recipe, done: dict[str, Path]) -> Recipe:
+    """``recipe`` (without stages) with every reference to a finished stage replaced by that stage's folder."""
+    def sub(ref: str | None) -> str | None:
+        return str(done[ref]) if ref in done else ref
+
+    data = recipe.model_dump()
+    # keys the recipe did not set stay unset: some are refused when set alone (``fill`` without ``embeddings``)
+    data = {k: v for k, v in data.items() if k in recipe.model_fields_set or k in ("models", "slices")}
+    data.update(stages=[], base=sub(data.get("base")), tokenizer_from=sub(data.get("tokenizer_from")),
+                chat_template_from=sub(data.get("chat_template_from")))
+    for m in data["models"]:
+        m["model"] = sub(m["model"])
+    for sl in data["slices"]:
+        for s in sl["sources"]:
+            s["model"] = sub(s["model"])
+    return Recipe.model_validate(data)
+
+
+@contextmanager
+def intermediate_folder(out: Path) -> Iterator[Path]:
+    """A temporary folder beside ``out`` for the stages' results, removed on leaving (also on an error or
+    SIGTERM, which :class:`~clmerge.merging.io.output.OutputTarget` turns into ``SystemExit``)."""
+    with OutputTarget(Path(out), "folder") as target:  # never committed: always removed
+        yield target.tmp

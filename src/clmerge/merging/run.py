@@ -164,8 +164,8 @@ def plan(recipe: Recipe, *, task: str | None = None, adapter_out: str = "full", 
         if adapter_out != "full" or task is not None:
             raise ValueError("a slice recipe writes a full model folder: drop --adapter-out / --task")
         return Plan(recipe, "slices", slices.plan_slices(recipe))
-    get_method(recipe.method)
     if adapter_out != "full":
+        get_method(recipe.method)
         paths = [Path(m.model) for m in recipe.models]
         bad = next((p for p in paths if not is_peft_adapter(p)), None)
         if bad is not None:

@@ -95,6 +95,7 @@ class SlicePlan:
     plan: list[tuple[str, tuple[int, ...], torch.dtype]]
     num_layers: int
     layer_types: list[Any] | None = None
+    method: Any = None  # the registered merge method (None: passthrough)
 
 
 def _open_all(recipe: Any) -> dict[str, Any]:
@@ -191,8 +192,9 @@ def _outer_segments(recipe: Any, sources: dict[str, Any]) -> tuple[Segment, Segm
 
 def plan_slices(recipe: Recipe) -> SlicePlan:
     """Open the slice recipe's models (headers only) and check every slice; raises one-line errors naming it."""
-    if recipe.method != PASSTHROUGH:
-        get_method(recipe.method)
+    method = None if recipe.method == PASSTHROUGH else get_method(recipe.method)
+    if method is not None:  # checked once, before anything is opened
+        check_hyperparameters(method, {k: v for k, v in recipe.parameters.items() if k != "task"}, "parameters.")
     sources = _open_all(recipe)
     segments, ref, start = [], {}, 0
     for i, sl in enumerate(recipe.slices):
@@ -209,7 +211,7 @@ def plan_slices(recipe: Recipe) -> SlicePlan:
         for key in seg.views[0].keys():
             shape, dtype = seg.views[0].meta(key)
             plan.append((key, tuple(shape), out_dtype if out_dtype is not None and dtype.is_floating_point else dtype))
-    return SlicePlan(recipe, sources, segments, plan, start, _layer_types(recipe, sources))
+    return SlicePlan(recipe, sources, segments, plan, start, _layer_types(recipe, sources), method)
 
 
 def _layer_types(recipe: Any, sources: dict[str, Any]) -> list[Any] | None:
@@ -252,7 +254,7 @@ def _copy_segment(seg: Segment, writer: Any) -> None:
 
 def _merge_segment(sp: SlicePlan, seg: Segment, writer: Any) -> None:
     """Merge a segment's sources with the recipe's method (the recipe's base, if among them, as the base)."""
-    recipe, method = sp.recipe, get_method(sp.recipe.method)
+    recipe, method = sp.recipe, sp.method
     hps = method_hparams(method)
     is_base = [e.model == recipe.base for e in seg.entries]
     base = seg.views[is_base.index(True)] if any(is_base) else None
@@ -262,8 +264,7 @@ def _merge_segment(sp: SlicePlan, seg: Segment, writer: Any) -> None:
         raise MergeInputError(f"{seg.label}: {method.name} needs a base: list the recipe's base ({recipe.base}) "
                               "among this slice's sources" if recipe.base else
                               f"{seg.label}: {method.name} needs a base: set the recipe's base to one of its sources")
-    params = {k: v for k, v in recipe.parameters.items() if k != "task"}
-    check_hyperparameters(method, params, "parameters.", hps=hps)
+    params = {k: v for k, v in recipe.parameters.items() if k != "task"}  # checked by plan_slices
     per_model = per_model_params(method, hps, entries)
     models = ModelSet(base, experts, compute_dtype=DTYPES[recipe.compute_dtype])
     local = seg.local or {k: k for k in models.keys()}

@@ -63,7 +63,7 @@ def test_unknown_method_and_hyperparameter_errors():
     base, ex = make_models(2)
     with pytest.raises(KeyError, match="did you mean 'ties'"):
         merging.merge("tis", base=base, experts=ex)
-    with pytest.raises(TypeError, match="did you mean density"):
+    with pytest.raises(TypeError, match="did you mean 'density'"):
         merging.merge("ties", base=base, experts=ex, densty=0.2)
     with pytest.raises(ValueError, match="needs base"):
         merging.merge("task_arithmetic", experts=ex)

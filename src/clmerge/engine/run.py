@@ -9,8 +9,10 @@ exactly the same numbers as an uninterrupted one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -97,12 +99,8 @@ def train_task(run: Run, t: int) -> None:
     precision = cfg.run.precision
     ctx = TaskContext(task=task, seen_tasks=scenario.tasks[: t + 1], device=device, generator=gen,
                       head_loss=cfg.head.loss, batch_size=cfg.train.batch_size,
-                      eval_batch_size=cfg.train.eval_batch_size, log=log, n_tasks=len(scenario))
-    ctx.fit = lambda **kw: fit(**{"optim": cfg.optim, "generator": gen, "device": device, "log": log,
-                                  "task_index": t, "batch_size": cfg.train.batch_size,
-                                  "progress": cfg.run.progress and main, "log_every": cfg.run.log_every_steps,
-                                  "max_steps_per_epoch": cfg.train.max_steps_per_epoch, "precision": precision,
-                                  **kw})
+                      eval_batch_size=cfg.train.eval_batch_size, log=log, n_tasks=len(scenario),
+                      fit=_bound_fit(run, t, gen, log))
     t0 = time.time()
     with fp32_region():  # statistics computed before training (InfLoRA's covariances) stay fp32
         method.begin_task(task, ctx)
@@ -112,7 +110,7 @@ def train_task(run: Run, t: int) -> None:
             res = evaluate_tasks(method.inference_model(), scenario.tasks, n_outputs=scenario.num_outputs,
                                  batch_size=cfg.train.eval_batch_size, device=device)
         state.initial = [r["acc"] for r in res]
-    _fit_task(run, t, ctx, gen)
+    _fit_task(run, t, ctx)
     if main:
         with distributed.local(), fp32_region():  # once, over the whole task (engine.distributed), in fp32
             method.end_task(task, ctx)
@@ -124,8 +122,20 @@ def train_task(run: Run, t: int) -> None:
         share_state(dp, run)
 
 
-def _fit_task(run: Run, t: int, ctx: TaskContext, gen: torch.Generator) -> None:
-    """The task's training loop over the groups ``train.adapt_tasks`` leaves trainable."""
+def _bound_fit(run: Run, t: int, gen: torch.Generator, log) -> Callable[..., dict]:
+    """:func:`.training.fit` with this run's settings for task ``t`` bound (keywords; a caller's win): the one
+    training call of the task, for the engine's own loop (:func:`_fit_task`) and a method's (``ctx.fit``)."""
+    cfg = run.cfg
+    return functools.partial(
+        fit, optim=cfg.optim, generator=gen, device=run.device, log=log, task_index=t,
+        batch_size=cfg.train.batch_size, precision=cfg.run.precision, log_every=cfg.run.log_every_steps,
+        progress=cfg.run.progress and distributed.is_main(),
+        max_steps_per_epoch=cfg.train.max_steps_per_epoch)
+
+
+def _fit_task(run: Run, t: int, ctx: TaskContext) -> None:
+    """The task's training loop over the groups ``train.adapt_tasks`` leaves trainable, through ``ctx.fit``
+    (a dry run's cap on it applies here too)."""
     cfg, model, method, main = run.cfg, run.model, run.method, distributed.is_main()
     lr = cfg.optim.first_task_lr if (t == 0 and cfg.optim.first_task_lr) else cfg.optim.lr
     groups, frozen = _adapted_groups(cfg, t, method.parameter_groups(model))
@@ -135,12 +145,10 @@ def _fit_task(run: Run, t: int, ctx: TaskContext, gen: torch.Generator) -> None:
                     f"{sum(p.numel() for p in frozen)} own parameters in any task (only the linear head); a "
                     "frozen-backbone method is method.name=ranpac or simplecil")
     if groups or method.trains_linear_head:  # else a statistics method in a task without adaptation
-        fit(model, ctx.task.train, groups=groups, loss_fn=lambda m, x, y: method.loss(m, x, y, ctx),
-            optim=cfg.optim, epochs=cfg.train.epochs, batch_size=cfg.train.batch_size, generator=gen,
-            device=run.device, lr=lr, before_step=lambda m: method.before_step(m, ctx),
-            after_step=lambda m: method.after_step(m, ctx), max_steps_per_epoch=cfg.train.max_steps_per_epoch,
-            log=ctx.log, desc=f"task {t + 1}/{len(run.scenario)}", progress=cfg.run.progress and main,
-            task_index=t, log_every=cfg.run.log_every_steps, precision=cfg.run.precision)
+        ctx.fit(model=model, data=ctx.task.train, groups=groups,
+                loss_fn=lambda m, x, y: method.loss(m, x, y, ctx), epochs=cfg.train.epochs, lr=lr,
+                before_step=lambda m: method.before_step(m, ctx),
+                after_step=lambda m: method.after_step(m, ctx), desc=f"task {t + 1}/{len(run.scenario)}")
     for p in frozen:
         p.requires_grad_(True)
 

@@ -33,7 +33,7 @@ from pydantic import Field
 from ..adapters import add_lora_component, inject_lora, lora_layers
 from ..models.losses import classification_loss
 from ..params import diagonal_fisher
-from ..params.fisher import resolve_fisher_method
+from ..params.fisher import eager_attention, resolve_fisher_method  # noqa: F401  (eager_attention: exported)
 from .base import ContinualMethod, register_method
 from .seq_lora import LoRAMethodOptions
 from ..utils.precision import full_precision
@@ -98,23 +98,6 @@ def closed_form_alpha_stored(delta: dict[str, torch.Tensor], fishers: list[dict[
             num += float((f * (merged[n].double() - u_i[n].double()) * d).sum())
             den += float((f * d * d).sum())
     return num, den
-
-
-@contextlib.contextmanager
-def eager_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Temporarily set ``config._attn_implementation = 'eager'`` on every HF submodule config."""
-    saved = []
-    for m in model.modules():
-        cfg = getattr(m, "config", None)
-        if cfg is not None and hasattr(cfg, "_attn_implementation"):
-            saved.append((cfg, cfg._attn_implementation))
-    try:
-        for cfg, _ in saved:
-            cfg._attn_implementation = "eager"
-        yield
-    finally:
-        for cfg, impl in saved:
-            cfg._attn_implementation = impl
 
 
 @register_method

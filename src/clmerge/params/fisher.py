@@ -47,9 +47,11 @@ FISHER_METHODS = ("auto", "hooks", "func")
 
 @contextmanager
 def eager_attention(model: nn.Module) -> Iterator[None]:
-    """Temporarily switch HF attention to the eager kernel: SDPA has no vmap batching rule on CPU and falls
-    back to a per-sample loop, which defeats vectorised per-sample gradients."""
-    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")}
+    """Temporarily set ``config._attn_implementation = 'eager'`` on every HF submodule config (a shared
+    config once), restoring the saved values on exit: SDPA has no vmap batching rule on CPU and falls back
+    to a per-sample loop, which defeats vectorised per-sample gradients (used here and by ``methods.pm``)."""
+    configs = {id(m.config): m.config for m in model.modules()
+               if hasattr(getattr(m, "config", None), "_attn_implementation")}
     saved = {k: c._attn_implementation for k, c in configs.items()}
     try:
         for c in configs.values():
@@ -58,6 +60,7 @@ def eager_attention(model: nn.Module) -> Iterator[None]:
     finally:
         for k, c in configs.items():
             c._attn_implementation = saved[k]
+
 
 LogitFn = Callable[[torch.Tensor], torch.Tensor]
 

@@ -89,15 +89,27 @@ def test_method_section_is_checked_against_the_installed_registry():
         config.set_method_registry(METHODS)
 
 
-def test_config_alone_imports_no_method_and_says_what_is_missing():
+def test_config_alone_imports_the_methods_only_when_it_checks_a_method():
+    """Importing the config imports no method; the first check of a ``method:`` section finds them through the
+    provider the package's face names (clmerge.registry), so no import has to come first."""
     import subprocess
     import sys
 
     code = ("import sys\nfrom clmerge.config import parse_config\n"
-            "try:\n    parse_config({})\nexcept RuntimeError as e:\n    print(e)\n"
+            "print('clmerge.methods' in sys.modules)\n"
+            "print(parse_config({'method': {'name': 'seq_lora'}}).method.name)\n"
             "print('clmerge.methods' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "import clmerge.methods" in out and out.strip().endswith("False")
+    assert out.split() == ["False", "seq_lora", "True"]
+
+
+def test_without_a_provider_the_config_says_what_is_missing(monkeypatch):
+    from clmerge import config, registry
+
+    monkeypatch.setattr(config, "_method_registry", [])
+    monkeypatch.setattr(registry, "_PROVIDERS", {})
+    with pytest.raises(RuntimeError, match="import clmerge.methods"):
+        parse_config({})
 
 
 def test_a_shipped_config_is_found_by_name_by_the_config_layer_alone():

@@ -9,6 +9,8 @@ Method-specific options live under ``method:`` next to ``method.name`` and are v
 model the method registers (see ``methods.base.register_method``). The config sits below the methods in the
 package's layers, so it does not import them: ``clmerge.methods`` hands its registry to
 :func:`set_method_registry` when it is imported, and the method-specific checks read the classes from there.
+When nothing has imported the methods yet, the first check asks :func:`clmerge.registry.provided` for them (the
+package's face names their provider), so :func:`load_config` works in a fresh interpreter whatever was imported.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import InputError, UsageError, clip
+from .registry import provided
 from .utils.yaml_io import YamlError, YamlLimitError, load_yaml, parse_value, read_yaml
 from .utils.threads import threads_problem
 
@@ -83,6 +86,8 @@ def set_method_registry(registry: MethodRegistry) -> None:
 
 
 def _methods() -> MethodRegistry:
+    if not _method_registry and (found := provided("method")) is not None:
+        set_method_registry(found)  # the face's provider imports clmerge.methods (which also installs it)
     if not _method_registry:
         raise RuntimeError("no continual methods are registered: import clmerge.methods (or clmerge.engine) "
                            "before validating a config's method section")

@@ -4,20 +4,37 @@ A :class:`Registry` maps a public name to an object (a function, a class, an ent
 one-line description and the module that registered it. Registering a name twice is an error naming the
 first registrant; looking up an unknown name is a :class:`UnknownNameError` (a :class:`~clmerge.errors.UsageError`
 that is also a ``KeyError``, so older ``except KeyError`` callers keep working) naming the nearest known names.
+
+A module of a low layer that looks names up in a registry a higher layer fills (the config checks ``method:``
+against the continual methods) does not import that layer: it asks :func:`provided` for the registry of a kind.
+The package's face (``clmerge/__init__.py``, above every layer and run before any module of the package) names
+the provider of each such kind with :func:`set_provider`, so the lookup works whatever was imported first.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import UsageError
 
-__all__ = ["Registry", "RegistryEntry", "UnknownNameError"]
+__all__ = ["Registry", "RegistryEntry", "UnknownNameError", "provided", "set_provider"]
 
 _MISSING = object()
+_PROVIDERS: dict[str, Callable[[], "Registry"]] = {}  # kind -> the function that returns its filled registry
+
+
+def set_provider(kind: str, provider: Callable[[], "Registry"]) -> None:
+    """Name the function that returns the filled registry of ``kind`` (it imports the modules that fill it)."""
+    _PROVIDERS[kind] = provider
+
+
+def provided(kind: str) -> "Registry | None":
+    """The filled registry of ``kind`` from its provider (None: no provider is named)."""
+    provider = _PROVIDERS.get(kind)
+    return provider() if provider is not None else None
 
 
 class UnknownNameError(UsageError, KeyError):

@@ -5,9 +5,11 @@ functions count as well, since a lazy import upward is still a dependency upward
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
 
 # Low to high. A module belongs to the first prefix that matches it; it may import its own layer and below.
 LAYERS: list[tuple[str, ...]] = [
@@ -69,6 +71,32 @@ def _layer(mod: str) -> int:
         if any(mod == p or mod.startswith(p + ".") for p in prefixes):
             return i
     raise AssertionError(f"{mod} is in no layer: add it to LAYERS and docs/architecture.md")
+
+
+def _as_module(token: str) -> str:
+    """``cli/`` or ``plugins.py`` (docs) or ``cli`` (CONTRIBUTING) -> ``clmerge.cli`` / ``clmerge.plugins``."""
+    return "clmerge." + token.removesuffix("/").removesuffix(".py")
+
+
+def _doc_table_layers() -> list[tuple[str, ...]]:
+    """The layers of docs/architecture.md's table (written high to low), low to high."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split("| layer (high to low) | what it holds |", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split("|")[1] for line in table.strip().splitlines()[1:]]
+    return [tuple(_as_module(t) for t in re.findall(r"`([^`]+)`", cell)) for cell in reversed(rows)]
+
+
+def _contributing_layers() -> list[tuple[str, ...]]:
+    """The ``from low to high: `a`, `b` < `c` < ...`` sentence of CONTRIBUTING.md."""
+    text = " ".join((ROOT / "CONTRIBUTING.md").read_text().split())
+    chain = re.search(r"from low to high: (.*?)\.(?: |$)", text).group(1)
+    return [tuple(_as_module(t) for t in re.findall(r"`([^`]+)`", part)) for part in chain.split("<")]
+
+
+def test_the_docs_give_the_same_layers():
+    """docs/architecture.md's table and CONTRIBUTING.md's order are ``LAYERS``, so they cannot drift apart."""
+    assert _doc_table_layers() == LAYERS
+    assert _contributing_layers() == LAYERS
 
 
 def test_every_module_has_a_layer():

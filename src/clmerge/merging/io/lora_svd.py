@@ -10,7 +10,7 @@ which is what is reported. The factors split the singular values evenly: ``B' = 
 
 A full SVD of a 4096 x 4096 matrix takes about a minute on one core, so large matrices with ``k`` well below
 their size use the randomized range finder with subspace iteration (Halko, Martinsson & Tropp 2011, Alg. 4.4
-then Alg. 5.1, :func:`clmerge.merging.methods.lowrank.randomized_svd`): ``Q = orth((Delta W Delta W^T)^q Delta W
+then Alg. 5.1, :func:`clmerge.utils.linalg.randomized_svd`): ``Q = orth((Delta W Delta W^T)^q Delta W
 Omega)`` with ``k + p`` columns, then the exact SVD of ``Q^T Delta W``. Its error is measured directly
 (``||Delta W - B' A'||_F``), not taken from singular values; on the test matrices it is within 0.5 % of the
 optimum.
@@ -28,7 +28,7 @@ from torch import Tensor
 from ...errors import UsageError
 from ...utils.device import current_device
 from ...utils.outpaths import check_output_dir
-from ..methods.lowrank import randomized_svd
+from ...utils.linalg import randomized_svd
 
 __all__ = ["low_rank_factors", "device_low_rank_factors", "LowRank", "SVD_MODES", "check_svd", "numerical_rank",
            "check_out_dir", "error_summary", "rank_pattern", "clamped_note"]

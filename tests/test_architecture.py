@@ -13,7 +13,7 @@ SRC = ROOT / "src"
 
 # Low to high. A module belongs to the first prefix that matches it; it may import its own layer and below.
 LAYERS: list[tuple[str, ...]] = [
-    ("clmerge.errors", "clmerge.registry", "clmerge.utils"),
+    ("clmerge.errors", "clmerge.registry", "clmerge.utils", "clmerge.version"),
     ("clmerge.config", "clmerge.metrics", "clmerge.paper_configs"),
     ("clmerge.adapters",),
     ("clmerge.params",),
@@ -97,6 +97,12 @@ def test_the_docs_give_the_same_layers():
     """docs/architecture.md's table and CONTRIBUTING.md's order are ``LAYERS``, so they cannot drift apart."""
     assert _doc_table_layers() == LAYERS
     assert _contributing_layers() == LAYERS
+
+
+def test_no_module_imports_the_package_face():
+    """``clmerge/__init__.py`` sits above every layer: a module names the version through ``clmerge.version``."""
+    face = sorted(a for a, b in _imports(_modules()) if b == "clmerge")
+    assert not face, face
 
 
 def test_every_module_has_a_layer():

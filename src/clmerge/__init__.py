@@ -6,8 +6,9 @@ so that ``clmerge.config.load_config`` finds the continual methods whatever was 
 """
 
 from .registry import set_provider
+from .version import __version__
 
-__version__ = "0.1.0"
+__all__ = ["__version__"]
 
 
 def _continual_methods():

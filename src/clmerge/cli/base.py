@@ -238,7 +238,7 @@ err = make_console(stderr=True)  # the commands' consoles (stdout, stderr)
 
 def _print_version(value: bool) -> None:
     if value:
-        from .. import __version__
+        from ..version import VERSION as __version__
 
         typer.echo(f"clmerge {__version__}")
         raise typer.Exit()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__
+from ..version import VERSION as __version__
 from ..config import ExperimentConfig
 from ..data import build_dataset, build_scenario
 from ..data.scenarios import Scenario, configure_loading

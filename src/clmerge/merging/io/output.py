@@ -311,7 +311,7 @@ def write_model_card(dst: Path, *, recipe_yaml: str, inputs: list[tuple[str, str
     Args:
         inputs: ``(role, name, files)`` per input (role: ``base`` or ``model``).
     """
-    from ... import __version__
+    from ...version import VERSION as __version__
 
     front = ["---", "library_name: transformers", "tags:", "- merge", "- clmerge"]
     front += [f"base_model: {base_model}"] if base_model else []

@@ -80,6 +80,7 @@ def _fresh_env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow  # about 35 CPU s: every module, each in a fresh child (CI runs the slow tier)
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_every_module_imports_in_a_fresh_interpreter():
     names = _module_names()

@@ -208,6 +208,8 @@ def make_config(bench: str, label: str, seed: int, lr: float, *, smoke: bool) ->
     extra = EXTRA_CONFIG.get(label, {})
     train.update(extra.get("train", {}))
     method.update(extra.get("method", {}))
+    if smoke and "buffer_size" in method:  # 8 images per class hold fewer examples than the full buffer
+        method["buffer_size"] = 16
     head = {**HEAD, **extra.get("head", {})}
     return {"seed": seed, "scenario": scen, "model": model, "method": method, "head": head,
             "optim": {"name": "adam", "lr": lr}, "train": train,

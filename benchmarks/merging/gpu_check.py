@@ -88,7 +88,8 @@ def run_cells(data: Path, device, work: Path) -> list[dict]:
             shutil.rmtree(p, ignore_errors=True)
         _, cpu_s = _timed(lambda: run(outs["cpu"], None))
         info, dev_s = _timed(lambda: run(outs["dev"], Device(device.torch, forced=device.forced)))
-        rows.append({"cell": label, "cpu_s": cpu_s, "dev_s": dev_s, "peak": info["device"]["peak_device_memory_bytes"],
+        dev_info = info["device"] if isinstance(info, dict) else info.device  # extract-lora: a dict; merge: MergeResult
+        rows.append({"cell": label, "cpu_s": cpu_s, "dev_s": dev_s, "peak": dev_info["peak_device_memory_bytes"],
                      "max_abs_diff": max_abs_diff(read(outs["cpu"]), read(outs["dev"]))})
         for p in outs.values():
             shutil.rmtree(p, ignore_errors=True)

@@ -5,8 +5,13 @@ Per weight matrix, with ``Delta_t = theta_t - theta_0`` (``m x n``; for a LoRA a
 ``Delta_t = s_t B_t A_t``):
 
 1. SVD of the concatenation ``[Delta_1 | ... | Delta_T] = U S [V_1^T | ... | V_T^T]`` (``m x Tn``), keeping
-   the singular triplets with ``s > 1e-5`` (the official code's support; the zero-singular-value directions of
-   a low-rank concatenation would be arbitrary), so ``Delta_t = U (S V_t^T)`` exactly up to that support;
+   the singular triplets in the support (the zero-singular-value directions of a low-rank concatenation would
+   be arbitrary), so ``Delta_t = U (S V_t^T)`` exactly up to that support. The support is relative by default,
+   ``s > SUPPORT_REL_EPS * s_max`` (``1e-5`` times the key's largest singular value); ``support="absolute"``
+   is the official code's ``s > 1e-5`` (``task_merger.py`` ``SVDMerger.apply_svd``, lines 305-307 at
+   ``gstoica27/KnOTS`` ``baa35e8``), under which an update whose singular values are all below ``1e-5`` (a
+   matrix changed by less than that: small learning rates, bf16 adapters of tiny norm) has an empty basis
+   and is silently left at the base;
 2. the task representations ``R_t = S V_t^T`` (``r x n``, the official ``s_on_V``) are merged by TIES, DARE
    (then TIES) or TA into ``R_m`` (each with its scaling ``lambda`` inside, as the code does);
 3. the merged update ``U R_m`` is added to ``theta_0``.
@@ -14,8 +19,10 @@ Per weight matrix, with ``Delta_t = theta_t - theta_0`` (``m x n``; for a LoRA a
 TIES trims each task's ``R_t`` to its top-``density`` magnitudes over all weight matrices together (the
 code's flattened ``topK`` per task, keeping ``|x| >=`` the threshold), elects ``sgn(sum_t trimmed R_t)`` per
 entry and takes the disjoint mean; DARE drops each entry of ``R_t`` with probability ``p`` and rescales by
-``1/(1 - p)`` before that TIES. TA is ``lambda sum_t R_t``, so ``U R_m = lambda sum_t Delta_t``: plain task
-arithmetic (the basis changes nothing for a linear merge).
+``1/(1 - p)`` before that TIES. ``merge="ta"`` is KnOTS-TA, the official ``tv`` merge in the joint basis:
+``R_m = lambda sum_t R_t``, so ``U R_m = lambda U U^T sum_t Delta_t``, which is task arithmetic
+(``theta_0 + lambda sum_t Delta_t``, Ilharco et al. 2023) up to the support: the basis changes nothing for a
+linear merge, except that the part of each ``Delta_t`` outside the kept singular directions is dropped.
 """
 
 from __future__ import annotations
@@ -34,9 +41,14 @@ from .registry import register_merge
 from .sources import ModelSet, open_models
 from .ties import magnitude_threshold, ties_tensor
 
-__all__ = ["knots", "knots_basis", "KNOTS_DEFAULTS", "SUPPORT_EPS"]
+__all__ = ["knots", "knots_basis", "KNOTS_DEFAULTS", "SUPPORT_EPS", "SUPPORT_REL_EPS", "SUPPORTS"]
 
-SUPPORT_EPS = 1e-5  # singular values kept: s > SUPPORT_EPS (the official code's ``s > 1e-5``, float64 SVD)
+SUPPORT_EPS = 1e-5  # support="absolute": s > SUPPORT_EPS (the official code's ``s > 1e-5``, float64 SVD)
+# support="relative" (default): s > SUPPORT_REL_EPS * s_max. 1e-5 of the largest singular value: a direction
+# below it carries under 1e-5 of the update's largest direction, and the Gram route's own rounding (eigenvalue
+# errors of about m * 2.2e-16 * s_max^2, so singular values of about 1e-6 s_max for m = 4096) stays below it.
+SUPPORT_REL_EPS = 1e-5
+SUPPORTS = ("relative", "absolute")
 # The official configs per merge (ViT-B/32, rank 16): knots_ties topK 20, scaling 0.6; knots_dare_ties
 # topK 100 (no trim), dare_pruning_coeffs 0.1, scaling 0.7; TA at scaling 1.
 KNOTS_DEFAULTS = {"ties": {"density": 0.2, "scaling": 0.6}, "dare": {"density": 1.0, "scaling": 0.7},
@@ -45,10 +57,12 @@ KNOTS_DEFAULTS = {"ties": {"density": 0.2, "scaling": 0.6}, "dare": {"density": 
 RepFn = Callable[[str, Tensor, bool], tuple[Tensor | None, Tensor]]
 
 
-def knots_basis(taus: Tensor, eps: float = SUPPORT_EPS) -> tuple[Tensor, Tensor]:
+def knots_basis(taus: Tensor, eps: float | None = None, support: str = "relative") -> tuple[Tensor, Tensor]:
     """``(U (m, r), R (T, r, n))`` with ``R_t = S V_t^T`` from the SVD of ``[Delta_1 | ... | Delta_T]`` (in
     float64, as the official code; the factors are returned in ``taus``' dtype), ``r`` = singular values
-    ``> eps``.
+    ``> eps * s_max`` (``support="relative"``, ``eps`` default :data:`SUPPORT_REL_EPS`) or ``> eps``
+    (``support="absolute"``, ``eps`` default :data:`SUPPORT_EPS`, the official rule). An all-zero
+    concatenation has ``r = 0`` under both.
 
     ``U`` (the left singular vectors) is computed, when ``m <= T n``, as the eigenvectors of the Gram matrix
     ``sum_t Delta_t Delta_t^T = U S^2 U^T`` with eigenvalues ``> eps^2``: the same basis up to the sign of
@@ -62,27 +76,32 @@ def knots_basis(taus: Tensor, eps: float = SUPPORT_EPS) -> tuple[Tensor, Tensor]
     ``V_t`` carries rounding noise (about 1e-17) that TIES's disjoint mean would count as an agreeing task and
     so halve the other task's update (measured on a two-adapter merge).
     """
+    if support not in SUPPORTS:
+        raise ValueError(f"support must be one of {', '.join(SUPPORTS)}, got {support!r}")
+    relative = support == "relative"
+    eps = (SUPPORT_REL_EPS if relative else SUPPORT_EPS) if eps is None else eps
     num, m, n = taus.shape
     x = taus.to(torch.float64)
     if m <= num * n:  # U from the m x m Gram matrix [D_1 ... D_T][D_1 ... D_T]^T = sum_t D_t D_t^T
         gram = torch.zeros(m, m, dtype=torch.float64)
         for d in x:
             gram.addmm_(d, d.T)
-        lam, vecs = torch.linalg.eigh(gram)  # ascending
-        u = vecs[:, lam > eps * eps].flip(1)
+        lam, vecs = torch.linalg.eigh(gram)  # ascending; lam = s^2
+        cut = eps * eps * (max(float(lam[-1]), 0.0) if relative and m else 1.0)
+        u = vecs[:, lam > cut].flip(1)
     else:
         u, s, _ = thin_svd(x.permute(1, 0, 2).reshape(m, num * n))
-        u = u[:, s > eps]
+        u = u[:, s > eps * (float(s[0]) if relative and s.numel() else 1.0)]
     return u.to(taus.dtype), (u.T @ x).to(taus.dtype)
 
 
-def _rep_fn(merge: str, drop_rate: float, seed: int) -> RepFn:
+def _rep_fn(merge: str, drop_rate: float, seed: int, support: str = "relative") -> RepFn:
     """``fn(key, taus, matrix) -> (U or None, R)``: the basis and task representations of one key (a
     non-matrix tensor is its own representation), DARE-dropped when ``merge == "dare"`` (masks depend on seed,
     key and task)."""
 
     def reps(key: str, taus: Tensor, matrix: bool) -> tuple[Tensor | None, Tensor]:
-        u, r = knots_basis(taus) if matrix else (None, taus.clone())
+        u, r = knots_basis(taus, support=support) if matrix else (None, taus.clone())
         if merge == "dare":
             for t, row in enumerate(r):
                 dare_tensor(row, drop_rate, rescale=True, generator=dare_generator(seed, key, t), out=row)
@@ -120,7 +139,9 @@ def _merge_reps(reps: Tensor, merge: str, thresholds: Tensor, scaling: float) ->
     return scaling * ties_tensor(reps, thresholds, merge_fn="mean")
 
 
-def _check(merge: str, density: float, drop_rate: float, trim_scope: str) -> None:
+def _check(merge: str, density: float, drop_rate: float, trim_scope: str, support: str) -> None:
+    if support not in SUPPORTS:
+        raise ValueError(f"support must be one of {', '.join(SUPPORTS)}, got {support!r}")
     if merge not in KNOTS_DEFAULTS:
         raise ValueError(f"merge must be one of {', '.join(KNOTS_DEFAULTS)}, got {merge!r}")
     if not 0.0 < density <= 1.0:
@@ -135,7 +156,8 @@ def _check(merge: str, density: float, drop_rate: float, trim_scope: str) -> Non
                 "TIES, DARE or TA (KnOTS, Stoica et al. 2025)")
 def knots(*, base: Any, experts: Sequence[Any], merge: str = "ties", density: float | None = None,
           scaling: float | None = None, drop_rate: float = 0.1, trim_scope: str = "global", seed: int = 0,
-          include: str | None = None, exclude: str | None = DEFAULT_EXCLUDE) -> dict[str, Tensor]:
+          support: str = "relative", include: str | None = None,
+          exclude: str | None = DEFAULT_EXCLUDE) -> dict[str, Tensor]:
     """KnOTS: ``theta_0 + U R_m`` per weight matrix (module docstring).
 
     Experts are PEFT adapters (``Delta_t = s_t B_t A_t`` over the base, the path of every adapter merge) or
@@ -144,10 +166,13 @@ def knots(*, base: Any, experts: Sequence[Any], merge: str = "ties", density: fl
     (1) tensors outside the weight matrices (biases, norms: only full models have changed ones) get the same
     merge on their own task vectors, trimmed per tensor; the official code merges only the LoRA modules;
     (2) an entry whose trimmed sum is exactly 0 over nonzero values takes the majority sign of its matrix,
-    the official code that of the whole model; (3) DARE's masks come from this library's seeded generator.
+    the official code that of the whole model; (3) DARE's masks come from this library's seeded generator;
+    (4) the support of the basis is relative by default (``support``; module docstring).
 
     Args:
-        merge: ``"ties"`` (KnOTS-TIES, the paper's main method), ``"dare"`` (KnOTS-DARE-TIES) or ``"ta"``.
+        merge: ``"ties"`` (KnOTS-TIES, the paper's main method), ``"dare"`` (KnOTS-DARE-TIES) or ``"ta"``
+            (KnOTS-TA: ``lambda sum_t R_t`` in the joint basis, i.e. task arithmetic restricted to the
+            support; the official ``tv``).
         density: fraction of each task's representation kept by TIES's trim (official ``topK / 100``);
             ``None``: the official config of ``merge`` (ties 0.2, dare 1.0 = no trim).
         scaling: ``lambda``; ``None``: the official config (ties 0.6, dare 0.7, ta 1.0; selected on
@@ -156,15 +181,19 @@ def knots(*, base: Any, experts: Sequence[Any], merge: str = "ties", density: fl
         trim_scope: ``"global"`` (top-k over all weight matrices' representations of a task, the official
             code: a first pass over the keys) or ``"per_tensor"`` (each matrix on its own, one pass).
         seed: DARE's masks depend only on (seed, key, task).
+        support: which singular directions of each matrix's concatenation form the basis: ``"relative"``
+            (``s > 1e-5 * s_max``, :data:`SUPPORT_REL_EPS`; an update of any scale keeps its directions) or
+            ``"absolute"`` (``s > 1e-5``, the official code: an update whose singular values are all below
+            ``1e-5`` is dropped, the matrix left at the base).
         include: regex of keys treated as matrices, replacing the default rule (``"."``: every 2-D tensor).
         exclude: regex of 2-D ``*weight`` keys treated as non-matrix tensors (default: embeddings, norms).
     """
     defaults = KNOTS_DEFAULTS.get(merge, {})
     density = defaults.get("density", 1.0) if density is None else density
     scaling = defaults.get("scaling", 1.0) if scaling is None else scaling
-    _check(merge, density, drop_rate, trim_scope)
+    _check(merge, density, drop_rate, trim_scope, support)
     models = open_models(base, experts)
-    rep_fn = _rep_fn(merge, drop_rate, seed)
+    rep_fn = _rep_fn(merge, drop_rate, seed, support)
 
     def is_matrix(key: str) -> bool:
         return is_lowrank_param(key, tuple(models.meta(key)[0]), exclude, include)

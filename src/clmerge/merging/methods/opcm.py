@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .driver import map_keys
+from ...utils.device import current_device
+from .driver import map_keys, on_device
 from ..io.checks import source_get
 from .lowrank import DEFAULT_EXCLUDE, is_lowrank_param, thin_svd
 from .order import expert_order
@@ -115,23 +116,56 @@ def opcm(*, base: Any, experts: Sequence[Any], alpha: float = 0.5, zero_diagonal
     models = open_models(base, experts)
     order = expert_order(models.num_experts, shuffle, seed)
     norms = {"sum": 0.0, "tau": [0.0] * models.num_experts}
+    streaming = getattr(models, "sink", None) is not None
+    held: dict[str, Tensor] = {}  # float32 S_T of the keys whose output dtype is narrower (no sink)
+    sum_dtype: dict[str, torch.dtype] = {}  # the dtype each key's S_T was accumulated in
 
-    def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
+    def running_sum(key: str, b: Tensor, xs: list[Tensor], count: bool) -> Tensor:
         dtype = torch.promote_types(b.dtype, torch.float32)
         running = None
         for i in order:
             tau = xs[i].to(dtype) - b.to(dtype)
-            norms["tau"][i] += float(tau.double().pow(2).sum())
+            if count:
+                norms["tau"][i] += float(tau.double().pow(2).sum())
             running = opcm_fold(key, running, tau, alpha=alpha, zero_diagonal=zero_diagonal, include=include,
                                 exclude=exclude)
-        norms["sum"] += float(running.double().pow(2).sum())
+        if count:
+            norms["sum"] += float(running.double().pow(2).sum())
+        return running
+
+    def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
+        running = running_sum(key, b, xs, True)
+        sum_dtype[key] = running.dtype
+        if not streaming and xs[0].dtype != running.dtype:
+            held[key] = running.cpu()  # the cast map_keys makes would round S_T before the rescaling
         return running
 
     out = map_keys(models, kernel, needs_base=True)
     scale = opcm_scale(norms["sum"], norms["tau"])
+
+    def final(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:  # pass 2 of a streamed narrow key
+        running = running_sum(key, b, xs, False)
+        return b.to(running.dtype) + scale * running
+
+    device = current_device()
     for key in models.keys():
-        if models.is_float(key):
-            b = source_get(models.base, key)
-            dtype = torch.promote_types(b.dtype, torch.float32)
-            out[key] = (b.to(dtype) + scale * out[key].to(dtype)).to(out[key].dtype)
+        if not models.is_float(key):
+            continue
+        if key in held:
+            s_t = held.pop(key)
+            b = source_get(models.base, key).to(s_t.dtype)
+            out[key] = (b + scale * s_t).to(out[key].dtype)
+            continue
+        cur = out[key]
+        if cur.dtype != sum_dtype[key]:  # the sink stores S_T narrower than it was summed: recompute it
+            b, xs = models.load(key, check=False)
+            if device is not None:
+                out[key] = on_device(device, final, key, b, xs, None)
+            else:
+                out[key] = final(key, b, xs).to(xs[0].dtype).contiguous()
+            del b, xs
+            continue
+        b = source_get(models.base, key)
+        dtype = torch.promote_types(b.dtype, torch.float32)
+        out[key] = (b.to(dtype) + scale * cur.to(dtype)).to(cur.dtype)
     return out

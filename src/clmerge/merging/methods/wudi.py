@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..io.base import MergeInputError
+from ..io.checks import is_finite
 from .driver import map_keys
 from .lowrank import DEFAULT_EXCLUDE, is_lowrank_param, task_matrices
 from .registry import register_merge
@@ -86,7 +88,9 @@ def wudi(*, base: Any, experts: Sequence[Any], steps: int = 300, lr: float = 1e-
     ``lowrank.is_lowrank_param`` (the paper's linear layers: 2-D ``*weight`` tensors, not embeddings or
     norms); FusionBench optimises every 2-D tensor not in ``exclude_keys`` (``include="."`` reproduces it);
     (2) the gradient in closed form (the same gradient); (3) a zero task vector has no term (FusionBench
-    divides by its zero norm); (4) float32 on the CPU (float64 for float64 inputs).
+    divides by its zero norm); (4) float32 on the CPU (float64 for float64 inputs); (5) a matrix whose
+    optimisation comes out NaN or Inf (squares of task vectors beyond float32's range: entries above about
+    1e19) is refused with a ``MergeInputError`` naming the key, where FusionBench returns the NaNs.
 
     Args:
         steps: optimiser steps per matrix (FusionBench's ``iter_num``: 300 in its function, 400 in its
@@ -109,6 +113,13 @@ def wudi(*, base: Any, experts: Sequence[Any], steps: int = 300, lr: float = 1e-
         taus = task_matrices(b, xs)
         if not is_lowrank_param(key, tuple(b.shape), exclude, include):
             return b.double() + taus.double().mean(0)
-        return b.double() + wudi_matrix(taus, steps=steps, lr=lr, optimizer=optimizer).double()
+        tau_m = wudi_matrix(taus, steps=steps, lr=lr, optimizer=optimizer)
+        if models.check_finite and not is_finite(tau_m):
+            raise MergeInputError(
+                f"wudi: key {key!r} came out NaN or Inf from finite inputs: the squared norms and products of its "
+                f"task vectors (largest magnitude {float(taus.abs().max()):.3g}) overflow {str(taus.dtype)[6:]} "
+                f"(above {torch.finfo(taus.dtype).max:.3g}); expected task vectors whose squares fit: check the "
+                "inputs' scale")
+        return b.double() + tau_m.double()
 
     return map_keys(models, kernel, needs_base=True)

@@ -66,6 +66,7 @@ class MethodSpec(Protocol):
 
     Options: type[BaseModel]  # the method's options model, validated from the ``method:`` section
     head_defaults: dict[str, Any]  # ``head:`` values the method runs with unless the config sets them
+    optim_defaults: dict[str, Any]  # ``optim:`` values (its learning rate) unless the config sets them
     trains_linear_head: bool  # False: predicts from feature statistics, so a linear head is never trained
 
 
@@ -403,8 +404,9 @@ def read_yaml_mapping(path: str | Path, what: str = "config file") -> dict:
 def parse_config(data: dict | None) -> ExperimentConfig:
     """Validate a plain dict into an :class:`ExperimentConfig` (unknown keys and bad values -> ConfigError).
 
-    The configured method's own head defaults fill the ``head:`` keys that ``data`` leaves out."""
-    cfg = validate_strict(ExperimentConfig, _with_method_head(data or {}))
+    The configured method's own head and optimizer defaults fill the ``head:`` and ``optim:`` keys that
+    ``data`` leaves out (``optim_defaults``: the method's learning rate; a key the config sets always wins)."""
+    cfg = validate_strict(ExperimentConfig, _with_method_defaults(data or {}))
     try:
         cfg.method_options()
     except ValidationError as exc:
@@ -413,14 +415,20 @@ def parse_config(data: dict | None) -> ExperimentConfig:
     return cfg
 
 
-def _with_method_head(data: dict) -> dict:
-    """``data`` with the method's ``head_defaults`` under the ``head:`` keys it sets itself (they win)."""
-    method, head = data.get("method"), data.get("head", {})
+def _with_method_defaults(data: dict) -> dict:
+    """``data`` with the method's ``head_defaults`` under the ``head:`` keys and its ``optim_defaults`` under
+    the ``optim:`` keys that ``data`` leaves out (the keys ``data`` sets win)."""
+    method = data.get("method")
     name = method.get("name", MethodConfig().name) if isinstance(method, dict) else MethodConfig().name
     cls = _methods().get(name, None) if isinstance(name, str) else None
-    if cls is None or not cls.head_defaults or not isinstance(head, dict):
-        return data  # an unknown method or a malformed head: reported by the validation
-    return {**data, "head": {**cls.head_defaults, **head}}
+    if cls is None:
+        return data  # an unknown method: reported by the validation
+    out = dict(data)
+    for section, defaults in (("head", cls.head_defaults), ("optim", getattr(cls, "optim_defaults", {}))):
+        given = data.get(section, {})
+        if defaults and isinstance(given, dict):  # a malformed section: reported by the validation
+            out[section] = {**defaults, **given}
+    return out
 
 
 def _check_method_head(cfg: ExperimentConfig) -> None:

@@ -15,8 +15,8 @@ import torch
 from typer.testing import CliRunner
 
 from clmerge.cli import app
-from clmerge.config import (EMBEDDED_DEFAULT, ConfigError, HeadConfig, default_config, load_config,
-                            parse_config)
+from clmerge.config import (EMBEDDED_DEFAULT, ConfigError, HeadConfig, OptimConfig, default_config, dump_config,
+                            load_config, parse_config)
 from clmerge.engine import run as run_mod
 from clmerge.engine.checkpoint import load_checkpoint, load_head_tensors
 from clmerge.engine.run import build_classifier, fresh_objects, run_experiment
@@ -54,6 +54,66 @@ def test_switching_the_method_takes_only_that_methods_defaults(name):
     assert cfg.method_options() == cls.Options()  # no option carried over from the default's method
     assert cfg.head == HeadConfig(**cls.head_defaults)  # the method's head, not the default's
     assert cfg.train.adapt_tasks is None  # no frozen backbone the method did not ask for
+    assert cfg.optim == OptimConfig(**cls.optim_defaults)  # the method's own rate, the rest the section's
+
+
+# methods that train nothing unless an option asks (no rate of their own: the optim section's defaults apply)
+UNTRAINED = {"simplecil", "ranpac"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_method_that_trains_owns_a_learning_rate_and_says_where_it_comes_from(name):
+    cls = METHODS[name]
+    if name in UNTRAINED:
+        assert cls.optim_defaults == {} and cls.optim_source == ""
+        return
+    assert set(cls.optim_defaults) == {"lr"} and cls.optim_defaults["lr"] > 0
+    assert cls.optim_source.startswith(("paper", "official code", "validation grid")), cls.optim_source
+
+
+def test_the_embedded_default_keeps_the_optim_section_defaults():
+    assert default_config().optim == OptimConfig()  # ranpac trains nothing: its run does not change
+
+
+def test_an_optim_key_the_user_sets_overrides_the_methods_rate(tmp_path):
+    rate = METHODS["finetune"].optim_defaults["lr"]
+    assert load_config(None, ["method.name=finetune"]).optim.lr == rate
+    assert load_config(None, ["method.name=finetune", "optim.lr=0.005"]).optim.lr == 0.005
+    # a config file is explicit too; one that sets other optim keys still gets the method's rate
+    assert parse_config({"method": {"name": "finetune"}, "optim": {"lr": 1e-2}}).optim.lr == 1e-2
+    other = parse_config({"method": {"name": "finetune"}, "optim": {"name": "sgd", "momentum": 0.5}}).optim
+    assert (other.name, other.momentum, other.lr) == ("sgd", 0.5, rate)
+    f = tmp_path / "c.yaml"
+    f.write_text("method: {name: ewc}\noptim: {lr: 0.002}\n")
+    assert load_config(f).optim.lr == 0.002
+    assert load_config(f, ["method.name=magmax"]).optim.lr == 0.002
+    f.write_text("method: {name: ewc}\n")
+    assert load_config(f).optim.lr == METHODS["ewc"].optim_defaults["lr"]
+
+
+def test_a_resolved_config_keeps_the_methods_rate_when_read_back(tmp_path):
+    cfg = load_config(None, ["method.name=magmax"])
+    f = tmp_path / "config.yaml"
+    f.write_text(dump_config(cfg))
+    assert load_config(f).optim == cfg.optim  # a resumed run trains at the rate it started with
+
+
+def test_methods_verbose_shows_each_methods_rate_and_its_source():
+    out = CliRunner().invoke(app, ["methods", "-v"]).output
+    blocks, name = {}, None
+    for line in out.splitlines():
+        if line and not line.startswith(" "):
+            name = line.split()[0]
+        elif name is not None:
+            blocks.setdefault(name, []).append(line.strip())
+    for name in NAMES:
+        optim = [line for line in blocks[name] if line.startswith("optim: ")]
+        assert len(optim) == 1, (name, blocks[name])
+        cls = METHODS[name]
+        if cls.optim_defaults:
+            assert optim[0] == f"optim: lr={cls.optim_defaults['lr']:g}; source: {cls.optim_source}"
+        else:
+            assert "trains nothing" in optim[0]
 
 
 def test_a_head_key_the_user_sets_overrides_the_methods_head():

@@ -276,7 +276,8 @@ def _sweep_report(sweep_dir: Path, by: str | None, vs: str | None, metrics: str 
 
 @app.command()
 def methods(verbose: bool = typer.Option(False, "--verbose", "-v", help="options, defaults, meaning")) -> None:
-    """List the continual-learning methods (with ``--verbose``: each one's options and the head it sets)."""
+    """List the continual-learning methods (with ``--verbose``: each one's options, the head it sets, and the
+    learning rate it trains with unless the config sets ``optim.lr``, with where that rate comes from)."""
     from ..methods import available_methods, method_class
 
     for name, desc in available_methods().items():
@@ -287,11 +288,17 @@ def methods(verbose: bool = typer.Option(False, "--verbose", "-v", help="options
 
 
 def _method_details(cls) -> list[str]:
-    """``key (default): description`` per option of a method, then the ``head:`` keys it sets."""
+    """``key (default): description`` per option of a method, then the ``head:`` and ``optim:`` keys it sets
+    (the latter with their source: paper, official code or the validation grid)."""
     lines = [f"{key} (default {field.get_default(call_default_factory=True)!r}): {field.description or '-'}"
              for key, field in cls.Options.model_fields.items()]
     if cls.head_defaults:
         lines.append("head: " + ", ".join(f"{k}={v}" for k, v in cls.head_defaults.items()))
+    if cls.optim_defaults:
+        lines.append("optim: " + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                                           for k, v in cls.optim_defaults.items()) + f"; source: {cls.optim_source}")
+    else:
+        lines.append("optim: the section defaults (trains nothing by default)")
     return lines
 
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..adapters.bottleneck import attach_adapters, attach_ssf, attach_vpt
 from ..models.classifier import ContinualClassifier, IncrementalHead
-from .base import ContinualMethod, MethodOptions, register_method
+from .base import ContinualMethod, MethodOptions, register_method, grid_rate
 from .frozen_backbone import COSINE_PROTOTYPES, FrozenBackboneMethod
 
 __all__ = ["APER", "APEROptions", "DualBranchFeatures"]
@@ -70,6 +70,7 @@ class APER(FrozenBackboneMethod):
                    "freeze; cosine prototypes of [pretrained; adapted] features")
     head_defaults: ClassVar[dict[str, Any]] = COSINE_PROTOTYPES
     Options = APEROptions
+    optim_defaults, optim_source = grid_rate(2e-2, "Adam; the paper's SGD rates do not carry over")
 
     def __init__(self, options, *, seed: int = 0) -> None:
         super().__init__(options, seed=seed)

@@ -38,6 +38,8 @@ __all__ = [
     "build_method",
     "method_class",
     "METHODS",
+    "VALIDATION_GRID",
+    "grid_rate",
 ]
 
 
@@ -72,6 +74,12 @@ class ContinualMethod:
     Options: ClassVar[type[MethodOptions]] = MethodOptions
     # ``head:`` keys this method sets unless the user sets them (a method owns its head: config.parse_config)
     head_defaults: ClassVar[dict[str, Any]] = {}
+    # ``optim:`` keys this method trains with unless the config sets them (a method owns its rate, as it owns
+    # its head: config.parse_config). A config that sets a key (a file, ``--set optim.lr=...``) always wins.
+    optim_defaults: ClassVar[dict[str, Any]] = {}
+    # where ``optim_defaults`` come from: "paper", "official code", or the validation grid that selected them
+    # (shown by ``clmerge methods -v``); "" where the method declares none (it trains nothing by default)
+    optim_source: ClassVar[str] = ""
     # False: a statistics method; the model's linear head is never trained, so it cannot be the evaluated head
     trains_linear_head: ClassVar[bool] = True
 
@@ -191,6 +199,17 @@ def _grow_head(method: ContinualMethod, task: Task, ctx: TaskContext) -> None:
     if getattr(method, "model", None) is None:
         raise RuntimeError(f"method {method.name!r}: no model; the engine calls setup(model) before begin_task")
     method.model.head.ensure_classes(task.offset + task.n_classes, generator=ctx.generator)
+
+
+# ``optim_source`` of a rate the evidence grid selected on held-out validation data (10% of each task's training
+# set, never test): class-incremental Split-MNIST-5k on the shipped backbone, Adam, 5 epochs, batch 64, the
+# embedded default's protocol (benchmarks/lora_cl/results.md, the "lr" columns; run_evidence.py's grids)
+VALIDATION_GRID = "validation grid (benchmarks/lora_cl/results.md, split_mnist5k)"
+
+
+def grid_rate(lr: float, note: str = "") -> tuple[dict[str, Any], str]:
+    """``(optim_defaults, optim_source)`` of a rate ``lr`` the validation grid selected (``note``: how)."""
+    return {"lr": lr}, VALIDATION_GRID + (f"; {note}" if note else "")
 
 
 METHODS: Registry = Registry("method", key="method.name")  # name -> ContinualMethod subclass

@@ -37,7 +37,7 @@ from pydantic import Field
 from torch import nn
 
 from ..adapters.bottleneck import adapter_bank, adapter_sets, attach_adapters, only_adapters
-from .base import ContinualMethod, MethodOptions, register_method
+from .base import ContinualMethod, MethodOptions, register_method, grid_rate
 
 __all__ = ["EASE", "EASEOptions", "EaseClassifier", "prototype_complement", "subspace_weights"]
 
@@ -160,6 +160,7 @@ class EASE(ContinualMethod):
     description = ("EASE (Zhou et al., CVPR 2024): one adapter subspace per task, prototypes completed in new "
                    "subspaces from class similarity, reweighted cosine ensemble")
     Options = EASEOptions
+    optim_defaults, optim_source = grid_rate(5e-3, "Adam; the paper's SGD rates do not carry over")
 
     def __init__(self, options, *, seed: int = 0) -> None:
         super().__init__(options, seed=seed)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from .base import ContinualMethod, MethodOptions, register_method
+from .base import ContinualMethod, MethodOptions, register_method, grid_rate
 
 __all__ = ["Finetune", "FinetuneOptions"]
 
@@ -18,6 +18,7 @@ class Finetune(ContinualMethod):
     name = "finetune"
     description = "sequential full fine-tuning of backbone and head (no protection against forgetting)"
     Options = FinetuneOptions
+    optim_defaults, optim_source = grid_rate(3e-4)
 
     def setup(self, model) -> None:
         super().setup(model)

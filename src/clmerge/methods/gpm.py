@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from .base import ContinualMethod, MethodOptions, register_method
+from .base import ContinualMethod, MethodOptions, register_method, grid_rate
 from ..utils.precision import full_precision
 
 __all__ = ["GPM", "GPMOptions", "extend_basis"]
@@ -72,6 +72,8 @@ class GPM(ContinualMethod):
     name = "gpm"
     description = "gradient projection memory: project weight gradients orthogonally to earlier tasks' input spaces"
     Options = GPMOptions
+    optim_defaults, optim_source = grid_rate(3e-4, "finetune's rate (GPM fine-tunes the whole backbone; not in the grid; the "
+                                               "paper's SGD rates are for networks trained from scratch)")
 
     def setup(self, model) -> None:
         super().setup(model)

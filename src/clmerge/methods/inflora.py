@@ -25,7 +25,7 @@ import torch
 from pydantic import Field
 
 from ..adapters import add_lora_component, fold_component, inject_lora, lora_layers
-from .base import ContinualMethod, register_method
+from .base import ContinualMethod, register_method, grid_rate
 from .seq_lora import LoRAMethodOptions
 from ..utils.precision import full_precision
 
@@ -142,6 +142,7 @@ class InfLoRA(ContinualMethod):
     name = "inflora"
     description = "InfLoRA: per-task LoRA with the down-projection designed from inputs outside old tasks' subspace"
     Options = InfLoRAOptions
+    optim_defaults, optim_source = grid_rate(5e-3)
 
     def setup(self, model) -> None:
         super().setup(model)

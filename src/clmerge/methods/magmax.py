@@ -38,7 +38,7 @@ from torch import nn
 from ..adapters import add_lora_component, fold_component, inject_lora, lora_layers
 from ..adapters.folded import FoldedCache
 from ..merging.methods.magmax import max_magnitude_fold
-from .base import ContinualMethod, register_method
+from .base import ContinualMethod, register_method, grid_rate
 from .seq_lora import LoRAMethodOptions
 
 __all__ = ["MagMax", "MagMaxOptions"]
@@ -69,6 +69,7 @@ class MagMax(ContinualMethod):
     description = ("MagMax: sequential fine-tuning, evaluated as theta_0 + lambda * (per entry the task "
                    "vector of largest magnitude)")
     Options = MagMaxOptions
+    optim_defaults, optim_source = grid_rate(3e-5, "the grid 1e-5..1e-3 includes the official code's AdamW 1e-5")
 
     def setup(self, model) -> None:
         super().setup(model)

@@ -39,7 +39,7 @@ from pydantic import Field
 from .. import merging
 from ..adapters import lora_layers
 from ..params import diagonal_fisher
-from .base import register_method
+from .base import register_method, grid_rate
 from .seq_lora import LoRAMethodOptions, SeqLoRA
 
 __all__ = ["MergeBaselineOptions", "LoRAAverage", "LoRADare", "CoMA", "CoFiMA", "average_step", "dare_step",
@@ -108,6 +108,7 @@ class CoFiMAOptions(CoMAOptions):
 class _LoRAMergeBaseline(SeqLoRA, ABC):
     """Sequential LoRA (setup and per-task components as ``seq_lora``) whose task model is merged into the
     running model at the task end instead of being folded in plainly."""
+    optim_defaults, optim_source = grid_rate(5e-3)
 
     @abstractmethod
     def merge(self, prev: Weights, star: Weights, task, ctx) -> tuple[Weights, dict]:

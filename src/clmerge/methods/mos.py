@@ -38,7 +38,7 @@ from torch import nn
 
 from ..adapters.bottleneck import adapter_bank, adapter_sets, attach_adapters, only_adapters
 from ..models.losses import classification_loss
-from .base import ContinualMethod, MethodOptions, register_method
+from .base import ContinualMethod, MethodOptions, register_method, grid_rate
 
 __all__ = ["MOS", "MOSOptions", "merged_adapter", "orthogonality_loss", "refine_retrieval", "ensemble_scores"]
 
@@ -143,6 +143,7 @@ class MOS(ContinualMethod):
     description = ("MOS (Sun et al. 2025): per-task adapters merged with the earlier ones, self-refined adapter "
                    "retrieval, prototype + adapted ensemble")
     Options = MOSOptions
+    optim_defaults, optim_source = grid_rate(5e-3, "Adam; the paper's SGD rates do not carry over")
 
     def __init__(self, options, *, seed: int = 0) -> None:
         super().__init__(options, seed=seed)

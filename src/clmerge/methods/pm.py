@@ -34,7 +34,7 @@ from ..adapters import add_lora_component, inject_lora, lora_layers
 from ..models.losses import classification_loss
 from ..params import diagonal_fisher
 from ..params.fisher import eager_attention, resolve_fisher_method  # noqa: F401  (eager_attention: exported)
-from .base import ContinualMethod, register_method
+from .base import ContinualMethod, register_method, grid_rate
 from .seq_lora import LoRAMethodOptions
 from ..utils.precision import full_precision
 
@@ -105,6 +105,7 @@ class PerturbAndMerge(ContinualMethod):
     name = "pm"
     description = "LoRA-P&M: train with task-vector perturbation, merge with the closed-form Fisher alpha (Eq. 8)"
     Options = PMOptions
+    optim_defaults, optim_source = grid_rate(5e-3)
 
     def setup(self, model) -> None:
         super().setup(model)

@@ -14,7 +14,7 @@ from pydantic import Field
 
 from ..models.losses import task_logits
 from ..params import diagonal_fisher
-from .base import ContinualMethod, MethodOptions, register_method
+from .base import ContinualMethod, MethodOptions, register_method, grid_rate
 
 __all__ = ["EWC", "L2", "EWCOptions", "L2Options"]
 
@@ -68,6 +68,7 @@ class L2(_Anchored):
     name = "l2"
     description = "full fine-tuning with an L2 penalty towards the previous task's weights"
     Options = L2Options
+    optim_defaults, optim_source = grid_rate(3e-4, "finetune's rate (l2 is finetune plus a penalty; not in the grid)")
 
     def end_task(self, task, ctx) -> None:
         self._set_anchor()
@@ -78,6 +79,7 @@ class EWC(_Anchored):
     name = "ewc"
     description = "elastic weight consolidation: diagonal-Fisher-weighted penalty (online form)"
     Options = EWCOptions
+    optim_defaults, optim_source = grid_rate(3e-4)
 
     def end_task(self, task, ctx) -> None:
         o = self.options

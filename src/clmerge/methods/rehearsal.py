@@ -24,7 +24,7 @@ from pydantic import Field
 
 from ..config import ConfigError
 from ..models.losses import classification_loss
-from .base import ContinualMethod, MethodOptions, register_method
+from .base import ContinualMethod, MethodOptions, register_method, grid_rate
 from .reservoir import ReservoirBuffer
 
 __all__ = ["ER", "DER", "DERpp", "ReplayOptions", "DEROptions", "DERppOptions", "replay_generator", "logit_mse"]
@@ -148,6 +148,7 @@ class ER(_Replay):
     name = "er"
     description = "experience replay: current batch plus a reservoir-buffer batch in one cross-entropy"
     Options = ReplayOptions
+    optim_defaults, optim_source = grid_rate(1e-4)
 
     def loss(self, model, x, y, ctx) -> torch.Tensor:
         buf = self.draw(_DRAW_LOGITS, ctx.batch_size)
@@ -166,6 +167,7 @@ class DER(_Replay):
     description = "dark experience replay: cross-entropy plus MSE to the logits stored with buffer examples"
     Options = DEROptions
     keeps_logits = True
+    optim_defaults, optim_source = grid_rate(1e-4)
 
     def loss(self, model, x, y, ctx) -> torch.Tensor:
         logits = model(x)
@@ -186,6 +188,7 @@ class DERpp(DER):
     name = "derpp"
     description = "DER++: DER plus cross-entropy on the labels of a second buffer batch"
     Options = DERppOptions
+    optim_defaults, optim_source = grid_rate(3e-4)
 
     def label_replay(self, model, ctx) -> torch.Tensor | float:
         buf = self.draw(_DRAW_LABELS, ctx.batch_size)

@@ -27,7 +27,7 @@ from torch import nn
 from ..adapters import add_lora_component, inject_lora, lora_layers, set_lora_compute
 from ..adapters.folded import FoldedCache
 from ..adapters.lora import LoRALinear
-from .base import ContinualMethod, register_method
+from .base import ContinualMethod, register_method, grid_rate
 from .seq_lora import LoRAMethodOptions
 from ..utils.precision import full_precision
 
@@ -77,6 +77,7 @@ class SDLoRA(ContinualMethod):
     name = "sd_lora"
     description = "SD-LoRA: per-task LoRA directions (frozen once learned) with shared learnable magnitudes (Eq. 4)"
     Options = SDLoRAOptions
+    optim_defaults, optim_source = grid_rate(5e-3, "sd_lora_rr and sd_lora_kd use it too")
 
     def setup(self, model) -> None:
         super().setup(model)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from ..adapters import add_lora_component, fold_component, inject_lora, lora_layers
-from .base import ContinualMethod, MethodOptions, register_method
+from .base import ContinualMethod, MethodOptions, register_method, grid_rate
 
 __all__ = ["SeqLoRA", "SeqLoRAOptions", "LoRAMethodOptions"]
 
@@ -38,6 +38,7 @@ class SeqLoRA(ContinualMethod):
     description = (f"sequential LoRA: a new LoRA on {'/'.join(SeqLoRAOptions().targets)} (method.targets) "
                    "per task, folded into the backbone after the task")
     Options = SeqLoRAOptions
+    optim_defaults, optim_source = grid_rate(5e-3)
 
     def setup(self, model) -> None:
         super().setup(model)

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from .base import ContinualMethod, MethodOptions, register_method
+from .base import ContinualMethod, MethodOptions, register_method, grid_rate
 
 __all__ = ["SLCA", "SLCAOptions"]
 
@@ -31,6 +31,7 @@ class SLCA(ContinualMethod):
                    "per-class feature Gaussians")
     Options = SLCAOptions
     head_defaults: ClassVar[dict[str, Any]] = {"align": True}
+    optim_defaults, optim_source = grid_rate(1e-4, "the head's rate; the backbone trains at backbone_lr_scale of it")
 
     def parameter_groups(self, model) -> list[dict]:
         groups = super().parameter_groups(model)

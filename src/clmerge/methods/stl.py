@@ -10,7 +10,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from ..adapters.task_modules import PerTaskCopies, TaskRoutedModel, set_active_task
-from .base import ContinualMethod, MethodOptions, register_method
+from .base import ContinualMethod, MethodOptions, register_method, grid_rate
 
 __all__ = ["STL", "STLOptions"]
 
@@ -24,6 +24,7 @@ class STL(ContinualMethod):
     name = "stl"
     description = "single-task learning: a separate network (and head) per task"
     Options = STLOptions
+    optim_defaults, optim_source = grid_rate(3e-4, "finetune's rate (each task fine-tunes a whole copy; not in the grid)")
 
     def setup(self, model) -> None:
         super().setup(model)

@@ -81,6 +81,10 @@ class HALRP(ContinualMethod):
     name = "halrp"
     description = "HALRP: frozen base + per-task row/column scalings and Hessian-aware low-rank residuals"
     Options = HALRPOptions
+    # the paper's rate (Adam 1e-3 in most of its configs, src/clmerge/configs/paper/halrp_*.yaml); HALRP is
+    # not in the validation grid
+    optim_defaults = {"lr": 1e-3}
+    optim_source = "paper (Adam 1e-3, its configs' rate; its networks are trained from scratch)"
 
     def setup(self, model) -> None:
         super().setup(model)

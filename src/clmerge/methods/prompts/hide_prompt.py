@@ -30,7 +30,7 @@ from pydantic import Field
 
 from ...models.losses import classification_loss
 from ...models.heads import ClassFeatureStats, align_linear_head
-from ..base import register_method
+from ..base import register_method, grid_rate
 from .hide_parts import HiDePromptPool, MultiCentroidStats, TaskIdentityHead, contrastive_regulariser
 from .methods import PromptMethod, PromptMethodOptions
 
@@ -88,6 +88,7 @@ class HiDePrompt(PromptMethod):
     description = ("HiDe-Prompt: a prompt per task (prefix-tuning) chosen by task-identity inference on the frozen "
                    "[CLS] feature, contrastive regulariser, head realigned on replayed class statistics")
     Options = HiDePromptOptions
+    optim_defaults, optim_source = grid_rate(1e-2)
 
     def build_pool(self, dim, generator) -> HiDePromptPool:
         o = self.options

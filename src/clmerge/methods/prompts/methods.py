@@ -20,7 +20,7 @@ from pydantic import Field
 
 from ...adapters.prompt import attach_prompts
 from ...models.losses import classification_loss
-from ..base import ContinualMethod, MethodOptions, register_method
+from ..base import ContinualMethod, MethodOptions, register_method, grid_rate
 from .pools import CodaPool, DualPromptPool, L2PPool
 
 __all__ = ["PromptMethod", "PromptMethodOptions", "L2P", "DualPrompt", "CodaPrompt", "L2POptions", "DualPromptOptions",
@@ -121,6 +121,7 @@ class L2P(PromptMethod):
     name = "l2p"
     description = "L2P: a pool of prompts with learnable keys, top-N matched to the frozen [CLS] query, prompt-tuning"
     Options = L2POptions
+    optim_defaults, optim_source = grid_rate(1e-3)
 
     @property
     def feature(self) -> str:  # type: ignore[override]
@@ -158,6 +159,7 @@ class DualPrompt(PromptMethod):
     name = "dualprompt"
     description = "DualPrompt: shared G-prompt (layers 0-1) and task E-prompts (layers 2-4) by key match, prefix-tuning"
     Options = DualPromptOptions
+    optim_defaults, optim_source = grid_rate(1e-2)
 
     def build_pool(self, dim, generator) -> DualPromptPool:
         o = self.options
@@ -190,6 +192,7 @@ class CodaPrompt(PromptMethod):
     name = "coda_prompt"
     description = "CODA-Prompt: prompts as query-attention-weighted sums of components, earlier components frozen"
     Options = CodaPromptOptions
+    optim_defaults, optim_source = grid_rate(3e-3)
 
     def build_pool(self, dim, generator) -> CodaPool:
         o = self.options

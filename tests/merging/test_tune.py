@@ -17,6 +17,7 @@ import yaml
 
 import clmerge.merging.tune as tune_mod
 from clmerge.errors import OutputError, UsageError
+from clmerge.merging.recipes import load_recipe
 from clmerge.merging.lm_eval import EvalOptions, load_causal_lm, perplexity, read_texts
 from clmerge.merging.tune import TuneSpec, Dimension, grid_points, load_tune_spec, set_path, tune
 from clmerge.sweep.executors import LocalExecutor
@@ -26,7 +27,8 @@ from tune_helpers import W_STAR, planted_pair
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
-    return planted_pair(tmp_path_factory.mktemp("planted"))
+    root, data = planted_pair(tmp_path_factory.mktemp("planted"))
+    return root, load_recipe("", data)
 
 
 def _spec(root, **kw) -> TuneSpec:

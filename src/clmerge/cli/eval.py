@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -18,7 +18,10 @@ from ..utils.io import write_json
 from ..utils.outpaths import check_writable
 from .base import app, fail
 
-__all__ = ["eval_command", "run_tune"]
+if TYPE_CHECKING:
+    from ..merging.recipes import Recipe
+
+__all__ = ["check_tune_flags", "eval_command", "run_tune"]
 
 
 @app.command("eval")
@@ -70,28 +73,22 @@ def _accuracy(run_dir: Path, data: str, data_option: list[str], batch_size: int)
     return {"model": str(run_dir), **run_accuracy(run_dir, data, options, batch_size=max(batch_size, 1))}
 
 
-def run_tune(recipe: Path | None, tune_file: Path, out: Path | None, *, jobs: int, backend: str,
-             overwrite: bool, blocked: dict[str, Any]) -> None:
-    """``clmerge merge RECIPE --tune TUNE.yaml --out DIR``: the search and the best model (docs/tuning.md)."""
-    from ..config import read_yaml_mapping
+def run_tune(recipe: Recipe, tune_file: Path, out: Path, *, jobs: int, backend: str,
+             overwrite: bool) -> None:
+    """``clmerge merge RECIPE --tune TUNE.yaml --out DIR``: the search and the best model (docs/tuning.md).
+    ``recipe``: the recipe file, read once by the command (:func:`check_tune_flags` first)."""
     from ..merging.tune import load_tune_spec, tune
     from ..sweep.executors import make_executor
     from ..utils.threads import check_jobs
 
     executor = None
     try:
-        given = [flag for flag, value in blocked.items() if value]
-        if given:
-            raise UsageError(f"--tune searches a recipe file's values: drop {given[0]}")
-        if recipe is None or out is None:
-            raise UsageError("--tune needs a recipe file (clmerge merge RECIPE --tune TUNE.yaml --out DIR)")
         if backend not in ("local", "ray"):
             raise UsageError(f"--backend {backend!r}: expected local or ray")
         check_jobs(jobs)
         spec = load_tune_spec(tune_file)
-        data = read_yaml_mapping(recipe, "merge recipe")
         executor = make_executor(backend, workers=jobs if backend == "local" and jobs > 1 else 0)
-        info = tune(data, spec, out, executor=executor, jobs=max(jobs, 1), overwrite=overwrite,
+        info = tune(recipe, spec, out, executor=executor, jobs=max(jobs, 1), overwrite=overwrite,
                     log=lambda s: typer.echo(s, err=True))
     except (KeyError, ValueError, FileNotFoundError, TypeError, OSError) as exc:
         fail(exc)
@@ -100,3 +97,16 @@ def run_tune(recipe: Path | None, tune_file: Path, out: Path | None, *, jobs: in
             executor.close()
     typer.echo(f"best {info['best']} perplexity {info['metric']:.4f} of {info['trials']} trials; wrote "
                f"{info['out']} (tune/trials.csv, tune/best_recipe.yaml)")
+
+
+def check_tune_flags(recipe: Path | None, out: Path | None, blocked: dict[str, Any]) -> None:
+    """``--tune`` searches a recipe file's values: no flag that changes the recipe, a recipe file and ``--out``.
+
+    Raises:
+        UsageError: names the flag to drop, or what is missing (exit code 2).
+    """
+    given = [flag for flag, value in blocked.items() if value]
+    if given:
+        raise UsageError(f"--tune searches a recipe file's values: drop {given[0]}")
+    if recipe is None or out is None:
+        raise UsageError("--tune needs a recipe file (clmerge merge RECIPE --tune TUNE.yaml --out DIR)")

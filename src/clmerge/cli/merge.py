@@ -58,7 +58,7 @@ def merge_command(
     """Merge checkpoints (model folders, weights files, hub ids, PEFT adapters) into a model folder."""
     from ..plugins import load_plugins
     from ..utils.threads import check_threads
-    from .eval import run_tune
+    from .eval import check_tune_flags, run_tune
 
     load_plugins(plugin)
 
@@ -66,18 +66,23 @@ def merge_command(
         set_threads(check_threads(threads) if threads is not None else default_threads())
     except ValueError as exc:
         fail(exc)
-    if tune is not None:
-        blocked = {"--method": method, "--expert": expert, "--set": set_, "--dry-run": dry_run, "--task": task,
-                   "--adapter-out": adapter_out != "full", "--base": base, "--out-dtype": out_dtype,
-                   "--compute-dtype": compute_dtype, "--tokenizer-from": tokenizer_from}
-        return run_tune(recipe, tune, out, jobs=jobs, backend=backend, overwrite=overwrite, blocked=blocked)
     options = {"out_dtype": out_dtype, "compute_dtype": compute_dtype, "out_shard_size": out_shard_size,
                "tokenizer_from": tokenizer_from}
     try:
+        if tune is not None:  # the search takes the recipe file as it is
+            check_tune_flags(recipe, out, {"--method": method, "--expert": expert, "--set": set_,
+                                           "--dry-run": dry_run, "--task": task, "--adapter-out": adapter_out != "full",
+                                           "--base": base, "--out-dtype": out_dtype, "--compute-dtype": compute_dtype,
+                                           "--tokenizer-from": tokenizer_from})
         dev = parse_device(device)
         if adapter_out not in ("full", "peft", "factored"):
             raise ValueError(f"--adapter-out: expected full, peft or factored, got {adapter_out!r}")
         spec = build_recipe(recipe, method, base, expert, set_, options)
+    except (KeyError, ValueError, FileNotFoundError, TypeError, OSError) as exc:
+        fail(exc)  # printed by clmerge.cli.base.handle_errors, exit code by kind
+    if tune is not None:
+        return run_tune(spec, tune, out, jobs=jobs, backend=backend, overwrite=overwrite)
+    try:
         res = run_merge(spec, out, task=task, dry_run=dry_run, overwrite=overwrite, adapter_out=adapter_out,
                         adapter_rank=adapter_rank, hash_inputs=hash_inputs, device=dev,
                         where="parameters." if recipe else "--set ",

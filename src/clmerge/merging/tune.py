@@ -16,13 +16,13 @@ eval: {data: heldout.txt, max_length: 512, stride: 256, batch_size: 4, max_sampl
 Each trial writes the recipe with its values, streams the merge into a temporary folder under ``DIR/tune``,
 scores it (:func:`.lm_eval.perplexity`) and removes it. ``DIR/tune/trials.csv`` gets one row per finished
 trial; a rerun with the same ``--out`` skips the trials already there (resume). The best recipe is merged
-into ``DIR``; ``DIR/tune/best_recipe.yaml`` is written last. Trials run through any executor with
+into ``DIR``; ``DIR/tune/best_recipe.yaml`` (the recipe with the chosen values, as a merge records it) is
+written last. Trials run through any executor with
 ``submit``/``wait_any``/``result`` (:mod:`clmerge.sweep.executors`: in process, a process pool, Ray).
 """
 
 from __future__ import annotations
 
-import copy
 import csv
 import io
 import itertools
@@ -33,8 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ..errors import InputError, OutputError, UsageError
 from ..utils.extras import require_extra
 from ..utils.inpaths import read_text
@@ -42,8 +40,7 @@ from ..utils.io import atomic_write_text
 from ..utils.outpaths import check_output_dir
 from ..utils.yaml_io import load_yaml, read_yaml
 from .lm_eval import EvalOptions, load_causal_lm, perplexity, read_texts
-from .pipeline import prepare
-from .recipes import load_recipe
+from .recipes import Recipe, load_recipe
 
 __all__ = ["Dimension", "TuneSpec", "load_tune_spec", "run_trial", "set_path", "tune"]
 
@@ -169,15 +166,15 @@ def _check_spec(spec: TuneSpec) -> TuneSpec:
     return spec
 
 
-def recipe_with(recipe_data: dict, values: dict[str, Any], source: str = "space") -> dict:
-    """A deep copy of ``recipe_data`` with each path set to its value."""
-    out = copy.deepcopy(recipe_data)
+def recipe_with(recipe: Recipe, values: dict[str, Any], source: str = "space") -> Recipe:
+    """``recipe`` with each path set to its value (checked again as a recipe: a bad value names its key)."""
+    data = recipe.model_dump(exclude_unset=True)
     for path, value in values.items():
-        set_path(out, path, value, source)
-    return out
+        set_path(data, path, value, source)
+    return load_recipe("", data)
 
 
-def run_trial(recipe_data: dict, values: dict, opts: EvalOptions, workdir: str) -> dict:
+def run_trial(recipe: Recipe, values: dict, opts: EvalOptions, workdir: str) -> dict:
     """One trial (a top-level function, so a process pool or Ray can run it): merge into ``workdir``, score,
     remove ``workdir``. Returns the values, the metric and the wall time."""
     from .run import run_merge
@@ -185,7 +182,7 @@ def run_trial(recipe_data: dict, values: dict, opts: EvalOptions, workdir: str) 
     start = time.perf_counter()
     folder = Path(workdir)
     try:
-        run_merge(load_recipe("", recipe_with(recipe_data, values)), folder, hash_inputs=False)
+        run_merge(recipe_with(recipe, values), folder, hash_inputs=False)
         model, tok = load_causal_lm(folder, quiet=True)
         res = perplexity(model, tok, read_texts(opts.data, opts.max_samples), opts, progress=False)
     finally:
@@ -242,7 +239,7 @@ class _Table:
         return min(self.rows, key=lambda r: r["metric"])
 
 
-def _run_points(points: list[dict], recipe_data: dict, spec: TuneSpec, table: _Table, executor: Any,
+def _run_points(points: list[dict], recipe: Recipe, spec: TuneSpec, table: _Table, executor: Any,
                 jobs: int, log: Any) -> list[dict]:
     """Run ``points`` with at most ``jobs`` in flight; rows in completion order."""
     pending, handles, out = list(points), {}, []
@@ -250,7 +247,7 @@ def _run_points(points: list[dict], recipe_data: dict, spec: TuneSpec, table: _T
         while pending and len(handles) < max(jobs, 1):
             values = pending.pop(0)
             workdir = str(table.path.parent / "trials" / f"trial_{len(table.rows) + len(handles)}_{time.time_ns()}")
-            handles[executor.submit(run_trial, recipe_data, values, spec.eval, workdir)] = values
+            handles[executor.submit(run_trial, recipe, values, spec.eval, workdir)] = values
         h = executor.wait_any(list(handles))
         values = handles.pop(h)
         res = executor.result(h)
@@ -261,14 +258,14 @@ def _run_points(points: list[dict], recipe_data: dict, spec: TuneSpec, table: _T
     return out
 
 
-def _search_grid(recipe_data: dict, spec: TuneSpec, table: _Table, executor: Any, jobs: int, log: Any) -> None:
+def _search_grid(recipe: Recipe, spec: TuneSpec, table: _Table, executor: Any, jobs: int, log: Any) -> None:
     todo = [p for p in grid_points(spec) if _key(p) not in table.done()]
     if len(todo) < len(grid_points(spec)):
         log(f"resume: {len(grid_points(spec)) - len(todo)} grid points already in {table.path}")
-    _run_points(todo, recipe_data, spec, table, executor, jobs, log)
+    _run_points(todo, recipe, spec, table, executor, jobs, log)
 
 
-def _search_optuna(recipe_data: dict, spec: TuneSpec, table: _Table, executor: Any, jobs: int, log: Any) -> None:
+def _search_optuna(recipe: Recipe, spec: TuneSpec, table: _Table, executor: Any, jobs: int, log: Any) -> None:
     """Optuna's TPE sampler (Bergstra et al. 2011) through ask/tell: ``jobs`` trials asked at once; the rows
     already in the table are told first (resume)."""
     optuna = require_extra("optuna", "tune", what="search: optuna")
@@ -280,7 +277,7 @@ def _search_optuna(recipe_data: dict, spec: TuneSpec, table: _Table, executor: A
         study.add_trial(optuna.trial.create_trial(params=r["values"], distributions=dists, value=r["metric"]))
     while len(table.rows) < spec.trials:
         asked = [study.ask(dists) for _ in range(min(max(jobs, 1), spec.trials - len(table.rows)))]
-        rows = _run_points([t.params for t in asked], recipe_data, spec, table, executor, jobs, log)
+        rows = _run_points([t.params for t in asked], recipe, spec, table, executor, jobs, log)
         by_key = {_key(r["values"]): r["metric"] for r in rows}
         for t in asked:
             study.tell(t, by_key[_key(t.params)])
@@ -306,50 +303,51 @@ def check_tune_out(out: Path, overwrite: bool, inputs: list[Path] = ()) -> None:
         shutil.rmtree(out)
 
 
-def _recipe_inputs(recipe_data: dict) -> list[Path]:
+def _recipe_inputs(recipe: Recipe) -> list[Path]:
     """The recipe's local model paths (a tune's output goes into none of them)."""
-    specs = [recipe_data.get("base")] + [m.get("model") for m in recipe_data.get("models") or []
-                                         if isinstance(m, dict)]
+    specs = [recipe.base] + [m.model for m in recipe.models]
     return [Path(s) for s in specs if isinstance(s, str) and Path(s).exists()]
 
 
-def tune(recipe_data: dict, spec: TuneSpec, out: Path, *, executor: Any, jobs: int = 1, overwrite: bool = False,
+def tune(recipe: Recipe, spec: TuneSpec, out: Path, *, executor: Any, jobs: int = 1, overwrite: bool = False,
          log: Any = lambda s: None) -> dict:
     """Search, then merge the best recipe into ``out``; returns the best values and metric."""
-    if recipe_data.get("stages") or recipe_data.get("slices"):
+    from .run import plan
+
+    if recipe.stages or recipe.slices:
         raise UsageError("--tune: searches recipes with models: (not slices: or stages:)")
     for end in (0, -1):  # both ends of every range: bad paths, inputs or hyperparameters fail before any merge
         point = {d.path: (d.values[end] if d.values else (d.low, d.high)[end]) for d in spec.space}
-        prepare(load_recipe("", recipe_with(recipe_data, point, f"{spec.source}: space")))
+        plan(recipe_with(recipe, point, f"{spec.source}: space"))
     read_texts(spec.eval.data, spec.eval.max_samples)  # a bad held-out file fails before any merge
     if spec.search == "optuna":
         require_extra("optuna", "tune", what="search: optuna")
-    check_tune_out(out, overwrite, _recipe_inputs(recipe_data))
+    check_tune_out(out, overwrite, _recipe_inputs(recipe))
     (out / "tune").mkdir(parents=True, exist_ok=True)
     table = _Table(out / "tune" / "trials.csv", spec.space)
     search = _search_grid if spec.search == "grid" else _search_optuna
     try:
-        search(recipe_data, spec, table, executor, jobs, log)
+        search(recipe, spec, table, executor, jobs, log)
     finally:
         shutil.rmtree(out / "tune" / "trials", ignore_errors=True)
-    return _finish(recipe_data, table, out, log)
+    return _finish(recipe, table, out, log)
 
 
-def _finish(recipe_data: dict, table: _Table, out: Path, log: Any) -> dict:
+def _finish(recipe: Recipe, table: _Table, out: Path, log: Any) -> dict:
     """Merge the best recipe into ``out`` (beside ``tune/``), then write ``tune/best_recipe.yaml``."""
     from .run import run_merge
 
     best = table.best()
-    best_data = recipe_with(recipe_data, best["values"])
+    best_recipe = recipe_with(recipe, best["values"])
     staging = out / "tune" / "best_model"
     shutil.rmtree(staging, ignore_errors=True)
-    info = run_merge(load_recipe("", best_data), staging, log=log)
+    info = run_merge(best_recipe, staging, log=log)
     for item in staging.iterdir():
         target = out / item.name
         if target.is_dir():
             shutil.rmtree(target)
         item.replace(target)
     staging.rmdir()
-    atomic_write_text(out / "tune" / "best_recipe.yaml", yaml.safe_dump(best_data, sort_keys=False))
+    atomic_write_text(out / "tune" / "best_recipe.yaml", best_recipe.to_yaml())
     return {"best": best["values"], "metric": best["metric"], "trials": len(table.rows), "out": str(out),
             "keys": info.keys}

@@ -18,6 +18,7 @@ Density-based methods (TIES, DARE, ...) count entries over the adapted keys only
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,8 @@ from .io.peft import AdapterSource, LoraModule, adapter_config, write_adapter
 from .methods.hparams import check_hyperparameters
 from .methods.registry import get_method, merge
 
-__all__ = ["merge_adapters", "REPORT_FILE", "LINEAR_METHODS"]
+__all__ = ["LINEAR_METHODS", "OpenedAdapters", "REPORT_FILE", "merge_adapters", "open_adapters",
+           "write_merged_adapter"]
 
 REPORT_FILE = "merge_report.json"
 
@@ -157,6 +159,28 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
             ``form="factored"`` with a non-linear method.
         OutputError: an unsafe ``out``.
     """
+    opened = open_adapters(method=method, base=base, adapters=adapters, hyperparameters=hyperparameters, form=form,
+                           rank=rank, svd=svd)
+    return write_merged_adapter(opened, Path(out), overwrite=overwrite, device=device)
+
+
+@dataclass
+class OpenedAdapters:
+    """Adapters checked and opened over their base, ready to merge (:func:`open_adapters`)."""
+
+    method: str
+    base: Any
+    srcs: list[AdapterSource]
+    hp: dict
+    form: str
+    rank: int | None
+    svd: str
+
+
+def open_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperparameters: dict | None = None,
+                  form: str = "peft", rank: int | None = None, svd: str = "auto") -> OpenedAdapters:
+    """Check the form, rank, SVD and the method's hyperparameter names, and open ``base`` and the adapters over
+    it; nothing is written (the arguments as in :func:`merge_adapters`)."""
     if form not in ("peft", "factored"):
         raise MergeInputError(f"form {form!r}: merge_adapters writes 'peft' or 'factored' ('full' is the "
                               "ordinary merge with AdapterSource experts)")
@@ -167,8 +191,16 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
     # unknown names fail before any work, in either form
     check_hyperparameters(get_method(method), hp, types=False, data_ok=True, error=TypeError)
     base, srcs = _open(base, adapters)
-    check_out_dir(Path(out), [Path(s.name) for s in srcs] + [p for p in [Path(str(base.name))] if p.exists()],
-                  overwrite)
+    return OpenedAdapters(method, base, srcs, hp, form, rank, svd)
+
+
+def write_merged_adapter(opened: OpenedAdapters, out: Path, *, overwrite: bool = False,
+                         device: str | Device | None = None) -> dict:
+    """Merge the opened adapters and write them as one PEFT adapter folder ``out`` (checked first: never an
+    input, nor a non-empty folder unless ``overwrite``); returns the report (:func:`merge_adapters`)."""
+    method, base, srcs, hp, form, rank, svd = (opened.method, opened.base, opened.srcs, opened.hp, opened.form,
+                                               opened.rank, opened.svd)
+    check_out_dir(out, [Path(s.name) for s in srcs] + [p for p in [Path(str(base.name))] if p.exists()], overwrite)
     modules = _modules(srcs)
     dev = parse_device(device)
     dev.start()

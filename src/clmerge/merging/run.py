@@ -35,7 +35,7 @@ from .io.base import MergeInputError
 from .io.output import OutputFolder, OutputTarget, check_out
 from .io.peft import is_peft_adapter
 from .io.readers import HUB_ID, open_checkpoint
-from .lora_merge import merge_adapters
+from .lora_merge import open_adapters, write_merged_adapter
 from .recipes import PASSTHROUGH, Recipe, load_recipe
 from .methods.registry import get_method
 
@@ -122,7 +122,7 @@ class Plan:
 
     recipe: Recipe
     kind: Literal["models", "slices", "stages", "adapters"]
-    prepared: Any = None  # pipeline.Prepared | slices.SlicePlan
+    prepared: Any = None  # pipeline.Prepared | slices.SlicePlan | lora_merge.OpenedAdapters
     adapter_out: str = "full"
     adapter_rank: int | None = None
 
@@ -172,7 +172,9 @@ def plan(recipe: Recipe, *, task: str | None = None, adapter_out: str = "full", 
             raise ValueError(f"--adapter-out {adapter_out}: every expert must be a PEFT adapter folder; {bad} is not")
         if recipe.base is None:
             raise ValueError(f"--adapter-out {adapter_out} needs --base (the adapters' base model) and --out")
-        return Plan(recipe, "adapters", adapter_out=adapter_out, adapter_rank=adapter_rank)
+        opened = open_adapters(method=recipe.method, base=open_checkpoint(recipe.base, name=recipe.base),
+                               adapters=paths, hyperparameters=recipe.parameters, form=adapter_out, rank=adapter_rank)
+        return Plan(recipe, "adapters", opened, adapter_out=adapter_out, adapter_rank=adapter_rank)
     return Plan(recipe, "models", pipeline.prepare(recipe, task=task, where=where))
 
 
@@ -255,15 +257,13 @@ def _run_stages(p: Plan, out: Path, *, overwrite: bool, hash_inputs: bool, log: 
 
 
 def _adapter_merge(p: Plan, out: Path, overwrite: bool, device: Device) -> MergeResult:
-    """LoRA adapters merged into one adapter (``form`` peft or factored, :mod:`.lora_merge`)."""
-    recipe = p.recipe
-    base = open_checkpoint(recipe.base, name=recipe.base)
-    check_out(out, [base], overwrite=overwrite)
-    info = merge_adapters(method=recipe.method, base=base, adapters=[Path(m.model) for m in recipe.models],
-                          hyperparameters=recipe.parameters, out=out, form=p.adapter_out, rank=p.adapter_rank,
-                          overwrite=overwrite, device=device)
+    """LoRA adapters merged into one adapter (``form`` peft or factored, :mod:`.lora_merge`), opened by
+    :func:`plan`."""
+    opened = p.prepared
+    check_out(out, [opened.base], overwrite=overwrite)
+    info = write_merged_adapter(opened, out, overwrite=overwrite, device=device)
     keys = info.get("keys", "?")
-    return MergeResult(recipe.method, out=str(out), keys=len(keys) if isinstance(keys, list) else keys,
+    return MergeResult(p.recipe.method, out=str(out), keys=len(keys) if isinstance(keys, list) else keys,
                        device=info.get("device"), warnings=list(info.get("warnings", [])), report=info)
 
 

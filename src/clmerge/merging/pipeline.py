@@ -22,12 +22,11 @@ from ..utils.dtypes import DTYPES, config_dtype, dtype_name, to_dtype
 from .methods.hparams import DATA_HPARAMS, HParam, check_hyperparameters, method_hparams, per_model_params
 from .io.output import OutputFolder
 from .io.readers import open_checkpoint, resolve_hub_id
-from .io.tokenizers import write_tokenizer
 from .io.writer import parse_size
 from .recipes import Recipe, key_groups
 from .methods.registry import MergeMethod, get_method
 from .methods.sources import ModelSet
-from .vocab import VocabPlan, prepare_vocab, write_vocab_files
+from .vocab import VocabPlan, prepare_vocab
 
 __all__ = ["Prepared", "dry_run_text", "execute", "prepare"]
 
@@ -88,7 +87,13 @@ def prepare(recipe: Recipe, *, task: str | int | None = None, where: str = "para
     per_model = per_model_params(method, hps, recipe.models)
     base = None if recipe.base is None else open_checkpoint(recipe.base, name=recipe.base)
     experts = [open_checkpoint(m.model, base=base, name=m.model) for m in recipe.models]
-    vocab, tokenizer, base, experts = prepare_vocab(recipe, base, experts)
+    if recipe.embeddings is None and "fill" in recipe.model_fields_set:
+        raise ValueError(f"fill: {recipe.fill!r} applies only with embeddings: base, union or intersection "
+                         "(rows are merged by index without it)")
+    names = ([recipe.base] if base is not None else []) + [m.model for m in recipe.models]
+    vocab, tokenizer, base, experts = prepare_vocab(base, experts, names, embeddings=recipe.embeddings,
+                                                    fill=recipe.fill, tokenizer_from=recipe.tokenizer_from,
+                                                    chat_template_from=recipe.chat_template_from)
     compute = DTYPES[recipe.compute_dtype]
     models = ModelSet(base, experts, compute_dtype=compute)
     tasks = _tasks(method, hps, task, models.num_experts)
@@ -167,8 +172,6 @@ def execute(prep: Prepared, output: OutputFolder, *, io_threads: bool = False,
 
             output.write_shards(folder, prep.plan, fill, shard_size=prep.shard_size, metadata=meta,
                                 background=io_threads)
-            if output.kind == "folder" and prep.tokenizer is not None:
-                write_tokenizer(folder, prep.tokenizer)
             text = recipe.to_yaml() + (f"# this folder: task {task}\n" if task is not None else "")
             inputs = ([("base", prep.models.base.name, prep.models.base.files)] if prep.models.base is not None
                       else [])
@@ -176,7 +179,9 @@ def execute(prep: Prepared, output: OutputFolder, *, io_threads: bool = False,
             output.write_files(folder, model_folder=model_folder, tokenizer_folder=tokenizer_folder,
                                dtype=prep.out_dtype or config_dtype(prep.plan), recipe_file="clmerge_recipe.yaml",
                                recipe_yaml=text, inputs=inputs, base_model=recipe.base,
-                               after_copy=(lambda f: write_vocab_files(f, prep.vocab)) if prep.vocab else None)
+                               tokenizer_files=prep.tokenizer.files if prep.tokenizer is not None else None,
+                               edit_config=prep.vocab.renumbered if prep.vocab is not None else None,
+                               report={"vocabulary": prep.vocab.report} if prep.vocab is not None else None)
             log(f"merged {'task ' + str(task) + ' ' if task is not None else ''}({len(prep.plan)} tensors)")
         output.commit()
     info = {"method": prep.method.name, "keys": len(prep.plan), "out": str(output.out), "tasks": prep.tasks}

@@ -33,8 +33,7 @@ from torch import Tensor
 
 from .io.checks import source_get
 
-__all__ = ["EMBEDDING_NAMES", "ReindexedSource", "VocabPlan", "embedding_keys", "plan_vocab", "prepare_vocab",
-           "write_vocab_files"]
+__all__ = ["EMBEDDING_NAMES", "ReindexedSource", "VocabPlan", "embedding_keys", "plan_vocab", "prepare_vocab"]
 
 # module names of embedding matrices whose rows are tokens: (input embeddings, output projections)
 EMBEDDING_NAMES = (("embed_tokens", "wte", "word_embeddings", "embed_in", "shared"),
@@ -99,6 +98,11 @@ class VocabPlan:
         rep = self.report
         return (f"vocabulary ({rep['embeddings']}, fill {rep['fill']}): {rep['rows']} rows; {rep['added']['count']} "
                 f"added, {rep['dropped']['count']} dropped, {rep['filled_rows']} filled")
+
+    def renumbered(self, config: dict) -> dict:
+        """A model config (``config.json``, ``generation_config.json``) for the output vocabulary:
+        ``vocab_size`` its rows, the token ids moved with their tokens."""
+        return _renumber(config, self)
 
     def tied_pair(self) -> tuple[str, str] | None:
         """``(input key, output key)`` when tied and both are in the checkpoint."""
@@ -272,16 +276,6 @@ def _tied(ref: Any, sources: Sequence[Any], keys: dict[str, str]) -> bool:
     return all(torch.equal(source_get(s, ins[0]), source_get(s, outs[0])) for s in sources)
 
 
-def _reference(recipe: Any, names: list[str]) -> int:
-    """Which input's tokenizer is the reference: ``tokenizer_from`` (it must be an input), else input 0."""
-    if recipe.tokenizer_from is None:
-        return 0
-    if recipe.tokenizer_from not in names:
-        raise ValueError(f"tokenizer_from: {recipe.tokenizer_from!r} is not one of the inputs; with embeddings "
-                         f"set it must name the base or a model ({', '.join(map(repr, names))})")
-    return names.index(recipe.tokenizer_from)
-
-
 def _rows(src: Any, keys: dict[str, str]) -> int:
     counts = {src.meta(k)[0][0] for k in keys}
     if len(counts) > 1:
@@ -292,60 +286,62 @@ def _rows(src: Any, keys: dict[str, str]) -> int:
     return counts.pop()
 
 
-def prepare_vocab(recipe: Any, base: Any, experts: list[Any]) -> tuple[VocabPlan | None, Any, Any, list[Any]]:
-    """The recipe's vocabulary plan, the output tokenizer, and the inputs wrapped to match (``base`` may be
-    ``None``); ``(None, None, base, experts)`` when the recipe sets neither ``embeddings`` nor
-    ``chat_template_from``."""
+def prepare_vocab(base: Any, experts: list[Any], names: list[str], *, embeddings: str | None, fill: str,
+                  tokenizer_from: str | None, chat_template_from: str | None
+                  ) -> tuple[VocabPlan | None, Any, Any, list[Any]]:
+    """The vocabulary plan, the output tokenizer, and the inputs wrapped to match.
+
+    Args:
+        base, experts: the opened inputs (``base`` may be ``None``).
+        names: the inputs' names in the recipe, the base's first when there is one.
+        embeddings, fill, tokenizer_from, chat_template_from: the recipe's values.
+
+    Returns:
+        ``(None, None, base, experts)`` when neither ``embeddings`` nor ``chat_template_from`` is set.
+    """
     from .io.tokenizers import check_union, load_tokenizer, output_tokenizer
 
-    if recipe.embeddings is None and "fill" in recipe.model_fields_set:
-        raise ValueError(f"fill: {recipe.fill!r} applies only with embeddings: base, union or intersection "
-                         "(rows are merged by index without it)")
-    if recipe.embeddings is None and recipe.chat_template_from is None:
+    if embeddings is None and chat_template_from is None:
         return None, None, base, experts
     sources = ([base] if base is not None else []) + list(experts)
-    names = ([recipe.base] if base is not None else []) + [m.model for m in recipe.models]
-    template = _chat_template(recipe, names, sources)
-    if recipe.embeddings is None:  # only the chat template changes: the tokenizer of tokenizer_from or the base
-        own = recipe.tokenizer_from is not None and recipe.tokenizer_from not in names
-        folder = Path(recipe.tokenizer_from) if own else getattr(sources[_reference(recipe, names)], "folder", None)
-        ref = load_tokenizer(folder, recipe.tokenizer_from if own else names[_reference(recipe, names)])
+    listed = ", ".join(map(repr, names))
+    if chat_template_from is not None and chat_template_from not in names:
+        raise ValueError(f"chat_template_from: {chat_template_from!r} is not one of the inputs ({listed})")
+    own = tokenizer_from is not None and tokenizer_from not in names  # a tokenizer of a model not merged
+    if own and embeddings is not None:
+        raise ValueError(f"tokenizer_from: {tokenizer_from!r} is not one of the inputs; with embeddings set it must "
+                         f"name the base or a model ({listed})")
+    r = names.index(tokenizer_from) if tokenizer_from is not None and not own else 0  # the reference tokenizer
+    t = names.index(chat_template_from) if chat_template_from is not None else None
+    # embeddings: every input's tokenizer; only the chat template changes: the reference's and the template's
+    wanted = range(len(sources)) if embeddings is not None else sorted({t} | ({r} if not own else set()))
+    toks = {i: load_tokenizer(getattr(sources[i], "folder", None), names[i]) for i in wanted}
+    template = None
+    if t is not None:
+        template = getattr(toks[t].tokenizer, "chat_template", None)
+        if not template:
+            from .io.base import MergeInputError
+
+            raise MergeInputError(f"{chat_template_from}: chat_template_from: its tokenizer has no chat template")
+    if embeddings is None:
+        ref = load_tokenizer(Path(tokenizer_from), tokenizer_from) if own else toks[r]
         return None, output_tokenizer("base", ref, [], template), base, experts
-    r = _reference(recipe, names)
-    toks = [load_tokenizer(getattr(s, "folder", None), n) for s, n in zip(sources, names)]
-    warnings = check_union(recipe.embeddings, toks)  # an empty vocabulary is refused here
-    out = output_tokenizer(recipe.embeddings, toks[r], toks[:r] + toks[r + 1:], template)
+    ordered = [toks[i] for i in range(len(sources))]
+    warnings = check_union(embeddings, ordered)  # an empty vocabulary is refused here
+    out = output_tokenizer(embeddings, ordered[r], ordered[:r] + ordered[r + 1:], template)
     keys = embedding_keys(sources[0].keys(), lambda k: sources[0].meta(k)[0])
     if not keys:
         from .io.base import MergeInputError
 
-        raise MergeInputError(f"{names[0]}: embeddings: {recipe.embeddings}: no embedding matrix found (looked for "
+        raise MergeInputError(f"{names[0]}: embeddings: {embeddings}: no embedding matrix found (looked for "
                               f"2-D '*.<name>.weight' with <name> one of {', '.join(sum(EMBEDDING_NAMES, ()))})")
-    inputs = [(n, t.vocab, _rows(s, keys)) for n, t, s in zip(names, toks, sources)]
-    plan = plan_vocab(mode=recipe.embeddings, fill=recipe.fill, out_vocab=out.vocab, added=out.added,
+    inputs = [(n, tok.vocab, _rows(s, keys)) for n, tok, s in zip(names, ordered, sources)]
+    plan = plan_vocab(mode=embeddings, fill=fill, out_vocab=out.vocab, added=out.added,
                       inputs=inputs, keys=keys, has_base=base is not None, tied=_tied(sources[r], sources, keys))
-    plan.ref_vocab = toks[r].vocab
+    plan.ref_vocab = ordered[r].vocab
     plan.warnings = warnings
     wrapped = [ReindexedSource(s, plan, i, sources) for i, s in enumerate(sources)]
     return plan, out, (wrapped[0] if base is not None else None), wrapped[1 if base is not None else 0:]
-
-
-def _chat_template(recipe: Any, names: list[str], sources: list[Any]) -> str | None:
-    """The chat template of the input ``chat_template_from`` names (``None``: the reference's own)."""
-    from .io.tokenizers import load_tokenizer
-
-    name = recipe.chat_template_from
-    if name is None:
-        return None
-    if name not in names:
-        raise ValueError(f"chat_template_from: {name!r} is not one of the inputs ({', '.join(map(repr, names))})")
-    tok = load_tokenizer(getattr(sources[names.index(name)], "folder", None), name)
-    template = getattr(tok.tokenizer, "chat_template", None)
-    if not template:
-        from .io.base import MergeInputError
-
-        raise MergeInputError(f"{name}: chat_template_from: its tokenizer has no chat template")
-    return template
 
 
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "decoder_start_token_id")
@@ -366,19 +362,3 @@ def _renumber(config: dict, plan: VocabPlan) -> dict:
     if isinstance(out.get("text_config"), dict):
         out["text_config"] = _renumber(out["text_config"], plan)
     return out
-
-
-def write_vocab_files(folder: Any, plan: VocabPlan) -> None:
-    """In the merge's (temporary) output folder: ``config.json`` and ``generation_config.json`` with the new
-    ``vocab_size`` and token ids, and ``merge_report.json`` with the rows added, dropped and filled."""
-    import json
-
-    from ..utils.inpaths import read_json
-    from ..utils.io import write_json
-
-    for name in ("config.json", "generation_config.json"):
-        path = Path(folder) / name
-        if path.is_file():  # written a moment ago by copy_model_files, in the merge's own temporary folder
-            config = read_json(path, within=folder)
-            path.write_text(json.dumps(_renumber(config, plan), indent=2, sort_keys=True) + "\n")
-    write_json(Path(folder) / "merge_report.json", {"vocabulary": plan.report})

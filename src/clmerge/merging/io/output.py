@@ -227,19 +227,21 @@ def model_files(model_folder: Path | None, tokenizer_folder: Path | None) -> dic
 
 
 def copy_model_files(dst: Path, model_folder: Path | None, tokenizer_folder: Path | None,
-                     out_dtype: torch.dtype | None) -> list[str]:
-    """Copy config / generation config from ``model_folder`` (recording ``out_dtype``) and the tokenizer files
-    from ``tokenizer_folder`` (:func:`model_files`), each read through the input boundary; returns the names
-    copied."""
+                     out_dtype: torch.dtype | None, edit_config: Callable[[dict], dict] | None = None) -> list[str]:
+    """Copy config / generation config from ``model_folder`` (recording ``out_dtype``; ``edit_config`` rewrites
+    both) and the tokenizer files from ``tokenizer_folder`` (:func:`model_files`), each read through the input
+    boundary; a file already in ``dst`` is kept. Returns the names copied."""
     copied = []
     for name, src in model_files(model_folder, tokenizer_folder).items():
         within = model_folder if name in _CONFIG_FILES else tokenizer_folder
         what = f"{within}: model file"
-        if name == "config.json":
+        if name == "config.json" or (name in _CONFIG_FILES and edit_config is not None):
             config = inpaths.read_json(src, within=within, what=what)
-            if out_dtype is not None and isinstance(config, dict):
+            if name == "config.json" and out_dtype is not None and isinstance(config, dict):
                 config.pop("torch_dtype", None)  # transformers >= 4.56 reads "dtype" (older: torch_dtype)
                 config["dtype"] = str(out_dtype).removeprefix("torch.")
+            if edit_config is not None and isinstance(config, dict):
+                config = edit_config(config)
             (dst / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         elif not (dst / name).exists():
             (dst / name).write_bytes(read_bytes(src, within=within, what=what, kind=file_kind(name)))
@@ -380,14 +382,23 @@ class OutputFolder:
 
     def write_files(self, folder: Path, *, model_folder: Path | None, tokenizer_folder: Path | None,
                     dtype: torch.dtype | None, recipe_file: str, recipe_yaml: str, base_model: str | None,
-                    inputs: list[tuple[str, str, list[str]]], after_copy: Callable[[Path], None] | None = None) -> None:
-        """The files beside the shards (folders only): config and tokenizer files (the config recording
-        ``dtype``; ``after_copy(folder)`` may rewrite them), the recipe as ``recipe_file`` and ``README.md``."""
+                    inputs: list[tuple[str, str, list[str]]], after_copy: Callable[[Path], None] | None = None,
+                    tokenizer_files: dict[str, bytes] | None = None, edit_config: Callable[[dict], dict] | None = None,
+                    report: dict | None = None) -> None:
+        """The files beside the shards (folders only): ``tokenizer_files`` (a tokenizer built for the merge:
+        name -> bytes) or the tokenizer files copied from ``tokenizer_folder``, the config files of
+        ``model_folder`` (the config recording ``dtype``; ``edit_config`` rewrites both config files;
+        ``after_copy(folder)`` may rewrite them), ``merge_report.json`` (``report``), the recipe as
+        ``recipe_file`` and ``README.md``."""
         if self.kind != "folder":
             return
-        copy_model_files(folder, model_folder, tokenizer_folder, dtype)
+        for name, data in (tokenizer_files or {}).items():
+            (folder / name).write_bytes(data)
+        copy_model_files(folder, model_folder, tokenizer_folder, dtype, edit_config)
         if after_copy is not None:
             after_copy(folder)
+        if report is not None:
+            write_json(folder / "merge_report.json", report)
         (folder / recipe_file).write_text(recipe_yaml)
         write_model_card(folder, recipe_yaml=recipe_yaml, inputs=inputs, hashes=self.hashes.get(),
                          base_model=base_model)

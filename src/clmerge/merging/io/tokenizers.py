@@ -22,8 +22,7 @@ from ...utils.inpaths import read_bytes
 from .base import MergeInputError
 from .output import model_files
 
-__all__ = ["InputTokenizer", "OutputTokenizer", "check_union", "load_tokenizer", "output_tokenizer",
-           "write_tokenizer"]
+__all__ = ["InputTokenizer", "OutputTokenizer", "check_union", "load_tokenizer", "output_tokenizer"]
 
 # the files that hold a vocabulary (a tokenizer_config.json alone does not), the first found named in errors
 _VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -194,10 +193,3 @@ def check_union(mode: str, toks: Sequence[InputTokenizer]) -> list[str]:
     return [f"warning: embeddings: union merges tokenizers of different models: {typed[0].name!r} is "
             f"{typed[0].model_type} ({typed[0].file}), {t.name!r} is {t.model_type} ({t.file}); the same token "
             "string may stand for different text in each" for t in typed[1:] if t.model_type != typed[0].model_type]
-
-
-def write_tokenizer(folder: Path, tok: OutputTokenizer) -> list[str]:
-    """Write the output tokenizer's files into ``folder`` (the merge's temporary output folder)."""
-    for name, data in tok.files.items():
-        (Path(folder) / name).write_bytes(data)
-    return list(tok.files)

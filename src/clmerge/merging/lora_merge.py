@@ -33,7 +33,7 @@ from .io.lora_svd import check_out_dir, check_svd, clamped_note, device_low_rank
 from .io.output import build_folder
 from .io.peft import AdapterSource, LoraModule, adapter_config, write_adapter
 from .methods.hparams import check_hyperparameters
-from .methods.registry import get_method, merge
+from .methods.registry import MergeMethod, get_method, merge
 
 __all__ = ["LINEAR_METHODS", "OpenedAdapters", "REPORT_FILE", "merge_adapters", "open_adapters",
            "write_merged_adapter"]
@@ -177,10 +177,11 @@ class OpenedAdapters:
     svd: str
 
 
-def open_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperparameters: dict | None = None,
+def open_adapters(*, method: str | MergeMethod, base: Any, adapters: Sequence[Any], hyperparameters: dict | None = None,
                   form: str = "peft", rank: int | None = None, svd: str = "auto") -> OpenedAdapters:
     """Check the form, rank, SVD and the method's hyperparameter names, and open ``base`` and the adapters over
-    it; nothing is written (the arguments as in :func:`merge_adapters`)."""
+    it; nothing is written (the arguments as in :func:`merge_adapters`; ``method`` a name or the resolved
+    method)."""
     if form not in ("peft", "factored"):
         raise MergeInputError(f"form {form!r}: merge_adapters writes 'peft' or 'factored' ('full' is the "
                               "ordinary merge with AdapterSource experts)")
@@ -189,9 +190,10 @@ def open_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperparam
     check_svd(svd)
     hp = dict(hyperparameters or {})
     # unknown names fail before any work, in either form
-    check_hyperparameters(get_method(method), hp, types=False, data_ok=True, error=TypeError)
+    resolved = method if isinstance(method, MergeMethod) else get_method(method)
+    check_hyperparameters(resolved, hp, types=False, data_ok=True, error=TypeError)
     base, srcs = _open(base, adapters)
-    return OpenedAdapters(method, base, srcs, hp, form, rank, svd)
+    return OpenedAdapters(resolved.name, base, srcs, hp, form, rank, svd)
 
 
 def write_merged_adapter(opened: OpenedAdapters, out: Path, *, overwrite: bool = False,

@@ -24,7 +24,7 @@ from .io.output import OutputFolder
 from .io.readers import open_checkpoint, resolve_hub_id
 from .io.writer import parse_size
 from .recipes import Recipe, key_groups
-from .methods.registry import MergeMethod, get_method
+from .methods.registry import MergeMethod
 from .methods.sources import ModelSet
 from .vocab import VocabPlan, prepare_vocab
 
@@ -65,13 +65,14 @@ def _tasks(method: MergeMethod, hps: dict[str, HParam], task: str | int | None, 
     return [t]
 
 
-def prepare(recipe: Recipe, *, task: str | int | None = None, where: str = "parameters.") -> Prepared:
-    """Check ``recipe`` against its method and open its inputs (headers only); raises one-line errors.
+def prepare(recipe: Recipe, method: MergeMethod, *, task: str | int | None = None,
+            where: str = "parameters.") -> Prepared:
+    """Check ``recipe`` against its ``method`` (resolved by :func:`clmerge.merging.run.plan`) and open its inputs
+    (headers only); raises one-line errors.
 
     Args:
         where: how errors name the global parameters (``"--set "`` for the flag form).
     """
-    method = get_method(recipe.method)
     hps = method_hparams(method)
     if any(n in DATA_HPARAMS for n in hps):
         stats = ", ".join(n for n in hps if n in DATA_HPARAMS)

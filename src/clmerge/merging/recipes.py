@@ -44,7 +44,7 @@ from ..utils.dtypes import DtypeName
 from ..config import ConfigError, StrictModel, check_keys, read_yaml_mapping, validate_strict
 
 __all__ = ["PASSTHROUGH", "ModelEntry", "Override", "Recipe", "Slice", "SliceSource", "key_groups",
-           "layer_index", "load_recipe"]
+           "layer_index", "load_recipe", "recipe_of"]
 
 
 
@@ -145,8 +145,13 @@ class Recipe(StrictModel):
 
 
 def load_recipe(path: str, data: dict | None = None) -> Recipe:
-    """Read and validate a recipe file: unknown keys name the nearest valid key, bad values name their key."""
-    data = read_yaml_mapping(path, "merge recipe") if data is None else data
+    """Read and validate a recipe file (or validate ``data`` read from ``path``): :func:`recipe_of`."""
+    return recipe_of(read_yaml_mapping(path, "merge recipe") if data is None else data, path)
+
+
+def recipe_of(data: dict, path: str = "") -> Recipe:
+    """Validate a recipe mapping (read from ``path``, named in errors): unknown keys name the nearest valid key,
+    bad values name their key."""
     data = _normalize(data, "")
     try:
         return validate_strict(Recipe, data)

@@ -36,7 +36,7 @@ from .io.output import OutputFolder, OutputTarget, check_out
 from .io.peft import is_peft_adapter
 from .io.readers import HUB_ID, open_checkpoint
 from .lora_merge import open_adapters, write_merged_adapter
-from .recipes import PASSTHROUGH, Recipe, load_recipe
+from .recipes import PASSTHROUGH, Recipe, recipe_of
 from .methods.registry import get_method
 
 __all__ = ["MergeResult", "Plan", "build_recipe", "check_stage_refs", "model_refs", "parse_set", "plan", "run_merge",
@@ -86,7 +86,7 @@ def build_recipe(recipe_path: Path | None, method: str | None, base: str | None,
     data["parameters"] = {**(data.get("parameters") or {}), **parse_set(sets)}
     data.update({k: v for k, v in options.items() if v is not None})
     try:
-        return load_recipe(str(recipe_path) if recipe_path else "", data)
+        return recipe_of(data, str(recipe_path) if recipe_path else "")
     except ValueError as exc:  # name the flag, not the recipe key, when it came from a flag
         msg = str(exc)
         for key, value in options.items():
@@ -160,22 +160,22 @@ def plan(recipe: Recipe, *, task: str | None = None, adapter_out: str = "full", 
             if stage.method != PASSTHROUGH:
                 get_method(stage.method)
         return Plan(recipe, "stages", adapter_out=adapter_out, adapter_rank=adapter_rank)
+    method = None if recipe.method == PASSTHROUGH else get_method(recipe.method)  # resolved once, passed down
     if recipe.slices:
         if adapter_out != "full" or task is not None:
             raise ValueError("a slice recipe writes a full model folder: drop --adapter-out / --task")
-        return Plan(recipe, "slices", slices.plan_slices(recipe))
+        return Plan(recipe, "slices", slices.plan_slices(recipe, method))
     if adapter_out != "full":
-        get_method(recipe.method)
         paths = [Path(m.model) for m in recipe.models]
         bad = next((p for p in paths if not is_peft_adapter(p)), None)
         if bad is not None:
             raise ValueError(f"--adapter-out {adapter_out}: every expert must be a PEFT adapter folder; {bad} is not")
         if recipe.base is None:
             raise ValueError(f"--adapter-out {adapter_out} needs --base (the adapters' base model) and --out")
-        opened = open_adapters(method=recipe.method, base=open_checkpoint(recipe.base, name=recipe.base),
+        opened = open_adapters(method=method, base=open_checkpoint(recipe.base, name=recipe.base),
                                adapters=paths, hyperparameters=recipe.parameters, form=adapter_out, rank=adapter_rank)
         return Plan(recipe, "adapters", opened, adapter_out=adapter_out, adapter_rank=adapter_rank)
-    return Plan(recipe, "models", pipeline.prepare(recipe, task=task, where=where))
+    return Plan(recipe, "models", pipeline.prepare(recipe, method, task=task, where=where))
 
 
 def run_merge(recipe: Recipe, out: Path | None, *, task: str | None = None, dry_run: bool = False,

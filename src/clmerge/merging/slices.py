@@ -37,7 +37,7 @@ from .io.output import OutputFolder, model_files
 from .io.readers import open_checkpoint, resolve_hub_id
 from .io.writer import parse_size
 from .recipes import PASSTHROUGH, Recipe, key_groups
-from .methods.registry import get_method
+from .methods.registry import MergeMethod
 from .methods.sources import ModelSet
 
 __all__ = ["LAYER_KEY", "SlicePlan", "plan_slices", "execute_slices", "split_layer_key"]
@@ -190,9 +190,9 @@ def _outer_segments(recipe: Any, sources: dict[str, Any]) -> tuple[Segment, Segm
     return segs[0], segs[1]
 
 
-def plan_slices(recipe: Recipe) -> SlicePlan:
-    """Open the slice recipe's models (headers only) and check every slice; raises one-line errors naming it."""
-    method = None if recipe.method == PASSTHROUGH else get_method(recipe.method)
+def plan_slices(recipe: Recipe, method: MergeMethod | None) -> SlicePlan:
+    """Open the slice recipe's models (headers only) and check every slice; raises one-line errors naming it.
+    ``method``: the recipe's, resolved by :func:`clmerge.merging.run.plan` (``None`` for passthrough)."""
     if method is not None:  # checked once, before anything is opened
         check_hyperparameters(method, {k: v for k, v in recipe.parameters.items() if k != "task"}, "parameters.")
     sources = _open_all(recipe)

@@ -40,7 +40,7 @@ from ..utils.io import atomic_write_text
 from ..utils.outpaths import check_output_dir
 from ..utils.yaml_io import load_yaml, read_yaml
 from .lm_eval import EvalOptions, load_causal_lm, perplexity, read_texts
-from .recipes import Recipe, load_recipe
+from .recipes import Recipe, recipe_of
 
 __all__ = ["Dimension", "TuneSpec", "load_tune_spec", "run_trial", "set_path", "tune"]
 
@@ -171,7 +171,7 @@ def recipe_with(recipe: Recipe, values: dict[str, Any], source: str = "space") -
     data = recipe.model_dump(exclude_unset=True)
     for path, value in values.items():
         set_path(data, path, value, source)
-    return load_recipe("", data)
+    return recipe_of(data)
 
 
 def run_trial(recipe: Recipe, values: dict, opts: EvalOptions, workdir: str) -> dict:

@@ -33,7 +33,7 @@ from .base import MergeInputError
 from .output import file_kind, model_files
 from .readers import shard_map
 
-__all__ = ["WEIGHT_FILES", "staged_model"]
+__all__ = ["WEIGHT_FILES", "staged_files", "staged_model"]
 
 #: The weights files transformers looks for in a causal-LM folder (safetensors first), indexes included.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -61,8 +61,7 @@ def _weight_files(folder: Path) -> dict[str, tuple[Path, int | None]]:
     return found
 
 
-@contextlib.contextmanager
-def staged_model(folder: str | Path, *, weights: bool = True) -> Iterator[Path]:
+def staged_model(folder: str | Path, *, weights: bool = True) -> contextlib.AbstractContextManager[Path]:
     """A private folder of links to the checked files of the model folder ``folder`` (the module docstring),
     valid inside the ``with`` block; ``weights=False``: only the config and tokenizer files.
 
@@ -71,12 +70,19 @@ def staged_model(folder: str | Path, *, weights: bool = True) -> Iterator[Path]:
             its size cap, or a shard index is malformed or lists a missing shard.
     """
     folder = Path(folder)
-    files = {name: (path, inpaths.LIMITS[file_kind(name)]) for name, path in model_files(folder, folder).items()}
-    if weights:
-        files.update(_weight_files(folder))
+    return staged_files(folder, model_files(folder, folder), _weight_files(folder) if weights else None)
+
+
+@contextlib.contextmanager
+def staged_files(folder: Path, files: dict[str, Path],
+                 weights: dict[str, tuple[Path, int | None]] | None = None) -> Iterator[Path]:
+    """:func:`staged_model` of the config and tokenizer ``files`` found in ``folder`` (``{name: path}``, as
+    :func:`~.output.model_files` gives them) and ``weights`` (``{name: (path, size cap)}``)."""
+    entries = {name: (path, inpaths.LIMITS[file_kind(name)]) for name, path in files.items()}
+    entries.update(weights or {})
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="clmerge-staged-")))
-        for name, (path, cap) in files.items():
+        for name, (path, cap) in entries.items():
             checked = stack.enter_context(inpaths.checked_path(path, within=folder, what=f"{folder}: model file",
                                                                max_bytes=cap))
             link = tmp / name

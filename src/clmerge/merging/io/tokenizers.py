@@ -56,7 +56,7 @@ def load_tokenizer(folder: Path | None, name: str) -> InputTokenizer:
     Raises:
         MergeInputError: no folder or no tokenizer files there, or ``transformers`` cannot read them.
     """
-    files = model_files(None, Path(folder)) if folder is not None else {}
+    files = model_files(Path(folder), Path(folder)) if folder is not None else {}  # checked once, staged below
     vocab_files = [files[n] for n in _VOCAB_FILES if n in files]
     if not vocab_files:
         where = (f"no tokenizer in {folder} (looked for tokenizer.json, tokenizer.model, vocab.json)"
@@ -64,9 +64,9 @@ def load_tokenizer(folder: Path | None, name: str) -> InputTokenizer:
         raise MergeInputError(f"{name}: {where}; matching rows by token needs every input's tokenizer")
     from transformers import AutoTokenizer
 
-    from .staging import staged_model
+    from .staging import staged_files
 
-    with staged_model(folder, weights=False) as staged:
+    with staged_files(Path(folder), files) as staged:
         try:
             tok = AutoTokenizer.from_pretrained(str(staged), local_files_only=True, trust_remote_code=False)
         except Exception as exc:  # transformers raises many types for a broken or unknown tokenizer

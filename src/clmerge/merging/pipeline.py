@@ -45,6 +45,8 @@ class Prepared:
     plan: list[tuple[str, tuple[int, ...], torch.dtype]] = field(default_factory=list)
     vocab: VocabPlan | None = None
     tokenizer: Any = None  # an OutputTokenizer to write instead of copying the tokenizer files
+    model_folder: Path | None = None  # whose config is copied (the base's, else the first expert's)
+    tokenizer_folder: Path | None = None  # whose tokenizer files are copied (None: ``tokenizer`` is written)
 
 
 def _tasks(method: MergeMethod, hps: dict[str, HParam], task: str | int | None, n: int) -> list[int | None]:
@@ -105,22 +107,21 @@ def prepare(recipe: Recipe, method: MergeMethod, *, task: str | int | None = Non
         raise ValueError(f"{method.name}: missing required hyperparameter {', '.join(missing)} "
                          f"(--set {missing[0]}=...)")
     out_dtype = to_dtype(recipe.out_dtype)
-    prep = Prepared(recipe, method, models, groups, tasks, out_dtype, parse_size(recipe.out_shard_size),
-                    vocab=vocab, tokenizer=tokenizer)
     ref = models.base if models.base is not None else models.experts[0]
+    model_folder = getattr(ref, "folder", None)
+    if tokenizer is not None:  # built for the merged vocabulary, written by execute
+        tokenizer_folder = None
+    elif recipe.tokenizer_from is None:
+        tokenizer_folder = model_folder
+    else:
+        p = Path(recipe.tokenizer_from)
+        tokenizer_folder = p if p.is_dir() else None if p.exists() else resolve_hub_id(recipe.tokenizer_from)
+    prep = Prepared(recipe, method, models, groups, tasks, out_dtype, parse_size(recipe.out_shard_size),
+                    vocab=vocab, tokenizer=tokenizer, model_folder=model_folder, tokenizer_folder=tokenizer_folder)
     for key in models.keys():
         shape, dtype = ref.meta(key)
         prep.plan.append((key, tuple(shape), out_dtype if out_dtype is not None and dtype.is_floating_point else dtype))
     return prep
-
-
-def _folder_of(spec: str | None) -> Path | None:
-    if spec is None:
-        return None
-    p = Path(spec)
-    if p.is_dir():
-        return p
-    return None if p.exists() else resolve_hub_id(spec)
 
 
 def _merge_into(prep: Prepared, writer: ShardedWriter | BackgroundWriter, task: int | None) -> None:
@@ -144,7 +145,8 @@ def _merge_into(prep: Prepared, writer: ShardedWriter | BackgroundWriter, task: 
 
 def execute(prep: Prepared, output: OutputFolder, *, io_threads: bool = False,
             log: Callable[[str], None] = lambda s: None, device: Device | None = None) -> dict:
-    """Run the merge into ``output`` (:class:`~clmerge.merging.io.output.OutputFolder`, checked) and move the
+    """Run the merge into ``output`` (:class:`~clmerge.merging.io.output.OutputFolder`, checked, and the model
+    files it copies too: :meth:`~clmerge.merging.io.output.OutputFolder.check_files`) and move the
     result into place (nothing is left on failure); returns a summary.
 
     Args:
@@ -156,8 +158,6 @@ def execute(prep: Prepared, output: OutputFolder, *, io_threads: bool = False,
     prep.models.prefetch = io_threads
     if prep.vocab is not None:
         log(prep.vocab.summary() + " (merge_report.json)")
-    model_folder, tokenizer_folder = _model_folders(prep)
-    output.check_files(model_folder, tokenizer_folder)  # a config or tokenizer file that leads out: before any work
     recipe = prep.recipe
     meta = {"clmerge_method": prep.method.name}
     if device is not None:
@@ -177,7 +177,7 @@ def execute(prep: Prepared, output: OutputFolder, *, io_threads: bool = False,
             inputs = ([("base", prep.models.base.name, prep.models.base.files)] if prep.models.base is not None
                       else [])
             inputs += [("model", e.name, getattr(e, "files", [])) for e in prep.models.experts]
-            output.write_files(folder, model_folder=model_folder, tokenizer_folder=tokenizer_folder,
+            output.write_files(folder, model_folder=prep.model_folder, tokenizer_folder=prep.tokenizer_folder,
                                dtype=prep.out_dtype or config_dtype(prep.plan), recipe_file="clmerge_recipe.yaml",
                                recipe_yaml=text, inputs=inputs, base_model=recipe.base,
                                tokenizer_files=prep.tokenizer.files if prep.tokenizer is not None else None,
@@ -190,16 +190,6 @@ def execute(prep: Prepared, output: OutputFolder, *, io_threads: bool = False,
         log(device.summary())
         info["device"] = device.stats()
     return info
-
-
-def _model_folders(prep: Prepared) -> tuple[Path | None, Path | None]:
-    """The folder whose config is copied (the base's, else the first expert's) and the tokenizer's folder."""
-    ref = prep.models.base if prep.models.base is not None else prep.models.experts[0]
-    model_folder = getattr(ref, "folder", None)
-    tok = prep.recipe.tokenizer_from
-    if prep.tokenizer is not None:  # built for the merged vocabulary, written by execute
-        return model_folder, None
-    return model_folder, (_folder_of(tok) if tok else model_folder)
 
 
 def _size(n: float) -> str:

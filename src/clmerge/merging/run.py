@@ -211,6 +211,7 @@ def run_merge(recipe: Recipe, out: Path | None, *, task: str | None = None, dry_
                           folder_only=None if p.kind == "models" else
                           "a slice recipe writes a model folder (its config.json names the new layer count), "
                           "not one .safetensors file")
+    output.check_files(p.prepared.model_folder, p.prepared.tokenizer_folder)  # one leading out: before any work
     if p.kind == "slices":
         info = slices.execute_slices(p.prepared, output, log=log)
         return MergeResult(recipe.method, out=info["out"], keys=info["keys"], layers=info["layers"])

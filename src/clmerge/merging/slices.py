@@ -96,6 +96,8 @@ class SlicePlan:
     num_layers: int
     layer_types: list[Any] | None = None
     method: Any = None  # the registered merge method (None: passthrough)
+    model_folder: Path | None = None  # whose config is copied (the base's, else the first source's)
+    tokenizer_folder: Path | None = None  # whose tokenizer files are copied
 
 
 def _open_all(recipe: Any) -> dict[str, Any]:
@@ -211,7 +213,9 @@ def plan_slices(recipe: Recipe, method: MergeMethod | None) -> SlicePlan:
         for key in seg.views[0].keys():
             shape, dtype = seg.views[0].meta(key)
             plan.append((key, tuple(shape), out_dtype if out_dtype is not None and dtype.is_floating_point else dtype))
-    return SlicePlan(recipe, sources, segments, plan, start, _layer_types(recipe, sources), method)
+    ref = getattr(sources[recipe.base or recipe.slices[0].sources[0].model], "folder", None)
+    tok = _tokenizer_folder(recipe.tokenizer_from) if recipe.tokenizer_from else ref
+    return SlicePlan(recipe, sources, segments, plan, start, _layer_types(recipe, sources), method, ref, tok)
 
 
 def _layer_types(recipe: Any, sources: dict[str, Any]) -> list[Any] | None:
@@ -303,11 +307,6 @@ def _tokenizer_folder(spec: str) -> Path:
     return resolve_hub_id(spec)
 
 
-def _ref_folder(sp: SlicePlan) -> Path | None:
-    model = sp.recipe.base or sp.recipe.slices[0].sources[0].model
-    return getattr(sp.sources[model], "folder", None)
-
-
 def dry_run_text(sp: SlicePlan) -> str:
     """The plan: which output layers come from which sources."""
     lines = [f"slices: {len(sp.recipe.slices)}; output layers: {sp.num_layers}; method: {sp.recipe.method}"]
@@ -322,11 +321,9 @@ def dry_run_text(sp: SlicePlan) -> str:
 
 
 def execute_slices(sp: SlicePlan, output: OutputFolder, *, log: Callable[[str], None] = lambda s: None) -> dict:
-    """Stream the checked slice plan's output model into ``output`` (a folder); returns a summary."""
+    """Stream the checked slice plan's output model into ``output`` (a folder, its model files checked);
+    returns a summary."""
     recipe = sp.recipe
-    ref = _ref_folder(sp)
-    tok = _tokenizer_folder(recipe.tokenizer_from) if recipe.tokenizer_from else ref
-    output.check_files(ref, tok)  # a config or tokenizer file that leads out: before any work
 
     def fill(writer: Any) -> None:
         for seg in sp.segments:
@@ -335,7 +332,8 @@ def execute_slices(sp: SlicePlan, output: OutputFolder, *, log: Callable[[str], 
     with output:
         output.write_shards(output.tmp, sp.plan, fill, shard_size=parse_size(recipe.out_shard_size),
                             metadata={"clmerge_method": recipe.method})
-        output.write_files(output.tmp, model_folder=ref, tokenizer_folder=tok, dtype=config_dtype(sp.plan),
+        output.write_files(output.tmp, model_folder=sp.model_folder, tokenizer_folder=sp.tokenizer_folder,
+                           dtype=config_dtype(sp.plan),
                            recipe_file="clmerge_recipe.yaml", recipe_yaml=recipe.to_yaml(), base_model=recipe.base,
                            inputs=[("model", name, getattr(s, "files", [])) for name, s in sp.sources.items()],
                            after_copy=lambda folder: _rewrite_config(folder, sp))

@@ -159,7 +159,7 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
             ``form="factored"`` with a non-linear method.
         OutputError: an unsafe ``out``.
     """
-    opened = open_adapters(method=method, base=base, adapters=adapters, hyperparameters=hyperparameters, form=form,
+    opened = open_adapters(method=get_method(method), base=base, adapters=adapters, hyperparameters=hyperparameters, form=form,
                            rank=rank, svd=svd)
     return write_merged_adapter(opened, Path(out), overwrite=overwrite, device=device)
 
@@ -177,11 +177,10 @@ class OpenedAdapters:
     svd: str
 
 
-def open_adapters(*, method: str | MergeMethod, base: Any, adapters: Sequence[Any], hyperparameters: dict | None = None,
+def open_adapters(*, method: MergeMethod, base: Any, adapters: Sequence[Any], hyperparameters: dict | None = None,
                   form: str = "peft", rank: int | None = None, svd: str = "auto") -> OpenedAdapters:
     """Check the form, rank, SVD and the method's hyperparameter names, and open ``base`` and the adapters over
-    it; nothing is written (the arguments as in :func:`merge_adapters`; ``method`` a name or the resolved
-    method)."""
+    it; nothing is written (the arguments as in :func:`merge_adapters`; ``method`` resolved by the caller)."""
     if form not in ("peft", "factored"):
         raise MergeInputError(f"form {form!r}: merge_adapters writes 'peft' or 'factored' ('full' is the "
                               "ordinary merge with AdapterSource experts)")
@@ -190,10 +189,9 @@ def open_adapters(*, method: str | MergeMethod, base: Any, adapters: Sequence[An
     check_svd(svd)
     hp = dict(hyperparameters or {})
     # unknown names fail before any work, in either form
-    resolved = method if isinstance(method, MergeMethod) else get_method(method)
-    check_hyperparameters(resolved, hp, types=False, data_ok=True, error=TypeError)
+    check_hyperparameters(method, hp, types=False, data_ok=True, error=TypeError)
     base, srcs = _open(base, adapters)
-    return OpenedAdapters(resolved.name, base, srcs, hp, form, rank, svd)
+    return OpenedAdapters(method.name, base, srcs, hp, form, rank, svd)
 
 
 def write_merged_adapter(opened: OpenedAdapters, out: Path, *, overwrite: bool = False,

@@ -47,6 +47,7 @@ class Prepared:
     tokenizer: Any = None  # an OutputTokenizer to write instead of copying the tokenizer files
     model_folder: Path | None = None  # whose config is copied (the base's, else the first expert's)
     tokenizer_folder: Path | None = None  # whose tokenizer files are copied (None: ``tokenizer`` is written)
+    config_dtype: torch.dtype | None = None  # what the output's config.json records
 
 
 def _tasks(method: MergeMethod, hps: dict[str, HParam], task: str | int | None, n: int) -> list[int | None]:
@@ -97,6 +98,15 @@ def prepare(recipe: Recipe, method: MergeMethod, *, task: str | int | None = Non
     vocab, tokenizer, base, experts = prepare_vocab(base, experts, names, embeddings=recipe.embeddings,
                                                     fill=recipe.fill, tokenizer_from=recipe.tokenizer_from,
                                                     chat_template_from=recipe.chat_template_from)
+    # the folders whose config (the base's, else the first expert's) and tokenizer files the output gets
+    model_folder = getattr(base if base is not None else experts[0], "folder", None)
+    if tokenizer is not None:  # built for the merged vocabulary, written by execute
+        tokenizer_folder = None
+    elif recipe.tokenizer_from is None:
+        tokenizer_folder = model_folder
+    else:
+        p = Path(recipe.tokenizer_from)
+        tokenizer_folder = p if p.is_dir() else None if p.exists() else resolve_hub_id(recipe.tokenizer_from)
     compute = DTYPES[recipe.compute_dtype]
     models = ModelSet(base, experts, compute_dtype=compute)
     tasks = _tasks(method, hps, task, models.num_experts)
@@ -107,20 +117,13 @@ def prepare(recipe: Recipe, method: MergeMethod, *, task: str | int | None = Non
         raise ValueError(f"{method.name}: missing required hyperparameter {', '.join(missing)} "
                          f"(--set {missing[0]}=...)")
     out_dtype = to_dtype(recipe.out_dtype)
-    ref = models.base if models.base is not None else models.experts[0]
-    model_folder = getattr(ref, "folder", None)
-    if tokenizer is not None:  # built for the merged vocabulary, written by execute
-        tokenizer_folder = None
-    elif recipe.tokenizer_from is None:
-        tokenizer_folder = model_folder
-    else:
-        p = Path(recipe.tokenizer_from)
-        tokenizer_folder = p if p.is_dir() else None if p.exists() else resolve_hub_id(recipe.tokenizer_from)
     prep = Prepared(recipe, method, models, groups, tasks, out_dtype, parse_size(recipe.out_shard_size),
                     vocab=vocab, tokenizer=tokenizer, model_folder=model_folder, tokenizer_folder=tokenizer_folder)
+    ref = models.base if models.base is not None else models.experts[0]
     for key in models.keys():
         shape, dtype = ref.meta(key)
         prep.plan.append((key, tuple(shape), out_dtype if out_dtype is not None and dtype.is_floating_point else dtype))
+    prep.config_dtype = out_dtype or config_dtype(prep.plan)
     return prep
 
 
@@ -178,7 +181,7 @@ def execute(prep: Prepared, output: OutputFolder, *, io_threads: bool = False,
                       else [])
             inputs += [("model", e.name, getattr(e, "files", [])) for e in prep.models.experts]
             output.write_files(folder, model_folder=prep.model_folder, tokenizer_folder=prep.tokenizer_folder,
-                               dtype=prep.out_dtype or config_dtype(prep.plan), recipe_file="clmerge_recipe.yaml",
+                               dtype=prep.config_dtype, recipe_file="clmerge_recipe.yaml",
                                recipe_yaml=text, inputs=inputs, base_model=recipe.base,
                                tokenizer_files=prep.tokenizer.files if prep.tokenizer is not None else None,
                                edit_config=prep.vocab.renumbered if prep.vocab is not None else None,

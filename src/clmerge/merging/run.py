@@ -207,7 +207,8 @@ def run_merge(recipe: Recipe, out: Path | None, *, task: str | None = None, dry_
                            device=device, where=where)
     if p.kind == "adapters":
         return _adapter_merge(p, Path(out), overwrite, device)
-    output = OutputFolder(out, p.inputs(), overwrite=overwrite, hash_inputs=hash_inputs, log=log,
+    inputs = p.inputs()  # the opened inputs: an output never goes into one
+    output = OutputFolder(out, inputs, overwrite=overwrite, hash_inputs=hash_inputs, log=log,
                           folder_only=None if p.kind == "models" else
                           "a slice recipe writes a model folder (its config.json names the new layer count), "
                           "not one .safetensors file")

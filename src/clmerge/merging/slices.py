@@ -98,6 +98,7 @@ class SlicePlan:
     method: Any = None  # the registered merge method (None: passthrough)
     model_folder: Path | None = None  # whose config is copied (the base's, else the first source's)
     tokenizer_folder: Path | None = None  # whose tokenizer files are copied
+    config_dtype: torch.dtype | None = None  # what the output's config.json records
 
 
 def _open_all(recipe: Any) -> dict[str, Any]:
@@ -213,9 +214,10 @@ def plan_slices(recipe: Recipe, method: MergeMethod | None) -> SlicePlan:
         for key in seg.views[0].keys():
             shape, dtype = seg.views[0].meta(key)
             plan.append((key, tuple(shape), out_dtype if out_dtype is not None and dtype.is_floating_point else dtype))
+    layer_types = _layer_types(recipe, sources)
     ref = getattr(sources[recipe.base or recipe.slices[0].sources[0].model], "folder", None)
     tok = _tokenizer_folder(recipe.tokenizer_from) if recipe.tokenizer_from else ref
-    return SlicePlan(recipe, sources, segments, plan, start, _layer_types(recipe, sources), method, ref, tok)
+    return SlicePlan(recipe, sources, segments, plan, start, layer_types, method, ref, tok, config_dtype(plan))
 
 
 def _layer_types(recipe: Any, sources: dict[str, Any]) -> list[Any] | None:
@@ -333,7 +335,7 @@ def execute_slices(sp: SlicePlan, output: OutputFolder, *, log: Callable[[str], 
         output.write_shards(output.tmp, sp.plan, fill, shard_size=parse_size(recipe.out_shard_size),
                             metadata={"clmerge_method": recipe.method})
         output.write_files(output.tmp, model_folder=sp.model_folder, tokenizer_folder=sp.tokenizer_folder,
-                           dtype=config_dtype(sp.plan),
+                           dtype=sp.config_dtype,
                            recipe_file="clmerge_recipe.yaml", recipe_yaml=recipe.to_yaml(), base_model=recipe.base,
                            inputs=[("model", name, getattr(s, "files", [])) for name, s in sp.sources.items()],
                            after_copy=lambda folder: _rewrite_config(folder, sp))

@@ -113,7 +113,7 @@ def test_methods_verbose_shows_each_methods_rate_and_its_source():
         if cls.optim_defaults:
             assert optim[0] == f"optim: lr={cls.optim_defaults['lr']:g}; source: {cls.optim_source}"
         else:
-            assert "trains nothing" in optim[0]
+            assert optim[0] == "optim: the optim section's defaults (no rate of its own)"
 
 
 def test_a_head_key_the_user_sets_overrides_the_methods_head():

@@ -298,7 +298,7 @@ def _method_details(cls) -> list[str]:
         lines.append("optim: " + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
                                            for k, v in cls.optim_defaults.items()) + f"; source: {cls.optim_source}")
     else:
-        lines.append("optim: the section defaults (trains nothing by default)")
+        lines.append("optim: the optim section's defaults (no rate of its own)")
     return lines
 
 

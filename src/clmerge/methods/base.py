@@ -78,7 +78,7 @@ class ContinualMethod:
     # its head: config.parse_config). A config that sets a key (a file, ``--set optim.lr=...``) always wins.
     optim_defaults: ClassVar[dict[str, Any]] = {}
     # where ``optim_defaults`` come from: "paper", "official code", or the validation grid that selected them
-    # (shown by ``clmerge methods -v``); "" where the method declares none (it trains nothing by default)
+    # (shown by ``clmerge methods -v``); "" where the method declares none (simplecil, ranpac: they train nothing)
     optim_source: ClassVar[str] = ""
     # False: a statistics method; the model's linear head is never trained, so it cannot be the evaluated head
     trains_linear_head: ClassVar[bool] = True

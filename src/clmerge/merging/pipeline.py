@@ -48,6 +48,7 @@ class Prepared:
     model_folder: Path | None = None  # whose config is copied (the base's, else the first expert's)
     tokenizer_folder: Path | None = None  # whose tokenizer files are copied (None: ``tokenizer`` is written)
     config_dtype: torch.dtype | None = None  # what the output's config.json records
+    tied: tuple[str, str] | None = None  # (input, output) embedding keys kept tied (VocabPlan.tied_pair)
 
 
 def _tasks(method: MergeMethod, hps: dict[str, HParam], task: str | int | None, n: int) -> list[int | None]:
@@ -95,18 +96,20 @@ def prepare(recipe: Recipe, method: MergeMethod, *, task: str | int | None = Non
         raise ValueError(f"fill: {recipe.fill!r} applies only with embeddings: base, union or intersection "
                          "(rows are merged by index without it)")
     names = ([recipe.base] if base is not None else []) + [m.model for m in recipe.models]
-    vocab, tokenizer, base, experts = prepare_vocab(base, experts, names, embeddings=recipe.embeddings,
-                                                    fill=recipe.fill, tokenizer_from=recipe.tokenizer_from,
-                                                    chat_template_from=recipe.chat_template_from)
-    # the folders whose config (the base's, else the first expert's) and tokenizer files the output gets
+    # the folders whose config (the base's, else the first expert's) and tokenizer files the output gets; a
+    # tokenizer built for the merged vocabulary or chat template (prepare_vocab) is written instead
     model_folder = getattr(base if base is not None else experts[0], "folder", None)
-    if tokenizer is not None:  # built for the merged vocabulary, written by execute
+    if recipe.embeddings is not None or recipe.chat_template_from is not None:
         tokenizer_folder = None
     elif recipe.tokenizer_from is None:
         tokenizer_folder = model_folder
     else:
         p = Path(recipe.tokenizer_from)
         tokenizer_folder = p if p.is_dir() else None if p.exists() else resolve_hub_id(recipe.tokenizer_from)
+    vocab, tokenizer, base, experts = prepare_vocab(base, experts, names, embeddings=recipe.embeddings,
+                                                    fill=recipe.fill, tokenizer_from=recipe.tokenizer_from,
+                                                    chat_template_from=recipe.chat_template_from)
+    tied = vocab.tied_pair() if vocab is not None else None
     compute = DTYPES[recipe.compute_dtype]
     models = ModelSet(base, experts, compute_dtype=compute)
     tasks = _tasks(method, hps, task, models.num_experts)
@@ -118,7 +121,8 @@ def prepare(recipe: Recipe, method: MergeMethod, *, task: str | int | None = Non
                          f"(--set {missing[0]}=...)")
     out_dtype = to_dtype(recipe.out_dtype)
     prep = Prepared(recipe, method, models, groups, tasks, out_dtype, parse_size(recipe.out_shard_size),
-                    vocab=vocab, tokenizer=tokenizer, model_folder=model_folder, tokenizer_folder=tokenizer_folder)
+                    vocab=vocab, tokenizer=tokenizer, model_folder=model_folder, tokenizer_folder=tokenizer_folder,
+                    tied=tied)
     ref = models.base if models.base is not None else models.experts[0]
     for key in models.keys():
         shape, dtype = ref.meta(key)
@@ -139,9 +143,8 @@ def _merge_into(prep: Prepared, writer: ShardedWriter | BackgroundWriter, task: 
             elif hasattr(res, "flush"):  # a SinkView: write back a tensor the method patched in place
                 res.flush()
             del res
-        pair = prep.vocab.tied_pair() if prep.vocab is not None else None
-        if pair is not None:  # tied embeddings stay tied: the output projection is the merged input matrix
-            writer.write(pair[1], writer.read(pair[0]))
+        if prep.tied is not None:  # tied embeddings stay tied: the output projection is the merged input matrix
+            writer.write(prep.tied[1], writer.read(prep.tied[0]))
     finally:
         prep.models.sink = None
 

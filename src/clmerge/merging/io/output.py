@@ -68,8 +68,9 @@ def check_out(out: Path, sources: Iterable[Any], *, overwrite: bool = False) -> 
     Raises:
         OutputError: one line naming ``out`` and what is wrong with it (exit code 5).
     """
-    return check_output_dir(Path(out), flag="--out", inputs=_input_paths(sources), overwrite=overwrite,
-                            file_suffix=".safetensors", inside_inputs=False)
+    inputs = _input_paths(sources)
+    return check_output_dir(Path(out), flag="--out", inputs=inputs, overwrite=overwrite, file_suffix=".safetensors",
+                            inside_inputs=False)
 
 
 class OutputTarget:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -21,7 +21,7 @@ from .base import app, fail
 if TYPE_CHECKING:
     from ..merging.recipes import Recipe
 
-__all__ = ["check_tune_flags", "eval_command", "run_tune"]
+__all__ = ["eval_command", "run_tune"]
 
 
 @app.command("eval")
@@ -76,7 +76,7 @@ def _accuracy(run_dir: Path, data: str, data_option: list[str], batch_size: int)
 def run_tune(recipe: Recipe, tune_file: Path, out: Path, *, jobs: int, backend: str,
              overwrite: bool) -> None:
     """``clmerge merge RECIPE --tune TUNE.yaml --out DIR``: the search and the best model (docs/tuning.md).
-    ``recipe``: the recipe file, read once by the command (:func:`check_tune_flags` first)."""
+    ``recipe``: the recipe file, read once by the command (``clmerge.cli.merge``, which checks the flags first)."""
     from ..merging.tune import load_tune_spec, tune
     from ..sweep.executors import make_executor
     from ..utils.threads import check_jobs
@@ -97,16 +97,3 @@ def run_tune(recipe: Recipe, tune_file: Path, out: Path, *, jobs: int, backend: 
             executor.close()
     typer.echo(f"best {info['best']} perplexity {info['metric']:.4f} of {info['trials']} trials; wrote "
                f"{info['out']} (tune/trials.csv, tune/best_recipe.yaml)")
-
-
-def check_tune_flags(recipe: Path | None, out: Path | None, blocked: dict[str, Any]) -> None:
-    """``--tune`` searches a recipe file's values: no flag that changes the recipe, a recipe file and ``--out``.
-
-    Raises:
-        UsageError: names the flag to drop, or what is missing (exit code 2).
-    """
-    given = [flag for flag, value in blocked.items() if value]
-    if given:
-        raise UsageError(f"--tune searches a recipe file's values: drop {given[0]}")
-    if recipe is None or out is None:
-        raise UsageError("--tune needs a recipe file (clmerge merge RECIPE --tune TUNE.yaml --out DIR)")

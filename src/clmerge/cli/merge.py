@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import typer
 
+from ..errors import UsageError
 from ..plugins import PLUGIN_HELP
 from ..utils.device import parse_device, stats_line
 from ..utils.threads import default_threads, set_threads
@@ -58,7 +60,7 @@ def merge_command(
     """Merge checkpoints (model folders, weights files, hub ids, PEFT adapters) into a model folder."""
     from ..plugins import load_plugins
     from ..utils.threads import check_threads
-    from .eval import check_tune_flags, run_tune
+    from .eval import run_tune
 
     load_plugins(plugin)
 
@@ -70,7 +72,7 @@ def merge_command(
                "tokenizer_from": tokenizer_from}
     try:
         if tune is not None:  # the search takes the recipe file as it is
-            check_tune_flags(recipe, out, {"--method": method, "--expert": expert, "--set": set_,
+            _check_tune_flags(recipe, out, {"--method": method, "--expert": expert, "--set": set_,
                                            "--dry-run": dry_run, "--task": task, "--adapter-out": adapter_out != "full",
                                            "--base": base, "--out-dtype": out_dtype, "--compute-dtype": compute_dtype,
                                            "--tokenizer-from": tokenizer_from})
@@ -101,6 +103,19 @@ def merge_command(
         r = res.report
         typer.echo(f"rank {r.get('rank')}: relative error of the merged delta W {r['overall_rel_error']:.3g} "
                    f"overall, {r.get('max_rel_error', float('nan')):.3g} at worst (merge_report.json)")
+
+
+def _check_tune_flags(recipe: Path | None, out: Path | None, blocked: dict[str, Any]) -> None:
+    """``--tune`` searches a recipe file's values: no flag that changes the recipe, a recipe file and ``--out``.
+
+    Raises:
+        UsageError: names the flag to drop, or what is missing (exit code 2).
+    """
+    given = [flag for flag, value in blocked.items() if value]
+    if given:
+        raise UsageError(f"--tune searches a recipe file's values: drop {given[0]}")
+    if recipe is None or out is None:
+        raise UsageError("--tune needs a recipe file (clmerge merge RECIPE --tune TUNE.yaml --out DIR)")
 
 
 @app.command("merges", help="List the model-merging methods.")

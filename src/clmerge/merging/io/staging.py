@@ -61,7 +61,8 @@ def _weight_files(folder: Path) -> dict[str, tuple[Path, int | None]]:
     return found
 
 
-def staged_model(folder: str | Path, *, weights: bool = True) -> contextlib.AbstractContextManager[Path]:
+@contextlib.contextmanager
+def staged_model(folder: str | Path, *, weights: bool = True) -> Iterator[Path]:
     """A private folder of links to the checked files of the model folder ``folder`` (the module docstring),
     valid inside the ``with`` block; ``weights=False``: only the config and tokenizer files.
 
@@ -70,14 +71,17 @@ def staged_model(folder: str | Path, *, weights: bool = True) -> contextlib.Abst
             its size cap, or a shard index is malformed or lists a missing shard.
     """
     folder = Path(folder)
-    return staged_files(folder, model_files(folder, folder), _weight_files(folder) if weights else None)
+    with staged_files(folder, _weight_files(folder) if weights else None) as (staged, _):
+        yield staged
 
 
 @contextlib.contextmanager
-def staged_files(folder: Path, files: dict[str, Path],
-                 weights: dict[str, tuple[Path, int | None]] | None = None) -> Iterator[Path]:
-    """:func:`staged_model` of the config and tokenizer ``files`` found in ``folder`` (``{name: path}``, as
-    :func:`~.output.model_files` gives them) and ``weights`` (``{name: (path, size cap)}``)."""
+def staged_files(folder: Path, weights: dict[str, tuple[Path, int | None]] | None = None
+                 ) -> Iterator[tuple[Path, dict[str, Path]]]:
+    """:func:`staged_model` of the config and tokenizer files of ``folder`` (checked by
+    :func:`~.output.model_files`) and ``weights`` (``{name: (path, size cap)}``); yields the staged folder and
+    ``{name: path}`` of the config and tokenizer files found."""
+    files = model_files(folder, folder)
     entries = {name: (path, inpaths.LIMITS[file_kind(name)]) for name, path in files.items()}
     entries.update(weights or {})
     with contextlib.ExitStack() as stack:
@@ -88,4 +92,4 @@ def staged_files(folder: Path, files: dict[str, Path],
             link = tmp / name
             link.parent.mkdir(parents=True, exist_ok=True)
             os.symlink(checked if checked.startswith("/proc/") else os.path.abspath(path), link)
-        yield tmp
+        yield tmp, files

@@ -20,7 +20,6 @@ from typing import Any
 
 from ...utils.inpaths import read_bytes
 from .base import MergeInputError
-from .output import model_files
 
 __all__ = ["InputTokenizer", "OutputTokenizer", "check_union", "load_tokenizer", "output_tokenizer"]
 
@@ -51,22 +50,25 @@ class OutputTokenizer:
 
 
 def load_tokenizer(folder: Path | None, name: str) -> InputTokenizer:
-    """The tokenizer saved in an input's model folder (``AutoTokenizer``, local files only).
+    """The tokenizer saved in an input's model folder (``AutoTokenizer``, local files only, from the checked
+    files staged by :func:`~.staging.staged_files`).
 
     Raises:
         MergeInputError: no folder or no tokenizer files there, or ``transformers`` cannot read them.
+        InputError: a model file there leads out of the folder, is not a regular file or is over its size cap.
     """
-    files = model_files(Path(folder), Path(folder)) if folder is not None else {}  # checked once, staged below
-    vocab_files = [files[n] for n in _VOCAB_FILES if n in files]
-    if not vocab_files:
-        where = (f"no tokenizer in {folder} (looked for tokenizer.json, tokenizer.model, vocab.json)"
-                 if folder is not None else "a weights file has no tokenizer: give its model folder")
-        raise MergeInputError(f"{name}: {where}; matching rows by token needs every input's tokenizer")
+    if folder is None:
+        raise MergeInputError(f"{name}: a weights file has no tokenizer: give its model folder; matching rows by "
+                              "token needs every input's tokenizer")
     from transformers import AutoTokenizer
 
     from .staging import staged_files
 
-    with staged_files(Path(folder), files) as staged:
+    with staged_files(Path(folder)) as (staged, files):
+        vocab_files = [files[n] for n in _VOCAB_FILES if n in files]
+        if not vocab_files:
+            raise MergeInputError(f"{name}: no tokenizer in {folder} (looked for tokenizer.json, tokenizer.model, "
+                                  "vocab.json); matching rows by token needs every input's tokenizer")
         try:
             tok = AutoTokenizer.from_pretrained(str(staged), local_files_only=True, trust_remote_code=False)
         except Exception as exc:  # transformers raises many types for a broken or unknown tokenizer

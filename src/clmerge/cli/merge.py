@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
 import typer
 
@@ -71,11 +70,15 @@ def merge_command(
     options = {"out_dtype": out_dtype, "compute_dtype": compute_dtype, "out_shard_size": out_shard_size,
                "tokenizer_from": tokenizer_from}
     try:
-        if tune is not None:  # the search takes the recipe file as it is
-            _check_tune_flags(recipe, out, {"--method": method, "--expert": expert, "--set": set_,
-                                           "--dry-run": dry_run, "--task": task, "--adapter-out": adapter_out != "full",
-                                           "--base": base, "--out-dtype": out_dtype, "--compute-dtype": compute_dtype,
-                                           "--tokenizer-from": tokenizer_from})
+        if tune is not None:  # the search takes the recipe file as it is, and writes into --out
+            blocked = {"--method": method, "--expert": expert, "--set": set_, "--dry-run": dry_run, "--task": task,
+                       "--adapter-out": adapter_out != "full", "--base": base, "--out-dtype": out_dtype,
+                       "--compute-dtype": compute_dtype, "--tokenizer-from": tokenizer_from}
+            given = [flag for flag, value in blocked.items() if value]
+            if given:
+                raise UsageError(f"--tune searches a recipe file's values: drop {given[0]}")
+            if recipe is None or out is None:
+                raise UsageError("--tune needs a recipe file (clmerge merge RECIPE --tune TUNE.yaml --out DIR)")
         dev = parse_device(device)
         if adapter_out not in ("full", "peft", "factored"):
             raise ValueError(f"--adapter-out: expected full, peft or factored, got {adapter_out!r}")
@@ -103,19 +106,6 @@ def merge_command(
         r = res.report
         typer.echo(f"rank {r.get('rank')}: relative error of the merged delta W {r['overall_rel_error']:.3g} "
                    f"overall, {r.get('max_rel_error', float('nan')):.3g} at worst (merge_report.json)")
-
-
-def _check_tune_flags(recipe: Path | None, out: Path | None, blocked: dict[str, Any]) -> None:
-    """``--tune`` searches a recipe file's values: no flag that changes the recipe, a recipe file and ``--out``.
-
-    Raises:
-        UsageError: names the flag to drop, or what is missing (exit code 2).
-    """
-    given = [flag for flag, value in blocked.items() if value]
-    if given:
-        raise UsageError(f"--tune searches a recipe file's values: drop {given[0]}")
-    if recipe is None or out is None:
-        raise UsageError("--tune needs a recipe file (clmerge merge RECIPE --tune TUNE.yaml --out DIR)")
 
 
 @app.command("merges", help="List the model-merging methods.")

@@ -79,18 +79,14 @@ class _KeyView(ParamSource):
         return w
 
 
-def _open(base: Any, adapters: Sequence[Any]) -> tuple[Any, list[AdapterSource]]:
-    if isinstance(base, (str, Path)):
-        from .io.readers import open_checkpoint
-
-        base = open_checkpoint(base)
+def _open(base: Any, adapters: Sequence[Any]) -> list[AdapterSource]:
     if not adapters:
         raise MergeInputError("merge_adapters: need at least one adapter")
     srcs = [a if isinstance(a, AdapterSource) else AdapterSource(a, base) for a in adapters]
     flips = {any(m.transpose for m in s.modules.values() if not m.embedding) for s in srcs}
     if len(flips) > 1:
         raise MergeInputError("adapters disagree on fan_in_fan_out; they must be trained on the same model")
-    return base, srcs
+    return srcs
 
 
 def _modules(srcs: list[AdapterSource]) -> dict[str, LoraModule]:
@@ -159,6 +155,10 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
             ``form="factored"`` with a non-linear method.
         OutputError: an unsafe ``out``.
     """
+    if isinstance(base, (str, Path)):
+        from .io.readers import open_checkpoint
+
+        base = open_checkpoint(base)
     opened = open_adapters(method=get_method(method), base=base, adapters=adapters, hyperparameters=hyperparameters, form=form,
                            rank=rank, svd=svd)
     return write_merged_adapter(opened, Path(out), overwrite=overwrite, device=device)
@@ -179,8 +179,8 @@ class OpenedAdapters:
 
 def open_adapters(*, method: MergeMethod, base: Any, adapters: Sequence[Any], hyperparameters: dict | None = None,
                   form: str = "peft", rank: int | None = None, svd: str = "auto") -> OpenedAdapters:
-    """Check the form, rank, SVD and the method's hyperparameter names, and open ``base`` and the adapters over
-    it; nothing is written (the arguments as in :func:`merge_adapters`; ``method`` resolved by the caller)."""
+    """Check the form, rank, SVD and the method's hyperparameter names, and open the adapters over the opened
+    ``base``; nothing is written (the arguments as in :func:`merge_adapters`; ``method`` resolved by the caller)."""
     if form not in ("peft", "factored"):
         raise MergeInputError(f"form {form!r}: merge_adapters writes 'peft' or 'factored' ('full' is the "
                               "ordinary merge with AdapterSource experts)")
@@ -190,7 +190,7 @@ def open_adapters(*, method: MergeMethod, base: Any, adapters: Sequence[Any], hy
     hp = dict(hyperparameters or {})
     # unknown names fail before any work, in either form
     check_hyperparameters(method, hp, types=False, data_ok=True, error=TypeError)
-    base, srcs = _open(base, adapters)
+    srcs = _open(base, adapters)
     return OpenedAdapters(method.name, base, srcs, hp, form, rank, svd)
 
 

@@ -172,8 +172,9 @@ def plan(recipe: Recipe, *, task: str | None = None, adapter_out: str = "full", 
             raise ValueError(f"--adapter-out {adapter_out}: every expert must be a PEFT adapter folder; {bad} is not")
         if recipe.base is None:
             raise ValueError(f"--adapter-out {adapter_out} needs --base (the adapters' base model) and --out")
-        opened = open_adapters(method=method, base=open_checkpoint(recipe.base, name=recipe.base),
-                               adapters=paths, hyperparameters=recipe.parameters, form=adapter_out, rank=adapter_rank)
+        base = open_checkpoint(recipe.base, name=recipe.base)
+        opened = open_adapters(method=method, base=base, adapters=paths, hyperparameters=recipe.parameters,
+                               form=adapter_out, rank=adapter_rank)
         return Plan(recipe, "adapters", opened, adapter_out=adapter_out, adapter_rank=adapter_rank)
     return Plan(recipe, "models", pipeline.prepare(recipe, method, task=task, where=where))
 

@@ -16,7 +16,6 @@ per source at a time.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -99,6 +98,7 @@ class SlicePlan:
     model_folder: Path | None = None  # whose config is copied (the base's, else the first source's)
     tokenizer_folder: Path | None = None  # whose tokenizer files are copied
     config_dtype: torch.dtype | None = None  # what the output's config.json records
+    config_updates: dict[str, Any] = field(default_factory=dict)  # the new layer count (and layer types)
 
 
 def _open_all(recipe: Any) -> dict[str, Any]:
@@ -217,7 +217,10 @@ def plan_slices(recipe: Recipe, method: MergeMethod | None) -> SlicePlan:
     layer_types = _layer_types(recipe, sources)
     ref = getattr(sources[recipe.base or recipe.slices[0].sources[0].model], "folder", None)
     tok = _tokenizer_folder(recipe.tokenizer_from) if recipe.tokenizer_from else ref
-    return SlicePlan(recipe, sources, segments, plan, start, layer_types, method, ref, tok, config_dtype(plan))
+    updates = {key: start for key in _LAYER_COUNT_KEYS} | ({"layer_types": layer_types} if layer_types is not None
+                                                            else {})
+    return SlicePlan(recipe, sources, segments, plan, start, layer_types, method, ref, tok, config_dtype(plan),
+                     updates)
 
 
 def _layer_types(recipe: Any, sources: dict[str, Any]) -> list[Any] | None:
@@ -287,19 +290,6 @@ def _merge_segment(sp: SlicePlan, seg: Segment, writer: Any) -> None:
             res.flush()
 
 
-def _rewrite_config(folder: Path, sp: SlicePlan) -> None:
-    path = folder / "config.json"
-    if not path.is_file():
-        return
-    config = inpaths.read_json(path, within=folder)  # copied a moment ago into the merge's temporary folder
-    for key in _LAYER_COUNT_KEYS:
-        if key in config:
-            config[key] = sp.num_layers
-    if sp.layer_types is not None and "layer_types" in config:
-        config["layer_types"] = sp.layer_types
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
 def _tokenizer_folder(spec: str) -> Path:
     """``tokenizer_from``: a local folder, else a hub id (fetched or found in the cache)."""
     if Path(spec).is_dir():
@@ -338,7 +328,7 @@ def execute_slices(sp: SlicePlan, output: OutputFolder, *, log: Callable[[str], 
                            dtype=sp.config_dtype,
                            recipe_file="clmerge_recipe.yaml", recipe_yaml=recipe.to_yaml(), base_model=recipe.base,
                            inputs=[("model", name, getattr(s, "files", [])) for name, s in sp.sources.items()],
-                           after_copy=lambda folder: _rewrite_config(folder, sp))
+                           config_updates=sp.config_updates)
         output.commit()
     log(f"sliced {len(recipe.slices)} slices into {sp.num_layers} layers ({len(sp.plan)} tensors)")
     return {"method": recipe.method, "keys": len(sp.plan), "out": str(output.out), "layers": sp.num_layers}

@@ -228,10 +228,12 @@ def model_files(model_folder: Path | None, tokenizer_folder: Path | None) -> dic
 
 
 def copy_model_files(dst: Path, model_folder: Path | None, tokenizer_folder: Path | None,
-                     out_dtype: torch.dtype | None, edit_config: Callable[[dict], dict] | None = None) -> list[str]:
-    """Copy config / generation config from ``model_folder`` (recording ``out_dtype``; ``edit_config`` rewrites
-    both) and the tokenizer files from ``tokenizer_folder`` (:func:`model_files`), each read through the input
-    boundary; a file already in ``dst`` is kept. Returns the names copied."""
+                     out_dtype: torch.dtype | None, edit_config: Callable[[dict], dict] | None = None,
+                     config_updates: dict[str, Any] | None = None) -> list[str]:
+    """Copy config / generation config from ``model_folder`` (recording ``out_dtype``, and ``config_updates``
+    where the config has those keys; ``edit_config`` rewrites both files) and the tokenizer files from
+    ``tokenizer_folder`` (:func:`model_files`), each read through the input boundary; a file already in ``dst``
+    is kept. Returns the names copied."""
     copied = []
     for name, src in model_files(model_folder, tokenizer_folder).items():
         within = model_folder if name in _CONFIG_FILES else tokenizer_folder
@@ -241,6 +243,8 @@ def copy_model_files(dst: Path, model_folder: Path | None, tokenizer_folder: Pat
             if name == "config.json" and out_dtype is not None and isinstance(config, dict):
                 config.pop("torch_dtype", None)  # transformers >= 4.56 reads "dtype" (older: torch_dtype)
                 config["dtype"] = str(out_dtype).removeprefix("torch.")
+            if name == "config.json" and config_updates and isinstance(config, dict):
+                config.update({k: v for k, v in config_updates.items() if k in config})
             if edit_config is not None and isinstance(config, dict):
                 config = edit_config(config)
             (dst / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -385,17 +389,18 @@ class OutputFolder:
                     dtype: torch.dtype | None, recipe_file: str, recipe_yaml: str, base_model: str | None,
                     inputs: list[tuple[str, str, list[str]]], after_copy: Callable[[Path], None] | None = None,
                     tokenizer_files: dict[str, bytes] | None = None, edit_config: Callable[[dict], dict] | None = None,
-                    report: dict | None = None) -> None:
+                    report: dict | None = None, config_updates: dict[str, Any] | None = None) -> None:
         """The files beside the shards (folders only): ``tokenizer_files`` (a tokenizer built for the merge:
         name -> bytes) or the tokenizer files copied from ``tokenizer_folder``, the config files of
-        ``model_folder`` (the config recording ``dtype``; ``edit_config`` rewrites both config files;
+        ``model_folder`` (the config recording ``dtype`` and ``config_updates`` where it has those keys;
+        ``edit_config`` rewrites both config files;
         ``after_copy(folder)`` may rewrite them), ``merge_report.json`` (``report``), the recipe as
         ``recipe_file`` and ``README.md``."""
         if self.kind != "folder":
             return
         for name, data in (tokenizer_files or {}).items():
             (folder / name).write_bytes(data)
-        copy_model_files(folder, model_folder, tokenizer_folder, dtype, edit_config)
+        copy_model_files(folder, model_folder, tokenizer_folder, dtype, edit_config, config_updates)
         if after_copy is not None:
             after_copy(folder)
         if report is not None:

@@ -34,9 +34,10 @@ def _default_run(name: str, out) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_every_method_beats_chance_on_the_embedded_default(name, tmp_path):
-    """Final CIL accuracy above twice chance, and average anytime accuracy above 1.6 x chance. A collapsed run
-    (one class predicted, or each task forgotten as it is learned) lands at 10-15 and 27-32 on the full
-    default (docs/threads.md, "Learning rates"); forgetting alone (sequential fine-tuning that learns each
-    task) still clears both: it keeps the last task (CIL about 20+) and learns each task when it comes."""
+    """Average anytime accuracy above 1.6 x chance (each task learned as it comes) and final CIL accuracy above
+    1.5 x chance. At 5e-3 the whole-backbone methods collapsed to AAA 26.8-32.3 and CIL 11.6-15.3 on the full
+    default (docs/threads.md, "Learning rates"). At their own rates and one epoch per task, the methods that
+    only forget (they keep about the last task; l2, stl, magmax) measured AAA 38.2-41.9 and CIL 17.2-19.8, so final
+    CIL above twice chance would test forgetting, not the rate."""
     m = _default_run(name, tmp_path / "run")
-    assert m["acc"] > 2 * CHANCE_CIL and m["aaa"] > 1.6 * CHANCE_AAA, (name, m["acc"], m["aaa"])
+    assert m["aaa"] > 1.6 * CHANCE_AAA and m["acc"] > 1.5 * CHANCE_CIL, (name, m["acc"], m["aaa"])

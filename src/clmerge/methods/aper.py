@@ -29,7 +29,7 @@ from torch import nn
 
 from ..adapters.bottleneck import attach_adapters, attach_ssf, attach_vpt
 from ..models.classifier import ContinualClassifier, IncrementalHead
-from .base import ContinualMethod, MethodOptions, register_method, grid_rate
+from .base import ContinualMethod, MethodOptions, grid_rate, register_method
 from .frozen_backbone import COSINE_PROTOTYPES, FrozenBackboneMethod
 
 __all__ = ["APER", "APEROptions", "DualBranchFeatures"]

@@ -37,7 +37,7 @@ from pydantic import Field
 from torch import nn
 
 from ..adapters.bottleneck import adapter_bank, adapter_sets, attach_adapters, only_adapters
-from .base import ContinualMethod, MethodOptions, register_method, grid_rate
+from .base import ContinualMethod, MethodOptions, grid_rate, register_method
 
 __all__ = ["EASE", "EASEOptions", "EaseClassifier", "prototype_complement", "subspace_weights"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from .base import ContinualMethod, MethodOptions, register_method, grid_rate
+from .base import ContinualMethod, MethodOptions, grid_rate, register_method
 
 __all__ = ["Finetune", "FinetuneOptions"]
 

@@ -25,7 +25,7 @@ import torch
 from pydantic import Field
 
 from ..adapters import add_lora_component, fold_component, inject_lora, lora_layers
-from .base import ContinualMethod, register_method, grid_rate
+from .base import ContinualMethod, grid_rate, register_method
 from .seq_lora import LoRAMethodOptions
 from ..utils.precision import full_precision
 

@@ -38,7 +38,7 @@ from torch import nn
 from ..adapters import add_lora_component, fold_component, inject_lora, lora_layers
 from ..adapters.folded import FoldedCache
 from ..merging.methods.magmax import max_magnitude_fold
-from .base import ContinualMethod, register_method, grid_rate
+from .base import ContinualMethod, grid_rate, register_method
 from .seq_lora import LoRAMethodOptions
 
 __all__ = ["MagMax", "MagMaxOptions"]

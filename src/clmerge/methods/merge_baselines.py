@@ -39,7 +39,7 @@ from pydantic import Field
 from .. import merging
 from ..adapters import lora_layers
 from ..params import diagonal_fisher
-from .base import register_method, grid_rate
+from .base import grid_rate, register_method
 from .seq_lora import LoRAMethodOptions, SeqLoRA
 
 __all__ = ["MergeBaselineOptions", "LoRAAverage", "LoRADare", "CoMA", "CoFiMA", "average_step", "dare_step",

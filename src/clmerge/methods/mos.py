@@ -38,7 +38,7 @@ from torch import nn
 
 from ..adapters.bottleneck import adapter_bank, adapter_sets, attach_adapters, only_adapters
 from ..models.losses import classification_loss
-from .base import ContinualMethod, MethodOptions, register_method, grid_rate
+from .base import ContinualMethod, MethodOptions, grid_rate, register_method
 
 __all__ = ["MOS", "MOSOptions", "merged_adapter", "orthogonality_loss", "refine_retrieval", "ensemble_scores"]
 

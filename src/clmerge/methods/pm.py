@@ -34,7 +34,7 @@ from ..adapters import add_lora_component, inject_lora, lora_layers
 from ..models.losses import classification_loss
 from ..params import diagonal_fisher
 from ..params.fisher import eager_attention, resolve_fisher_method  # noqa: F401  (eager_attention: exported)
-from .base import ContinualMethod, register_method, grid_rate
+from .base import ContinualMethod, grid_rate, register_method
 from .seq_lora import LoRAMethodOptions
 from ..utils.precision import full_precision
 

@@ -14,7 +14,7 @@ from pydantic import Field
 
 from ..models.losses import task_logits
 from ..params import diagonal_fisher
-from .base import ContinualMethod, MethodOptions, register_method, grid_rate
+from .base import ContinualMethod, MethodOptions, grid_rate, register_method
 
 __all__ = ["EWC", "L2", "EWCOptions", "L2Options"]
 

@@ -24,7 +24,7 @@ from pydantic import Field
 
 from ..config import ConfigError
 from ..models.losses import classification_loss
-from .base import ContinualMethod, MethodOptions, register_method, grid_rate
+from .base import ContinualMethod, MethodOptions, grid_rate, register_method
 from .reservoir import ReservoirBuffer
 
 __all__ = ["ER", "DER", "DERpp", "ReplayOptions", "DEROptions", "DERppOptions", "replay_generator", "logit_mse"]

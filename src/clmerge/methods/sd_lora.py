@@ -27,7 +27,7 @@ from torch import nn
 from ..adapters import add_lora_component, inject_lora, lora_layers, set_lora_compute
 from ..adapters.folded import FoldedCache
 from ..adapters.lora import LoRALinear
-from .base import ContinualMethod, register_method, grid_rate
+from .base import ContinualMethod, grid_rate, register_method
 from .seq_lora import LoRAMethodOptions
 from ..utils.precision import full_precision
 

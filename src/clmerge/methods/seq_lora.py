@@ -10,7 +10,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from ..adapters import add_lora_component, fold_component, inject_lora, lora_layers
-from .base import ContinualMethod, MethodOptions, register_method, grid_rate
+from .base import ContinualMethod, MethodOptions, grid_rate, register_method
 
 __all__ = ["SeqLoRA", "SeqLoRAOptions", "LoRAMethodOptions"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from ..adapters.task_modules import PerTaskCopies, TaskRoutedModel, set_active_task
-from .base import ContinualMethod, MethodOptions, register_method, grid_rate
+from .base import ContinualMethod, MethodOptions, grid_rate, register_method
 
 __all__ = ["STL", "STLOptions"]
 

@@ -30,7 +30,7 @@ from pydantic import Field
 
 from ...models.losses import classification_loss
 from ...models.heads import ClassFeatureStats, align_linear_head
-from ..base import register_method, grid_rate
+from ..base import grid_rate, register_method
 from .hide_parts import HiDePromptPool, MultiCentroidStats, TaskIdentityHead, contrastive_regulariser
 from .methods import PromptMethod, PromptMethodOptions
 

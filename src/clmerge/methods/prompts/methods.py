@@ -20,7 +20,7 @@ from pydantic import Field
 
 from ...adapters.prompt import attach_prompts
 from ...models.losses import classification_loss
-from ..base import ContinualMethod, MethodOptions, register_method, grid_rate
+from ..base import ContinualMethod, MethodOptions, grid_rate, register_method
 from .pools import CodaPool, DualPromptPool, L2PPool
 
 __all__ = ["PromptMethod", "PromptMethodOptions", "L2P", "DualPrompt", "CodaPrompt", "L2POptions", "DualPromptOptions",

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import InputError, UsageError, clip
 from .registry import provided
-from .utils.yaml_io import YamlError, YamlLimitError, load_yaml, parse_value, read_yaml
+from .utils.yaml_io import YamlError, YamlLimitError, parse_assignment, read_yaml
 from .utils.threads import threads_problem
 
 __all__ = [
@@ -441,30 +441,26 @@ def _check_method_head(cfg: ExperimentConfig) -> None:
                       "a frozen backbone); use head.classifier=ncm or ranpac with head.compare=false")
 
 
-def _parse_value(text: str, source: str = "--set value") -> Any:
-    """``--set`` values: the one value grammar of the command line (:func:`clmerge.utils.yaml_io.parse_value`)."""
-    return parse_value(text, source=source)
-
-
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply ``dotted.key=value`` strings to a nested dict (returns a new dict)."""
+    """Apply ``dotted.key=value`` strings to a nested dict (returns a new dict); values are read by the one
+    ``key=value`` grammar of the command line (:func:`clmerge.utils.yaml_io.parse_assignment`)."""
     import copy
 
     out = copy.deepcopy(data)
     for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"--set {clip(repr(item), 80)}: expected dotted.key=value")
-        key, text = item.split("=", 1)
-        parts = key.strip().split(".")
+        try:
+            key, value = parse_assignment(item, "--set", "dotted.key=value")
+        except YamlLimitError as exc:  # an alias bomb on the command line: a bad value of this key
+            raise ConfigError(str(exc)) from None
+        except ValueError as exc:  # no '=' or no key
+            raise ConfigError(str(exc)) from None
+        parts = key.split(".")
         node = out
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {clip(key, 80)}: {clip(repr(p), 40)} is not a section")
-        try:
-            node[parts[-1]] = _parse_value(text.strip(), source=f"--set {clip(key, 80)}")
-        except YamlLimitError as exc:  # an alias bomb on the command line: a bad value of this key
-            raise ConfigError(str(exc)) from None
+        node[parts[-1]] = value
     return out
 
 

@@ -22,7 +22,7 @@ from ..utils.dtypes import DTYPES, config_dtype, dtype_name, to_dtype
 from .methods.hparams import DATA_HPARAMS, HParam, check_hyperparameters, method_hparams, per_model_params
 from .io.output import OutputFolder
 from .io.readers import open_checkpoint, resolve_hub_id
-from .io.writer import parse_size
+from .io.writer import BackgroundWriter, ShardedWriter, parse_size
 from .recipes import Recipe, key_groups
 from .methods.registry import MergeMethod
 from .methods.sources import ModelSet

@@ -40,7 +40,7 @@ from typing import IO, Any
 from ..errors import InputError, clip
 
 __all__ = ["LIMITS", "InputMissing", "InputTooLarge", "boundary", "inside", "open_input", "read_bytes",
-           "read_text", "read_json", "loads_json", "read_jsonl_lines", "checked_path", "is_real_dir", "real_subdirs"]
+           "read_text", "read_json", "loads_json", "read_jsonl_lines", "checked_path", "real_subdirs"]
 
 MiB = 1 << 20
 #: Size caps per kind of file (bytes). Documented in docs/cli_errors.md; a file over its cap is an input error.
@@ -257,26 +257,6 @@ def checked_path(path: str | Path, *, within: str | Path | None = None, what: st
     with _checked_fd(path, within=within, what=what, kind="json", max_bytes=cap) as (fd, _):
         proc = f"/proc/self/fd/{fd}"
         yield proc if os.path.exists(proc) else str(path)
-
-
-def is_real_dir(path: str | Path, *, within: str | Path | None = None) -> bool:
-    """``path`` is a folder and not a symlink (or any symlink in it resolves inside ``within``); a symlinked
-    folder inside a folder the user named is never followed (a run directory, a sweep cell)."""
-    path = Path(path)
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    if stat.S_ISLNK(st.st_mode):
-        return False
-    if not stat.S_ISDIR(st.st_mode):
-        return False
-    if within is not None:
-        try:
-            _contained(_resolve(path, str(path)), Path(within), path.name, str(path))
-        except InputError:
-            return False
-    return True
 
 
 def real_subdirs(folder: str | Path) -> tuple[list[Path], list[Path]]:

@@ -205,6 +205,10 @@ class HeadConfig(StrictModel):
     align_cov: Literal["full", "lowrank", "diag"] = Field(
         "full", description="align: class covariance kept as full DxD, top-rank + diagonal, or diagonal")
     align_rank: int = Field(16, ge=1, description="align_cov=lowrank: eigenpairs kept per class")
+    align_keep: Literal["discard", "persistent"] = Field(
+        "discard", description="align: discard: every task end aligns a fresh copy of the model's trained head "
+        "(the official SLCA code restores the unaligned head after each evaluation); persistent: the aligned "
+        "old blocks are kept and aligned again at every later task (the official InfLoRA-CA code)")
 
 
 class OptimConfig(StrictModel):

@@ -52,7 +52,7 @@ def _three_sets(**method):
 def test_the_merged_adapter_equals_its_formula(alpha, times):
     """After a step of task 2: theta_2 <- (1-a) theta_2 + a (theta_0 + theta_1) / 2, per parameter and block;
     applied ``merges_per_step`` times; the earlier adapters do not move."""
-    model, method = _three_sets(merge_momentum=alpha, merges_per_step=times)
+    model, method = _three_sets(merge_momentum=alpha, merges_per_step=times, merge_schedule="per_step")
     before = [_params(model, t) for t in range(3)]
     method.after_step(model, None)
     after = [_params(model, t) for t in range(3)]
@@ -76,7 +76,7 @@ def test_no_merge_in_the_first_task_or_with_zero_momentum():
 
 def test_a_run_merges_after_every_step():
     """With alpha = 1 each step ends with theta_1 = theta_0: the second task's adapter equals the first's."""
-    cfg = parse_config(_cfg(merge_momentum=1.0, adapter_init="fresh", align=False))
+    cfg = parse_config(_cfg(merge_momentum=1.0, adapter_init="fresh", align=False, merge_schedule="per_step"))
     scenario, model, method, _ = prepare(cfg)
     for t in range(2):
         ctx = _ctx(scenario, t)
@@ -135,7 +135,8 @@ def test_the_orthogonality_term_is_the_official_cross_entropy():
 def test_predict_is_the_refined_ensemble_of_the_cosine_prototypes_and_the_adapters(orig_branch):
     """A 2-task digits run; then, by hand: cosine prototypes (class means of the orig branch's features on the
     training data), its task, the head under that task's adapter, refined, and the ensemble."""
-    scenario, model, method, _ = prepare(parse_config(_cfg(orig_branch=orig_branch)))
+    # per_step: the stored adapters stay as trained at evaluation (the official schedule: test_mos_official.py)
+    scenario, model, method, _ = prepare(parse_config(_cfg(orig_branch=orig_branch, merge_schedule="per_step")))
     g = torch.Generator().manual_seed(3)
     for t in range(2):
         ctx = _ctx(scenario, t)

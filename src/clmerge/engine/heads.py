@@ -4,9 +4,11 @@ Every method composes the same suite (``head:`` in the config). After ``method.e
 :meth:`HeadSuite.end_task` with ``method.inference_model()`` and the current task's training data: the
 backbone's features of that data update the class statistics (NCM, alignment) and RanPAC's Gram matrices,
 and the aligned head is retrained. None of this feeds back into training: the aligned head is a private
-copy of the model's linear head (its old-task blocks persist across tasks, each new task's block is copied
-from the model's head when the task ends), so a run's backbone trajectory is the same whatever head it
+copy of the model's linear head, so a run's backbone trajectory is the same whatever head it
 evaluates. That is what makes ``head.compare`` (evaluate all four variants as shadows in one run) exact.
+``head.align_keep`` says what the copy starts from at each task end: ``discard`` (default, the official SLCA
+code) copies every block of the model's trained head afresh, so each alignment starts from the unaligned head;
+``persistent`` (the official InfLoRA-CA code) keeps the aligned old blocks and aligns them again.
 
 Variants: ``linear`` (the model's own head), ``linear+align`` (SLCA classifier alignment), ``ncm``,
 ``ranpac`` (see ``models.heads``).
@@ -116,7 +118,9 @@ class HeadSuite:
 
     def _realign(self, model: ContinualClassifier, task: Task, seen: list[Task]) -> None:
         head = model.head
-        for block in list(head.blocks)[len(self.aligned.blocks):]:  # the new task's block(s), as trained
+        if self.cfg.align_keep == "discard":  # SLCA: align a fresh copy of the trained head, drop it at the next
+            del self.aligned.blocks[:]        # task end (its fc.backup() before alignment, fc.recall() after)
+        for block in list(head.blocks)[len(self.aligned.blocks):]:  # the blocks not in the copy, as trained
             self.aligned.blocks.append(copy.deepcopy(block).to(torch.device("cpu")))
         for b_new, b_model in zip(self.aligned.blocks, head.blocks):
             if b_new.out_features != b_model.out_features:

@@ -8,13 +8,21 @@ every place where this implementation differs from it is an option (docs/mos.md 
   stays frozen. The loss is the cross-entropy over the task's own logits (``head.loss: local``; the official
   code masks the old classes' logits with -inf, the same thing) plus ``orth_reg`` times the official code's
   orthogonality term (:func:`orthogonality_loss`).
-- **Adapter merging.** After every optimizer step of task t > 0, each parameter θ_t of the new adapter (down
-  and up weights and biases, every block) becomes (:func:`merged_adapter`)
+- **Adapter merging.** Each parameter θ_t of task t's adapter (down and up weights and biases, every block)
+  is pulled towards the mean of the earlier tasks' adapters as they stood when their training ended
+  (:func:`merged_adapter`)
 
       θ_t ← (1 − α) θ_t + α · (1/t) Σ_{k<t} θ_k,
 
-  α = ``merge_momentum``: the paper's adapter-merging update, an exponential moving average towards the mean
-  of the earlier tasks' adapters (official: ``reweight_adapter`` with ``adapter_momentum`` 0.1).
+  α = ``merge_momentum`` (official: ``reweight_adapter`` with ``adapter_momentum`` 0.1). When, is
+  ``merge_schedule``. ``official`` (default), as the official code runs it: ``reweight_adapter`` rewrites every
+  block's adapter in place and is called once per block in every forward pass that uses adapter k ≥ 1
+  (``forward_features``), and once more after each optimizer step (``adapter_merge``): L + 1 times per step
+  (13 on ViT-B), the forward of block i seeing i + 1 of them. The same in-place rule runs on the stored
+  adapters whenever they are used at evaluation, so a stored adapter k ≥ 1 converges to the mean of the earlier
+  ones within a few test batches, and on the trained adapter while the class statistics are computed (the
+  drifted copy is the next task's start; the stored one is the copy taken before). ``per_step`` (the rule
+  before): ``merges_per_step`` times after each optimizer step, stored adapters left alone.
 - **Classifier alignment.** After each task, the mean and covariance (+ ``cov_eps`` I) of every new class's
   features under its own task's adapter are kept; from the second task on the linear head is retrained on
   Gaussian pseudo-features of all seen classes (official ``classifer_align``: SGD, momentum 0.9, cosine lr).
@@ -33,7 +41,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from ..adapters.bottleneck import adapter_bank, adapter_sets, attach_adapters, only_adapters
@@ -49,10 +57,13 @@ class MOSOptions(MethodOptions):
     adapter_dropout: float = Field(0.1, ge=0, lt=1, description="dropout on the adapter's bottleneck (official: 0.1)")
     merge_momentum: float = Field(0.1, ge=0, le=1, description="alpha of the adapter merge theta_t <- (1-alpha) "
                                   "theta_t + alpha mean_{k<t} theta_k (official adapter_momentum 0.1); 0: no merging")
-    merges_per_step: int = Field(1, ge=1, description="times the merge is applied after each optimizer step; 1 is "
-                                 "the formula once per step. The official code applies it in place also inside "
-                                 "every training forward pass, once per block: depth + 1 times per step (13 on "
-                                 "ViT-B), i.e. alpha_eff = 1 - (1-alpha)^13 = 0.75")
+    merge_schedule: Literal["official", "per_step"] = Field(
+        "official", description="official: the merge in place once per adapter-carrying block in every forward "
+        "pass with adapter k >= 1 (training, class statistics and the stored adapters at evaluation) plus once "
+        "after each optimizer step, as the official code (vit_mos.py forward_features, mos.py _init_train); "
+        "per_step: merges_per_step times after each optimizer step only, stored adapters untouched")
+    merges_per_step: int = Field(1, ge=1, description="merge_schedule=per_step: times the merge is applied after "
+                                 "each optimizer step (13 gives the official count per step, all after the step)")
     adapter_init: Literal["previous", "fresh"] = Field(
         "previous", description="a task's new adapter starts from the previous task's trained one (official: one "
         "cur_adapter is trained on and copied at each task's end) or fresh (up-projection zero)")
@@ -76,6 +87,13 @@ class MOSOptions(MethodOptions):
     orig_branch: Literal["first_adapter", "pretrained"] = Field(
         "first_adapter", description="features of the prototype classifier: the backbone with the first task's "
         "adapter (official forward_orig, adapter_id=0) or the frozen pretrained backbone alone")
+
+    @model_validator(mode="after")
+    def _merges_per_step_needs_per_step(self) -> "MOSOptions":
+        if self.merge_schedule == "official" and self.merges_per_step != 1:
+            raise ValueError("method.merges_per_step applies to merge_schedule=per_step only (the official schedule "
+                             "counts its merges by block calls)")
+        return self
 
 
 # -- the formulas, on plain tensors -----------------------------------------------------------------------------
@@ -152,6 +170,9 @@ class MOS(ContinualMethod):
         self._protos = torch.empty(0)
         self._task_of = torch.empty(0, dtype=torch.long)
         self._task = -1
+        self._anchors: list[dict[str, torch.Tensor]] = []  # adapter k as its training ended (CPU)
+        self._targets: dict[int, dict[str, torch.Tensor]] = {}  # mean of anchors[:k], on the adapters' device
+        self._carry: dict[str, torch.Tensor] | None = None  # official: the drifted adapter the next task starts from
 
     def setup(self, model) -> None:
         model.requires_grad_(False)
@@ -165,8 +186,12 @@ class MOS(ContinualMethod):
                               name=_task_name(task.index), generator=ctx.generator)
         if o.adapter_init == "previous" and task.index > 0:
             with torch.no_grad():
-                for p, q in zip(new.parameters(), adapter_sets(bb)[_task_name(task.index - 1)].parameters()):
-                    p.copy_(q)
+                if self._carry is not None:
+                    for name, p in dict(new.bank.sets[new.name].named_parameters()).items():
+                        p.copy_(self._carry[name])
+                else:
+                    for p, q in zip(new.parameters(), adapter_sets(bb)[_task_name(task.index - 1)].parameters()):
+                        p.copy_(q)
         for name, s in adapter_sets(bb).items():
             s.enabled = name == new.name
         self.model.requires_grad_(False)
@@ -179,7 +204,43 @@ class MOS(ContinualMethod):
         return [{"params": adapters, "name": "body"},
                 {"params": head, "name": "head", "lr_scale": self.options.head_lr_scale}]
 
+    # -- adapter merging -----------------------------------------------------------------------------------------
+    def _target(self, k: int) -> dict[str, torch.Tensor] | None:
+        """Mean of the stored adapters 0..k-1 (None for k = 0 or before they exist), on the adapters' device."""
+        if k < 1 or len(self._anchors) < k or self.options.merge_momentum == 0:
+            return None
+        if k not in self._targets:
+            device = next(adapter_sets(self.model.backbone)[_task_name(k)].parameters()).device
+            self._targets[k] = {n: torch.stack([a[n] for a in self._anchors[:k]]).mean(0).to(device)
+                                for n in self._anchors[0]}
+        return self._targets[k]
+
+    @torch.no_grad()
+    def _merge(self, k: int) -> None:
+        """One application of the merge to every parameter of adapter k, in place (values only, as the official
+        ``.data`` assignment: autograd does not see it)."""
+        target = self._target(k)
+        if target is None:
+            return
+        alpha = self.options.merge_momentum
+        for name, p in _named_parameters(self.model.backbone, k).items():
+            p.data.copy_((1 - alpha) * p.data + alpha * target[name])
+
+    def _ensure_hooks(self) -> None:
+        """official: a forward pre-hook on every block's adapter of every set merges the whole set (the official
+        ``forward_features`` calls ``reweight_adapter`` before each block). Hooked lazily, so that sets rebuilt
+        by a resume get theirs."""
+        if self.options.merge_schedule != "official":
+            return
+        for name, s in adapter_sets(self.model.backbone).items():
+            k = int(name[len("task"):])
+            for m in s.modules():
+                if not getattr(m, "_mos_merge_hook", False):
+                    m.register_forward_pre_hook(lambda module, args, k=k: self._merge(k))
+                    m._mos_merge_hook = True
+
     def loss(self, model, x, y, ctx) -> torch.Tensor:
+        self._ensure_hooks()
         feats = model.backbone(x)
         loss = classification_loss(model.head(feats), y, ctx.task, ctx.head_loss)
         if self.options.orth_reg > 0:
@@ -191,20 +252,32 @@ class MOS(ContinualMethod):
     def after_step(self, model, ctx) -> None:
         if self._task < 1 or self.options.merge_momentum == 0:
             return
+        if self.options.merge_schedule == "official":  # adapter_merge(): once after optimizer.step()
+            self._merge(self._task)
+            return
         current = _named_parameters(model.backbone, self._task)
-        previous = [_named_parameters(model.backbone, k) for k in range(self._task)]
+        previous = [_named_parameters(model.backbone, k) for k in range(self._task)]  # never moved in this mode
         for name, p in current.items():
             old = [prev[name] for prev in previous]
             for _ in range(self.options.merges_per_step):
                 p.copy_(merged_adapter(p, old, self.options.merge_momentum))
 
     def end_task(self, task, ctx) -> None:
-        adapter_sets(self.model.backbone)[_task_name(task.index)].requires_grad_(False)
+        t = task.index
+        adapter_sets(self.model.backbone)[_task_name(t)].requires_grad_(False)
         self.model.head.requires_grad_(False)
+        stored = {n: p.detach().clone() for n, p in _named_parameters(self.model.backbone, t).items()}
+        self._anchors.append({n: v.cpu() for n, v in stored.items()})  # adapter_update(): the stored copy
         was = self.model.training
         self.model.eval()
-        feats, labels = self._features(task, ctx, [_task_name(task.index)])
+        feats, labels = self._features(task, ctx, [_task_name(t)])  # official: merges the trained adapter as it goes
         self._add_class_statistics(feats, labels, task)
+        if self.options.merge_schedule == "official":
+            with torch.no_grad():
+                live = _named_parameters(self.model.backbone, t)
+                self._carry = {n: p.detach().cpu().clone() for n, p in live.items()}  # cur_adapter, drifted
+                for n, p in live.items():
+                    p.copy_(stored[n])  # adapter_list[t]
         feats, labels = self._features(task, ctx, self._orig_sets())
         self._add_prototypes(feats, labels, task)
         self._task_of = torch.cat([self._task_of, torch.full((task.n_classes,), task.index, dtype=torch.long)])
@@ -220,6 +293,7 @@ class MOS(ContinualMethod):
     def _features(self, task, ctx, sets: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Backbone features (fp32, CPU) of the task's training data with only the adapter ``sets`` on."""
         out, ys = [], []
+        self._ensure_hooks()
         with only_adapters(self.model.backbone, sets):
             for x, y in task.train.batches(ctx.eval_batch_size):
                 out.append(self.model.backbone(x.to(ctx.device)).float().cpu())
@@ -288,6 +362,7 @@ class MOS(ContinualMethod):
         if n == 0:  # before the first task ends: the plain model
             return self.model(x)
         task_of, n_tasks = self._task_of.to(x.device), int(self._task_of.max()) + 1
+        self._ensure_hooks()
         with only_adapters(bb, self._orig_sets()):
             proto = F.normalize(bb(x).float(), dim=-1) @ F.normalize(self._protos.to(x.device), dim=-1).T
         feats = []
@@ -304,10 +379,24 @@ class MOS(ContinualMethod):
 
     # -- memory across tasks ----------------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {"mos/means": self._means, "mos/covs": self._covs, "mos/protos": self._protos,
-                "mos/task_of": self._task_of}
+        out = {"mos/means": self._means, "mos/covs": self._covs, "mos/protos": self._protos,
+               "mos/task_of": self._task_of}
+        for k, anchor in enumerate(self._anchors):
+            out.update({f"mos/anchor{k}/{n}": v for n, v in anchor.items()})
+        if self._carry is not None:
+            out.update({f"mos/carry/{n}": v for n, v in self._carry.items()})
+        return out
 
     def load_state(self, tensors, meta) -> None:
         super().load_state(tensors, meta)
         self._means, self._covs = tensors["mos/means"], tensors["mos/covs"]
         self._protos, self._task_of = tensors["mos/protos"], tensors["mos/task_of"].long()
+        n_tasks = int(self._task_of.max()) + 1 if len(self._task_of) else 0
+        self._anchors = [{n[len(f"mos/anchor{k}/"):]: v for n, v in tensors.items() if n.startswith(f"mos/anchor{k}/")}
+                         for k in range(n_tasks)]
+        if any(not a for a in self._anchors):
+            raise ValueError("mos checkpoint: the stored adapters' end-of-training values (mos/anchor<k>/...) are "
+                             "missing; this checkpoint was written by an older clmerge and cannot resume")
+        carry = {n[len("mos/carry/"):]: v for n, v in tensors.items() if n.startswith("mos/carry/")}
+        self._carry = carry or None
+        self._targets = {}

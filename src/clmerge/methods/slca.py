@@ -5,7 +5,10 @@ Slow learner: full fine-tuning of backbone and linear head, the backbone at ``ba
 head's learning rate (the official code for ViT-B/16: backbone 1e-4, head 1e-2 with SGD, a ratio of 0.01).
 The body's parameter group carries ``lr_scale``, which the engine's optimizer applies to the head's lr.
 Classifier alignment: ``head.align`` (the engine's head suite, docs/heads.md), on by default for this
-method through ``head_defaults``; a ``head.*`` key the user sets still wins.
+method through ``head_defaults``; a ``head.*`` key the user sets still wins. As in the official code, the
+aligned head is evaluated and then discarded (``fc.backup()`` before alignment, ``fc.recall()`` after the
+evaluation): each task end aligns a fresh copy of the trained head (``head.align_keep: discard``, the head
+suite's default; ``persistent`` keeps the aligned copy and aligns it again, as InfLoRA-CA does).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ class SLCA(ContinualMethod):
     description = ("SLCA (Zhang et al.): full fine-tuning with a slow backbone lr, classifier alignment from "
                    "per-class feature Gaussians")
     Options = SLCAOptions
-    head_defaults: ClassVar[dict[str, Any]] = {"align": True}
+    head_defaults: ClassVar[dict[str, Any]] = {"align": True, "align_keep": "discard"}
     optim_defaults, optim_source = grid_rate(1e-4, "the head's rate; the backbone trains at backbone_lr_scale of it")
 
     def parameter_groups(self, model) -> list[dict]:

@@ -117,4 +117,4 @@ def test_the_config_validates_methods_in_a_fresh_interpreter(call):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_fresh_env(),
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split()[-1] in {"ranpac", "seq_lora", "pm"}
+    assert proc.stdout.split()[-1] in {"ranpac_rp", "seq_lora", "pm"}

@@ -235,7 +235,8 @@ BASELINE_REFERENCES = (("seq_lora", "linear"), ("sd_lora", "linear"), ("pm", "li
 # of their inference model).
 OWN_HEAD = {"simplecil": "cosine prototypes", "aper": "cosine prototypes, [pretrained; adapted]",
             "ease": "own: reweighted subspace prototypes", "mos": "own: retrieval + prototype ensemble",
-            "slca": "linear+align", "er": "linear", "der": "linear", "derpp": "linear", "ranpac": "ranpac"}
+            "slca": "linear+align", "er": "linear", "der": "linear", "derpp": "linear", "ranpac": "ranpac",
+            "ranpac_rp": "ranpac", "aper_finetune": "cosine prototypes, [pretrained; fine-tuned]"}
 # The claims, as paired same-seed differences of final CIL accuracy (A - B > 0), each (label, head) with head
 # None for the method's own (primary) head. A claim holds when every pair does.
 _OWN = None

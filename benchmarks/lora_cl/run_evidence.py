@@ -171,18 +171,23 @@ METHODS.update({"er": ({"name": "er"}, FULL_LRS), "der": ({"name": "der"}, FULL_
                 "derpp": ({"name": "derpp"}, FULL_LRS), "slca": ({"name": "slca"}, FULL_LRS),
                 "aper": ({"name": "aper"}, ADAPTER_LRS), "ease": ({"name": "ease"}, ADAPTER_LRS),
                 "mos": ({"name": "mos"}, ADAPTER_LRS), "simplecil": ({"name": "simplecil"}, NO_TRAINING),
-                "ranpac": ({"name": "ranpac"}, NO_TRAINING)})
-CL_BASELINES = ["simplecil", "ranpac", "aper", "ease", "mos", "slca", "er", "der", "derpp"]
-# ranpac keeps the LoRA sites of every LoRA method: they are used only by its first-session adaptation
-# (first_session_adapt, off here), but a variant that turns it on must adapt the same sites as the others.
-NO_LORA_SITES |= set(CL_BASELINES) - {"ranpac"}
+                # ranpac adapts in the first task (an adapter, as aper); ranpac_rp is its random projection only
+                "ranpac": ({"name": "ranpac"}, ADAPTER_LRS), "ranpac_rp": ({"name": "ranpac_rp"}, NO_TRAINING),
+                "aper_finetune": ({"name": "aper_finetune"}, FULL_LRS)})
+CL_BASELINES = ["simplecil", "ranpac", "ranpac_rp", "aper", "aper_finetune", "ease", "mos", "slca", "er", "der",
+                "derpp"]
+NO_LORA_SITES |= set(CL_BASELINES)
+# ranpac's first session trains the same adapter with the same cosine head from the same seed as aper's, so the
+# two adapted backbones are identical at a rate: ranpac takes aper's validation-selected rate (the CPU budget)
+LR_FROM["ranpac"] = "aper"
 OWN_HEAD_ONLY = {"head": {"compare": False}}
 # The replay buffer: memory.size in the method's words, method.buffer_size here; the library default, 200
 # examples (the DER paper's smallest buffer; 5.6% of split_mnist5k's 3,600 training images after the validation
 # hold-out), set explicitly.
 BUFFER = {"method": {"buffer_size": 200}}
 EXTRA_CONFIG.update({"er": BUFFER, "der": BUFFER, "derpp": BUFFER, "simplecil": OWN_HEAD_ONLY,
-                     "ranpac": OWN_HEAD_ONLY, "aper": OWN_HEAD_ONLY, "ease": OWN_HEAD_ONLY, "mos": OWN_HEAD_ONLY})
+                     "ranpac": OWN_HEAD_ONLY, "aper": OWN_HEAD_ONLY, "ease": OWN_HEAD_ONLY, "mos": OWN_HEAD_ONLY,
+                     "ranpac_rp": OWN_HEAD_ONLY, "aper_finetune": OWN_HEAD_ONLY})
 # DER and DER++ select their own rates on FULL_LRS, like ER (not ER's: with it, DER++ reached 64.8 CIL on
 # split_mnist5k against 70.0 at its own choice; CHANGELOG.md).
 

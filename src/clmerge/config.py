@@ -191,7 +191,8 @@ class HeadConfig(StrictModel):
     compare: bool = Field(False, description="also evaluate linear, linear+align, ncm and ranpac as shadow heads "
                           "(never fed back into training); metrics.json gets heads: {name: ...}")
     ncm_metric: Literal["cosine", "euclidean"] = Field("cosine", description="ncm: similarity to the class means")
-    ranpac_dim: int = Field(2000, ge=1, description="ranpac: random projection width M (the paper: 10000)")
+    ranpac_dim: int = Field(10000, ge=1, description="ranpac: random projection width M (the official M: 10000; "
+                            "a float64 Gram matrix of M x M, 800 MB at 10000)")
     align_epochs: int = Field(5, ge=1, description="align: epochs over pseudo-features (SLCA ca_epochs)")
     align_lr: float = Field(0.01, gt=0, description="align: SGD learning rate (0.01 in the official SLCA and "
                             "InfLoRA-CA code)")
@@ -471,10 +472,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 # The embedded default experiment (``clmerge run`` without a config file) is the (method, head) pair that
 # scored best on validation data in the head grid (benchmarks/lora_cl/results.md, validation ranking,
 # 3 seeds): the pretrained backbone kept frozen with RanPAC's random-projection ridge head on its features,
-# which is the ``ranpac`` method. It owns its head and its frozen backbone, so ``--set method.name=...``
-# switches to another method with that method's own defaults. A config file keeps the section defaults
+# which is the ``ranpac_rp`` method (RanPAC without its first-session adaptation; the grid's head had width
+# 2000, the default is now the official 10000). It owns its head and its frozen backbone, so
+# ``--set method.name=...`` switches to another method with that method's own defaults. A config file keeps the section defaults
 # (InfLoRA, the linear head of the papers' code), so paper configs reproduce the papers.
-EMBEDDED_DEFAULT: dict[str, Any] = {"method": {"name": "ranpac"}}
+EMBEDDED_DEFAULT: dict[str, Any] = {"method": {"name": "ranpac_rp"}}
 
 
 PAPER_DIR = Path(__file__).resolve().parent / "configs" / "paper"  # the papers' configs shipped with clmerge

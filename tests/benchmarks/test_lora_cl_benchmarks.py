@@ -48,8 +48,9 @@ def test_evidence_config_holds_out_validation() -> None:
     sites = set()
     for label in ev.METHODS:
         resolved = parse_config(ev.make_config("mnist_fmnist10", label, 0, 1e-3, smoke=True))
-        if hasattr(resolved.method_options(), "targets"):  # every LoRA method adapts the same sites
-            sites.add(tuple(resolved.method_options().targets))
+        o = resolved.method_options()
+        if hasattr(o, "targets") and getattr(o, "variant", "lora") == "lora":  # every LoRA method: same sites
+            sites.add(tuple(o.targets))  # (ranpac's first session is an adapter here: its targets are unused)
     assert sites == {("key", "value")}
 
 
@@ -193,10 +194,12 @@ def test_baselines_config_uses_each_papers_head_and_selects_on_it() -> None:
     got = {m: parse_config(ev.make_config("split_mnist5k", m, 0, 1e-3, smoke=False)) for m in ev.CL_BASELINES}
     assert {m: (c.head.classifier, c.head.align, c.head.compare) for m, c in got.items()} == {
         "simplecil": ("ncm", False, False), "ranpac": ("ranpac", False, False), "aper": ("ncm", False, False),
+        "ranpac_rp": ("ranpac", False, False), "aper_finetune": ("ncm", False, False),
         "ease": ("linear", False, False), "mos": ("linear", False, False), "slca": ("linear", True, True),
         "er": ("linear", False, True), "der": ("linear", False, True), "derpp": ("linear", False, True)}
     assert all(got[m].method_options().buffer_size == 200 for m in ("er", "der", "derpp"))
-    assert ev.lr_grid("split_mnist5k", "simplecil") == [] == ev.lr_grid("split_mnist5k", "ranpac")
+    assert ev.lr_grid("split_mnist5k", "simplecil") == [] == ev.lr_grid("split_mnist5k", "ranpac_rp")
+    assert ev.LR_FROM["ranpac"] == "aper"  # the same first-session adapter and head: aper's selected rate
     assert ev.lr_grid("split_mnist5k", "er") == ev.FULL_LRS and len(ev.lr_grid("split_mnist5k", "ease")) == 3
     assert "der" not in ev.LR_FROM and "derpp" not in ev.LR_FROM  # each selects its own rate, as er does
     assert ev.lr_grid("split_mnist5k", "der") == ev.lr_grid("split_mnist5k", "derpp") == ev.FULL_LRS

@@ -395,10 +395,10 @@ def test_a_run_on_a_bundled_dataset_without_its_extra_names_pip_install(ws, monk
     before = _snapshot(ws)
     words = ["digits", "scikit-learn", 'pip install "clmerge[data]"']
     _check(CliRunner().invoke(app, [*RUN, "--out", "r"]), INPUT, words, before, ws)
-# -- a method owns its head: the statistics methods (simplecil, ranpac) refuse the linear head
+# -- a method owns its head: the statistics methods (simplecil, ranpac_rp) refuse the linear head
 METHOD_HEAD_CASES = [
-    ("run: the ranpac default with the linear head", ["run", "--set", "head.classifier=linear", "--out", "r"],
-     USAGE, ["head.classifier=linear", "'ranpac' trains no linear head", "ncm or ranpac"]),
+    ("run: the ranpac_rp default with the linear head", ["run", "--set", "head.classifier=linear", "--out", "r"],
+     USAGE, ["head.classifier=linear", "'ranpac_rp' trains no linear head", "ncm or ranpac"]),
     ("run: simplecil with head.compare",
      ["run", "--set", "method.name=simplecil", "--set", "head.compare=true", "--out", "r"],
      USAGE, ["head.compare=true", "'simplecil'"]),

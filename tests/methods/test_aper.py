@@ -64,7 +64,10 @@ def test_only_the_first_task_trains_adapter_and_head(tmp_path, monkeypatch):
     assert len(changes) == 1  # tasks 2 and 3 train nothing
     body = changes[0]["body"]
     assert body and all(".bottleneck_adapters.sets.aper." in n for n in body)
-    assert changes[0]["head"]
+    assert changes[0]["head"] == []  # the first-session cosine head is the method's, not the model's head
+    changes.clear()
+    run_experiment(_cfg({**APER, "adapt_head": "linear"}, 3), tmp_path / "linear")
+    assert len(changes) == 1 and changes[0]["head"]  # adapt_head=linear trains the model's linear head
 
 
 @pytest.mark.parametrize("variant", ["ssf", "vpt_deep", "vpt_shallow"])

@@ -25,7 +25,8 @@ from conftest import tiny_config
 
 NAMES = sorted(METHODS)
 STATISTICS = [n for n in NAMES if not METHODS[n].trains_linear_head]
-FIRST_SESSION = {"aper"}  # adapts in the first task only, then trains nothing (tests/methods/test_aper.py)
+FIRST_SESSION = {"aper", "aper_finetune", "ranpac"}  # adapt in the first task only, then train nothing
+# (tests/methods/test_aper.py, test_aper_official.py, test_ranpac_official.py)
 VIT3 = {"num_hidden_layers": 3, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
 # what a method needs to fit on the 1-layer tiny ViT of the 2-task runs (its defaults size the paper's ViT-B)
 TINY = {
@@ -40,11 +41,12 @@ TINY = {
 }
 
 
-def test_the_embedded_default_is_the_ranpac_method_with_its_own_head():
+def test_the_embedded_default_is_random_projection_only_ranpac_with_its_own_head():
     cfg = default_config()
-    assert EMBEDDED_DEFAULT == {"method": {"name": "ranpac"}}
-    assert (cfg.method.name, cfg.head.classifier, cfg.train.adapt_tasks) == ("ranpac", "ranpac", None)
-    assert cfg.method_options().first_session_adapt is False
+    assert EMBEDDED_DEFAULT == {"method": {"name": "ranpac_rp"}}
+    assert (cfg.method.name, cfg.head.classifier, cfg.train.adapt_tasks) == ("ranpac_rp", "ranpac", None)
+    assert cfg.head.ranpac_dim == 10000
+    assert load_config(None, ["method.name=ranpac"]).method_options().first_session_adapt is True
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -58,7 +60,7 @@ def test_switching_the_method_takes_only_that_methods_defaults(name):
 
 
 # methods that train nothing unless an option asks (no rate of their own: the optim section's defaults apply)
-UNTRAINED = {"simplecil", "ranpac"}
+UNTRAINED = {"simplecil", "ranpac_rp"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -72,7 +74,7 @@ def test_every_method_that_trains_owns_a_learning_rate_and_says_where_it_comes_f
 
 
 def test_the_embedded_default_keeps_the_optim_section_defaults():
-    assert default_config().optim == OptimConfig()  # ranpac trains nothing: its run does not change
+    assert default_config().optim == OptimConfig()  # ranpac_rp trains nothing: its run does not change
 
 
 def test_an_optim_key_the_user_sets_overrides_the_methods_rate(tmp_path):
@@ -136,7 +138,7 @@ def test_a_statistics_method_refuses_the_linear_head_it_never_trains(name, key):
 def test_methods_lists_the_statistics_methods_and_seq_lora_targets_from_its_options():
     out = CliRunner().invoke(app, ["methods"]).output
     lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
-    assert {"simplecil", "ranpac"} <= set(lines)
+    assert {"simplecil", "ranpac", "ranpac_rp", "aper", "aper_finetune"} <= set(lines)
     targets = "/".join(load_config(None, ["method.name=seq_lora"]).method_options().targets)
     assert f"LoRA on {targets} " in lines["seq_lora"]
 
@@ -195,9 +197,9 @@ def test_a_statistics_method_trains_nothing_and_keeps_head_statistics(name, tmp_
 
 def test_ranpac_first_session_adapt_trains_the_first_task_only(tmp_path, monkeypatch):
     calls = _fit_recorder(monkeypatch)
-    cfg = _tiny("ranpac", method={"name": "ranpac", "first_session_adapt": True, "rank": 2})
+    cfg = _tiny("ranpac", method={"name": "ranpac", "variant": "lora", "rank": 2})
     run_experiment(cfg, tmp_path / "run")
-    assert calls == [{"body": True, "head": True}]  # the first task only
+    assert calls == [{"body": True, "head": True}]  # the first task only (head: the first-session cosine head)
     ck = tmp_path / "run" / "checkpoints"
     s0, s1 = (load_checkpoint(ck / f"task_00{t}.safetensors")[0] for t in (0, 1))
     initial = fresh_objects(cfg)[0].state_dict()  # after the method's setup: the LoRA-wrapped layers' names

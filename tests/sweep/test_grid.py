@@ -78,7 +78,7 @@ def test_a_cells_config_is_base_then_set_then_its_grid_values(tmp_path):
 def test_no_base_is_the_embedded_default_and_a_bad_cell_is_named():
     spec = spec_from_dict({"grid": {"optim.lr": [0.1, "abc"]}})
     base = base_data(spec)
-    assert cell_config(base, expand_cells(spec)[0])[1].method.name == "ranpac"
+    assert cell_config(base, expand_cells(spec)[0])[1].method.name == "ranpac_rp"
     with pytest.raises(ConfigError, match="cell lrabc: .*optim.lr"):
         cell_config(base, Cell("lrabc", {"optim.lr": "abc"}))
 

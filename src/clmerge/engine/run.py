@@ -143,7 +143,7 @@ def _fit_task(run: Run, t: int, ctx: TaskContext) -> None:
         run.state.warned_untrained = True
         log_warning(f"warning: train.adapt_tasks=0: method {cfg.method.name!r} trains none of its "
                     f"{sum(p.numel() for p in frozen)} own parameters in any task (only the linear head); a "
-                    "frozen-backbone method is method.name=ranpac or simplecil")
+                    "frozen-backbone method is method.name=ranpac_rp or simplecil")
     if groups or method.trains_linear_head:  # else a statistics method in a task without adaptation
         ctx.fit(model=model, data=ctx.task.train, groups=groups,
                 loss_fn=lambda m, x, y: method.loss(m, x, y, ctx), epochs=cfg.train.epochs, lr=lr,

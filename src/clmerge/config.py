@@ -474,8 +474,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 # 3 seeds): the pretrained backbone kept frozen with RanPAC's random-projection ridge head on its features,
 # which is the ``ranpac_rp`` method (RanPAC without its first-session adaptation; the grid's head had width
 # 2000, the default is now the official 10000). It owns its head and its frozen backbone, so
-# ``--set method.name=...`` switches to another method with that method's own defaults. A config file keeps the section defaults
-# (InfLoRA, the linear head of the papers' code), so paper configs reproduce the papers.
+# ``--set method.name=...`` switches to another method with that method's own defaults. A config file keeps
+# the section defaults (InfLoRA, the linear head of the papers' code), so paper configs reproduce the papers.
 EMBEDDED_DEFAULT: dict[str, Any] = {"method": {"name": "ranpac_rp"}}
 
 

@@ -24,9 +24,9 @@ from typing import Any, Literal, Protocol
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import InputError, UsageError, clip
+from .errors import ConfigError, ConfigFileError, InputError, UsageError, clip
 from .registry import provided
-from .utils.yaml_io import YamlError, YamlLimitError, parse_assignment, read_yaml
+from .utils.yaml_io import YamlError, YamlLimitError, parse_assignment, read_yaml, read_yaml_mapping
 from .utils.threads import threads_problem
 
 __all__ = [
@@ -93,17 +93,6 @@ def _methods() -> MethodRegistry:
         raise RuntimeError("no continual methods are registered: import clmerge.methods (or clmerge.engine) "
                            "before validating a config's method section")
     return _method_registry[0]
-
-
-class ConfigError(UsageError):
-    """A config problem, with the dotted key that caused it (a :class:`UsageError`: exit code 2)."""
-
-
-class ConfigFileError(ConfigError, InputError):
-    """A config / recipe / spec file that does not exist or is not a file: an input error (exit code 3),
-    still caught as a :class:`ConfigError`."""
-
-    exit_code = InputError.exit_code
 
 
 # Every seed key (``seed``, ``scenario.seed``, ``clmerge run --seeds``) takes an integer in [SEED_MIN, SEED_MAX]:
@@ -387,23 +376,6 @@ def validate_strict(model: type[BaseModel], data: dict | None) -> BaseModel:
         return model.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_validation(exc)) from None
-
-
-def read_yaml_mapping(path: str | Path, what: str = "config file") -> dict:
-    """Read a YAML file whose top level is a mapping; a missing, unreadable, oversized or invalid file ->
-    ConfigFileError (an input error), a non-mapping -> ConfigError. The limits: :mod:`clmerge.utils.yaml_io`."""
-    p = Path(path)
-    if not p.exists():
-        raise ConfigFileError(f"{what} not found: {p}")
-    if not p.is_file():
-        raise ConfigFileError(f"{p}: the {what} is a folder, not a YAML file")
-    try:
-        data = read_yaml(p) or {}
-    except YamlError as exc:
-        raise ConfigFileError(f"{exc} (the {what})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: the top level of a {what} must be a mapping")
-    return data
 
 
 def parse_config(data: dict | None) -> ExperimentConfig:

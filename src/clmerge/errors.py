@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["clip", "ClmergeError", "UsageError", "InputError", "RunStateError", "OutputError", "TrainingError"]
+__all__ = ["clip", "ClmergeError", "UsageError", "InputError", "RunStateError", "OutputError", "TrainingError",
+           "ConfigError", "ConfigFileError"]
 
 
 class ClmergeError(Exception):
@@ -36,6 +37,17 @@ class InputError(ClmergeError, ValueError):
     """A missing or malformed input: file, model folder, checkpoint or dataset (the message names it)."""
 
     exit_code = 3
+
+
+class ConfigError(UsageError):
+    """A config problem, with the dotted key that caused it (a :class:`UsageError`: exit code 2)."""
+
+
+class ConfigFileError(ConfigError, InputError):
+    """A config / recipe / spec file that does not exist or is not a file: an input error (exit code 3),
+    still caught as a :class:`ConfigError`."""
+
+    exit_code = InputError.exit_code
 
 
 class RunStateError(ClmergeError, RuntimeError):

@@ -28,12 +28,13 @@ from torch import Tensor
 from ..errors import UsageError
 from ..utils.device import Device, parse_device, using_device
 from .io.base import MergeInputError, ParamSource
-from .io.checks import source_get, source_meta
-from .io.lora_svd import check_out_dir, check_svd, clamped_note, device_low_rank_factors, error_summary
-from .io.output import build_folder
+from ..utils.outpaths import check_output_dir
+from .io.checks import check_output_finite, source_get, source_meta
+from .io.lora_svd import check_svd, clamped_note, device_low_rank_factors, error_summary
+from .io.output import build_folder, input_paths as _input_paths
 from .io.peft import AdapterSource, LoraModule, adapter_config, write_adapter
 from .methods.hparams import check_hyperparameters
-from .methods.registry import MergeMethod, get_method, merge
+from .methods.registry import MergeMethod, get_method
 
 __all__ = ["LINEAR_METHODS", "OpenedAdapters", "REPORT_FILE", "merge_adapters", "open_adapters",
            "write_merged_adapter"]
@@ -98,10 +99,12 @@ def _modules(srcs: list[AdapterSource]) -> dict[str, LoraModule]:
     return dict(sorted(found.items()))
 
 
-def _refactorise(base, srcs, modules, method, hp, rank, svd) -> tuple[dict, dict, int]:
+def _refactorise(base, srcs, modules, method: MergeMethod, hp, rank, svd) -> tuple[dict, dict, int]:
     keys = list(modules)
-    merged = merge(method, base=_KeyView(base, keys, None, base.name),
-                   experts=[_KeyView(base, keys, s, s.name) for s in srcs], **hp)
+    # the method resolved and its hyperparameter names checked when the adapters were opened (open_adapters)
+    merged = method.fn(base=_KeyView(base, keys, None, base.name),
+                       experts=[_KeyView(base, keys, s, s.name) for s in srcs], **hp)
+    check_output_finite(method.name, merged)
     rank = rank or max(m.rank for s in srcs for m in s.modules.values())
     factors, errors = {}, {}
     for key, m in modules.items():
@@ -111,11 +114,12 @@ def _refactorise(base, srcs, modules, method, hp, rank, svd) -> tuple[dict, dict
     return factors, errors, rank
 
 
-def _factored(srcs, modules, method, hp) -> tuple[dict, dict]:
-    if method not in LINEAR_METHODS:
+def _factored(srcs, modules, method: MergeMethod, hp) -> tuple[dict, dict]:
+    if method.name not in LINEAR_METHODS:
         raise MergeInputError(f"form 'factored' is exact only for methods linear in the updates "
-                              f"({', '.join(LINEAR_METHODS)}); use --adapter-out peft (SVD) or full for {method!r}")
-    coeffs = LINEAR_METHODS[method](len(srcs), hp)
+                              f"({', '.join(LINEAR_METHODS)}); use --adapter-out peft (SVD) or full for "
+                              f"{method.name!r}")
+    coeffs = LINEAR_METHODS[method.name](len(srcs), hp)
     factors = {}
     for key, first in modules.items():
         parts = [(c, s.modules[key]) for c, s in zip(coeffs, srcs) if key in s.modules]
@@ -159,16 +163,19 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
         from .io.readers import open_checkpoint
 
         base = open_checkpoint(base)
-    opened = open_adapters(method=get_method(method), base=base, adapters=adapters, hyperparameters=hyperparameters, form=form,
-                           rank=rank, svd=svd)
-    return write_merged_adapter(opened, Path(out), overwrite=overwrite, device=device)
+    opened = open_adapters(method=get_method(method), base=base, adapters=adapters, hyperparameters=hyperparameters,
+                           form=form, rank=rank, svd=svd)
+    # the one output guard's rule, as `clmerge merge --adapter-out` checks it (clmerge.merging.run)
+    check_output_dir(Path(out), flag="--out", inputs=_input_paths([opened.base, *opened.srcs]), overwrite=overwrite,
+                     file_suffix=".safetensors", inside_inputs=False)
+    return write_merged_adapter(opened, Path(out), device=device)
 
 
 @dataclass
 class OpenedAdapters:
     """Adapters checked and opened over their base, ready to merge (:func:`open_adapters`)."""
 
-    method: str
+    method: MergeMethod
     base: Any
     srcs: list[AdapterSource]
     hp: dict
@@ -191,16 +198,15 @@ def open_adapters(*, method: MergeMethod, base: Any, adapters: Sequence[Any], hy
     # unknown names fail before any work, in either form
     check_hyperparameters(method, hp, types=False, data_ok=True, error=TypeError)
     srcs = _open(base, adapters)
-    return OpenedAdapters(method.name, base, srcs, hp, form, rank, svd)
+    return OpenedAdapters(method, base, srcs, hp, form, rank, svd)
 
 
-def write_merged_adapter(opened: OpenedAdapters, out: Path, *, overwrite: bool = False,
-                         device: str | Device | None = None) -> dict:
-    """Merge the opened adapters and write them as one PEFT adapter folder ``out`` (checked first: never an
-    input, nor a non-empty folder unless ``overwrite``); returns the report (:func:`merge_adapters`)."""
+def write_merged_adapter(opened: OpenedAdapters, out: Path, *, device: str | Device | None = None) -> dict:
+    """Merge the opened adapters and write them as one PEFT adapter folder ``out`` (checked by the caller with
+    the one output guard; an existing ``out`` it let through is replaced only when the result is complete);
+    returns the report (:func:`merge_adapters`)."""
     method, base, srcs, hp, form, rank, svd = (opened.method, opened.base, opened.srcs, opened.hp, opened.form,
                                                opened.rank, opened.svd)
-    check_out_dir(out, [Path(s.name) for s in srcs] + [p for p in [Path(str(base.name))] if p.exists()], overwrite)
     modules = _modules(srcs)
     dev = parse_device(device)
     dev.start()
@@ -217,7 +223,7 @@ def write_merged_adapter(opened: OpenedAdapters, out: Path, *, overwrite: bool =
     config = adapter_config(r=out_rank, alpha=out_rank, targets=list(factors), fan_in_fan_out=transpose,
                             rank_pattern=pattern, alpha_pattern=pattern,
                             base_model=cfg0.get("base_model_name_or_path"), task_type=cfg0.get("task_type"))
-    report = {"out": str(out), "form": form, "method": method, "hyperparameters": hp,
+    report = {"out": str(out), "form": form, "method": method.name, "hyperparameters": hp,
               "adapters": [s.name for s in srcs], "keys": list(modules), "rank": out_rank,
               "ranks": ranks, **error_summary(errors),
               "warnings": [w for w in [*(s.warning for s in srcs), clamped_note(pattern, out_rank)] if w]}

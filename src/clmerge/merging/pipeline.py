@@ -9,7 +9,6 @@ being merged (plus a method's per-key temporaries), whatever the model's size.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 import torch
 
 from ..utils.device import Device, using_device
-from ..utils.dtypes import DTYPES, config_dtype, dtype_name, to_dtype
+from ..utils.dtypes import DTYPES, config_dtype, to_dtype
 from .methods.hparams import DATA_HPARAMS, HParam, check_hyperparameters, method_hparams, per_model_params
 from .io.output import OutputFolder
 from .io.readers import open_checkpoint, resolve_hub_id
@@ -28,7 +27,7 @@ from .methods.registry import MergeMethod
 from .methods.sources import ModelSet
 from .vocab import VocabPlan, prepare_vocab
 
-__all__ = ["Prepared", "dry_run_text", "execute", "prepare"]
+__all__ = ["Prepared", "execute", "prepare"]
 
 
 @dataclass
@@ -111,7 +110,7 @@ def prepare(recipe: Recipe, method: MergeMethod, *, task: str | int | None = Non
                                                     chat_template_from=recipe.chat_template_from)
     tied = vocab.tied_pair() if vocab is not None else None
     compute = DTYPES[recipe.compute_dtype]
-    models = ModelSet(base, experts, compute_dtype=compute)
+    models = ModelSet.of_sources(base, experts, compute_dtype=compute)
     tasks = _tasks(method, hps, task, models.num_experts)
     list_params = {n for n, h in hps.items() if h.is_list}
     groups = key_groups(models.keys(), {**params, **per_model}, recipe.overrides, list_params)
@@ -196,36 +195,3 @@ def execute(prep: Prepared, output: OutputFolder, *, io_threads: bool = False,
         log(device.summary())
         info["device"] = device.stats()
     return info
-
-
-def _size(n: float) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
-
-
-def dry_run_text(prep: Prepared) -> str:
-    """The plan: keys and shapes (summarised), per-group hyperparameters, and the memory estimate."""
-    ms = prep.models
-    n_in = ms.num_experts + (ms.base is not None)
-    in_bytes = [math.prod(ms.experts[0].meta(k)[0]) * ms.experts[0].meta(k)[1].itemsize for k in ms.keys()]
-    numels = [math.prod(s) for _, s, _ in prep.plan]
-    out_bytes = sum(n * d.itemsize for n, (_, _, d) in zip(numels, prep.plan))
-    largest = max(range(len(numels)), key=numels.__getitem__) if numels else 0
-    # per key: every input's tensor, the output, and about T+2 float32 temporaries of whole-tensor kernels
-    peak = n_in * max(in_bytes, default=0) + (ms.num_experts + 3) * 4 * max(numels, default=0)
-    lines = [f"method: {prep.method.name}; inputs: {ms.num_experts} models" + (" + base" if ms.base else ""),
-             f"keys: {len(prep.plan)} tensors, {sum(numels):,} parameters; largest {prep.plan[largest][0]} "
-             f"{list(prep.plan[largest][1])}" if numels else "keys: none",
-             f"output: {_size(out_bytes)} ({', '.join(sorted({dtype_name(d) for *_, d in prep.plan}))}), "
-             f"shards of at most {_size(prep.shard_size)}",
-             f"memory estimate: about {_size(peak)} beyond the Python process (the largest key's inputs, "
-             "output and float32 temporaries; nothing else is held)",
-             f"tasks: {'one model' if prep.tasks == [None] else ', '.join(map(str, prep.tasks))}",
-             f"groups (keys with equal hyperparameters): {len(prep.groups)}"]
-    for hp, keys in prep.groups:
-        shown = ", ".join(keys[:3]) + (f", … ({len(keys)} keys)" if len(keys) > 3 else "")
-        lines.append(f"  {prep.method.name} {hp or '{defaults}'}: {shown}")
-    if prep.vocab is not None:
-        lines.append(prep.vocab.summary())
-    if ms.mixed:
-        lines.append(f"mixed input dtypes on {len(ms.mixed)} keys: upcast to {ms.compute_dtype}")
-    return "\n".join(lines)

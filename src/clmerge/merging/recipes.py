@@ -131,7 +131,7 @@ class Recipe(StrictModel):
     _layout = model_validator(mode="after")(_check_layout)
     _recorded: str | None = PrivateAttr(default=None)
 
-    def recorded_as(self, text: str) -> Recipe:
+    def recorded_as(self, text: str | None) -> Recipe:
         """Record ``text`` in the output folder instead of this recipe (the final merge of a multi-stage
         recipe records the whole recipe, stage names and all, not the stages' temporary folders)."""
         self._recorded = text

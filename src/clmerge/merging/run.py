@@ -19,20 +19,21 @@ left by a killed process), so only the final model remains.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..config import read_yaml_mapping
 from ..errors import UsageError
 from ..utils.device import Device, parse_device
+from ..utils.dtypes import dtype_name
 from ..utils.threads import io_threads
-from ..utils.yaml_io import YamlLimitError, parse_assignment
+from ..utils.yaml_io import YamlLimitError, parse_assignment, read_yaml_mapping
 from . import pipeline, slices
 from .io.base import MergeInputError
-from .io.output import OutputFolder, OutputTarget, check_out
+from .io.output import OutputFolder, OutputTarget
 from .io.peft import is_peft_adapter
 from .io.readers import HUB_ID, open_checkpoint
 from .lora_merge import open_adapters, write_merged_adapter
@@ -128,15 +129,15 @@ class Plan:
 
     def text(self) -> str:
         """The dry run's plan."""
+        r = self.recipe
         if self.kind == "models":
-            return pipeline.dry_run_text(self.prepared)
+            return _models_text(self.prepared)
         if self.kind == "slices":
-            return slices.dry_run_text(self.prepared)
+            return _slices_text(self.prepared)
         if self.kind == "stages":
-            r = self.recipe
             lines = [f"stage {s.name}: {s.method} of {', '.join(m for _, m in model_refs(s))}" for s in r.stages]
             return "\n".join([*lines, f"final: {r.method} of {', '.join(m for _, m in model_refs(r))}"])
-        return f"{self.recipe.method} of {len(self.recipe.models)} adapters into one {self.adapter_out} adapter"
+        return f"{r.method} of {len(r.models)} adapters into one {self.adapter_out} adapter"
 
     def inputs(self) -> list[Any]:
         """The opened inputs (an output never goes into one)."""
@@ -144,7 +145,56 @@ class Plan:
             return [s for s in [self.prepared.models.base, *self.prepared.models.experts] if s is not None]
         if self.kind == "slices":
             return list(self.prepared.sources.values())
+        if self.kind == "adapters":
+            return [self.prepared.base, *self.prepared.srcs]
         return []
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def _models_text(prep: pipeline.Prepared) -> str:
+    """A whole-model merge's plan: keys and shapes (summarised), per-group hyperparameters, and the memory
+    estimate."""
+    ms = prep.models
+    n_in = ms.num_experts + (ms.base is not None)
+    in_bytes = [math.prod(ms.experts[0].meta(k)[0]) * ms.experts[0].meta(k)[1].itemsize for k in ms.keys()]
+    numels = [math.prod(s) for _, s, _ in prep.plan]
+    out_bytes = sum(n * d.itemsize for n, (_, _, d) in zip(numels, prep.plan))
+    largest = max(range(len(numels)), key=numels.__getitem__) if numels else 0
+    # per key: every input's tensor, the output, and about T+2 float32 temporaries of whole-tensor kernels
+    peak = n_in * max(in_bytes, default=0) + (ms.num_experts + 3) * 4 * max(numels, default=0)
+    lines = [f"method: {prep.method.name}; inputs: {ms.num_experts} models" + (" + base" if ms.base else ""),
+             f"keys: {len(prep.plan)} tensors, {sum(numels):,} parameters; largest {prep.plan[largest][0]} "
+             f"{list(prep.plan[largest][1])}" if numels else "keys: none",
+             f"output: {_size(out_bytes)} ({', '.join(sorted({dtype_name(d) for *_, d in prep.plan}))}), "
+             f"shards of at most {_size(prep.shard_size)}",
+             f"memory estimate: about {_size(peak)} beyond the Python process (the largest key's inputs, "
+             "output and float32 temporaries; nothing else is held)",
+             f"tasks: {'one model' if prep.tasks == [None] else ', '.join(map(str, prep.tasks))}",
+             f"groups (keys with equal hyperparameters): {len(prep.groups)}"]
+    for hp, keys in prep.groups:
+        shown = ", ".join(keys[:3]) + (f", … ({len(keys)} keys)" if len(keys) > 3 else "")
+        lines.append(f"  {prep.method.name} {hp or '{defaults}'}: {shown}")
+    if prep.vocab is not None:
+        lines.append(prep.vocab.summary())
+    if ms.mixed:
+        lines.append(f"mixed input dtypes on {len(ms.mixed)} keys: upcast to {ms.compute_dtype}")
+    return "\n".join(lines)
+
+
+def _slices_text(sp: slices.SlicePlan) -> str:
+    """A slice recipe's plan: which output layers come from which sources."""
+    lines = [f"slices: {len(sp.recipe.slices)}; output layers: {sp.num_layers}; method: {sp.recipe.method}"]
+    start = 0
+    for sl in sp.recipe.slices:
+        n = sl.sources[0].layer_range[1] - sl.sources[0].layer_range[0]
+        srcs = " + ".join(f"{s.model} {list(s.layer_range)}" for s in sl.sources)
+        lines.append(f"  layers {start}..{start + n - 1} <- {srcs}")
+        start += n
+    lines.append(f"tensors: {len(sp.plan)}")
+    return "\n".join(lines)
 
 
 def plan(recipe: Recipe, *, task: str | None = None, adapter_out: str = "full", adapter_rank: int | None = None,
@@ -198,21 +248,20 @@ def run_merge(recipe: Recipe, out: Path | None, *, task: str | None = None, dry_
     p = plan(recipe, task=task, adapter_out=adapter_out, adapter_rank=adapter_rank, where=where)
     if p.kind == "models":
         _log_notes(p.prepared, log)
-    if dry_run and p.kind != "adapters":
+    if dry_run:
         return MergeResult(recipe.method, plan=p.text())
     if out is None:
-        raise ValueError({"adapters": f"--adapter-out {adapter_out} needs --base (the adapters' base model) and --out",
-                          "slices": "--out PATH is required (a new folder)"}.get(p.kind, NEEDS_OUT))
+        raise ValueError(_NEEDS_OUT.get(p.kind, NEEDS_OUT).format(form=adapter_out))
+    # the one output check, before any work: never an input or inside one, never over something unasked
+    output = OutputFolder(out, p.inputs(), overwrite=overwrite, hash_inputs=hash_inputs, log=log,
+                          folder_only=_FOLDER_ONLY.get(p.kind))
     if p.kind == "stages":
-        return _run_stages(p, Path(out), overwrite=overwrite, hash_inputs=hash_inputs, log=log, task=task,
-                           device=device, where=where)
+        return _run_stages(p, output, log=log, task=task, device=device, where=where)
     if p.kind == "adapters":
-        return _adapter_merge(p, Path(out), overwrite, device)
-    inputs = p.inputs()  # the opened inputs: an output never goes into one
-    output = OutputFolder(out, inputs, overwrite=overwrite, hash_inputs=hash_inputs, log=log,
-                          folder_only=None if p.kind == "models" else
-                          "a slice recipe writes a model folder (its config.json names the new layer count), "
-                          "not one .safetensors file")
+        info = write_merged_adapter(p.prepared, output.out, device=device)
+        keys = info.get("keys", "?")
+        return MergeResult(recipe.method, out=str(output.out), keys=len(keys) if isinstance(keys, list) else keys,
+                           device=info.get("device"), warnings=list(info.get("warnings", [])), report=info)
     output.check_files(p.prepared.model_folder, p.prepared.tokenizer_folder)  # one leading out: before any work
     if p.kind == "slices":
         info = slices.execute_slices(p.prepared, output, log=log)
@@ -228,6 +277,15 @@ def run_merge(recipe: Recipe, out: Path | None, *, task: str | None = None, dry_
                        device=info.get("device"))
 
 
+# what a missing --out says, and why a kind writes only folders (``--out X.safetensors`` is one file)
+_NEEDS_OUT = {"adapters": "--adapter-out {form} needs --base (the adapters' base model) and --out",
+              "slices": "--out PATH is required (a new folder)"}
+_FOLDER_ONLY = {"slices": "a slice recipe writes a model folder (its config.json names the new layer count), not "
+                          "one .safetensors file",
+                "adapters": "--adapter-out writes a PEFT adapter folder (adapter_config.json beside the weights), "
+                            "not one .safetensors file"}
+
+
 def _log_notes(prep: pipeline.Prepared, log: Callable[[str], None]) -> None:
     for src in prep.models.experts:  # an adapter whose config names another base model
         if getattr(src, "warning", None):
@@ -239,12 +297,11 @@ def _log_notes(prep: pipeline.Prepared, log: Callable[[str], None]) -> None:
             f"{prep.recipe.compute_dtype} for the merge")
 
 
-def _run_stages(p: Plan, out: Path, *, overwrite: bool, hash_inputs: bool, log: Callable[[str], None],
-                **final: Any) -> MergeResult:
-    """Run the named stages in order into a temporary folder beside ``out``, then the final merge into ``out``;
-    the intermediates are removed whatever happens (below)."""
-    recipe = p.recipe
-    check_out(out, [], overwrite=overwrite)  # a bad --out fails before the first stage
+def _run_stages(p: Plan, output: OutputFolder, *, log: Callable[[str], None], **final: Any) -> MergeResult:
+    """Run the named stages in order into a temporary folder beside ``output`` (checked already: a bad
+    ``--out`` fails before the first stage), then the final merge into it; the intermediates are removed
+    whatever happens (below)."""
+    recipe, out = p.recipe, output.out
     done: dict[str, Path] = {}
     with intermediate_folder(out) as tmp:
         for i, stage in enumerate(recipe.stages):
@@ -252,22 +309,11 @@ def _run_stages(p: Plan, out: Path, *, overwrite: bool, hash_inputs: bool, log: 
                       device=final.get("device"))
             done[stage.name] = tmp / f"stage_{i}"
             log(f"stage {stage.name}: merged")
-        final_recipe = with_stage_paths(recipe, done).recorded_as(recipe.to_yaml())
-        res = run_merge(final_recipe, out, overwrite=overwrite, hash_inputs=hash_inputs, log=log,
-                        adapter_out=p.adapter_out, adapter_rank=p.adapter_rank, **final)
+        res = run_merge(with_stage_paths(recipe, done, recorded=recipe.to_yaml()), out, overwrite=output.overwrite,
+                        hash_inputs=output.hash_inputs, log=log, adapter_out=p.adapter_out,
+                        adapter_rank=p.adapter_rank, **final)
     res.stages = [s.name for s in recipe.stages]
     return res
-
-
-def _adapter_merge(p: Plan, out: Path, overwrite: bool, device: Device) -> MergeResult:
-    """LoRA adapters merged into one adapter (``form`` peft or factored, :mod:`.lora_merge`), opened by
-    :func:`plan`."""
-    opened = p.prepared
-    check_out(out, [opened.base], overwrite=overwrite)
-    info = write_merged_adapter(opened, out, overwrite=overwrite, device=device)
-    keys = info.get("keys", "?")
-    return MergeResult(p.recipe.method, out=str(out), keys=len(keys) if isinstance(keys, list) else keys,
-                       device=info.get("device"), warnings=list(info.get("warnings", [])), report=info)
 
 
 # --- stages: named merges whose results later stages and the final merge read ---
@@ -304,8 +350,10 @@ def check_stage_refs(recipe: Recipe) -> None:
                                       f"({known}) nor an existing model folder or weights file")
 
 
-def with_stage_paths(recipe: Recipe, done: dict[str, Path]) -> Recipe:
-    """``recipe`` (without stages) with every reference to a finished stage replaced by that stage's folder."""
+def with_stage_paths(recipe: Recipe, done: dict[str, Path], recorded: str | None = None) -> Recipe:
+    """``recipe`` (without stages) with every reference to a finished stage replaced by that stage's folder;
+    ``recorded``: the text its output folder records instead (the whole multi-stage recipe, stage names and all,
+    not the stages' temporary folders)."""
     def sub(ref: str | None) -> str | None:
         return str(done[ref]) if ref in done else ref
 
@@ -319,7 +367,7 @@ def with_stage_paths(recipe: Recipe, done: dict[str, Path]) -> Recipe:
     for sl in data["slices"]:
         for s in sl["sources"]:
             s["model"] = sub(s["model"])
-    return Recipe.model_validate(data)
+    return Recipe.model_validate(data).recorded_as(recorded)
 
 
 @contextmanager

@@ -299,19 +299,6 @@ def _tokenizer_folder(spec: str) -> Path:
     return resolve_hub_id(spec)
 
 
-def dry_run_text(sp: SlicePlan) -> str:
-    """The plan: which output layers come from which sources."""
-    lines = [f"slices: {len(sp.recipe.slices)}; output layers: {sp.num_layers}; method: {sp.recipe.method}"]
-    start = 0
-    for i, sl in enumerate(sp.recipe.slices):
-        n = sl.sources[0].layer_range[1] - sl.sources[0].layer_range[0]
-        srcs = " + ".join(f"{s.model} {list(s.layer_range)}" for s in sl.sources)
-        lines.append(f"  layers {start}..{start + n - 1} <- {srcs}")
-        start += n
-    lines.append(f"tensors: {len(sp.plan)}")
-    return "\n".join(lines)
-
-
 def execute_slices(sp: SlicePlan, output: OutputFolder, *, log: Callable[[str], None] = lambda s: None) -> dict:
     """Stream the checked slice plan's output model into ``output`` (a folder, its model files checked);
     returns a summary."""

@@ -17,11 +17,11 @@ from typing import Any
 
 import yaml
 
-from ..errors import InputError, clip
+from ..errors import ConfigError, ConfigFileError, InputError, clip
 from .inpaths import InputTooLarge, read_bytes
 
 __all__ = ["MAX_YAML_BYTES", "MAX_YAML_NODES", "MAX_YAML_DEPTH", "YamlError", "YamlLimitError", "load_yaml",
-           "read_yaml", "parse_value", "parse_assignment"]
+           "read_yaml", "read_yaml_mapping", "parse_value", "parse_assignment"]
 
 MAX_YAML_BYTES = 1 << 20  # 1 MiB: a config is a few KB, a recipe or study spec a few tens
 MAX_YAML_NODES = 100_000  # scalars + collections once aliases are expanded (a full config: about 150)
@@ -163,3 +163,21 @@ def parse_assignment(item: str, flag: str = "--set", example: str = "key=value")
     if not sep or not key.strip():
         raise ValueError(f"{flag} {clip(repr(item), 80)}: expected {example}")
     return key.strip(), parse_value(text.strip(), source=f"{flag} {clip(key.strip(), 80)}")
+
+
+def read_yaml_mapping(path: str | Path, what: str = "config file") -> dict:
+    """Read a YAML file whose top level is a mapping (a config, recipe or spec): a missing, unreadable,
+    oversized or invalid file -> :class:`~clmerge.errors.ConfigFileError` (an input error, exit code 3), a
+    non-mapping -> :class:`~clmerge.errors.ConfigError`. The limits are this module's."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigFileError(f"{what} not found: {p}")
+    if not p.is_file():
+        raise ConfigFileError(f"{p}: the {what} is a folder, not a YAML file")
+    try:
+        data = read_yaml(p) or {}
+    except YamlError as exc:
+        raise ConfigFileError(f"{exc} (the {what})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level of a {what} must be a mapping")
+    return data

@@ -266,7 +266,7 @@ def test_writer_refuses_nonfinite_tensors_by_name_and_a_rewrite_clears_one(tmp_p
     w.write("a", torch.tensor([1.0, float("nan"), 2.0]))
     w.write("b", torch.tensor([1e5, 1.0]))  # finite in float32, Inf once cast to the planned float16
     w.write("c", torch.tensor([1, 2]))
-    with pytest.raises(MergeInputError, match=r"2 output tensors came out NaN or Inf \('a', 'b'\)"):
+    with pytest.raises(MergeInputError, match=r"2 merged tensors came out NaN or Inf \('a', 'b'\)"):
         w.close()
     w.abort()
     w = ShardedWriter(tmp_path, plan)

@@ -3,7 +3,7 @@ outputs that came out NaN or Inf. Each failure is one line naming the file, the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -12,7 +12,8 @@ from torch import Tensor
 from ...utils.dtypes import ST_DTYPES
 from .base import MergeInputError
 
-__all__ = ["SUPPORTED_DTYPES", "check_dtype", "source_meta", "source_get", "is_finite", "check_finite_output"]
+__all__ = ["SUPPORTED_DTYPES", "check_dtype", "source_meta", "source_get", "is_finite", "check_finite_output",
+           "check_output_finite"]
 
 SUPPORTED_DTYPES = frozenset(ST_DTYPES.values())
 _EXPECTED = "F64, F32, F16 or BF16 (integer and bool buffers are copied)"
@@ -59,12 +60,25 @@ def is_finite(tensor: Tensor) -> bool:
     return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
-def check_finite_output(bad: Sequence[str], what: str = "the merged model") -> None:
-    """Refuse an output whose tensors ``bad`` hold NaN or Inf (the inputs were checked to be finite, so the
-    method, its hyperparameters or the output dtype made them): one line naming them."""
+def check_finite_output(bad: Sequence[str], what: str = "the merged model", written: bool = False) -> None:
+    """Refuse an output whose tensors ``bad`` hold NaN or Inf: one line naming them (``written``: the writer's
+    case, which says that nothing was written).
+
+    The inputs were checked finite as they were read (``ModelSet(check_finite=True)``), so a non-finite output
+    comes from the method (e.g. WUDI's squares overflowing float32), its hyperparameters or the output dtype
+    (float16 overflows above 65504).
+    """
     if bad:
         shown = ", ".join(repr(k) for k in list(bad)[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-        raise MergeInputError(f"{what}: {len(bad)} output tensor{'s' if len(bad) > 1 else ''} came out NaN or Inf "
+        raise MergeInputError(f"{what}: {len(bad)} merged tensor{'s' if len(bad) > 1 else ''} came out NaN or Inf "
                               f"({shown}) from finite inputs; expected finite values: check the hyperparameters "
-                              "(scaling, weights) and the output dtype (float16 overflows above 65504); "
-                              "nothing was written")
+                              "(scaling, steps, lr, weights), the input scale (float32 overflows above 3.4e38, "
+                              "e.g. in squares of large task vectors) and the output dtype (float16 overflows "
+                              "above 65504)" + ("; nothing was written" if written else ""))
+
+
+def check_output_finite(name: str, out: Mapping[str, Tensor]) -> None:
+    """The Python API's check of a merge result ``{key: tensor}`` of method ``name`` (:func:`check_finite_output`;
+    the CLI's writer checks every tensor it writes the same way). Cost: one sum per tensor (:func:`is_finite`: a
+    mask only when the sum is not finite)."""
+    check_finite_output([k for k, t in out.items() if isinstance(t, Tensor) and not is_finite(t)], name)

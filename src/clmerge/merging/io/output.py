@@ -38,7 +38,7 @@ from ...utils.procs import pid_alive
 from .base import NO_CAP, MergeInputError
 from .writer import BackgroundWriter, ShardedWriter
 
-__all__ = ["TOKENIZER_FILES", "InputHashes", "OutputFolder", "OutputTarget", "build_folder", "check_out", "copy_model_files",
+__all__ = ["TOKENIZER_FILES", "InputHashes", "OutputFolder", "OutputTarget", "build_folder", "check_out", "copy_model_files", "input_paths",
            "model_files", "remove_stale_temps", "write_model_card"]
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -50,7 +50,8 @@ TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 _CONFIG_FILES = ("config.json", "generation_config.json")
 
 
-def _input_paths(sources: Iterable[Any]) -> list[Path]:
+def input_paths(sources: Iterable[Any]) -> list[Path]:
+    """The files and folders the opened ``sources`` read (what an output must never replace or hold)."""
     paths = []
     for s in sources:
         folder = getattr(s, "folder", None)
@@ -68,7 +69,7 @@ def check_out(out: Path, sources: Iterable[Any], *, overwrite: bool = False) -> 
     Raises:
         OutputError: one line naming ``out`` and what is wrong with it (exit code 5).
     """
-    inputs = _input_paths(sources)
+    inputs = input_paths(sources)
     return check_output_dir(Path(out), flag="--out", inputs=inputs, overwrite=overwrite, file_suffix=".safetensors",
                             inside_inputs=False)
 
@@ -350,7 +351,7 @@ class OutputFolder:
         self.kind = check_out(self.out, self.inputs, overwrite=overwrite)
         if folder_only and self.kind != "folder":
             raise OutputError(f"--out {out}: {folder_only}")
-        self.hash_inputs = hash_inputs
+        self.overwrite, self.hash_inputs = overwrite, hash_inputs
         self.hashes: InputHashes | None = None
         self.target: OutputTarget | None = None
 

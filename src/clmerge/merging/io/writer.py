@@ -155,7 +155,7 @@ class ShardedWriter:
         missing = [k for k in self.plan if k not in self.written]
         if missing:
             raise RuntimeError(f"merge wrote no tensor for key {missing[0]!r} ({len(missing)} keys missing)")
-        check_finite_output(list(self.nonfinite))
+        check_finite_output(list(self.nonfinite), written=True)
         for name, fd in self._fds.items():
             with self._naming(name):
                 os.fsync(fd)  # a full disk may show only here

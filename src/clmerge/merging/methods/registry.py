@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ...registry import Registry
 from ..io.base import MergeInputError
-from ..io.checks import is_finite
+from ..io.checks import check_output_finite
 from .hparams import check_hyperparameters
 
 __all__ = ["MergeMethod", "MERGES", "register_merge", "available", "merge", "get_method", "check_output_finite"]
@@ -94,22 +94,3 @@ def merge(name: str, *, base: Any = None, experts: Sequence[Any], **hyperparamet
     if isinstance(out, dict):  # a streamed merge (a sink's view) is checked by its sink, as the CLI's writer
         check_output_finite(name, out)
     return out
-
-
-def check_output_finite(name: str, out: Mapping[str, Tensor]) -> None:
-    """Refuse a merge result with NaN or Inf in a floating tensor, naming the method and the keys.
-
-    The inputs were checked finite as they were read (``ModelSet(check_finite=True)``), so a non-finite
-    output comes from the method (e.g. WUDI's squares overflowing float32), its hyperparameters or the output
-    dtype (float16 overflows above 65504). The CLI's writer checks every tensor it writes the same way; this
-    is the Python API's check. Cost: one sum per tensor (``io.checks.is_finite``: a mask only when the sum is
-    not finite).
-    """
-    bad = [k for k, t in out.items() if isinstance(t, Tensor) and not is_finite(t)]
-    if bad:
-        shown = ", ".join(repr(k) for k in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-        raise MergeInputError(f"{name}: {len(bad)} merged tensor{'s' if len(bad) > 1 else ''} came out NaN or Inf "
-                              f"({shown}) from finite inputs; expected finite values: check the hyperparameters "
-                              "(scaling, steps, lr, weights), the input scale (float32 overflows above 3.4e38, "
-                              "e.g. in squares of large task vectors) and the dtype (float16 overflows above "
-                              "65504)")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..io.base import MergeInputError
+from ..io.base import MergeInputError, ParamSource
 from ..io.checks import check_dtype, source_get, source_meta
 from ..io.readers import as_source
 
@@ -51,9 +51,24 @@ class ModelSet:
                  sink: Any = None) -> None:
         if isinstance(experts, (str, Path, Mapping)) or len(experts) == 0:
             raise MergeInputError("experts: need a non-empty list of parameter dicts or weight files")
-        self.base = None if base is None else as_source(base, None if not isinstance(base, Mapping) else "base")
-        self.experts = [as_source(e, None if not isinstance(e, Mapping) else f"expert {i}", base=self.base)
-                        for i, e in enumerate(experts)]
+        base = None if base is None else as_source(base, None if not isinstance(base, Mapping) else "base")
+        self._setup(base, [as_source(e, None if not isinstance(e, Mapping) else f"expert {i}", base=base)
+                           for i, e in enumerate(experts)], check_finite, compute_dtype, keys, sink)
+
+    @classmethod
+    def of_sources(cls, base: ParamSource | None, experts: Sequence[ParamSource], *,
+                   compute_dtype: torch.dtype = torch.float32) -> ModelSet:
+        """A set of inputs opened already (``clmerge merge`` opens every checkpoint while it plans the recipe),
+        validated as :class:`ModelSet` validates any other."""
+        if not experts:
+            raise MergeInputError("experts: need a non-empty list of parameter dicts or weight files")
+        new = object.__new__(cls)
+        new._setup(base, list(experts), True, compute_dtype, None, None)
+        return new
+
+    def _setup(self, base: ParamSource | None, experts: list[ParamSource], check_finite: bool,
+               compute_dtype: torch.dtype, keys: Sequence[str] | None, sink: Any) -> None:
+        self.base, self.experts = base, experts
         self.check_finite = check_finite
         self.compute_dtype = compute_dtype
         self.sink = sink

@@ -93,3 +93,16 @@ def test_experts_mlps_become_w1_w2_w3_and_the_rest_comes_from_the_base(dense, tm
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "mixtral" and config["architectures"] == ["MixtralForCausalLM"]
     assert (out / "tokenizer.json").exists()
+
+
+def test_moe_is_a_kind_the_runner_plans_dry_run_prints_the_plan_and_writes_nothing(dense, tmp_path):
+    _, paths = dense
+    recipe = {"base_model": str(paths[0]), "gate_mode": "hidden",
+              "experts": [{"source_model": str(p), "positive_prompts": _prompts(k)} for k, p in enumerate(paths[1:])]}
+    (tmp_path / "moe.yaml").write_text(yaml.safe_dump(recipe))
+    res = CliRunner().invoke(app, ["moe", str(tmp_path / "moe.yaml"), "--dry-run", "--out", str(tmp_path / "m")])
+    assert res.exit_code == 0, res.output
+    assert "moe: 3 experts x 2 layers" in res.stdout and "hidden routers" in res.stdout
+    assert not (tmp_path / "m").exists()
+    res = CliRunner().invoke(app, ["moe", str(tmp_path / "moe.yaml")])
+    assert res.exit_code == 2 and "--out PATH is required" in res.output

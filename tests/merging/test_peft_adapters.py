@@ -398,3 +398,22 @@ def test_per_tensor_ties_on_float64_updates_equals_peft_ties():
         got = out[k] - b
         assert torch.equal(got.abs() > 1e-12, ref != 0), k
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-15)
+
+
+def test_adapter_merge_dry_run_writes_nothing_and_a_file_out_is_refused_before_any_work(tmp_path, two_adapters,
+                                                                                       base_dir):
+    """The runner's one output check covers adapter merges too: ``--dry-run`` prints the plan and writes
+    nothing (it used to merge), and ``--out X.safetensors`` is refused up front (a PEFT adapter is a folder)."""
+    from checkpoint_helpers import invoke
+
+    (p1, _), (p2, _) = two_adapters
+    args = ["--method", "task_arithmetic", "--base", base_dir, "--expert", p1, "--expert", p2, "--adapter-out", "peft"]
+    res = invoke(*args, "--dry-run", "--out", tmp_path / "m")
+    assert res.exit_code == 0, res.output
+    assert "task_arithmetic of 2 adapters into one peft adapter" in res.stdout
+    assert not (tmp_path / "m").exists()
+    res = invoke(*args, "--out", tmp_path / "m.safetensors")
+    assert res.exit_code == 5, res.output
+    assert "PEFT adapter folder" in res.stderr and not (tmp_path / "m.safetensors").exists()
+    res = invoke(*args, "--out", p1)  # an input: refused by the same rule as a model merge's
+    assert res.exit_code == 5, res.output

@@ -20,7 +20,7 @@ from ..plugins import PLUGIN_HELP
 from ..utils.device import parse_device, stats_line
 from ..utils.threads import default_threads, set_threads
 from ..merging.methods.registry import available, get_method
-from ..merging.run import build_recipe, run_merge
+from ..merging.run import build_recipe, run_merge, run_moe
 from .base import app, console, exit_with, fail
 
 __all__ = ["export_command", "extract_lora_command", "list_methods", "merge_command", "moe_command"]
@@ -204,17 +204,22 @@ def export_command(
 def moe_command(
     recipe: Path = typer.Argument(..., help="a YAML MoE recipe: base_model, experts, gate_mode "
                                   "(docs/merging_checkpoints.md)"),
-    out: Path = typer.Option(..., "--out", help="new model folder (a Mixtral-style MoE)"),
+    out: Path | None = typer.Option(None, "--out", help="new model folder (a Mixtral-style MoE)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out"),
     hash_inputs: bool = typer.Option(True, "--hash-inputs/--no-hash-inputs",
                                      help="record each input file's sha256 in the model card"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="check the recipe and the inputs and print the plan; "
+                                 "write nothing"),
 ) -> None:
     """Assemble a Mixtral-style mixture of experts from a dense Llama/Mistral base and dense experts."""
-    from ..merging.moe import load_moe_recipe, run_moe
+    from ..merging.moe import load_moe_recipe
 
     try:
-        info = run_moe(load_moe_recipe(recipe), out, overwrite=overwrite, hash_inputs=hash_inputs,
-                       log=lambda s: typer.echo(s, err=True))
+        res = run_moe(load_moe_recipe(recipe), out, dry_run=dry_run, overwrite=overwrite, hash_inputs=hash_inputs,
+                      log=lambda s: typer.echo(s, err=True))
     except (KeyError, ValueError, FileNotFoundError, TypeError, OSError) as exc:
         fail(exc)
-    typer.echo(f"wrote {info['out']} ({info['experts']} experts, {info['layers']} layers, {info['keys']} tensors)")
+    if res.plan is not None:
+        typer.echo(res.plan)
+        return
+    typer.echo(f"wrote {res.out} ({res.experts} experts, {res.layers} layers, {res.keys} tensors)")

@@ -28,18 +28,21 @@ from torch import Tensor
 from ..errors import UsageError
 from ..utils.device import Device, parse_device, using_device
 from .io.base import MergeInputError, ParamSource
-from ..utils.outpaths import check_output_dir
+from ..utils.io import write_json
 from .io.checks import check_output_finite, source_get, source_meta
 from .io.lora_svd import check_svd, clamped_note, device_low_rank_factors, error_summary
-from .io.output import build_folder, input_paths as _input_paths
+from .io.output import OutputFolder
 from .io.peft import AdapterSource, LoraModule, adapter_config, write_adapter
 from .methods.hparams import check_hyperparameters
 from .methods.registry import MergeMethod, get_method
 
-__all__ = ["LINEAR_METHODS", "OpenedAdapters", "REPORT_FILE", "merge_adapters", "open_adapters",
+__all__ = ["ADAPTER_FOLDER_ONLY", "LINEAR_METHODS", "OpenedAdapters", "REPORT_FILE", "merge_adapters", "open_adapters",
            "write_merged_adapter"]
 
 REPORT_FILE = "merge_report.json"
+#: why ``--out X.safetensors`` is refused for an adapter merge
+ADAPTER_FOLDER_ONLY = ("--adapter-out writes a PEFT adapter folder (adapter_config.json beside the weights), not one "
+                       ".safetensors file")
 
 
 def _weight_average_coeffs(n: int, hp: dict) -> list[float]:
@@ -165,10 +168,10 @@ def merge_adapters(*, method: str, base: Any, adapters: Sequence[Any], hyperpara
         base = open_checkpoint(base)
     opened = open_adapters(method=get_method(method), base=base, adapters=adapters, hyperparameters=hyperparameters,
                            form=form, rank=rank, svd=svd)
-    # the one output guard's rule, as `clmerge merge --adapter-out` checks it (clmerge.merging.run)
-    check_output_dir(Path(out), flag="--out", inputs=_input_paths([opened.base, *opened.srcs]), overwrite=overwrite,
-                     file_suffix=".safetensors", inside_inputs=False)
-    return write_merged_adapter(opened, Path(out), device=device)
+    # the one output check, as `clmerge merge --adapter-out` makes it (clmerge.merging.run)
+    output = OutputFolder(Path(out), [opened.base, *opened.srcs], overwrite=overwrite, hash_inputs=False,
+                          folder_only=ADAPTER_FOLDER_ONLY)
+    return write_merged_adapter(opened, output, device=device)
 
 
 @dataclass
@@ -201,10 +204,10 @@ def open_adapters(*, method: MergeMethod, base: Any, adapters: Sequence[Any], hy
     return OpenedAdapters(method, base, srcs, hp, form, rank, svd)
 
 
-def write_merged_adapter(opened: OpenedAdapters, out: Path, *, device: str | Device | None = None) -> dict:
-    """Merge the opened adapters and write them as one PEFT adapter folder ``out`` (checked by the caller with
-    the one output guard; an existing ``out`` it let through is replaced only when the result is complete);
-    returns the report (:func:`merge_adapters`)."""
+def write_merged_adapter(opened: OpenedAdapters, output: OutputFolder, *, device: str | Device | None = None) -> dict:
+    """Merge the opened adapters and write them as one PEFT adapter folder through ``output`` (checked when it
+    was made; built aside and moved into place only when complete); returns the report (:func:`merge_adapters`)."""
+    out = output.out
     method, base, srcs, hp, form, rank, svd = (opened.method, opened.base, opened.srcs, opened.hp, opened.form,
                                                opened.rank, opened.svd)
     modules = _modules(srcs)
@@ -232,8 +235,8 @@ def write_merged_adapter(opened: OpenedAdapters, out: Path, *, device: str | Dev
     if dev.active:
         report["device"] = dev.stats()
 
-    def fill(tmp: Path) -> dict:
-        write_adapter(tmp, factors, config, {m.name for m in modules.values() if m.embedding})
-        return report
-
-    return build_folder(Path(out), fill, REPORT_FILE)
+    with output:
+        write_adapter(output.tmp, factors, config, {m.name for m in modules.values() if m.embedding})
+        write_json(output.tmp / REPORT_FILE, report)
+        output.commit()
+    return report

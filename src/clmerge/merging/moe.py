@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,16 +44,17 @@ import yaml
 from pydantic import Field
 from torch import Tensor
 
-from ..config import ConfigError, StrictModel, check_keys, read_yaml_mapping, validate_strict
+from ..config import ConfigError, StrictModel, check_keys, validate_strict
+from ..utils.yaml_io import read_yaml_mapping
 from ..utils import inpaths
 from ..utils.dtypes import DtypeName, to_dtype
 from .io.base import MergeInputError
-from .io.output import OutputFolder, model_files
+from .io.output import FolderJob, OutputFolder, model_files
 from .io.readers import open_checkpoint
 from .io.staging import staged_model
 from .io.writer import ShardedWriter, parse_size
 
-__all__ = ["MoeExpert", "MoeRecipe", "load_moe_recipe", "router_rows", "run_moe"]
+__all__ = ["MoeExpert", "MoePlan", "MoeRecipe", "execute_moe", "load_moe_recipe", "plan_moe", "router_rows"]
 
 _MLP = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _FAMILIES = ("llama", "mistral")
@@ -241,31 +243,56 @@ def _mixtral_config(config: dict, recipe: MoeRecipe, dtype: torch.dtype) -> dict
     return out
 
 
-def run_moe(recipe: MoeRecipe, out: Path, *, overwrite: bool = False, hash_inputs: bool = True,
-            log: Callable[[str], None] = lambda s: None) -> dict:
-    """Check the inputs, initialise the routers, then stream the MoE model into the folder ``out``."""
+@dataclass
+class MoePlan:
+    """An MoE recipe checked and its inputs opened (:func:`plan_moe`); the routers are computed when it runs."""
+
+    recipe: MoeRecipe
+    base: Any
+    experts: list[Any]
+    config: dict
+    layers: int
+    plan: list[tuple[str, tuple, torch.dtype]]
+    dtype: torch.dtype
+
+    def inputs(self) -> list[Any]:
+        return [self.base, *self.experts]
+
+    def text(self) -> str:
+        """The dry run's plan."""
+        r = self.recipe
+        lines = [f"moe: {len(self.experts)} experts x {self.layers} layers, {r.experts_per_token} per token, "
+                 f"{r.gate_mode} routers; tensors: {len(self.plan)}"]
+        lines += [f"  expert {i}: {e.source_model}" for i, e in enumerate(r.experts)]
+        return "\n".join(lines)
+
+
+def plan_moe(recipe: MoeRecipe) -> MoePlan:
+    """Open and check the base and the experts (headers only) and plan the output's tensors; nothing is
+    written and no router is computed yet."""
     base, experts, config = _open_inputs(recipe)
-    output = OutputFolder(out, [base, *experts], overwrite=overwrite, hash_inputs=hash_inputs, log=log,
-                          folder_only="an MoE model is a folder (with its config.json), not one .safetensors file")
     layers = int(config["num_hidden_layers"])
+    plan = _plan(base, len(experts), layers, to_dtype(recipe.dtype))
+    return MoePlan(recipe, base, experts, config, layers, plan, {k: d for k, _, d in plan}["model.embed_tokens.weight"])
+
+
+def execute_moe(mp: MoePlan, output: OutputFolder, *, log: Callable[[str], None] = lambda s: None) -> dict:
+    """Initialise the routers, then stream the MoE model into ``output`` (checked by the runner: a folder)."""
+    recipe, base, experts, layers = mp.recipe, mp.base, mp.experts, mp.layers
     hidden = base.meta("model.embed_tokens.weight")[0][1]
     gates = router_rows(recipe, base, layers, hidden)
-    plan = _plan(base, len(experts), layers, to_dtype(recipe.dtype))
-    dtype = {k: d for k, _, d in plan}["model.embed_tokens.weight"]
     text = yaml.safe_dump(recipe.model_dump(exclude_defaults=True), sort_keys=False)
 
     def mixtral_config(folder: Path) -> None:
-        (folder / "config.json").write_text(json.dumps(_mixtral_config(config, recipe, dtype), indent=2,
+        (folder / "config.json").write_text(json.dumps(_mixtral_config(mp.config, recipe, mp.dtype), indent=2,
                                                        sort_keys=True) + "\n")
 
-    with output:
-        output.write_shards(output.tmp, plan, lambda w: _write(w, base, experts, gates, layers),
-                            shard_size=parse_size(recipe.out_shard_size), metadata={"clmerge_method": "moe"})
-        output.write_files(output.tmp, model_folder=Path(base.folder), tokenizer_folder=Path(base.folder), dtype=dtype,
-                           recipe_file="clmerge_moe.yaml", recipe_yaml=text, base_model=recipe.base_model,
-                           inputs=[("base", base.name, base.files)]
-                           + [("model", e.name, getattr(e, "files", [])) for e in experts],
-                           after_copy=mixtral_config)
-        output.commit()
+    output.write([FolderJob(mp.plan, lambda w: _write(w, base, experts, gates, layers), parse_size(recipe.out_shard_size),
+                            {"clmerge_method": "moe"},
+                            files=dict(model_folder=Path(base.folder), tokenizer_folder=Path(base.folder),
+                                       dtype=mp.dtype, recipe_file="clmerge_moe.yaml", recipe_yaml=text,
+                                       base_model=recipe.base_model, inputs=[("base", base.name, base.files)]
+                                       + [("model", e.name, getattr(e, "files", [])) for e in experts],
+                                       after_copy=mixtral_config))])
     log(f"assembled {len(experts)} experts x {layers} layers ({recipe.gate_mode} routers)")
-    return {"out": str(out), "keys": len(plan), "experts": len(experts), "layers": layers}
+    return {"out": str(output.out), "keys": len(mp.plan), "experts": len(experts), "layers": layers}

@@ -19,7 +19,7 @@ import torch
 from ..utils.device import Device, using_device
 from ..utils.dtypes import DTYPES, config_dtype, to_dtype
 from .methods.hparams import DATA_HPARAMS, HParam, check_hyperparameters, method_hparams, per_model_params
-from .io.output import OutputFolder
+from .io.output import FolderJob, OutputFolder
 from .io.readers import open_checkpoint, resolve_hub_id
 from .io.writer import BackgroundWriter, ShardedWriter, parse_size
 from .recipes import Recipe, key_groups
@@ -167,29 +167,26 @@ def execute(prep: Prepared, output: OutputFolder, *, io_threads: bool = False,
     meta = {"clmerge_method": prep.method.name}
     if device is not None:
         device.start()
-    with output:
-        for task in prep.tasks:
-            folder = output.tmp if len(prep.tasks) == 1 else output.tmp / f"task_{task}"
-            folder.mkdir(exist_ok=True)
+    inputs = [("base", prep.models.base.name, prep.models.base.files)] if prep.models.base is not None else []
+    inputs += [("model", e.name, getattr(e, "files", [])) for e in prep.models.experts]
 
-            def fill(writer: Any, task: int | None = task) -> None:
-                with using_device(device):
-                    _merge_into(prep, writer, task)
+    def fill_task(task: int | None) -> Callable[[Any], None]:
+        def fill(writer: Any) -> None:
+            with using_device(device):
+                _merge_into(prep, writer, task)
+        return fill
 
-            output.write_shards(folder, prep.plan, fill, shard_size=prep.shard_size, metadata=meta,
-                                background=io_threads)
-            text = recipe.to_yaml() + (f"# this folder: task {task}\n" if task is not None else "")
-            inputs = ([("base", prep.models.base.name, prep.models.base.files)] if prep.models.base is not None
-                      else [])
-            inputs += [("model", e.name, getattr(e, "files", [])) for e in prep.models.experts]
-            output.write_files(folder, model_folder=prep.model_folder, tokenizer_folder=prep.tokenizer_folder,
-                               dtype=prep.config_dtype, recipe_file="clmerge_recipe.yaml",
-                               recipe_yaml=text, inputs=inputs, base_model=recipe.base,
-                               tokenizer_files=prep.tokenizer.files if prep.tokenizer is not None else None,
-                               edit_config=prep.vocab.renumbered if prep.vocab is not None else None,
-                               report={"vocabulary": prep.vocab.report} if prep.vocab is not None else None)
-            log(f"merged {'task ' + str(task) + ' ' if task is not None else ''}({len(prep.plan)} tensors)")
-        output.commit()
+    output.write([FolderJob(
+        prep.plan, fill_task(task), prep.shard_size, meta, background=io_threads,
+        subfolder="" if len(prep.tasks) == 1 else f"task_{task}",
+        done=f"merged {'task ' + str(task) + ' ' if task is not None else ''}({len(prep.plan)} tensors)",
+        files=dict(model_folder=prep.model_folder, tokenizer_folder=prep.tokenizer_folder, dtype=prep.config_dtype,
+                   recipe_file="clmerge_recipe.yaml", inputs=inputs, base_model=recipe.base,
+                   recipe_yaml=recipe.to_yaml() + (f"# this folder: task {task}\n" if task is not None else ""),
+                   tokenizer_files=prep.tokenizer.files if prep.tokenizer is not None else None,
+                   edit_config=prep.vocab.renumbered if prep.vocab is not None else None,
+                   report={"vocabulary": prep.vocab.report} if prep.vocab is not None else None))
+        for task in prep.tasks])
     info = {"method": prep.method.name, "keys": len(prep.plan), "out": str(output.out), "tasks": prep.tasks}
     if device is not None and device.active:
         log(device.summary())

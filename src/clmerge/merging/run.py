@@ -31,17 +31,17 @@ from ..utils.device import Device, parse_device
 from ..utils.dtypes import dtype_name
 from ..utils.threads import io_threads
 from ..utils.yaml_io import YamlLimitError, parse_assignment, read_yaml_mapping
-from . import pipeline, slices
+from . import moe, pipeline, slices
 from .io.base import MergeInputError
 from .io.output import OutputFolder, OutputTarget
 from .io.peft import is_peft_adapter
 from .io.readers import HUB_ID, open_checkpoint
-from .lora_merge import open_adapters, write_merged_adapter
+from .lora_merge import ADAPTER_FOLDER_ONLY, open_adapters, write_merged_adapter
 from .recipes import PASSTHROUGH, Recipe, recipe_of
 from .methods.registry import get_method
 
 __all__ = ["MergeResult", "Plan", "build_recipe", "check_stage_refs", "model_refs", "parse_set", "plan", "run_merge",
-           "with_stage_paths"]
+           "run_moe", "with_stage_paths"]
 
 NEEDS_OUT = "--out PATH is required (a new folder, or a .safetensors file)"
 
@@ -105,7 +105,8 @@ class MergeResult:
     keys: int | str = 0
     plan: str | None = None  # a dry run: the plan; nothing was written
     tasks: list[int | None] = field(default_factory=list)
-    layers: int | None = None  # a slice recipe: the output's layer count
+    layers: int | None = None  # a slice recipe or an MoE: the output's layer count
+    experts: int | None = None  # an MoE: experts per layer
     stages: list[str] = field(default_factory=list)
     device: dict | None = None  # the device's name, wall time and peak memory when one was active
     warnings: list[str] = field(default_factory=list)
@@ -118,12 +119,13 @@ class Plan:
 
     ``models``: whole models merged key by key (:mod:`.pipeline`, ``prepared``); ``slices``: layer ranges
     stacked (:mod:`.slices`, ``prepared``); ``stages``: named merges run in order before the final one
-    (each planned when its inputs exist); ``adapters``: PEFT adapters merged into one adapter (:mod:`.lora_merge`).
+    (each planned when its inputs exist); ``adapters``: PEFT adapters merged into one adapter (:mod:`.lora_merge`);
+    ``moe``: a mixture of experts assembled from dense models (:mod:`.moe`, a :class:`~.moe.MoeRecipe`).
     """
 
-    recipe: Recipe
-    kind: Literal["models", "slices", "stages", "adapters"]
-    prepared: Any = None  # pipeline.Prepared | slices.SlicePlan | lora_merge.OpenedAdapters
+    recipe: Recipe | moe.MoeRecipe
+    kind: Literal["models", "slices", "stages", "adapters", "moe"]
+    prepared: Any = None  # pipeline.Prepared | slices.SlicePlan | lora_merge.OpenedAdapters | moe.MoePlan
     adapter_out: str = "full"
     adapter_rank: int | None = None
 
@@ -132,6 +134,8 @@ class Plan:
         r = self.recipe
         if self.kind == "models":
             return _models_text(self.prepared)
+        if self.kind == "moe":
+            return self.prepared.text()
         if self.kind == "slices":
             return _slices_text(self.prepared)
         if self.kind == "stages":
@@ -147,6 +151,8 @@ class Plan:
             return list(self.prepared.sources.values())
         if self.kind == "adapters":
             return [self.prepared.base, *self.prepared.srcs]
+        if self.kind == "moe":
+            return self.prepared.inputs()
         return []
 
 
@@ -250,15 +256,11 @@ def run_merge(recipe: Recipe, out: Path | None, *, task: str | None = None, dry_
         _log_notes(p.prepared, log)
     if dry_run:
         return MergeResult(recipe.method, plan=p.text())
-    if out is None:
-        raise ValueError(_NEEDS_OUT.get(p.kind, NEEDS_OUT).format(form=adapter_out))
-    # the one output check, before any work: never an input or inside one, never over something unasked
-    output = OutputFolder(out, p.inputs(), overwrite=overwrite, hash_inputs=hash_inputs, log=log,
-                          folder_only=_FOLDER_ONLY.get(p.kind))
+    output = _output(p, out, overwrite=overwrite, hash_inputs=hash_inputs, log=log)
     if p.kind == "stages":
         return _run_stages(p, output, log=log, task=task, device=device, where=where)
     if p.kind == "adapters":
-        info = write_merged_adapter(p.prepared, output.out, device=device)
+        info = write_merged_adapter(p.prepared, output, device=device)
         keys = info.get("keys", "?")
         return MergeResult(recipe.method, out=str(output.out), keys=len(keys) if isinstance(keys, list) else keys,
                            device=info.get("device"), warnings=list(info.get("warnings", [])), report=info)
@@ -277,13 +279,37 @@ def run_merge(recipe: Recipe, out: Path | None, *, task: str | None = None, dry_
                        device=info.get("device"))
 
 
+def run_moe(recipe: moe.MoeRecipe, out: Path | None, *, dry_run: bool = False, overwrite: bool = False,
+            hash_inputs: bool = True, log: Callable[[str], None] = lambda s: None) -> MergeResult:
+    """``clmerge moe``: an MoE recipe planned (its inputs opened and checked, :func:`.moe.plan_moe`), its output
+    checked by the same rule as a merge's (:func:`_output`), then assembled (routers, then the tensors streamed
+    through :class:`~.io.output.OutputFolder`); ``dry_run`` returns the plan."""
+    p = Plan(recipe, "moe", moe.plan_moe(recipe))
+    if dry_run:
+        return MergeResult("moe", plan=p.text())
+    output = _output(p, out, overwrite=overwrite, hash_inputs=hash_inputs, log=log)
+    info = moe.execute_moe(p.prepared, output, log=log)  # its model files were checked when its inputs opened
+    return MergeResult("moe", out=info["out"], keys=info["keys"], layers=info["layers"], experts=info["experts"])
+
+
+def _output(p: Plan, out: Path | None, *, overwrite: bool, hash_inputs: bool,
+            log: Callable[[str], None]) -> OutputFolder:
+    """The one output check of every kind, before any work: ``out`` is given, is never an input nor inside
+    one, and replaces nothing unasked (:class:`~.io.output.OutputFolder`)."""
+    if out is None:
+        raise ValueError(_NEEDS_OUT.get(p.kind, NEEDS_OUT).format(form=p.adapter_out))
+    # an adapter folder has no model card, so its inputs are not hashed
+    return OutputFolder(out, p.inputs(), overwrite=overwrite, hash_inputs=hash_inputs and p.kind != "adapters",
+                        log=log, folder_only=_FOLDER_ONLY.get(p.kind))
+
+
 # what a missing --out says, and why a kind writes only folders (``--out X.safetensors`` is one file)
-_NEEDS_OUT = {"adapters": "--adapter-out {form} needs --base (the adapters' base model) and --out",
+_NEEDS_OUT = {"moe": "--out PATH is required (a new folder)", "adapters": "--adapter-out {form} needs --base (the adapters' base model) and --out",
               "slices": "--out PATH is required (a new folder)"}
-_FOLDER_ONLY = {"slices": "a slice recipe writes a model folder (its config.json names the new layer count), not "
+_FOLDER_ONLY = {"moe": "an MoE model is a folder (with its config.json), not one .safetensors file",
+                "slices": "a slice recipe writes a model folder (its config.json names the new layer count), not "
                           "one .safetensors file",
-                "adapters": "--adapter-out writes a PEFT adapter folder (adapter_config.json beside the weights), "
-                            "not one .safetensors file"}
+                "adapters": ADAPTER_FOLDER_ONLY}
 
 
 def _log_notes(prep: pipeline.Prepared, log: Callable[[str], None]) -> None:

@@ -32,7 +32,7 @@ from ..utils.inpaths import read_bytes
 from .methods.hparams import check_hyperparameters, method_hparams, per_model_params
 from .io.base import MergeInputError
 from .io.checks import is_finite
-from .io.output import OutputFolder, model_files
+from .io.output import FolderJob, OutputFolder, model_files
 from .io.readers import open_checkpoint, resolve_hub_id
 from .io.writer import parse_size
 from .recipes import PASSTHROUGH, Recipe, key_groups
@@ -308,14 +308,12 @@ def execute_slices(sp: SlicePlan, output: OutputFolder, *, log: Callable[[str], 
         for seg in sp.segments:
             (_copy_segment if len(seg.views) == 1 else lambda s, w: _merge_segment(sp, s, w))(seg, writer)
 
-    with output:
-        output.write_shards(output.tmp, sp.plan, fill, shard_size=parse_size(recipe.out_shard_size),
-                            metadata={"clmerge_method": recipe.method})
-        output.write_files(output.tmp, model_folder=sp.model_folder, tokenizer_folder=sp.tokenizer_folder,
-                           dtype=sp.config_dtype,
-                           recipe_file="clmerge_recipe.yaml", recipe_yaml=recipe.to_yaml(), base_model=recipe.base,
-                           inputs=[("model", name, getattr(s, "files", [])) for name, s in sp.sources.items()],
-                           config_updates=sp.config_updates)
-        output.commit()
+    output.write([FolderJob(sp.plan, fill, parse_size(recipe.out_shard_size), {"clmerge_method": recipe.method},
+                            files=dict(model_folder=sp.model_folder, tokenizer_folder=sp.tokenizer_folder,
+                                       dtype=sp.config_dtype, recipe_file="clmerge_recipe.yaml",
+                                       recipe_yaml=recipe.to_yaml(), base_model=recipe.base,
+                                       inputs=[("model", name, getattr(src, "files", []))
+                                               for name, src in sp.sources.items()],
+                                       config_updates=sp.config_updates))])
     log(f"sliced {len(recipe.slices)} slices into {sp.num_layers} layers ({len(sp.plan)} tensors)")
     return {"method": recipe.method, "keys": len(sp.plan), "out": str(output.out), "layers": sp.num_layers}

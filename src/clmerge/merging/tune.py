@@ -316,13 +316,13 @@ def tune(recipe: Recipe, spec: TuneSpec, out: Path, *, executor: Any, jobs: int 
 
     if recipe.stages or recipe.slices:
         raise UsageError("--tune: searches recipes with models: (not slices: or stages:)")
+    check_tune_out(out, overwrite, _recipe_inputs(recipe))  # a bad --out fails before anything is opened
     for end in (0, -1):  # both ends of every range: bad paths, inputs or hyperparameters fail before any merge
         point = {d.path: (d.values[end] if d.values else (d.low, d.high)[end]) for d in spec.space}
         plan(recipe_with(recipe, point, f"{spec.source}: space"))
     read_texts(spec.eval.data, spec.eval.max_samples)  # a bad held-out file fails before any merge
     if spec.search == "optuna":
         require_extra("optuna", "tune", what="search: optuna")
-    check_tune_out(out, overwrite, _recipe_inputs(recipe))
     (out / "tune").mkdir(parents=True, exist_ok=True)
     table = _Table(out / "tune" / "trials.csv", spec.space)
     search = _search_grid if spec.search == "grid" else _search_optuna

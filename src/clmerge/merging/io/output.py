@@ -24,6 +24,7 @@ import signal
 import tempfile
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from ...utils.procs import pid_alive
 from .base import NO_CAP, MergeInputError
 from .writer import BackgroundWriter, ShardedWriter
 
-__all__ = ["TOKENIZER_FILES", "InputHashes", "OutputFolder", "OutputTarget", "build_folder", "check_out", "copy_model_files", "input_paths",
+__all__ = ["TOKENIZER_FILES", "FolderJob", "InputHashes", "OutputFolder", "OutputTarget", "build_folder", "check_out", "copy_model_files", "input_paths",
            "model_files", "remove_stale_temps", "write_model_card"]
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -334,6 +335,28 @@ def write_model_card(dst: Path, *, recipe_yaml: str, inputs: list[tuple[str, str
     (dst / "README.md").write_text("\n".join(lines) + "\n")
 
 
+@dataclass
+class FolderJob:
+    """One model folder that :meth:`OutputFolder.write` builds: the tensors (``plan``: ``(key, shape, dtype)``
+    in write order), ``fill(writer)`` that writes each one (``writer.write(key, tensor)``), and the files beside
+    them (``files``: the keyword arguments of :meth:`OutputFolder.write_files`).
+
+    Args:
+        subfolder: ``""`` for the output itself, else a folder inside it (``task_3`` of a per-task merge).
+        background: write the shards in a background thread (overlapping the merge of the next key).
+        done: a line logged when this folder is written.
+    """
+
+    plan: list
+    fill: Callable[[Any], None]
+    shard_size: int
+    metadata: dict[str, str]
+    files: dict[str, Any]
+    subfolder: str = ""
+    background: bool = False
+    done: str | None = None
+
+
 class OutputFolder:
     """The one writer of a model folder (``clmerge merge``, its slice and stage recipes, ``clmerge moe``).
 
@@ -409,6 +432,20 @@ class OutputFolder:
         (folder / recipe_file).write_text(recipe_yaml)
         write_model_card(folder, recipe_yaml=recipe_yaml, inputs=inputs, hashes=self.hashes.get(),
                          base_model=base_model)
+
+    def write(self, jobs: list[FolderJob]) -> None:
+        """Build every folder of ``jobs`` (shards, then the model files, recipe and model card) in the
+        temporary folder, then move the result into place; on any failure nothing is left behind."""
+        with self:
+            for job in jobs:
+                folder = self.tmp / job.subfolder if job.subfolder else self.tmp
+                folder.mkdir(exist_ok=True)
+                self.write_shards(folder, job.plan, job.fill, shard_size=job.shard_size, metadata=job.metadata,
+                                  background=job.background)
+                self.write_files(folder, **job.files)
+                if job.done:
+                    self.log(job.done)
+            self.commit()
 
     def commit(self) -> None:
         self.target.commit()

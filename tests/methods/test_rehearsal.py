@@ -88,6 +88,7 @@ class _Tiny(nn.Module):
 
 
 def _method(name: str, **opts):
+    opts.setdefault("head_convention", "grow")  # these formulas are the grown head's (stored width 2 of 4)
     m = build_method(name, method_options_model(name)(buffer_size=6, minibatch_size=3, **opts), seed=7)
     model = _Tiny()
     m.setup(model)
@@ -124,7 +125,7 @@ def test_der_loss_is_its_formula(name):
 
 
 def test_der_zero_padding_compares_the_new_classes_with_zero():
-    m, model = _method("der")  # the default
+    m, model = _method("der")  # logit_padding's default
     _fill(m)
     x, y = torch.randn(5, 3), torch.tensor([2, 3, 3, 2, 3])
     b = m.buffer.sample(3, replay_generator(7, 0, 1))
@@ -164,7 +165,7 @@ def _cil_cfg(method: str, **options) -> dict:
 
 @pytest.mark.parametrize("method", ["er", "der", "derpp"])
 def test_a_two_task_digits_run_uses_the_buffer_and_resumes_bit_for_bit(tmp_path, method):
-    data = _cil_cfg(method)
+    data = _cil_cfg(method, head_convention="grow")  # the grown head's numbers (mammoth's: the new test file)
     full = run_experiment(parse_config(data), tmp_path / "full")
     mm = full["method_metrics"]
     # an 8x8 fp32 image and an int64 label; DER: fp32 logits over the 10 classes and their int64 width

@@ -100,6 +100,7 @@ def train_task(run: Run, t: int) -> None:
     ctx = TaskContext(task=task, seen_tasks=scenario.tasks[: t + 1], device=device, generator=gen,
                       head_loss=cfg.head.loss, batch_size=cfg.train.batch_size,
                       eval_batch_size=cfg.train.eval_batch_size, log=log, n_tasks=len(scenario),
+                      n_outputs=scenario.num_outputs,
                       fit=_bound_fit(run, t, gen, log))
     t0 = time.time()
     with fp32_region():  # statistics computed before training (InfLoRA's covariances) stay fp32

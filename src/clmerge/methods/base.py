@@ -62,6 +62,7 @@ class TaskContext:
     batch_size: int = 64
     eval_batch_size: int = 500
     n_tasks: int | None = None  # length of the task sequence (InfLoRA's DualGPM threshold schedule)
+    n_outputs: int | None = None  # head outputs of the whole scenario (a head sized for every class from task 1)
     log: Callable[[dict], None] = field(default=lambda event: None)
     fit: Callable[..., dict] | None = None  # engine.training.fit bound to this run (for warm-ups, inner loops)
 

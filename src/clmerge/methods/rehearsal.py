@@ -10,7 +10,18 @@
 
 As in Mammoth (``models/er.py``, ``der.py``, ``derpp.py``, ``utils/buffer.py``) the buffer is filled by
 reservoir sampling over every training example, after the optimizer step, and the stored logits are those of
-the step's own forward pass. Buffer batches are drawn without replacement. Draws and insertions use
+the step's own forward pass.
+
+``head_convention`` says which head these losses see:
+
+- ``mammoth`` (default, Mammoth's): the head has an output for every class of the scenario from the first task
+  on (Mammoth builds its backbone with ``num_classes = N_CLASSES``); every cross-entropy covers all outputs, so
+  the logits of classes not yet seen are pushed down; DER stores the logits over all classes and its MSE holds
+  all of them. Evaluation takes the argmax over the classes seen so far, as clmerge always does (and Mammoth's
+  ``utils/evaluate.py``).
+- ``grow``: the head grows by one block per task; every cross-entropy covers the classes seen so far
+  (``head.loss: seen``); DER stores the logits of the classes its head had and pads them as ``logit_padding``
+  says when the head grows. Buffer batches are drawn without replacement. Draws and insertions use
 generators seeded from the method seed and the step count, so a resumed run repeats them exactly.
 """
 
@@ -30,6 +41,7 @@ from .reservoir import ReservoirBuffer
 __all__ = ["ER", "DER", "DERpp", "ReplayOptions", "DEROptions", "DERppOptions", "replay_generator", "logit_mse"]
 
 _INSERT, _DRAW_LOGITS, _DRAW_LABELS = 0, 1, 2  # generator streams per step
+_GROW_SELECTED = "selected under head_convention grow"  # the grid ran before the full-size head was the default
 
 
 class ReplayOptions(MethodOptions):
@@ -38,14 +50,20 @@ class ReplayOptions(MethodOptions):
     minibatch_size: int | None = Field(None, ge=1, description="buffer examples per step (None: train.batch_size,"
                                                                " Mammoth's default)")
     train_backbone: bool = Field(True, description="train every backbone parameter (false: head only)")
+    head_convention: Literal["mammoth", "grow"] = Field(
+        "mammoth", description="'mammoth' (Mammoth's code): a head with every class of the scenario from task 1, "
+                               "cross-entropy over all outputs, DER's logits stored over all classes; 'grow': the "
+                               "head grows per task, cross-entropy over the seen classes, stored logits padded "
+                               "(logit_padding)")
 
 
 class DEROptions(ReplayOptions):
     alpha: float = Field(0.3, ge=0, description="logit-replay weight (Mammoth's best for seq-CIFAR-10 at "
                                                 "buffer 200 and 500: 0.3)")
     logit_padding: Literal["zero", "mask"] = Field(
-        "zero", description="classes added after an example was stored: 'zero' compares their logits with 0; "
-                            "'mask' leaves them out of the MSE")
+        "zero", description="head_convention 'grow' only: classes added after an example was stored: 'zero' "
+                            "compares their logits with 0; 'mask' leaves them out of the MSE ('mammoth' stores every "
+                            "class, so there is nothing to pad)")
 
 
 class DERppOptions(DEROptions):
@@ -101,6 +119,35 @@ class _Replay(ContinualMethod):
     def setup(self, model) -> None:
         model.backbone.requires_grad_(self.options.train_backbone)
 
+    @property
+    def full_head(self) -> bool:
+        """Whether the head has every class of the scenario from the first task (``head_convention: mammoth``)."""
+        return self.options.head_convention == "mammoth"
+
+    def begin_task(self, task, ctx) -> None:
+        """``mammoth``: the head gets every class of the scenario at the first task (one block; later tasks add
+        nothing). ``grow``: the base duty alone, one block per task."""
+        if not self.full_head:
+            return
+        if ctx.head_loss != "seen":
+            raise ConfigError(f"head.loss={ctx.head_loss}: method.head_convention=mammoth trains one cross-entropy "
+                              "over every output of the full head; use head.loss=seen or "
+                              "method.head_convention=grow")
+        if ctx.n_outputs is None:
+            raise RuntimeError("method.head_convention=mammoth needs the scenario's output count (TaskContext."
+                               "n_outputs), which this caller did not give")
+        self.model.head.ensure_classes(ctx.n_outputs, generator=ctx.generator)
+
+    def width(self, logits: torch.Tensor, ctx) -> int:
+        """The outputs the cross-entropies cover: all of them (``mammoth``), or the classes seen so far."""
+        return logits.shape[1] if self.full_head else ctx.task.class_range[1]
+
+    def current_loss(self, logits: torch.Tensor, y: torch.Tensor, ctx, reduction: str = "mean") -> torch.Tensor:
+        """The current batch's cross-entropy: over every output (``mammoth``), or as ``head.loss`` says."""
+        if self.full_head:
+            return F.cross_entropy(logits, y, reduction=reduction)
+        return classification_loss(logits, y, ctx.task, ctx.head_loss, reduction=reduction)
+
     def draw(self, stream: int, batch_size: int) -> dict[str, torch.Tensor] | None:
         """A buffer batch for this step from ``stream`` (None while the buffer is empty)."""
         if len(self.buffer) == 0:
@@ -109,11 +156,12 @@ class _Replay(ContinualMethod):
         return self.buffer.sample(n, replay_generator(self.seed, self.step, stream))
 
     def _stash(self, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, ctx) -> None:
-        """What ``after_step`` inserts: the batch, and its logits over the head's current classes for DER."""
+        """What ``after_step`` inserts: the batch, and for DER its logits over every output (``mammoth``) or over
+        the classes seen so far (``grow``)."""
         self.buffer.to(x.device)
         self._pending = {"x": x.detach(), "y": y.detach()}
         if self.keeps_logits:
-            hi = ctx.task.class_range[1]
+            hi = self.width(logits, ctx)
             self._pending["logits"] = logits[:, :hi].detach().float()
             self._pending["width"] = torch.full((len(x),), hi, dtype=torch.long, device=x.device)
 
@@ -148,16 +196,16 @@ class ER(_Replay):
     name = "er"
     description = "experience replay: current batch plus a reservoir-buffer batch in one cross-entropy"
     Options = ReplayOptions
-    optim_defaults, optim_source = grid_rate(1e-4)
+    optim_defaults, optim_source = grid_rate(1e-4, _GROW_SELECTED)
 
     def loss(self, model, x, y, ctx) -> torch.Tensor:
         buf = self.draw(_DRAW_LOGITS, ctx.batch_size)
         self._stash(x, y, None, ctx)
         if buf is None:
-            return super().loss(model, x, y, ctx)
+            return self.current_loss(model(x), y, ctx)
         logits = model(torch.cat([x, buf["x"]]))
-        cur = classification_loss(logits[: len(x)], y, ctx.task, ctx.head_loss, reduction="none")
-        old = F.cross_entropy(logits[len(x):, : ctx.task.class_range[1]], buf["y"], reduction="none")
+        cur = self.current_loss(logits[: len(x)], y, ctx, reduction="none")
+        old = F.cross_entropy(logits[len(x):, : self.width(logits, ctx)], buf["y"], reduction="none")
         return torch.cat([cur, old]).mean()
 
 
@@ -167,15 +215,19 @@ class DER(_Replay):
     description = "dark experience replay: cross-entropy plus MSE to the logits stored with buffer examples"
     Options = DEROptions
     keeps_logits = True
-    optim_defaults, optim_source = grid_rate(1e-4)
+    optim_defaults, optim_source = grid_rate(1e-4, _GROW_SELECTED)
 
     def loss(self, model, x, y, ctx) -> torch.Tensor:
         logits = model(x)
-        loss = classification_loss(logits, y, ctx.task, ctx.head_loss)
+        loss = self.current_loss(logits, y, ctx)
         self._stash(x, y, logits, ctx)
         buf = self.draw(_DRAW_LOGITS, ctx.batch_size)
         if buf is not None:
-            mse = logit_mse(model(buf["x"]), buf["logits"], buf["width"], self.options.logit_padding)
+            out = model(buf["x"])
+            if self.full_head:  # every class stored: the plain mean over all outputs (Mammoth's der.py)
+                mse = F.mse_loss(out.float(), buf["logits"])
+            else:
+                mse = logit_mse(out, buf["logits"], buf["width"], self.options.logit_padding)
             loss = loss + self.options.alpha * mse
         return loss + self.label_replay(model, ctx)
 
@@ -188,11 +240,11 @@ class DERpp(DER):
     name = "derpp"
     description = "DER++: DER plus cross-entropy on the labels of a second buffer batch"
     Options = DERppOptions
-    optim_defaults, optim_source = grid_rate(3e-4)
+    optim_defaults, optim_source = grid_rate(3e-4, _GROW_SELECTED)
 
     def label_replay(self, model, ctx) -> torch.Tensor | float:
         buf = self.draw(_DRAW_LABELS, ctx.batch_size)
         if buf is None:
             return 0.0
-        out = model(buf["x"])[:, : ctx.task.class_range[1]]
-        return self.options.beta * F.cross_entropy(out, buf["y"])
+        out = model(buf["x"])
+        return self.options.beta * F.cross_entropy(out[:, : self.width(out, ctx)], buf["y"])

@@ -135,6 +135,8 @@ SEEDS = [0, 1, 2]
 # A choice at the edge of its grid extends the grid by up to this many geometric steps (clmerge.sweep.select):
 # the hand-extended grids above (l2p, dualprompt, hide_prompt, magmax, text pm) came from that rule.
 EXTEND = 2
+# ``--set KEY=VALUE``: config overrides applied to every run's config (e.g. a method option or head width)
+OVERRIDES: list[str] = []
 VAL_FRACTION = 0.1
 # Every LoRA method adapts the same sites, the key and value projections: the official P&M and InfLoRA code
 # (and SD-LoRA's, built on InfLoRA's) put LoRA on k and v, while clmerge's seq_lora / sd_lora option default is
@@ -275,12 +277,13 @@ def run_sweep_of(out_root: Path, bench: str, label: str, seeds: list[int], lr: f
     when it is there): at the learning rate ``lr``, or (None) at the one its grid's phase 1 selects. Returns the
     sweep's selection record (``selected.json``'s group), None without one; a failed sweep is reported, not
     raised, so the other methods still run."""
+    from clmerge.config import apply_overrides
     from clmerge.errors import ClmergeError
     from clmerge.sweep import run_sweep
     from clmerge.sweep.grid import spec_from_dict
 
     lrs = None if lr is not None else lr_grid(bench, label, smoke)
-    base = make_config(bench, label, 0, lr if lr is not None else lrs[0], smoke=smoke)
+    base = apply_overrides(make_config(bench, label, 0, lr if lr is not None else lrs[0], smoke=smoke), OVERRIDES)
     base_file = out_root / "specs" / f"{bench}-{label}.yaml"
     base_file.parent.mkdir(parents=True, exist_ok=True)
     base_file.write_text(yaml.safe_dump(base, sort_keys=False))
@@ -387,6 +390,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--archive", type=Path, default=None,
                     help="committed per-run metrics, read and then rewritten with the finished runs of --out "
                          "(default: runs.json beside this script; none with --smoke)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every run (repeatable; e.g. method.head_convention=grow); use a new "
+                         "--out for it")
     ap.add_argument("--smoke", action="store_true", help="tiny setting (1 epoch of 2 steps, 8 images per class)")
     ap.add_argument("--report-only", action="store_true", help="only rebuild results.md and the figures")
     ap.add_argument("--reuse-selection", action="store_true",
@@ -402,6 +408,7 @@ def main(argv: list[str] | None = None) -> None:
     sel_benches = [b for b in (a.select_on or a.benchmarks).split(",") if b]
     if any(b not in BENCHMARKS for b in sel_benches):
         ap.error(f"unknown --select-on benchmarks {sel_benches}; known: {list(BENCHMARKS)}")
+    OVERRIDES[:] = a.overrides
     if not a.report_only:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         reused = None

@@ -290,3 +290,18 @@ def test_evidence_smoke_runs_baselines_into_their_section(tmp_path) -> None:
     assert not (tmp_path / "runs" / "main" / "split_mnist5k" / "simplecil" / "select").exists()
     assert "- **rehearsal with a small buffer (er, derpp) beats rehearsal-free LoRA (seq_lora, sd_lora, pm) on " \
            "CIL**: not measured (missing: er, pm, sd_lora, seq_lora)." in section
+
+
+def test_set_overrides_reach_every_run_config(tmp_path, monkeypatch) -> None:
+    """``--set KEY=VALUE`` (e.g. the rehearsal head convention) is applied to the sweep's base config."""
+    import yaml
+
+    import clmerge.sweep
+
+    ev = _load("run_evidence")
+    monkeypatch.setattr(clmerge.sweep, "run_sweep", lambda spec, out, **kw: None)
+    monkeypatch.setattr(ev, "OVERRIDES", ["method.head_convention=grow", "head.ranpac_dim=2000"])
+    ev.run_sweep_of(tmp_path, "split_mnist5k", "er", [0], 1e-4, jobs=1, smoke=True)
+    base = yaml.safe_load((tmp_path / "specs" / "split_mnist5k-er.yaml").read_text())
+    assert base["method"]["head_convention"] == "grow" and base["head"] == {"compare": True, "ranpac_dim": 2000}
+    assert base["method"]["buffer_size"] == 16  # the rest of the smoke config as make_config builds it

@@ -26,6 +26,7 @@ from . import rehearsal  # noqa: E402,F401  (ER, DER, DER++)
 from . import lwf, rehearsal_plus  # noqa: E402,F401  (LwF; ER-ACE, X-DER)
 from . import slca  # noqa: E402,F401
 from . import mos  # noqa: E402,F401  (MOS: merged per-task adapters, self-refined retrieval)
+from . import fecam, olora  # noqa: E402,F401  (FeCAM: Mahalanobis head; O-LoRA: orthogonal per-task LoRA)
 
 __all__ = [
     "METHODS",

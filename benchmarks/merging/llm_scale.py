@@ -59,7 +59,7 @@ METHODS: dict[str, dict[str, Any]] = {
     # the SVD merges: mergekit has none of them; "fusionbench": fusionbench_llm.py's arguments (no CART there)
     "cart": {"clmerge": ("cart", {"rank_ratio": 0.08, "scaling": 1.0, "svd": "randomized"}),
              "mergekit": None, "fusionbench": None},
-    "tsv_m": {"clmerge": ("tsv_m", {"scaling": 1.0, "svd": "exact"}), "mergekit": None,
+    "tsv_m": {"clmerge": ("tsv_m", {"scaling": 1.0, "svd": "randomized"}), "mergekit": None,
               "fusionbench": {"method": "tsv_m", "scaling": 1.0}},
     "iso_cts": {"clmerge": ("iso_cts", {"scaling": 1.0, "common_space_fraction": 0.8, "svd": "randomized"}),
                 "mergekit": None, "fusionbench": {"method": "iso_cts", "scaling": 1.0,

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .driver import map_keys
-from .lowrank import DEFAULT_EXCLUDE, is_lowrank_param, low_rank_approx, mean64, target_rank
+from .lowrank import DEFAULT_EXCLUDE, is_lowrank_param, low_rank_approx, mean64, svd_factors, target_rank
 from .registry import register_merge
 from .sources import open_models
 
@@ -31,6 +31,8 @@ def centered_low_rank_sum(experts: Sequence[Tensor], k: int, *, svd: str = "exac
     """
     # one expert in float64 at a time (never the (T, m, n) float64 stack: 3 LM heads of a 1.1B Llama = 1.5 GB)
     avg = mean64(experts)
+    if svd == "randomized":
+        return avg, _low_rank_sum_lean(experts, avg, k, seed, only)
     tasks = range(len(experts)) if only is None else [only]
     total = torch.zeros_like(avg)
     for t in tasks:
@@ -38,6 +40,51 @@ def centered_low_rank_sum(experts: Sequence[Tensor], k: int, *, svd: str = "exac
         total.add_(low_rank_approx(centered, k, method=svd, seed=seed + t))
         del centered
     return avg, total
+
+
+_ROWS = 1 << 22  # entries per row block of the lean path's float64 work
+
+
+def _row_blocks(rows: int, cols: int) -> range:
+    return range(0, rows, max(1, _ROWS // max(1, cols)))
+
+
+def _low_rank_sum_lean(experts: Sequence[Tensor], avg: Tensor, k: int, seed: int, only: int | None, *,
+                       into: Tensor | None = None, alpha: float = 1.0) -> Tensor:
+    """``sum_t SVD_k(theta_t - theta_avg)`` of the randomized path, holding one float32 centered matrix and
+    the rank-``k`` factors: each centered delta is formed by row blocks (no full float64 copy), and the sum
+    of the products ``(U_t S_t) Vh_t`` is formed by row blocks too, in float64 as the exact path adds them,
+    so no full-size float32 product sits beside the average. Returns a float64 tensor of ``avg``'s shape, or,
+    with ``into``, adds ``alpha`` times the sum to ``into`` block by block (no full-size accumulator) and
+    returns it."""
+    if k <= 0:
+        return torch.zeros_like(avg) if into is None else into
+    rows, cols = avg.shape
+    tasks = range(len(experts)) if only is None else [only]
+    factors, full = [], []
+    for t in tasks:
+        centered = torch.empty(avg.shape, dtype=torch.float32)
+        for i in _row_blocks(rows, cols):
+            j = i + max(1, _ROWS // max(1, cols))
+            centered[i:j] = experts[t][i:j].to(torch.float64, copy=True).sub_(avg[i:j])  # rounded to float32
+        if k >= min(avg.shape):
+            full.append(centered)
+            continue
+        u, s, vh = svd_factors(centered, k, method="randomized", seed=seed + t)
+        del centered
+        factors.append((u.mul_(s), vh))
+    out = torch.zeros_like(avg) if into is None else into
+    step = max(1, _ROWS // max(1, cols))
+    block = torch.empty((min(step, rows), cols), dtype=torch.float64)
+    for i in _row_blocks(rows, cols):
+        j = min(rows, i + step)
+        acc = block[: j - i].zero_()
+        for us, vh in factors:
+            acc += us[i:j] @ vh
+        for c in full:
+            acc += c[i:j]
+        out[i:j].add_(acc, alpha=alpha)
+    return out
 
 
 def _cart_kernel(rank_ratio: float, scaling: float, rounding: str, svd: str, seed: int, include: str | None,
@@ -50,6 +97,9 @@ def _cart_kernel(rank_ratio: float, scaling: float, rounding: str, svd: str, see
                 return avg  # CART: the centered deltas sum to zero; the code zeroes them at gamma = 0 as well
             return avg + scaling * (xs[task].double() - avg)  # official CART-Indexing: the full centered delta
         k = target_rank(shape, rank_ratio, rounding)
+        if svd == "randomized":  # the sum is added into the average block by block (no second float64 tensor)
+            avg = mean64(xs)
+            return _low_rank_sum_lean(xs, avg, k, seed, task, into=avg, alpha=scaling)
         avg, low = centered_low_rank_sum(xs, k, svd=svd, seed=seed, only=task)
         return avg.add_(low, alpha=scaling)
 

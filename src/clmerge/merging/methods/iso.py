@@ -31,7 +31,8 @@ import torch
 from torch import Tensor
 
 from .driver import map_keys
-from .lowrank import DEFAULT_EXCLUDE, check_svd_method, matrix_update_kernel, polar_factor, svd_factors, thin_svd
+from .lowrank import (DEFAULT_EXCLUDE, TaskMatrices, check_svd_method, matrix_update_kernel, polar_factor,
+                      svd_factors, thin_svd)
 from .registry import register_merge
 from .sources import open_models
 
@@ -55,9 +56,12 @@ def iso_cts_ranks(r: int, num_tasks: int, fraction: float) -> tuple[int, int]:
     return r - num_tasks * s, s
 
 
-def iso_cts_matrix(taus: Tensor, fraction: float, *, svd: str = "exact", seed: int = 0) -> Tensor:
-    """Iso-CTS's update ``sigma_bar U_perp V_perp^T`` of one matrix from its task matrices ``(T, m, n)``."""
+def iso_cts_matrix(taus: Tensor | TaskMatrices, fraction: float, *, svd: str = "exact", seed: int = 0) -> Tensor:
+    """Iso-CTS's update ``sigma_bar U_perp V_perp^T`` of one matrix from its task matrices ``(T, m, n)``
+    (with ``svd="randomized"``: by :func:`_iso_cts_lean`, which also takes a ``TaskMatrices``)."""
     k_c, s = iso_cts_ranks(min(taus.shape[1:]), len(taus), fraction)
+    if svd == "randomized" and s > 0:
+        return _iso_cts_lean(taus, k_c, s, seed)
     u, sv, vh = thin_svd(taus.sum(0))
     if s == 0:  # the common subspace is everything: Iso-C (the polar factor of U is U itself)
         return (u * sv.mean()) @ vh
@@ -70,6 +74,37 @@ def iso_cts_matrix(taus: Tensor, fraction: float, *, svd: str = "exact", seed: i
         vhs.append(c)
     sigma = torch.cat(ss).mean()
     return (polar_factor(torch.cat(us, dim=1)) * sigma) @ polar_factor(torch.cat(vhs, dim=0))
+
+
+def _iso_cts_lean(taus: Tensor | TaskMatrices, k_c: int, s: int, seed: int) -> Tensor:
+    """Iso-CTS with randomized residual SVDs, one task matrix at a time, and the left polar factor by
+    blocks: each residual ``tau_t - U_c U_c^T tau_t`` has its column space outside ``span(U_c)``, so the
+    concatenation ``[U_c, U_1, ..., U_T]`` has the Gram matrix ``diag(I, G)`` and its polar factor is
+    ``[U_c, polar([U_1, ..., U_T])]``: one polar factor of ``m x Ts`` (``Ts`` about ``0.2 r``) instead of
+    ``m x r``. Equal to the exact path up to the randomized SVDs and rounding."""
+    total = taus.sum() if isinstance(taus, TaskMatrices) else taus.sum(0)
+    u, sv, vh = thin_svd(total)
+    del total
+    uc = u[:, :k_c].clone()
+    ss, vhs = [sv[:k_c]], [vh[:k_c]]
+    del u, vh
+    us = []
+    for t in range(len(taus)):
+        tau = taus[t] if isinstance(taus, TaskMatrices) else taus[t].clone()  # a fresh tensor: edited in place
+        tau.sub_(uc @ (uc.T @ tau))
+        a, b, c = svd_factors(tau, s, method="randomized", seed=seed + t)
+        del tau
+        us.append(a)
+        ss.append(b)
+        vhs.append(c)
+    sigma = torch.cat(ss).mean()
+    cat = torch.cat(us, dim=1)
+    us.clear()
+    u_perp = torch.cat([uc, polar_factor(cat)], dim=1).mul_(sigma)
+    del uc, cat
+    cat = torch.cat(vhs, dim=0)
+    vhs.clear()
+    return u_perp @ polar_factor(cat)
 
 
 @register_merge("iso_c", "isotropic merge: the summed task matrix with its singular values flattened to "
@@ -116,4 +151,5 @@ def iso_cts(*, base: Any, experts: Sequence[Any], scaling: float = 1.0, common_s
     def update(taus: Tensor) -> Tensor:
         return iso_cts_matrix(taus, common_space_fraction, svd=svd, seed=seed)
 
-    return map_keys(models, matrix_update_kernel(update, scaling, include, exclude), needs_base=True)
+    kernel = matrix_update_kernel(update, scaling, include, exclude, lazy=svd == "randomized")
+    return map_keys(models, kernel, needs_base=True)

@@ -14,12 +14,12 @@ Per weight matrix, ``Delta_t = theta_t - theta_0 = U_t S_t V_t^T`` and ``k = flo
   ``theta_0 + alpha * mean_t Delta_t`` (the averaged task vectors, as FusionBench and the official code).
 
 Randomized SVD (``svd="randomized"``, :func:`~clmerge.merging.methods.lowrank.svd_factors`: a seeded range finder with
-``p = 10`` extra columns and ``q = 2`` power iterations, Halko et al. 2011, Alg. 4.4): the sketch ``Q``
+``p = 20`` extra columns and ``q = 2`` power iterations, Halko et al. 2011, Alg. 4.4): the sketch ``Q``
 satisfies ``E||Delta - Q Q^T Delta||_2 <= [(1 + sqrt(k/(p-1))) s^(2q+1) + (e sqrt(k+p)/p) sqrt(sum_(j>k)
-s_j^(2(2q+1)))]^(1/(2q+1))`` with ``s = s_(k+1)`` (their bound for the power scheme), at most ``(1 + sqrt(k/9) + 0.272
-sqrt((k+10)(r-k)))^(1/5) s_(k+1)``; truncating the sketch to rank ``k`` adds at most ``s_(k+1)`` (triangle
+s_j^(2(2q+1)))]^(1/(2q+1))`` with ``s = s_(k+1)`` (their bound for the power scheme), at most ``(1 + sqrt(k/19) +
+0.136 sqrt((k+20)(r-k)))^(1/5) s_(k+1)``; truncating the sketch to rank ``k`` adds at most ``s_(k+1)`` (triangle
 inequality, as ``s_(k+1)(Q^T Delta) <= s_(k+1)``). For ``k = 96``, ``r = 768`` (ViT-B, 8 tasks) the expected
-spectral error is at most ``3.4 s_(k+1)``, against ``s_(k+1)`` for the exact truncation. With ``k >= r / 2``
+spectral error is at most ``3.1 s_(k+1)``, against ``s_(k+1)`` for the exact truncation. With ``k >= r / 2``
 (two tasks or fewer) the exact SVD is used anyway.
 """
 
@@ -46,14 +46,27 @@ def tsv_rank(shape: tuple[int, ...], num_tasks: int) -> int:
 
 
 def tsv_merge_matrix(taus: Tensor, *, svd: str = "exact", seed: int = 0) -> Tensor:
-    """TSV-M's update ``U_perp diag(S) V_perp^T`` of one matrix from its task matrices ``(T, m, n)``."""
+    """TSV-M's update ``U_perp diag(S) V_perp^T`` of one matrix from its task matrices ``(T, m, n)`` (a stack,
+    or a :class:`~clmerge.merging.methods.lowrank.TaskMatrices` that forms them one at a time)."""
     k = tsv_rank(tuple(taus.shape[1:]), len(taus))
     if k == 0:
         return torch.zeros_like(taus[0])
-    us, ss, vhs = zip(*(svd_factors(t, k, method=svd, seed=seed + i) for i, t in enumerate(taus)))
-    u_perp = polar_factor(torch.cat(us, dim=1))  # (m, Tk)
-    vh_perp = polar_factor(torch.cat(vhs, dim=0))  # (Tk, n)
-    return (u_perp * torch.cat(ss)) @ vh_perp
+    us, ss, vhs = [], [], []
+    for i in range(len(taus)):  # one task matrix alive at a time when ``taus`` is a lowrank.TaskMatrices
+        tau = taus[i]
+        u, s, vh = svd_factors(tau, k, method=svd, seed=seed + i)
+        del tau
+        us.append(u)
+        ss.append(s)
+        vhs.append(vh)
+    cat = torch.cat(us, dim=1)  # (m, Tk)
+    us.clear()
+    u_perp = polar_factor(cat)
+    cat = torch.cat(vhs, dim=0)  # (Tk, n)
+    vhs.clear()
+    vh_perp = polar_factor(cat)
+    del cat
+    return u_perp.mul_(torch.cat(ss)) @ vh_perp
 
 
 @register_merge("tsv_m", "Task Singular Vectors merge: each task's top 1/T singular vectors, orthogonalised "
@@ -82,7 +95,7 @@ def tsv_m(*, base: Any, experts: Sequence[Any], scaling: float = 1.0, svd: str =
     def update(taus: Tensor) -> Tensor:
         return tsv_merge_matrix(taus, svd=svd, seed=seed)
 
-    return map_keys(models, matrix_update_kernel(update, scaling, include, exclude), needs_base=True)
+    return map_keys(models, matrix_update_kernel(update, scaling, include, exclude, lazy=True), needs_base=True)
 
 
 @register_merge("tsv_c", "compression: task t's model = base + its own top 1/T singular vectors (TSV-C, "

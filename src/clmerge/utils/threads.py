@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["default_threads", "io_threads", "set_threads", "THREADS_PER_CPU", "max_threads", "threads_problem",
+__all__ = ["default_threads", "free_cores", "io_threads", "set_threads", "THREADS_PER_CPU", "max_threads", "threads_problem",
            "check_threads", "check_jobs"]
 
 _IO_THREADS = {"on": False}
@@ -36,9 +36,27 @@ def io_threads() -> bool:
     return _IO_THREADS["on"]
 
 
-def default_threads() -> int:
-    """Half the cores, 1 to 4: merging is memory-bound, and a shared machine keeps cores for others."""
-    return max(1, min(4, (os.cpu_count() or 2) // 2))
+def free_cores(cpus: int | None = None, load: float | None = None) -> int:
+    """The cores not already busy: ``cpus - round(load)``, at least 1, with ``load`` the 1-minute load
+    average (``os.getloadavg``; 0 where the platform has none) and ``cpus`` ``os.cpu_count()``."""
+    if cpus is None:
+        cpus = os.cpu_count() or 1
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):  # no load average on this platform
+            load = 0.0
+    return max(1, cpus - int(round(max(0.0, load))))
+
+
+def default_threads(cpus: int | None = None, load: float | None = None) -> int:
+    """``clmerge merge``'s thread count without ``--threads``: half the cores, 1 to 4 (merging is
+    memory-bound, and a shared machine keeps cores for others), and no more than the cores that are free
+    now (:func:`free_cores`): on a busy machine more threads than free cores took longer than one
+    (docs/threads.md, "Default thread count under load")."""
+    if cpus is None:
+        cpus = os.cpu_count() or 2
+    return max(1, min(4, cpus // 2, free_cores(cpus, load)))
 
 
 THREADS_PER_CPU = 4  # oversubscription up to this factor is allowed (it only costs time)

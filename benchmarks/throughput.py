@@ -93,10 +93,15 @@ METHODS: dict[str, tuple[dict, str]] = {
     "mos": ({"name": "mos"}, "adapter"),
     "simplecil": ({"name": "simplecil"}, "frozen"),
     "ranpac": ({"name": "ranpac"}, "frozen"),
+    # the pretrained-model baselines (docs/ptm_baselines.md)
+    "olora": ({"name": "olora"}, "lora"),
+    "lae": ({"name": "lae"}, "adapter"),
+    "fecam": ({"name": "fecam"}, "frozen"),
 }
 # APER adapts its backbone in the first task only (its later tasks only add prototypes): its step is task 1's
 TIMED_TASK = {"aper": 0}
 CL_BASELINES = ["er", "der", "derpp", "slca", "aper", "ease", "mos", "simplecil", "ranpac"]
+CL_BASELINES += ["olora", "lae", "fecam"]
 # Task 1's end-of-task statistics are computed on fewer samples than the methods' defaults: they only set up
 # the state task 2 carries (its size and per-step cost do not depend on the sample count), and the default
 # whole-task Fisher passes would dominate the benchmark's runtime.

@@ -192,6 +192,15 @@ EXTRA_CONFIG.update({"er": BUFFER, "der": BUFFER, "derpp": BUFFER, "simplecil": 
                      "ranpac_rp": OWN_HEAD_ONLY, "aper_finetune": OWN_HEAD_ONLY})
 # DER and DER++ select their own rates on FULL_LRS, like ER (not ER's: with it, DER++ reached 64.8 CIL on
 # split_mnist5k against 70.0 at its own choice; CHANGELOG.md).
+# The pretrained-model baselines (docs/ptm_baselines.md): O-LoRA, a LoRA per task on LORA_TARGETS with the
+# linear head, on LORA_LRS; LAE, one adapter on the first five blocks with an EMA copy, on ADAPTER_LRS, its own
+# ensemble alone; FeCAM, its own Mahalanobis head on the frozen backbone, trains nothing (no selection).
+PTM_BASELINES = ["olora", "lae", "fecam"]
+METHODS.update({"olora": ({"name": "olora"}, LORA_LRS), "lae": ({"name": "lae"}, ADAPTER_LRS),
+                "fecam": ({"name": "fecam"}, NO_TRAINING)})
+CL_BASELINES += ["lae", "fecam"]  # O-LoRA is a LoRA method: with the LoRA rows, the four heads
+NO_LORA_SITES |= {"lae", "fecam"}
+EXTRA_CONFIG.update({"lae": OWN_HEAD_ONLY, "fecam": OWN_HEAD_ONLY})
 
 
 def make_config(bench: str, label: str, seed: int, lr: float, *, smoke: bool) -> dict:

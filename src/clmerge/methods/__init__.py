@@ -27,6 +27,7 @@ from . import lwf, rehearsal_plus  # noqa: E402,F401  (LwF; ER-ACE, X-DER)
 from . import slca  # noqa: E402,F401
 from . import mos  # noqa: E402,F401  (MOS: merged per-task adapters, self-refined retrieval)
 from . import fecam, olora  # noqa: E402,F401  (FeCAM: Mahalanobis head; O-LoRA: orthogonal per-task LoRA)
+from . import lae  # noqa: E402,F401  (LAE: online PET + EMA offline PET, ensembled)
 
 __all__ = [
     "METHODS",

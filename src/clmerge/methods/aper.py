@@ -85,7 +85,8 @@ class APER(FirstSessionMethod):
                    "with a cosine head, freeze; cosine prototypes of [pretrained; adapted] features")
     head_defaults: ClassVar[dict[str, Any]] = COSINE_PROTOTYPES
     Options = APEROptions
-    optim_defaults, optim_source = grid_rate(2e-2, "Adam; the paper's SGD rates do not carry over")
+    optim_defaults, optim_source = grid_rate(1e-2, "Adam, the cosine first-session head (2e-2 with the former "
+                                             "linear one); the paper's SGD rates do not carry over")
 
     def setup(self, model) -> None:
         super().setup(model)

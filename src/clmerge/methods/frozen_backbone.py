@@ -142,7 +142,8 @@ class RanPAC(FirstSessionMethod):
                    "freeze; random projection + ridge classifier on the features")
     head_defaults: ClassVar[dict[str, Any]] = RANPAC_HEAD
     Options = RanPACOptions
-    optim_defaults, optim_source = grid_rate(1e-2, "Adam; first-session adapter with the cosine head")
+    optim_defaults, optim_source = grid_rate(1e-2, "aper's choice: the same first-session adapter and cosine head "
+                                             "from the same seed")
 
     def _adapts(self) -> bool:
         return self.options.first_session_adapt

@@ -87,6 +87,10 @@ METHODS: dict[str, tuple[dict, str]] = {
     "er": ({"name": "er", "buffer_size": 200}, "rehearsal"),
     "der": ({"name": "der", "buffer_size": 200}, "rehearsal"),
     "derpp": ({"name": "derpp", "buffer_size": 200}, "rehearsal"),
+    "er_ace": ({"name": "er_ace", "buffer_size": 200}, "rehearsal"),
+    "xder": ({"name": "xder", "buffer_size": 200}, "rehearsal"),
+    "lwf": ({"name": "lwf"}, "full"),
+    "icarl": ({"name": "icarl", "buffer_size": 200}, "rehearsal"),
     "slca": ({"name": "slca"}, "full"),
     "aper": ({"name": "aper"}, "adapter"),
     "ease": ({"name": "ease"}, "adapter"),
@@ -100,7 +104,8 @@ METHODS: dict[str, tuple[dict, str]] = {
 }
 # APER adapts its backbone in the first task only (its later tasks only add prototypes): its step is task 1's
 TIMED_TASK = {"aper": 0}
-CL_BASELINES = ["er", "der", "derpp", "slca", "aper", "ease", "mos", "simplecil", "ranpac"]
+CL_BASELINES = ["er", "der", "derpp", "slca", "aper", "ease", "mos", "simplecil", "ranpac", "lwf", "er_ace",
+                "xder"]
 CL_BASELINES += ["olora", "lae", "fecam"]
 # Task 1's end-of-task statistics are computed on fewer samples than the methods' defaults: they only set up
 # the state task 2 carries (its size and per-step cost do not depend on the sample count), and the default

@@ -201,6 +201,15 @@ METHODS.update({"olora": ({"name": "olora"}, LORA_LRS), "lae": ({"name": "lae"},
 CL_BASELINES += ["lae", "fecam"]  # O-LoRA is a LoRA method: with the LoRA rows, the four heads
 NO_LORA_SITES |= {"lae", "fecam"}
 EXTRA_CONFIG.update({"lae": OWN_HEAD_ONLY, "fecam": OWN_HEAD_ONLY})
+# The classic baselines (docs/classic_baselines.md): full fine-tuning, their own rates on FULL_LRS; ER-ACE, X-DER
+# and iCaRL with ER's 200 examples of memory (iCaRL's paper keeps 2000), LwF none. iCaRL is evaluated with its
+# nearest-mean-of-exemplars classifier alone (not one backbone with a linear head: no head.compare).
+CLASSIC = ["lwf", "er_ace", "xder", "icarl"]
+METHODS.update({m: ({"name": m}, FULL_LRS) for m in CLASSIC})
+CL_BASELINES += CLASSIC
+NO_LORA_SITES |= set(CLASSIC)
+EXTRA_CONFIG.update({"er_ace": BUFFER, "xder": BUFFER,
+                     "icarl": {"method": {"buffer_size": 200}, "head": {"compare": False}}})
 
 
 def make_config(bench: str, label: str, seed: int, lr: float, *, smoke: bool) -> dict:

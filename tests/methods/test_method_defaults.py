@@ -37,7 +37,8 @@ TINY = {
     "hide_prompt": {"method": {"name": "hide_prompt", "layers": [0, 1], "length": 2, "tii_epochs": 1,
                                "tii_align_epochs": 1}, "model.config": VIT3},
     # a replay buffer larger than the 160 training examples of the tiny scenario is refused
-    **{name: {"method": {"name": name, "buffer_size": 100}} for name in ("er", "der", "derpp")},
+    **{name: {"method": {"name": name, "buffer_size": 100}} for name in ("er", "der", "derpp", "er_ace", "xder",
+                                                                             "icarl")},
 }
 
 

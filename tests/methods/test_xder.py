@@ -207,3 +207,15 @@ def test_a_digits_run_balances_its_buffer_and_resumes_bit_for_bit(tmp_path):
     b = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "task_004.safetensors")
     for x, z in zip(a[:2], b[:2]):
         assert x.keys() == z.keys() and all(torch.equal(x[k], z[k]) for k in x)
+
+
+def test_a_buffer_larger_than_the_tasks_data_stays_partly_empty():
+    m, model, tasks = _setup(buffer_size=30)  # 6 training examples per class: the quotas (15, then 9) not met
+    for t in (0, 1):
+        ctx = _ctx(tasks, t)
+        m.begin_task(tasks[t], ctx)
+        m.end_task(tasks[t], ctx)
+    f = m.buffer.fields
+    assert len(m.buffer) == 24 and f["y"][:24].bincount().tolist() == [6] * 4
+    out = model(f["x"][:12]).detach()
+    assert torch.allclose(f["logits"][:12, 2:], xder_damp(f["logits"][:12], out, f["y"][:12], 2, 6, 0.85)[:, 2:])

@@ -23,7 +23,7 @@ from . import prompts  # noqa: E402,F401  (L2P, DualPrompt, CODA-Prompt, HiDe-Pr
 from . import frozen_backbone  # noqa: E402,F401  (SimpleCIL, RanPAC)
 from . import aper, ease  # noqa: E402,F401  (APER, EASE: adapters on a frozen backbone)
 from . import rehearsal  # noqa: E402,F401  (ER, DER, DER++)
-from . import lwf, rehearsal_plus  # noqa: E402,F401  (LwF; ER-ACE, X-DER)
+from . import icarl, lwf, rehearsal_plus  # noqa: E402,F401  (iCaRL; LwF; ER-ACE, X-DER)
 from . import slca  # noqa: E402,F401
 from . import mos  # noqa: E402,F401  (MOS: merged per-task adapters, self-refined retrieval)
 from . import fecam, olora  # noqa: E402,F401  (FeCAM: Mahalanobis head; O-LoRA: orthogonal per-task LoRA)

@@ -21,7 +21,7 @@ from pydantic import Field
 from ..models.losses import classification_loss
 from .base import ContinualMethod, MethodOptions, grid_rate, register_method
 
-__all__ = ["LwF", "LwFOptions", "kd_loss"]
+__all__ = ["LwF", "LwFOptions", "kd_loss", "frozen_copy"]
 
 
 class LwFOptions(MethodOptions):
@@ -66,7 +66,7 @@ class LwF(ContinualMethod):
         return loss + self.options.lamda * kd_loss(logits[:, :known], old, self.options.temperature)
 
     def end_task(self, task, ctx) -> None:
-        self.old = _frozen_copy(self.model)
+        self.old = frozen_copy(self.model)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         if self.old is None:
@@ -77,11 +77,11 @@ class LwF(ContinualMethod):
         super().load_state(tensors, meta)
         old = {k[len("old/"):]: v for k, v in tensors.items() if k.startswith("old/")}
         if old:  # saved after end_task: the model's structure then is the old model's
-            self.old = _frozen_copy(self.model)
+            self.old = frozen_copy(self.model)
             self.old.load_state_dict(old, strict=True)
 
 
-def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` with no gradients, in eval mode (PyCIL's ``copy().freeze()``)."""
     old = copy.deepcopy(model)
     old.requires_grad_(False)

@@ -26,7 +26,7 @@ from pydantic import Field
 
 from ..config import ConfigError
 from .base import grid_rate, register_method
-from .rehearsal import ER, DERppOptions, ReplayOptions, _Replay, replay_generator
+from .rehearsal import ER, DERpp, DERppOptions, ReplayOptions, replay_generator
 
 __all__ = ["ERACE", "ERACEOptions", "XDER", "XDEROptions", "ace_mask", "xder_damp"]
 
@@ -129,7 +129,7 @@ def xder_damp(old: torch.Tensor, new: torch.Tensor, gt: torch.Tensor, lo: int, h
 
 
 @register_method
-class XDER(_Replay):
+class XDER(DERpp):  # DER++'s buffer machinery; its loss and its buffer filling are X-DER's own
     name = "xder"
     description = "X-DER: DER++ with a class-balanced end-of-task buffer and future/past logit rewriting"
     Options = XDEROptions
@@ -258,7 +258,8 @@ class XDER(_Replay):
         if task.index > 0:
             n = len(self.buffer)
             f = self.buffer.fields
-            outs = torch.cat([model(f["x"][s: s + ctx.batch_size]).float() for s in range(0, n, ctx.batch_size)])
+            outs = torch.cat([model(f["x"][s: min(s + ctx.batch_size, n)]).float()
+                              for s in range(0, n, ctx.batch_size)])
             past = f["y"][:n] < lo
             if past.any():
                 f["logits"][:n][past] = xder_damp(f["logits"][:n][past], outs[past.to(outs.device)],

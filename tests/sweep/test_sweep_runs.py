@@ -7,6 +7,7 @@ numbers of an uninterrupted sweep, and skips the finished cells.
 from __future__ import annotations
 
 import json
+import operator
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import yaml
 from typer.testing import CliRunner
 
 from clmerge.cli import app
+from clmerge.sweep.executors import LocalExecutor
 from clmerge.sweep.runner import run_sweep
 from clmerge.sweep.grid import spec_from_dict
 
@@ -166,6 +168,22 @@ def test_run_seeds_writes_one_run_per_seed(ws):
     assert yaml.safe_load((ws / "r/sweep.yaml").read_text())["set"] == {"train.epochs": 1}
 
 
+def test_the_local_pool_runs_jobs_in_other_processes():
+    """``LocalExecutor(workers)``, what ``--jobs N`` uses: a job runs in a spawned process, a future passed as an
+    argument (alone or in a list) is resolved before the job is sent, ``wait_any`` returns a finished handle. A
+    stdlib function keeps the spawned worker cheap; a whole sweep through the pool is the slow test below."""
+    ex = LocalExecutor(1)
+    try:
+        pid = ex.submit(os.getpid)
+        total = ex.submit(operator.add, ex.submit(operator.mul, 2, 3), 4)
+        listed = ex.submit(sum, [total, 1])
+        assert ex.result(ex.wait_any([listed])) == 11 and ex.result(total) == 10
+        assert ex.result(pid) != os.getpid()
+    finally:
+        ex.close()
+
+
+@pytest.mark.slow  # two spawned workers import torch and run a cell each: ~14 CPU s; the pool alone is above
 def test_library_call_with_a_process_pool(ws):
     spec = spec_from_dict({"base": "tiny.yaml", "grid": {"seed": [0, 1]}})
     status = run_sweep(spec, ws / "pool", jobs=2, log=lambda line: None)

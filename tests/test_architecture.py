@@ -5,6 +5,7 @@ functions count as well, since a lazy import upward is still a dependency upward
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -39,12 +40,18 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """Each source file parsed once for all the tests here."""
+    return ast.parse(path.read_text())
+
+
 def _imports(mods: dict[str, Path]) -> set[tuple[str, str]]:
     """(importer, imported) pairs between clmerge modules."""
     edges = set()
     for mod, path in mods.items():
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -156,7 +163,7 @@ def test_no_import_cycles():
 def test_no_private_name_is_imported_from_another_module():
     found = []
     for mod, path in _modules().items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(("clmerge", "")) and node.level + (
                     (node.module or "").startswith("clmerge")):
                 found += [f"{mod}: {node.module}.{a.name}" for a in node.names

@@ -411,7 +411,10 @@ def _with_method_defaults(data: dict) -> dict:
 def _check_method_head(cfg: ExperimentConfig) -> None:
     """A statistics method never trains the linear head: evaluating it (or aligning it) is refused."""
     h, name = cfg.head, cfg.method.name
-    if _methods().get(name).trains_linear_head or (h.classifier != "linear" and not h.compare):
+    cls = _methods().get(name)
+    if hasattr(cls, "check_head"):  # the method's own rule on its head keys (e.g. rehearsal's head_convention)
+        cls.check_head(cfg.method_options(), h)
+    if cls.trains_linear_head or (h.classifier != "linear" and not h.compare):
         return
     key = "head.compare=true" if h.compare else "head.classifier=linear"
     raise ConfigError(f"{key}: method {name!r} trains no linear head (it predicts from feature statistics of "

@@ -102,7 +102,14 @@ def test_der_is_mammoths_loss_over_every_output_and_stores_every_logit(name):
     assert m.buffer.fields["logits"].shape[1] == N_CLASSES and m.buffer.fields["width"][:5].eq(N_CLASSES).all()
 
 
-def test_head_loss_local_contradicts_mammoths_head():
+@pytest.mark.parametrize("name", ["er", "der", "derpp"])
+def test_head_loss_local_contradicts_mammoths_head_when_the_config_is_parsed(name):
+    with pytest.raises(ConfigError, match="head.loss=local: method.head_convention=mammoth.*head_convention=grow"):
+        parse_config(_sgd_cfg(name) | {"head": {"loss": "local"}})
+    parse_config(_sgd_cfg(name, head_convention="grow") | {"head": {"loss": "local"}})  # grow: the user's loss
+
+
+def test_head_loss_local_in_a_hand_built_context_is_refused_at_the_first_task():
     with pytest.raises(ConfigError, match="head.loss=local.*head_convention=grow"):
         m = build_method("er", method_options_model("er")(buffer_size=6), seed=0)
         m.setup(ContinualClassifier(nn.Linear(3, 3), IncrementalHead(3)))

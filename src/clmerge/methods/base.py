@@ -109,6 +109,12 @@ class ContinualMethod:
         check."""
 
     @classmethod
+    def check_head(cls, options: MethodOptions, head) -> None:
+        """Refuse ``head:`` values (``head``: the config's head section) that contradict the method's options,
+        when the config is parsed, before anything is written: raise a :class:`~clmerge.config.ConfigError`
+        naming both keys. Default: nothing to check."""
+
+    @classmethod
     def fit_data(cls, options: MethodOptions, n_train: int) -> MethodOptions:
         """``options`` cut to a scenario of ``n_train`` training examples where that changes nothing the run
         computes (a dry run's small sample: a replay buffer holds at most the examples it sees). Default:

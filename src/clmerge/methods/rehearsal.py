@@ -41,6 +41,8 @@ from .reservoir import ReservoirBuffer
 __all__ = ["ER", "DER", "DERpp", "ReplayOptions", "DEROptions", "DERppOptions", "replay_generator", "logit_mse"]
 
 _INSERT, _DRAW_LOGITS, _DRAW_LABELS = 0, 1, 2  # generator streams per step
+_LOCAL_WITH_MAMMOTH = ("head.loss={}: method.head_convention=mammoth trains one cross-entropy over every output "
+                       "of the full head; use head.loss=seen or method.head_convention=grow")
 _GROW_SELECTED = "selected under head_convention grow"  # the grid ran before the full-size head was the default
 
 
@@ -110,6 +112,12 @@ class _Replay(ContinualMethod):
             return options
         return options.model_copy(update={"buffer_size": max(1, n_train)})
 
+    @classmethod
+    def check_head(cls, options: ReplayOptions, head) -> None:
+        """``mammoth`` trains one cross-entropy over every output: ``head.loss: local`` contradicts it."""
+        if options.head_convention == "mammoth" and head.loss != "seen":
+            raise ConfigError(_LOCAL_WITH_MAMMOTH.format(head.loss))
+
     def __init__(self, options: ReplayOptions, *, seed: int = 0) -> None:
         super().__init__(options, seed=seed)
         self.buffer = ReservoirBuffer(options.buffer_size)
@@ -129,10 +137,8 @@ class _Replay(ContinualMethod):
         nothing). ``grow``: the base duty alone, one block per task."""
         if not self.full_head:
             return
-        if ctx.head_loss != "seen":
-            raise ConfigError(f"head.loss={ctx.head_loss}: method.head_convention=mammoth trains one cross-entropy "
-                              "over every output of the full head; use head.loss=seen or "
-                              "method.head_convention=grow")
+        if ctx.head_loss != "seen":  # a config is refused when parsed (check_head); a hand-built context here
+            raise ConfigError(_LOCAL_WITH_MAMMOTH.format(ctx.head_loss))
         if ctx.n_outputs is None:
             raise RuntimeError("method.head_convention=mammoth needs the scenario's output count (TaskContext."
                                "n_outputs), which this caller did not give")

@@ -207,3 +207,18 @@ def test_a_resumed_fecam_run_gives_the_same_numbers(tmp_path, adapt):
     b = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "task_002.safetensors")
     for x, z in zip(a[:2], b[:2]):  # the backbone (adapter) and the means / precision matrices
         assert x.keys() == z.keys() and all(torch.equal(x[k], z[k]) for k in x)
+
+
+@pytest.mark.parametrize("key", ["head.compare=true", "head.classifier=ncm"])
+def test_the_feature_heads_and_compare_are_refused(key, tmp_path):
+    """FeCAM's own head predicts; the suite's shadows would copy a linear head it never trains."""
+    name, value = key.split("=")
+    data = _cfg(2)
+    node = data
+    *path, last = name.split(".")
+    for p in path:
+        node = node.setdefault(p, {})
+    node[last] = True if value == "true" else value
+    with pytest.raises(ValueError, match=rf"{name}.*method 'fecam' has no single shared backbone"):
+        run_experiment(parse_config(data), tmp_path / "run")
+

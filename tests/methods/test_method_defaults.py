@@ -36,6 +36,7 @@ TINY = {
                               "g_length": 2, "e_length": 2}, "model.config": VIT3},
     "hide_prompt": {"method": {"name": "hide_prompt", "layers": [0, 1], "length": 2, "tii_epochs": 1,
                                "tii_align_epochs": 1}, "model.config": VIT3},
+    "lae": {"method": {"name": "lae", "adapt_blocks": [0]}},  # its default PET blocks 0-4 need 5 blocks
     # a replay buffer larger than the 160 training examples of the tiny scenario is refused
     **{name: {"method": {"name": name, "buffer_size": 100}} for name in ("er", "der", "derpp", "er_ace", "xder",
                                                                              "icarl")},

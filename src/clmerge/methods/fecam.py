@@ -28,7 +28,9 @@ The options name every step (defaults: FeCAM's ViT code):
 PILOT's rule is ``feature_norm=at_distance shrink=identity cov_norm=corrcoef first_session_adapt=true``. The
 ResNet code applies Tukey's transform only from the second task on (``self._cur_task > 0``); here the
 transform, when on, applies from the first task. The classifier is this method's own head (its inference
-model's), evaluated as ``head.classifier=linear``; nothing is trained after the first session.
+model's), evaluated as ``head.classifier=linear``; the head suite's feature heads and ``head.compare`` are
+refused (its inference model is not one backbone with a linear head); nothing is trained after the first
+session.
 """
 
 from __future__ import annotations
@@ -123,6 +125,21 @@ class FeCAMHead(nn.Module):
             x, means = F.normalize(x, p=2, dim=-1), F.normalize(means, p=2, dim=-1)
         dists = torch.stack([mahalanobis_sq(x - means[c], precs[c]) for c in range(len(means))], dim=-1)
         return (-dists).to(feats.dtype)
+
+
+class FeCAMClassifier(nn.Module):
+    """The model's backbone followed by the FeCAM head (before the first statistics: the model's own head).
+
+    Not a :class:`ContinualClassifier` on purpose: the head suite's feature heads and ``head.compare`` (which
+    copies or reads a linear head) are refused for it with a config error, as for EASE and MOS."""
+
+    def __init__(self, model: ContinualClassifier, head: FeCAMHead | None) -> None:
+        super().__init__()
+        self.model, self.head = model, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        feats = self.model.forward_features(x)
+        return self.model.forward_head(feats) if self.head is None else self.head(feats)
 
 
 @torch.no_grad()
@@ -220,8 +237,13 @@ class FeCAM(FirstSessionMethod):
         self._build_inference()
 
     def _build_inference(self) -> None:
-        self._inference = ContinualClassifier(self.model.backbone, FeCAMHead(self.means, self.precisions,
-                                                                             self.options))
+        head = FeCAMHead(self.means, self.precisions, self.options) if self.n_classes else None
+        self._inference = FeCAMClassifier(self.model, head)
+
+    def inference_model(self) -> nn.Module:
+        if self._inference is None:
+            self._build_inference()
+        return self._inference
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         if not self.n_classes:

@@ -81,6 +81,7 @@ class OLoRA(ContinualMethod):
         super().__init__(options, seed=seed)
         self.old_downs: dict[str, torch.Tensor] = {}  # layer -> the old tasks' A rows, stacked (official lora_A)
         self._current: str | None = None
+        self._device_rows: dict[tuple, torch.Tensor] = {}
 
     def setup(self, model) -> None:
         super().setup(model)
@@ -106,11 +107,22 @@ class OLoRA(ContinualMethod):
         comps = self._new_components()
         reg: torch.Tensor | float = 0.0
         if o.lambda_orth > 0 and self.old_downs:
-            old = [self.old_downs.get(n) for n, _ in comps]
+            old = [self._old_on(n, c.lora_down.device) for n, c in comps]
             reg = reg + o.lambda_orth * orthogonal_loss(old, [c.lora_down for _, c in comps])
         if o.lambda_l2 > 0:
             reg = reg + o.lambda_l2 * l2_loss([p for _, c in comps for p in (c.lora_down, c.lora_up)])
         return reg
+
+    def _old_on(self, layer: str, device: torch.device) -> torch.Tensor | None:
+        """The old A rows of ``layer`` on ``device`` (one copy per task, not one per step)."""
+        rows = self.old_downs.get(layer)
+        if rows is None:
+            return None
+        key = (layer, str(device))
+        cached = self._device_rows.get(key)
+        if cached is None:
+            cached = self._device_rows[key] = rows.to(device)
+        return cached
 
     def loss(self, model, x, y, ctx):
         return super().loss(model, x, y, ctx) + self.regularizer()
@@ -129,6 +141,7 @@ class OLoRA(ContinualMethod):
                 if name in layer.components:
                     layer.components[name].requires_grad_(False)
         self._current = None
+        self._device_rows.clear()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {f"old_down/{n}": t.contiguous() for n, t in self.old_downs.items()}
@@ -137,3 +150,4 @@ class OLoRA(ContinualMethod):
         super().load_state(tensors, meta)
         self.old_downs = {k[len("old_down/"):]: v.float().cpu() for k, v in tensors.items()
                           if k.startswith("old_down/")}
+        self._device_rows.clear()

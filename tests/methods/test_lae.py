@@ -13,7 +13,7 @@ from clmerge.config import load_config, parse_config
 from clmerge.engine import run as run_mod
 from clmerge.engine.checkpoint import load_checkpoint
 from clmerge.engine.run import prepare, run_experiment
-from clmerge.methods.lae import LAEEnsemble, ema_update, ensemble_logits
+from clmerge.methods.lae import LAEEnsemble, compensated_prefix_attention, ema_update, ensemble_logits
 from _lora_cl_helpers import uncommit_checkpoint
 from conftest import tiny_config
 
@@ -125,16 +125,17 @@ def test_defaults_are_the_official_codes():
                                         "max_prob")
     assert (cfg.optim.lr, cfg.head.loss) == (0.0028125, "local")
     with pytest.raises(Exception, match="pet"):
-        load_config(None, ["method.name=lae", "method.pet=prefix"])
+        load_config(None, ["method.name=lae", "method.pet=vpt"])
+    assert load_config(None, ["method.name=lae", "method.pet=prefix"]).method_options().prefix_length == 10
 
 
-@pytest.mark.parametrize("pet", ["adapter", "lora"])
+@pytest.mark.parametrize("pet", ["adapter", "lora", "prefix"])
 def test_blocks_the_backbone_lacks_are_refused(pet, tmp_path):
     with pytest.raises(ValueError, match=r"method.adapt_blocks=\[0, 3\]"):
         prepare(parse_config(_cfg(2, pet=pet, adapt_blocks=[0, 3])))
 
 
-@pytest.mark.parametrize("pet", ["adapter", "lora"])
+@pytest.mark.parametrize("pet", ["adapter", "lora", "prefix"])
 def test_a_resumed_lae_run_gives_the_same_numbers(tmp_path, pet):
     data = _cfg(3, pet=pet, num_freeze_epochs=1, ema_decay=0.9)
     full = run_experiment(parse_config(data), tmp_path / "full")
@@ -148,3 +149,53 @@ def test_a_resumed_lae_run_gives_the_same_numbers(tmp_path, pet):
     for x, z in zip(a[:2], b[:2]):  # the model (online PET, head) and the offline PET
         assert x.keys() == z.keys() and all(torch.equal(x[k], z[k]) for k in x)
     assert any(k.startswith("ema/") for k in a[1])
+
+
+def _official_prefix_attention(x_q, k, v, prefix_k, prefix_v, num_heads):
+    """LAE libml/model/backbone/vit.py lines 333-356 (Attention.forward) with the Prefix of
+    libml/model/pet/prefix.py: the prefix tokens inserted at position 1 of the projected keys and values
+    (pet/prompt.py Prompt.forward, lines 35-42), softmax, dropout (none), then Prefix.compensate (lines 34-46):
+    the prefix columns divided by their sum."""
+    B, N, C = x_q.shape
+    k = torch.cat([k[:, :1], prefix_k.expand(B, -1, -1), k[:, 1:]], dim=1)
+    v = torch.cat([v[:, :1], prefix_v.expand(B, -1, -1), v[:, 1:]], dim=1)
+    q = x_q.reshape(B, N, num_heads, C // num_heads).permute(0, 2, 1, 3)
+    k = k.reshape(B, -1, num_heads, C // num_heads).permute(0, 2, 1, 3)
+    v = v.reshape(B, -1, num_heads, C // num_heads).permute(0, 2, 1, 3)
+    attn = (q @ k.transpose(-2, -1)) * (C // num_heads) ** -0.5
+    attn = attn.softmax(dim=-1)
+    s, t = 1, 1 + prefix_k.shape[0]
+    lamb = attn[..., s:t].sum(dim=-1, keepdim=True)
+    attn = torch.cat([attn[..., :s], attn[..., s:t] / lamb.clamp(min=1e-12), attn[..., t:]], dim=-1)
+    return (attn @ v).transpose(1, 2).reshape(B, N, C)
+
+
+def test_the_prefix_attention_is_laes_compensated_one():
+    g = torch.Generator().manual_seed(3)
+    B, N, C, H, L = 2, 5, 8, 2, 3
+    q, k, v = (torch.randn(B, N, C, generator=g) for _ in range(3))
+    pk, pv = torch.rand(L, C, generator=g) * 0.5, torch.rand(L, C, generator=g)
+    official = _official_prefix_attention(q, k, v, pk, pv, H)
+
+    def heads(t):
+        return t.reshape(t.shape[0], -1, H, C // H).transpose(1, 2)
+
+    out, _ = compensated_prefix_attention(heads(q), heads(k), heads(v), heads(pk.expand(B, -1, -1)),
+                                          heads(pv.expand(B, -1, -1)), scaling=(C // H) ** -0.5)
+    assert torch.allclose(out.transpose(1, 2).reshape(B, N, C), official, atol=1e-6)
+
+
+def test_the_prefix_pet_changes_the_backbone_and_trains(tmp_path):
+    scenario, model, m, _ = prepare(parse_config(_cfg(2, pet="prefix")))
+    assert sorted(m.pet_names) == ["backbone.lae_prefix.key", "backbone.lae_prefix.key_scale",
+                                   "backbone.lae_prefix.value", "backbone.lae_prefix.value_scale"]
+    x = next(scenario.tasks[0].train.batches(4))[0]
+    model.eval()
+    with_prefix = model.forward_features(x)
+    with model.backbone.lae_prefix.mechanism.disabled():
+        plain = model.forward_features(x)
+    assert not torch.allclose(with_prefix, plain)
+    w = torch.randn(with_prefix.shape, generator=torch.Generator().manual_seed(0))
+    (with_prefix * w).sum().backward()  # (a plain sum of LayerNorm outputs has no gradient)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m._pet_params())
+

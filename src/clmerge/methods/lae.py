@@ -22,10 +22,13 @@ One parameter-efficient module (PET) on the first blocks of a frozen backbone is
 PETs (``pet``; the official ``MyModuleConf`` default ``Adapter``, on blocks 0-4 ``adapt_blocks``):
 ``adapter`` is the library's bottleneck adapter (``adapters.bottleneck``) with ``bottleneck`` 5 (LAE
 ``down_sample`` 5) and no dropout; ``lora`` is a rank-5 LoRA on the key and value projections of the blocks
-(LAE ``KVLoRA``). Differences from the official PETs: the adapter runs parallel to the block's MLP (LAE's is
-parallel to the attention) with ReLU (LAE: GELU) and a fixed output scale ``adapter_scale`` (LAE: a learned
-scale starting at 1); the LoRA's scale is fixed at 1 (LAE: a learned scale starting at 1). LAE's ``Prefix`` PET
-(with its compensatory attention renormalisation; PILOT's default) is not implemented. The calibration epochs
+(LAE ``KVLoRA``); ``prefix`` is LAE's ``Prefix`` (PILOT's default; official ``config/vit_prefix.yaml``): per
+block ``prefix_length`` 10 key and 10 value tokens (uniform in [0, 0.01)) times learned scales starting at 1,
+prepended to the projected keys and values, with the compensated attention: after the softmax the prefix
+tokens' weights are divided by their sum (``Prefix.compensate``; :class:`LAEPrefix`, HF ViT backbones).
+Differences from the official PETs: the adapter runs parallel to the block's MLP (LAE's is parallel to the
+attention) with ReLU (LAE: GELU) and a fixed output scale ``adapter_scale`` (LAE: a learned scale starting at
+1); the LoRA's scale is fixed at 1 (LAE: a learned scale starting at 1). The calibration epochs
 run as a separate fit before the task's ``train.epochs`` (the official 5 epochs with 3 frozen are
 ``train.epochs=2`` here), with their own optimizer (the official one optimizer for all epochs, reinitialised
 per task as PILOT ``reinit_optimizer``). Official training: Adam, lr 0.0028125 (PILOT exps/lae.json),
@@ -44,19 +47,24 @@ from torch.func import functional_call
 
 from ..adapters import inject_lora, lora_layers
 from ..adapters.bottleneck import attach_adapters
+from ..adapters.prompt import PromptInput, PromptMechanism
 from .base import ContinualMethod, MethodOptions, register_method
 
-__all__ = ["LAE", "LAEOptions", "LAEEnsemble", "ema_update", "ensemble_logits"]
+__all__ = ["LAE", "LAEOptions", "LAEEnsemble", "LAEPrefix", "compensated_prefix_attention", "ema_update",
+           "ensemble_logits"]
 
 
 class LAEOptions(MethodOptions):
-    pet: Literal["adapter", "lora"] = Field("adapter", description="the PET: adapter (official default) or a "
-                                            "LoRA on key/value (LAE KVLoRA)")
+    pet: Literal["adapter", "lora", "prefix"] = Field(
+        "adapter", description="the PET: adapter (official default), a LoRA on key/value (LAE KVLoRA), or "
+        "key/value prefixes with LAE's compensated attention (LAE Prefix; PILOT's default)")
     adapt_blocks: list[int] = Field(default_factory=lambda: [0, 1, 2, 3, 4],
                                     description="blocks that carry the PET (official adapt_blocks 0-4)")
     bottleneck: int = Field(5, ge=1, description="adapter bottleneck width (LAE down_sample 5)")
     adapter_scale: float = Field(1.0, gt=0, description="adapter output scale (LAE: learned, starts at 1)")
     rank: int = Field(5, ge=1, description="LoRA rank (LAE LinearLoRA rank 5)")
+    prefix_length: int = Field(10, ge=1, description="prefix tokens per block for keys and for values (LAE "
+                               "length 10)")
     ema_decay: float = Field(0.9999, ge=0, lt=1, description="offline PET = d·offline + (1-d)·online per step "
                              "(official 0.9999)")
     num_freeze_epochs: int = Field(3, ge=0, description="calibration epochs of a task after the first: head only, "
@@ -109,6 +117,81 @@ class LAEEnsemble(nn.Module):
         return ensemble_logits(self.model(x), off, kind)
 
 
+LAE_PREFIX_ATTENTION = "clmerge_lae_prefix"
+
+
+def compensated_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix_key: torch.Tensor,
+                                 prefix_value: torch.Tensor, *, scaling: float, dropout: float = 0.0,
+                                 training: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over ``[prefix; tokens]`` with LAE's compensation: after the softmax (and dropout) the weights
+    of the L prefix tokens are divided by their sum (LAE ``Prefix.compensate``). All (B, H, *, d); returns the
+    output (B, H, T, d) and the weights."""
+    keys, values = torch.cat([prefix_key, key], dim=2), torch.cat([prefix_value, value], dim=2)
+    weights = torch.softmax(torch.matmul(query, keys.transpose(-2, -1)) * scaling, dim=-1, dtype=torch.float32)
+    weights = nn.functional.dropout(weights.to(query.dtype), p=dropout, training=training)
+    n = prefix_key.shape[2]
+    lamb = weights[..., :n].sum(dim=-1, keepdim=True)
+    weights = torch.cat([weights[..., :n] / lamb.clamp(min=1e-12), weights[..., n:]], dim=-1)
+    return torch.matmul(weights, values), weights
+
+
+def _heads(p: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    b, h, _, d = like.shape
+    return p.to(like.dtype).reshape(b, -1, h, d).transpose(1, 2)
+
+
+def _lae_prefix_attention(module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The HF attention function of a block carrying LAE's prefix (registered as ``clmerge_lae_prefix``)."""
+    mechanism, layer = module._clmerge_prompt
+    prefix = mechanism.prefix_for(layer)
+    if attention_mask is not None:
+        raise ValueError("method.pet=prefix: LAE's compensated prefix attention supports unmasked (vision) "
+                         "attention only")
+    scaling = query.size(-1) ** -0.5 if scaling is None else scaling
+    if prefix is None:
+        empty = key[:, :, :0]
+        out, w = compensated_prefix_attention(query, key, value, empty, empty, scaling=scaling, dropout=dropout,
+                                              training=module.training)
+    else:
+        out, w = compensated_prefix_attention(query, key, value, _heads(prefix[0], key), _heads(prefix[1], value),
+                                              scaling=scaling, dropout=dropout, training=module.training)
+    return out.transpose(1, 2).contiguous(), w
+
+
+def _register_lae_attention() -> None:
+    from transformers.modeling_utils import AttentionInterface
+
+    if LAE_PREFIX_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(LAE_PREFIX_ATTENTION, _lae_prefix_attention)
+
+
+class LAEPrefix(nn.Module):
+    """LAE's ``Prefix`` PET on the blocks ``layers`` of an HF ViT backbone: per block, L key and L value tokens
+    (``Prompt``: uniform in [0, 0.01)) times a learned scale starting at 1 (``Scaler(None)``), prepended to the
+    block's projected keys and values; the attention is compensated (:func:`compensated_prefix_attention`)."""
+
+    def __init__(self, backbone: nn.Module, layers: list[int], length: int, *,
+                 generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        dim = backbone.inner.config.hidden_size
+        self.layers = list(layers)
+        self.key = nn.Parameter(torch.rand(len(layers), length, dim, generator=generator) * 0.01)
+        self.value = nn.Parameter(torch.rand(len(layers), length, dim, generator=generator) * 0.01)
+        self.key_scale = nn.Parameter(torch.ones(len(layers)))
+        self.value_scale = nn.Parameter(torch.ones(len(layers)))
+        mechanism = PromptMechanism(backbone, prefix_layers=self.layers)
+        mechanism.provider = lambda x: self.prompt_input(len(x))
+        _register_lae_attention()
+        for i in self.layers:
+            mechanism.layout.attentions[i].config._attn_implementation_internal = LAE_PREFIX_ATTENTION
+        object.__setattr__(self, "mechanism", mechanism)
+
+    def prompt_input(self, batch: int) -> PromptInput:
+        return PromptInput(prefixes={layer: ((self.key[i] * self.key_scale[i]).expand(batch, -1, -1),
+                                             (self.value[i] * self.value_scale[i]).expand(batch, -1, -1))
+                                     for i, layer in enumerate(self.layers)})
+
+
 def _block_index(name: str) -> int | None:
     hit = re.search(r"\.(\d+)\.", f".{name}.")
     return int(hit.group(1)) if hit else None
@@ -117,7 +200,7 @@ def _block_index(name: str) -> int | None:
 @register_method
 class LAE(ContinualMethod):
     name = "lae"
-    description = ("LAE (Gao et al., ICCV 2023): one PET (adapter|lora) trained on every task, its EMA as an "
+    description = ("LAE (Gao et al., ICCV 2023): one PET (adapter|lora|prefix) trained on every task, its EMA as an "
                    "offline PET, max-probability ensemble of the two at inference")
     Options = LAEOptions
     head_defaults: ClassVar[dict[str, Any]] = {"loss": "local"}
@@ -141,6 +224,15 @@ class LAE(ContinualMethod):
                 attach_adapters(model.backbone, bottleneck=o.bottleneck, scale=o.adapter_scale,
                                 layers=o.adapt_blocks, name="lae", dropout=0.0, generator=gen)
             except (ValueError, IndexError) as exc:
+                raise ValueError(f"method.adapt_blocks={o.adapt_blocks}: {exc}") from exc
+        elif o.pet == "prefix":
+            if type(getattr(model.backbone, "inner", None)).__name__ != "ViTModel":
+                raise ValueError("method.pet=prefix: LAE's prefix needs an HF ViT backbone (vit-tiny-fmnist, vit-b16, "
+                                 "hf-vit)")
+            try:
+                model.backbone.add_module("lae_prefix", LAEPrefix(model.backbone, o.adapt_blocks, o.prefix_length,
+                                                                  generator=gen))
+            except ValueError as exc:
                 raise ValueError(f"method.adapt_blocks={o.adapt_blocks}: {exc}") from exc
         else:
             inject_lora(model.backbone, ["key", "value"], magnitudes=model.lora_magnitudes)

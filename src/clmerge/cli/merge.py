@@ -40,7 +40,8 @@ def merge_command(
                                               help="max bytes per shard, e.g. 2GB (default 5GB)"),
     tokenizer_from: str | None = typer.Option(None, "--tokenizer-from", help="copy the tokenizer from this model"),
     task: str | None = typer.Option(None, "--task", help="per-task methods (emr_merging, …): i or all"),
-    threads: int | None = typer.Option(None, "--threads", help="CPU threads (default: half the cores, at most 4 and at most the free cores)"),
+    threads: int | None = typer.Option(None, "--threads", help="CPU threads (default: half the cores, at most 4 "
+                                       "and at most the free cores)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the plan and the memory estimate; write nothing"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out"),
     hash_inputs: bool = typer.Option(True, "--hash-inputs/--no-hash-inputs",

@@ -111,7 +111,7 @@ class APERFinetune(FirstSessionMethod):
                    "features")
     head_defaults: ClassVar[dict[str, Any]] = COSINE_PROTOTYPES
     Options = APERFinetuneOptions
-    optim_defaults, optim_source = grid_rate(1e-4, "Adam, full fine-tuning of the first task")
+    optim_defaults, optim_source = grid_rate(1e-3, "Adam, full fine-tuning of the first task")
 
     def setup(self, model) -> None:
         super().setup(model)

@@ -202,14 +202,15 @@ CL_BASELINES += ["lae", "fecam"]  # O-LoRA is a LoRA method: with the LoRA rows,
 NO_LORA_SITES |= {"lae", "fecam"}
 EXTRA_CONFIG.update({"lae": OWN_HEAD_ONLY, "fecam": OWN_HEAD_ONLY})
 # The classic baselines (docs/classic_baselines.md): full fine-tuning, their own rates on FULL_LRS; ER-ACE, X-DER
-# and iCaRL with ER's 200 examples of memory (iCaRL's paper keeps 2000), LwF none. iCaRL is evaluated with its
-# nearest-mean-of-exemplars classifier alone (not one backbone with a linear head: no head.compare).
+# and iCaRL with ER's 200 examples of memory (iCaRL's paper keeps 2000), LwF none. iCaRL (nearest mean of
+# exemplars) and ER-ACE (Mammoth's cosine classifier) are evaluated with their own classifier alone (not one
+# backbone with a linear head: no head.compare).
 CLASSIC = ["lwf", "er_ace", "xder", "icarl"]
 METHODS.update({m: ({"name": m}, FULL_LRS) for m in CLASSIC})
 CL_BASELINES += CLASSIC
 NO_LORA_SITES |= set(CLASSIC)
-EXTRA_CONFIG.update({"er_ace": BUFFER, "xder": BUFFER,
-                     "icarl": {"method": {"buffer_size": 200}, "head": {"compare": False}}})
+EXTRA_CONFIG.update({"xder": BUFFER, **{m: {"method": {"buffer_size": 200}, "head": {"compare": False}}
+                                         for m in ("er_ace", "icarl")}})
 
 
 def make_config(bench: str, label: str, seed: int, lr: float, *, smoke: bool) -> dict:

@@ -9,7 +9,9 @@ The reference is aimagelab/mammoth at e75a491, ``models/er_ace.py``:
 - line 73: ``loss = self.loss(logits, labels)``, the dataset's cross-entropy over all outputs;
 - lines 76-83: from the second task, with a non-empty buffer, ``loss += CE(net(buf_inputs), buf_labels)``
   over a buffer batch of ``minibatch_size``, unmasked;
-- lines 88-89: the batch goes into the reservoir buffer after the step.
+- lines 88-89: the batch goes into the reservoir buffer after the step;
+- lines 15-33 and 45, 50-52: by default (``--use_custom_classifier``) the classifier is ``CustomLinear``: no
+  bias, ``10 * cos(features, weight rows)``, each norm plus 1e-5.
 """
 
 from __future__ import annotations
@@ -32,6 +34,22 @@ from clmerge.models.classifier import ContinualClassifier, IncrementalHead
 from _lora_cl_helpers import uncommit_checkpoint
 
 N_CLASSES = 10
+
+
+def _custom_linear(x, weight):
+    """models/er_ace.py lines 24-33 (CustomLinear.forward), written out."""
+    x_norm = torch.norm(x, p=2, dim=1).unsqueeze(1).expand_as(x)
+    x_normalized = x.div(x_norm + 0.00001)
+    L_norm = torch.norm(weight, p=2, dim=1).unsqueeze(1).expand_as(weight)
+    cos_dist = torch.mm(x_normalized, weight.div(L_norm + 0.00001).transpose(0, 1))
+    return 10 * cos_dist
+
+
+def _net(model, classifier):
+    """Mammoth's network: the backbone and its classifier (CustomLinear by default, else the linear head)."""
+    if classifier == "linear":
+        return model
+    return lambda x: _custom_linear(model.backbone(x), torch.cat([b.weight for b in model.head.blocks]))
 
 
 def _mammoth_observe_loss(net, inputs, labels, seen_so_far, current_task, buf, task_free=False):
@@ -70,25 +88,29 @@ def _fill(m):
 def test_defaults_are_mammoths():
     o = method_options_model("er_ace")()
     assert (o.task_free, o.head_convention, o.buffer_size, o.minibatch_size) == (False, "mammoth", 200, None)
+    assert o.classifier == "cosine"  # --use_custom_classifier, default true (line 45)
 
 
+@pytest.mark.parametrize("classifier", ["cosine", "linear"])
 @pytest.mark.parametrize("task_index", [0, 1])
-def test_the_loss_is_mammoths_asymmetric_cross_entropy(task_index):
-    m, model, ctx = _method(task_index)
+def test_the_loss_is_mammoths_asymmetric_cross_entropy(task_index, classifier):
+    m, model, ctx = _method(task_index, classifier=classifier)
     _fill(m)
     m.seen = [0, 1]
+    net = _net(model, classifier)
     x, y = torch.randn(5, 3, generator=torch.Generator().manual_seed(9)), torch.tensor([2, 3, 3, 2, 3])
     got = m.loss(model, x, y, ctx)
     b = m.buffer.sample(3, replay_generator(7, 0, 1))
-    want, seen = _mammoth_observe_loss(model, x, y, torch.tensor([0, 1]), task_index, (b["x"], b["y"]))
-    assert torch.allclose(got, want, atol=1e-6)
+    want, seen = _mammoth_observe_loss(net, x, y, torch.tensor([0, 1]), task_index, (b["x"], b["y"]))
+    assert torch.allclose(got, want, atol=1e-5)
     assert m.seen == seen.tolist() == [0, 1, 2, 3]
     if task_index == 0:  # lines 70 and 77: no mask and no replay in the first task, whatever the buffer holds
-        assert torch.allclose(got, F.cross_entropy(model(x), y), atol=1e-6)
+        assert torch.allclose(got, F.cross_entropy(net(x), y), atol=1e-5)
+    assert torch.allclose(m.inference_model()(x), net(x), atol=1e-5)  # the evaluated classifier is the same
 
 
 def test_the_mask_keeps_the_present_classes_and_those_from_the_largest_seen_up():
-    m, model, ctx = _method(1)
+    m, model, ctx = _method(1, classifier="linear")
     m.seen = [0, 1, 2, 3, 4, 5]  # seen max 5 after this batch of classes 2 and 3
     x, y = torch.randn(4, 3), torch.tensor([2, 3, 2, 3])
     logits = model(x)
@@ -104,9 +126,9 @@ def test_task_free_masks_and_replays_from_the_first_task():
     _fill(m)
     x, y = torch.randn(5, 3), torch.tensor([2, 3, 3, 2, 3])
     b = m.buffer.sample(3, replay_generator(7, 0, 1))
-    want, _ = _mammoth_observe_loss(model, x, y, torch.tensor([], dtype=torch.long), 0, (b["x"], b["y"]),
+    want, _ = _mammoth_observe_loss(_net(model, "cosine"), x, y, torch.tensor([], dtype=torch.long), 0, (b["x"], b["y"]),
                                     task_free=True)
-    assert torch.allclose(m.loss(model, x, y, ctx), want, atol=1e-6)
+    assert torch.allclose(m.loss(model, x, y, ctx), want, atol=1e-5)
 
 
 def test_the_batch_is_inserted_after_the_step():
@@ -146,3 +168,9 @@ def test_a_digits_run_keeps_its_seen_classes_and_resumes_bit_for_bit(tmp_path):
     assert a[2]["method"] == b[2]["method"]
     for x, z in zip(a[:2], b[:2]):
         assert x.keys() == z.keys() and all(torch.equal(x[k], z[k]) for k in x)
+
+
+def test_head_compare_is_refused_with_the_cosine_classifier(tmp_path):
+    with pytest.raises(ValueError, match="head.compare: method 'er_ace'.*CosineClassifier"):
+        run_experiment(parse_config({**_cfg(), "head": {"compare": True}}), tmp_path / "run")
+    run_experiment(parse_config({**_cfg(classifier="linear"), "head": {"compare": True}}), tmp_path / "linear")

@@ -3,7 +3,8 @@
 - ER-ACE (Caccia et al., ICLR 2022, "New Insights on Reducing Abrupt Representation Change in Online Continual
   Learning"): ER with an asymmetric cross-entropy. From the second task on, the current batch's logits are
   masked to the classes present in the batch and the classes from the largest seen one upwards (Mammoth's
-  ``models/er_ace.py``); the buffer batch keeps the full cross-entropy, and the two losses are added.
+  ``models/er_ace.py``); the buffer batch keeps the full cross-entropy, and the two losses are added. The head
+  is read as Mammoth's default cosine classifier (``classifier: cosine``; ``linear``: the linear head).
 - X-DER (Boschini et al., TPAMI 2022, "Class-Incremental Continual Learning into the eXtended DER-verse"): DER++
   whose buffer is filled class-balanced at the end of each task, whose stored logits of past examples are
   rewritten with what the model says about the later heads (at the task boundary for every past example, and
@@ -23,12 +24,14 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from pydantic import Field
+from torch import nn
 
 from ..config import ConfigError
 from .base import grid_rate, register_method
 from .rehearsal import ER, DERpp, DERppOptions, ReplayOptions, replay_generator
 
-__all__ = ["ERACE", "ERACEOptions", "XDER", "XDEROptions", "ace_mask", "xder_damp"]
+__all__ = ["ERACE", "ERACEOptions", "XDER", "XDEROptions", "ace_mask", "xder_damp", "cosine_logits",
+           "CosineClassifier"]
 
 _MASKED = -1e9  # Mammoth's masked logit (models/er_ace.py)
 _DRAW_1, _DRAW_2, _END_TASK, _UPDATE = 1, 2, 3, 4  # generator streams (1, 2: DER++'s two buffer batches)
@@ -37,6 +40,37 @@ _DRAW_1, _DRAW_2, _END_TASK, _UPDATE = 1, 2, 3, 4  # generator streams (1, 2: DE
 class ERACEOptions(ReplayOptions):
     task_free: bool = Field(False, description="mask and replay from the first task on (Mammoth's --task_free; "
                                                "default false: from the second task, as Mammoth's default)")
+    classifier: Literal["cosine", "linear"] = Field(
+        "cosine", description="'cosine': Mammoth's default classifier (--use_custom_classifier): scale 10 times the "
+                              "cosine of features and head rows, no bias; 'linear': the library's linear head")
+
+
+_COS_SCALE, _COS_EPS = 10.0, 1e-5  # Mammoth's CustomLinear (models/er_ace.py lines 15-33)
+
+
+def cosine_logits(feats: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Mammoth's ``CustomLinear``: ``10 * cos(feats, rows of weight)``, each norm plus 1e-5, no bias."""
+    f = feats / (torch.linalg.vector_norm(feats, dim=1, keepdim=True) + _COS_EPS)
+    w = weight / (torch.linalg.vector_norm(weight, dim=1, keepdim=True) + _COS_EPS)
+    return _COS_SCALE * f @ w.T
+
+
+class CosineClassifier(nn.Module):
+    """The model with its head read as Mammoth's cosine classifier (the head's biases unused)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.forward_features(x)
+
+    def forward_head(self, feats: torch.Tensor) -> torch.Tensor:
+        weight = torch.cat([b.weight for b in self.model.head.blocks])
+        return cosine_logits(feats, weight.to(feats.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
 
 
 def ace_mask(n_outputs: int, present: torch.Tensor, seen_max: int) -> torch.Tensor:
@@ -58,10 +92,17 @@ class ERACE(ER):
         super().__init__(options, seed=seed)
         self.seen: list[int] = []  # classes seen in any training batch so far (Mammoth's seen_so_far)
 
+    def _net(self, model) -> nn.Module:
+        return CosineClassifier(model) if self.options.classifier == "cosine" else model
+
+    def inference_model(self) -> nn.Module:
+        return self._net(self.model)
+
     def loss(self, model, x, y, ctx) -> torch.Tensor:
         present = y.unique()
         self.seen = sorted(set(self.seen) | set(present.tolist()))
-        logits = model(x)
+        net = self._net(model)
+        logits = net(x)
         active = ctx.task.index > 0 or self.options.task_free
         if active:
             keep = ace_mask(logits.shape[1], present, max(self.seen))
@@ -70,7 +111,7 @@ class ERACE(ER):
         self._stash(x, y, None, ctx)
         if active and len(self.buffer) > 0:
             buf = self.draw(_DRAW_1, ctx.batch_size)
-            out = model(buf["x"])
+            out = net(buf["x"])
             loss = loss + F.cross_entropy(out[:, : self.width(out, ctx)], buf["y"])
         return loss
 

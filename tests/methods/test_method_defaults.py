@@ -45,9 +45,10 @@ TINY = {
 
 def test_the_embedded_default_is_random_projection_only_ranpac_with_its_own_head():
     cfg = default_config()
-    assert EMBEDDED_DEFAULT == {"method": {"name": "ranpac_rp"}}
+    assert EMBEDDED_DEFAULT == {"method": {"name": "ranpac_rp"}, "head": {"ranpac_dim": 2000}}
     assert (cfg.method.name, cfg.head.classifier, cfg.train.adapt_tasks) == ("ranpac_rp", "ranpac", None)
-    assert cfg.head.ranpac_dim == 10000
+    assert cfg.head.ranpac_dim == 2000  # the width the head grid selected the pair at; the method's own is 10000
+    assert load_config(None, ["method.name=ranpac_rp"]).head.ranpac_dim == 10000
     assert load_config(None, ["method.name=ranpac"]).method_options().first_session_adapt is True
 
 
@@ -229,3 +230,15 @@ def test_a_method_that_trains_none_of_its_parameters_says_so_once(tmp_path, capl
     with caplog.at_level(logging.WARNING, logger="clmerge.engine"):
         run_experiment(_tiny("seq_lora", **{"train.adapt_tasks": 1}), tmp_path / "fsa")
     assert _adapt_warnings(caplog) == []
+
+
+def test_switching_away_from_the_embedded_default_drops_its_head_width_for_run_and_sweep():
+    """The default job runs RanPAC's head at the grid's width 2000; naming a method (run --set, or a sweep's
+    set/grid) gives that method its own defaults: the RanPAC methods at the official 10000."""
+    from clmerge.sweep.grid import SweepSpec, base_data
+
+    assert load_config(None, ["seed=3"]).head.ranpac_dim == 2000
+    assert load_config(None, ["method.name=ranpac"]).head.ranpac_dim == 10000
+    assert load_config(None, ["method.name=ranpac", "head.ranpac_dim=500"]).head.ranpac_dim == 500
+    assert "head" not in base_data(SweepSpec(grid={"method.name": ["ranpac", "er"]}))
+    assert base_data(SweepSpec(grid={"seed": [0, 1]}))["head"] == {"ranpac_dim": 2000}

@@ -47,8 +47,9 @@ def _official_lambda(H: torch.Tensor, Y: torch.Tensor) -> float:
 
 
 def test_the_projection_width_is_the_official_M_and_the_projection_is_relu_of_a_gaussian_map():
-    assert HeadConfig().ranpac_dim == 10000  # exps/ranpac.json:26 "M": 10000
+    # exps/ranpac.json:26 "M": 10000 for the RanPAC methods; the shared head suite's shadow head stays 2000
     assert load_config(None, ["method.name=ranpac"]).head.ranpac_dim == 10000
+    assert HeadConfig().ranpac_dim == 2000
     head = RanPACHead(12, 40, seed=3)
     # models/ranpac.py:60: W_rand = torch.randn(in_features, M)
     torch.testing.assert_close(head.W_rand, torch.randn(12, 40, generator=torch.Generator().manual_seed(3)))

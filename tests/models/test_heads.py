@@ -234,7 +234,8 @@ def test_head_config_errors(tmp_path):
 def test_embedded_default_uses_the_validated_head_and_config_files_keep_linear(tmp_path):
     from clmerge.config import EMBEDDED_DEFAULT, default_config, load_config
 
-    assert default_config().head.classifier == "ranpac" and EMBEDDED_DEFAULT == {"method": {"name": "ranpac_rp"}}
+    assert default_config().head.classifier == "ranpac"
+    assert EMBEDDED_DEFAULT == {"method": {"name": "ranpac_rp"}, "head": {"ranpac_dim": 2000}}
     assert load_config(None, ["head.classifier=ncm"]).head.classifier == "ncm"  # the user's head key wins
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"seed": 1}))

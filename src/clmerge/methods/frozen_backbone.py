@@ -132,7 +132,7 @@ class RanPACOptions(PETLOptions, LoRAMethodOptions):
 
 
 # Phase 2 of RanPAC: the random-projection ridge head (engine head suite, ``head.ranpac_dim``)
-RANPAC_HEAD: dict[str, Any] = {"classifier": "ranpac"}
+RANPAC_HEAD: dict[str, Any] = {"classifier": "ranpac", "ranpac_dim": 10000}  # the official M (exps/ranpac.json)
 
 
 @register_method

@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import (EMBEDDED_DEFAULT, ConfigError, ExperimentConfig, parse_config, read_yaml_mapping,
-                      resolve_config_arg)
+from ..config import ConfigError, ExperimentConfig, embedded_default, parse_config, read_yaml_mapping, resolve_config_arg
 from ..errors import UsageError, clip
 from ..utils.outpaths import slug
 from .select_spec import SelectSpec, parse_link, parse_select
@@ -216,7 +215,8 @@ def dotted_items(data: dict, prefix: str = "") -> dict[str, Any]:
 
 def base_data(spec: SweepSpec) -> dict:
     """The base config's mapping (file, shipped name or the embedded default) with ``set`` applied."""
-    data = read_yaml_mapping(resolve_config_arg(spec.base)) if spec.base else copy.deepcopy(EMBEDDED_DEFAULT)
+    data = (read_yaml_mapping(resolve_config_arg(spec.base)) if spec.base
+            else embedded_default([*spec.set, *spec.grid]))
     for key, value in spec.set.items():
         set_dotted(data, key, value)
     return data

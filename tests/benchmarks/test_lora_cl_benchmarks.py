@@ -197,7 +197,9 @@ def test_baselines_config_uses_each_papers_head_and_selects_on_it() -> None:
         "ranpac_rp": ("ranpac", False, False), "aper_finetune": ("ncm", False, False),
         "ease": ("linear", False, False), "mos": ("linear", False, False), "slca": ("linear", True, True),
         "er": ("linear", False, True), "der": ("linear", False, True), "derpp": ("linear", False, True),
-        "lae": ("linear", False, False), "fecam": ("linear", False, False)}  # their own heads alone
+        "lae": ("linear", False, False), "fecam": ("linear", False, False),  # their own heads alone
+        "lwf": ("linear", False, True), "xder": ("linear", False, True),
+        "er_ace": ("linear", False, False), "icarl": ("linear", False, False)}  # cosine / NME classifiers: alone
     assert all(got[m].method_options().buffer_size == 200 for m in ("er", "der", "derpp"))
     assert ev.lr_grid("split_mnist5k", "simplecil") == [] == ev.lr_grid("split_mnist5k", "ranpac_rp")
     assert ev.LR_FROM["ranpac"] == "aper"  # the same first-session adapter and head: aper's selected rate

@@ -58,3 +58,25 @@ def uncommit_checkpoint(run_dir: Path, name: str) -> None:
 def assert_same_run(full: dict, resumed: dict) -> None:
     assert full["accuracy_matrix"] == resumed["accuracy_matrix"]
     assert full["method_metrics"] == resumed["method_metrics"]
+
+
+def resume_killed_copy(cfg, full_dir: Path, checkpoint: str) -> dict:
+    """Copy the finished run ``full_dir`` to ``resumed`` beside it, as a run killed before ``checkpoint`` was
+    committed (its metrics and that checkpoint removed), and resume it; returns the resumed metrics."""
+    dst = full_dir.parent / "resumed"
+    shutil.copytree(full_dir, dst)
+    (dst / "metrics.json").unlink()
+    uncommit_checkpoint(dst, checkpoint)
+    return run_experiment(cfg, dst, resume=True)
+
+
+def assert_same_checkpoint(a_dir: Path, b_dir: Path, name: str) -> tuple:
+    """The checkpoint ``name`` of two runs holds the same model and method tensors, bit for bit; returns both
+    loaded checkpoints."""
+    from clmerge.engine.checkpoint import load_checkpoint
+
+    a = load_checkpoint(a_dir / "checkpoints" / name)
+    b = load_checkpoint(b_dir / "checkpoints" / name)
+    for x, z in zip(a[:2], b[:2]):
+        assert x.keys() == z.keys() and all(torch.equal(x[k], z[k]) for k in x)
+    return a, b

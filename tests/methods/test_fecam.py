@@ -6,7 +6,6 @@ Transcribed rules: FeCAM's pretrained-ViT code (dipamgoswami/FeCAM at d2479b7bc9
 
 from __future__ import annotations
 
-import shutil
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ from clmerge.engine.checkpoint import load_checkpoint
 from clmerge.engine.run import build_classifier, run_experiment
 from clmerge.methods import build_method
 from clmerge.methods.fecam import FeCAMHead, tukey
-from _lora_cl_helpers import uncommit_checkpoint
+from _lora_cl_helpers import assert_same_checkpoint, resume_killed_copy
 from conftest import tiny_config
 
 
@@ -198,15 +197,9 @@ def test_the_head_is_its_own_and_a_domain_incremental_scenario_is_refused():
 def test_a_resumed_fecam_run_gives_the_same_numbers(tmp_path, adapt):
     data = _cfg(3, first_session_adapt=adapt, bottleneck=4)
     full = run_experiment(parse_config(data), tmp_path / "full")
-    shutil.copytree(tmp_path / "full", tmp_path / "resumed")
-    (tmp_path / "resumed" / "metrics.json").unlink()
-    uncommit_checkpoint(tmp_path / "resumed", "task_002.safetensors")  # killed after the second task
-    resumed = run_experiment(parse_config(data), tmp_path / "resumed", resume=True)
+    resumed = resume_killed_copy(parse_config(data), tmp_path / "full", "task_002.safetensors")  # killed after the second task
     assert resumed["accuracy_matrix"] == full["accuracy_matrix"]
-    a = load_checkpoint(tmp_path / "full" / "checkpoints" / "task_002.safetensors")
-    b = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "task_002.safetensors")
-    for x, z in zip(a[:2], b[:2]):  # the backbone (adapter) and the means / precision matrices
-        assert x.keys() == z.keys() and all(torch.equal(x[k], z[k]) for k in x)
+    a, b = assert_same_checkpoint(tmp_path / "full", tmp_path / "resumed", "task_002.safetensors")  # the backbone (adapter) and the means / precision matrices
 
 
 @pytest.mark.parametrize("key", ["head.compare=true", "head.classifier=ncm"])

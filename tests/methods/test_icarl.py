@@ -15,7 +15,6 @@ The reference is G-U-N/PyCIL at 87cc411:
 
 from __future__ import annotations
 
-import shutil
 from types import SimpleNamespace
 
 import numpy as np
@@ -33,7 +32,7 @@ from clmerge.methods.rehearsal import replay_generator
 from clmerge.models.classifier import ContinualClassifier, IncrementalHead
 from scipy.spatial.distance import cdist
 
-from _lora_cl_helpers import uncommit_checkpoint
+from _lora_cl_helpers import assert_same_checkpoint, resume_killed_copy
 
 EPSILON = 1e-8
 
@@ -196,16 +195,10 @@ def test_a_digits_run_keeps_a_balanced_memory_and_resumes_bit_for_bit(tmp_path):
     assert tensors["buffer/y"][:36].bincount().tolist() == [6] * 6  # 40 // 6 per class
     assert tensors["icarl/means"].shape[0] == 6 and any(k.startswith("old/") for k in tensors)
     assert full["accuracy_matrix"][4][0] > 0
-    shutil.copytree(tmp_path / "full", tmp_path / "resumed")
-    (tmp_path / "resumed" / "metrics.json").unlink()
-    uncommit_checkpoint(tmp_path / "resumed", "task_004.safetensors")  # killed after task 4
-    resumed = run_experiment(parse_config(data), tmp_path / "resumed", resume=True)
+    resumed = resume_killed_copy(parse_config(data), tmp_path / "full", "task_004.safetensors")  # killed after task 4
     assert resumed["accuracy_matrix"] == full["accuracy_matrix"]
     assert resumed["method_metrics"] == full["method_metrics"]
-    a = load_checkpoint(tmp_path / "full" / "checkpoints" / "task_004.safetensors")
-    b = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "task_004.safetensors")
-    for x, z in zip(a[:2], b[:2]):
-        assert x.keys() == z.keys() and all(torch.equal(x[k], z[k]) for k in x)
+    a, b = assert_same_checkpoint(tmp_path / "full", tmp_path / "resumed", "task_004.safetensors")
     linear = run_experiment(parse_config(_cfg(classifier="linear")), tmp_path / "linear")
     assert linear["accuracy_matrix"] != full["accuracy_matrix"]  # the same training, another classifier
 

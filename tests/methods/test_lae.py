@@ -4,17 +4,15 @@ LAMDA-PILOT's port (sun-hailong/LAMDA-PILOT at 264745534fc2233f5a50b020e50a3472c
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
 
 from clmerge.config import load_config, parse_config
 from clmerge.engine import run as run_mod
-from clmerge.engine.checkpoint import load_checkpoint
 from clmerge.engine.run import prepare, run_experiment
 from clmerge.methods.lae import LAEEnsemble, compensated_prefix_attention, ema_update, ensemble_logits
-from _lora_cl_helpers import uncommit_checkpoint
+from _lora_cl_helpers import assert_same_checkpoint, resume_killed_copy
 from conftest import tiny_config
 
 
@@ -139,15 +137,9 @@ def test_blocks_the_backbone_lacks_are_refused(pet, tmp_path):
 def test_a_resumed_lae_run_gives_the_same_numbers(tmp_path, pet):
     data = _cfg(3, pet=pet, num_freeze_epochs=1, ema_decay=0.9)
     full = run_experiment(parse_config(data), tmp_path / "full")
-    shutil.copytree(tmp_path / "full", tmp_path / "resumed")
-    (tmp_path / "resumed" / "metrics.json").unlink()
-    uncommit_checkpoint(tmp_path / "resumed", "task_002.safetensors")  # killed after the second task
-    resumed = run_experiment(parse_config(data), tmp_path / "resumed", resume=True)
+    resumed = resume_killed_copy(parse_config(data), tmp_path / "full", "task_002.safetensors")  # killed after the second task
     assert resumed["accuracy_matrix"] == full["accuracy_matrix"]
-    a = load_checkpoint(tmp_path / "full" / "checkpoints" / "task_002.safetensors")
-    b = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "task_002.safetensors")
-    for x, z in zip(a[:2], b[:2]):  # the model (online PET, head) and the offline PET
-        assert x.keys() == z.keys() and all(torch.equal(x[k], z[k]) for k in x)
+    a, b = assert_same_checkpoint(tmp_path / "full", tmp_path / "resumed", "task_002.safetensors")  # the model (online PET, head) and the offline PET
     assert any(k.startswith("ema/") for k in a[1])
 
 

@@ -14,7 +14,6 @@ The reference is G-U-N/PyCIL at 87cc411, ``models/lwf.py``:
 
 from __future__ import annotations
 
-import shutil
 from types import SimpleNamespace
 
 import torch
@@ -28,7 +27,7 @@ from clmerge.methods import build_method, method_class, method_options_model
 from clmerge.methods.lwf import kd_loss
 from clmerge.models.classifier import ContinualClassifier, IncrementalHead
 
-from _lora_cl_helpers import uncommit_checkpoint
+from _lora_cl_helpers import assert_same_checkpoint, resume_killed_copy
 
 
 def _pycil_kd(pred, soft, T):
@@ -100,12 +99,6 @@ def test_a_digits_run_keeps_the_previous_model_and_resumes_bit_for_bit(tmp_path)
     model_state, tensors, _ = load_checkpoint(tmp_path / "full" / "checkpoints" / "task_001.safetensors")
     old = {k[len("old/"):]: v for k, v in tensors.items() if k.startswith("old/")}
     assert old.keys() == model_state.keys() and all(torch.equal(old[k], model_state[k]) for k in old)
-    shutil.copytree(tmp_path / "full", tmp_path / "resumed")
-    (tmp_path / "resumed" / "metrics.json").unlink()
-    uncommit_checkpoint(tmp_path / "resumed", "task_004.safetensors")  # killed after task 4
-    resumed = run_experiment(parse_config(data), tmp_path / "resumed", resume=True)
+    resumed = resume_killed_copy(parse_config(data), tmp_path / "full", "task_004.safetensors")  # killed after task 4
     assert resumed["accuracy_matrix"] == full["accuracy_matrix"]
-    a = load_checkpoint(tmp_path / "full" / "checkpoints" / "task_004.safetensors")
-    b = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "task_004.safetensors")
-    for x, z in zip(a[:2], b[:2]):
-        assert x.keys() == z.keys() and all(torch.equal(x[k], z[k]) for k in x)
+    a, b = assert_same_checkpoint(tmp_path / "full", tmp_path / "resumed", "task_004.safetensors")

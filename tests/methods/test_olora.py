@@ -3,17 +3,15 @@ transcribed from the official code (cmnfriend/O-LoRA at 07117e1fc4a5f5ad9308a815
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
 
 from clmerge.adapters import lora_layers
 from clmerge.config import load_config, parse_config
-from clmerge.engine.checkpoint import load_checkpoint
 from clmerge.engine.run import prepare, run_experiment
 from clmerge.methods import method_options_model
-from _lora_cl_helpers import context, uncommit_checkpoint
+from _lora_cl_helpers import assert_same_checkpoint, context, resume_killed_copy
 from conftest import tiny_config
 
 
@@ -125,14 +123,8 @@ def test_defaults_are_the_official_scripts():
 def test_a_resumed_olora_run_gives_the_same_numbers(tmp_path, fold):
     data = _cfg(3, fold=fold, lambda_l2=0.1)
     full = run_experiment(parse_config(data), tmp_path / "full")
-    shutil.copytree(tmp_path / "full", tmp_path / "resumed")
-    (tmp_path / "resumed" / "metrics.json").unlink()
-    uncommit_checkpoint(tmp_path / "resumed", "task_002.safetensors")  # killed after the second task
-    resumed = run_experiment(parse_config(data), tmp_path / "resumed", resume=True)
+    resumed = resume_killed_copy(parse_config(data), tmp_path / "full", "task_002.safetensors")  # killed after the second task
     assert resumed["accuracy_matrix"] == full["accuracy_matrix"]
-    a = load_checkpoint(tmp_path / "full" / "checkpoints" / "task_002.safetensors")
-    b = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "task_002.safetensors")
-    for x, z in zip(a[:2], b[:2]):  # the model (LoRA components) and the old rows
-        assert x.keys() == z.keys() and all(torch.equal(x[k], z[k]) for k in x)
+    a, b = assert_same_checkpoint(tmp_path / "full", tmp_path / "resumed", "task_002.safetensors")  # the model (LoRA components) and the old rows
     assert any(k.startswith("old_down/") for k in a[1]) and all(v.shape[0] == 6 for k, v in a[1].items()
                                                              if k.startswith("old_down/"))

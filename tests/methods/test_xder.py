@@ -19,7 +19,6 @@ The reference is aimagelab/mammoth at e75a491, ``models/xder.py``:
 
 from __future__ import annotations
 
-import shutil
 from types import SimpleNamespace
 
 import torch
@@ -34,7 +33,7 @@ from clmerge.methods.rehearsal import replay_generator
 from clmerge.methods.rehearsal_plus import xder_damp
 from clmerge.models.classifier import ContinualClassifier, IncrementalHead
 
-from _lora_cl_helpers import uncommit_checkpoint
+from _lora_cl_helpers import assert_same_checkpoint, resume_killed_copy
 
 CPT, N_TASKS = 2, 3
 N_CLASSES = CPT * N_TASKS
@@ -197,16 +196,10 @@ def test_a_digits_run_balances_its_buffer_and_resumes_bit_for_bit(tmp_path):
     _, tensors, meta = load_checkpoint(tmp_path / "full" / "checkpoints" / "task_002.safetensors")
     assert tensors["buffer/y"].bincount().tolist() == [6] * 4 + [8] * 2  # 40 // 6 of each past class; 16 to 4, 5
     assert tensors["buffer/logits"].shape == (40, 10)
-    shutil.copytree(tmp_path / "full", tmp_path / "resumed")
-    (tmp_path / "resumed" / "metrics.json").unlink()
-    uncommit_checkpoint(tmp_path / "resumed", "task_004.safetensors")  # killed after task 4
-    resumed = run_experiment(parse_config(data), tmp_path / "resumed", resume=True)
+    resumed = resume_killed_copy(parse_config(data), tmp_path / "full", "task_004.safetensors")  # killed after task 4
     assert resumed["accuracy_matrix"] == full["accuracy_matrix"]
     assert resumed["method_metrics"] == full["method_metrics"]
-    a = load_checkpoint(tmp_path / "full" / "checkpoints" / "task_004.safetensors")
-    b = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "task_004.safetensors")
-    for x, z in zip(a[:2], b[:2]):
-        assert x.keys() == z.keys() and all(torch.equal(x[k], z[k]) for k in x)
+    a, b = assert_same_checkpoint(tmp_path / "full", tmp_path / "resumed", "task_004.safetensors")
 
 
 def test_a_buffer_larger_than_the_tasks_data_stays_partly_empty():

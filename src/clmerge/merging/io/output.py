@@ -39,7 +39,7 @@ from ...utils.procs import pid_alive
 from .base import NO_CAP, MergeInputError
 from .writer import BackgroundWriter, ShardedWriter
 
-__all__ = ["TOKENIZER_FILES", "FolderJob", "InputHashes", "OutputFolder", "OutputTarget", "build_folder", "check_out", "copy_model_files", "input_paths",
+__all__ = ["TOKENIZER_FILES", "FolderJob", "InputHashes", "OutputFolder", "OutputTarget", "build_folder", "check_out", "copy_model_files",
            "model_files", "remove_stale_temps", "write_model_card"]
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -51,7 +51,7 @@ TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 _CONFIG_FILES = ("config.json", "generation_config.json")
 
 
-def input_paths(sources: Iterable[Any]) -> list[Path]:
+def _input_paths(sources: Iterable[Any]) -> list[Path]:
     """The files and folders the opened ``sources`` read (what an output must never replace or hold)."""
     paths = []
     for s in sources:
@@ -70,7 +70,7 @@ def check_out(out: Path, sources: Iterable[Any], *, overwrite: bool = False) -> 
     Raises:
         OutputError: one line naming ``out`` and what is wrong with it (exit code 5).
     """
-    inputs = input_paths(sources)
+    inputs = _input_paths(sources)
     return check_output_dir(Path(out), flag="--out", inputs=inputs, overwrite=overwrite, file_suffix=".safetensors",
                             inside_inputs=False)
 

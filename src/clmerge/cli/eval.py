@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 import typer
 
 from ..errors import UsageError
-from ..utils.io import write_json
 from ..utils.outpaths import check_writable
 from .base import app, fail
 
@@ -48,6 +47,8 @@ def eval_command(
         else:
             res = _perplexity(model, data, max_length, stride, batch_size, max_samples, progress)
         if json_out is not None:
+            from ..utils.io import write_json  # torch: imported only when needed
+
             write_json(json_out, res)
     except (ValueError, OSError, KeyError, TypeError) as exc:
         fail(exc)

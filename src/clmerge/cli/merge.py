@@ -17,11 +17,10 @@ import typer
 
 from ..errors import UsageError
 from ..plugins import PLUGIN_HELP
-from ..utils.device import parse_device, stats_line
-from ..utils.threads import default_threads, set_threads
-from ..merging.methods.registry import available, get_method
-from ..merging.run import build_recipe, run_merge, run_moe
 from .base import app, console, exit_with, fail
+
+# torch, transformers and the merge methods are imported inside the commands: `clmerge --help` and every
+# other command's start-up stay free of them (tests/test_startup.py)
 
 __all__ = ["export_command", "extract_lora_command", "list_methods", "merge_command", "moe_command"]
 
@@ -58,8 +57,10 @@ def merge_command(
                                      "clmerge.merging.register_merge)"),
 ) -> None:
     """Merge checkpoints (model folders, weights files, hub ids, PEFT adapters) into a model folder."""
+    from ..merging.run import build_recipe, run_merge
     from ..plugins import load_plugins
-    from ..utils.threads import check_threads
+    from ..utils.device import parse_device, stats_line
+    from ..utils.threads import check_threads, default_threads, set_threads
     from .eval import run_tune
 
     load_plugins(plugin)
@@ -114,6 +115,7 @@ def list_methods(verbose: bool = typer.Option(False, "--verbose", "-v",
                                               help="hyperparameters, defaults, meaning")) -> None:
     """Print the registered merge methods (with ``--verbose``: each one's hyperparameters)."""
     from ..merging.methods.hparams import DATA_HPARAMS, method_hparams
+    from ..merging.methods.registry import available, get_method
 
     every = {name: method_hparams(get_method(name)) for name in available()} if verbose else {}
     for name, desc in available().items():
@@ -154,6 +156,7 @@ def extract_lora_command(
     """A PEFT LoRA adapter from a full fine-tune (truncated SVD of tuned - base per Linear weight)."""
     from ..merging.io.extract import extract_lora
     from ..merging.io import MergeInputError
+    from ..utils.device import parse_device, stats_line
 
     for flag, pattern in (("--include", include), ("--exclude", exclude)):
         try:
@@ -214,6 +217,7 @@ def moe_command(
 ) -> None:
     """Assemble a Mixtral-style mixture of experts from a dense Llama/Mistral base and dense experts."""
     from ..merging.moe import load_moe_recipe
+    from ..merging.run import run_moe
 
     try:
         res = run_moe(load_moe_recipe(recipe), out, dry_run=dry_run, overwrite=overwrite, hash_inputs=hash_inputs,

@@ -16,4 +16,15 @@ Layer: above report and data; ``merging/io`` is its checkpoint I/O. Imports no m
 from . import methods
 from .methods import *  # noqa: F403
 
-__all__ = list(methods.__all__)
+# merges on loaded objects (a PeftModel's adapters, nn.Modules): imported on first use (peft only then)
+_INMEMORY = ("add_merged_adapter", "merge_models")
+
+__all__ = list(methods.__all__) + list(_INMEMORY)
+
+
+def __getattr__(name: str):
+    if name in _INMEMORY:
+        from . import inmemory
+
+        return getattr(inmemory, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -45,8 +45,8 @@ def _prompts(k):
     return [" ".join([*w[i:i + 3], w[9]]) for i in range(0, 6)]
 
 
-def _moe(tmp, paths, mode, name="moe"):
-    recipe = {"base_model": str(paths[0]), "gate_mode": mode, "experts_per_token": 2,
+def _moe(tmp, paths, mode, name="moe", **extra):
+    recipe = {"base_model": str(paths[0]), "gate_mode": mode, "experts_per_token": 2, **extra,
               "experts": [{"source_model": str(p), "positive_prompts": _prompts(k)} for k, p in enumerate(paths[1:])]}
     (tmp / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
     res = CliRunner().invoke(app, ["moe", str(tmp / f"{name}.yaml"), "--out", str(tmp / name)])
@@ -76,9 +76,9 @@ def test_the_moe_loads_and_routes_an_experts_prompt_to_that_expert_in_the_first_
             assert (logits[1:].argmax(-1) == k).sum() >= 3, (mode, k, logits)
 
 
-def test_experts_mlps_become_w1_w2_w3_and_the_rest_comes_from_the_base(dense, tmp_path):
+def test_experts_mlps_become_w1_w2_w3_per_expert_and_the_rest_comes_from_the_base(dense, tmp_path):
     _, paths = dense
-    out = _moe(tmp_path, paths, "random")
+    out = _moe(tmp_path, paths, "random", layout="per_expert")
     got = folder_state(out)
     base, experts = folder_state(paths[0]), [folder_state(p) for p in paths[1:]]
     for e, sd in enumerate(experts):
@@ -95,6 +95,18 @@ def test_experts_mlps_become_w1_w2_w3_and_the_rest_comes_from_the_base(dense, tm
     assert (out / "tokenizer.json").exists()
 
 
+def test_the_default_layout_is_the_installed_transformers_fused_experts(dense, tmp_path):
+    _, paths = dense
+    got = folder_state(_moe(tmp_path, paths, "random"))
+    gate_up = got["model.layers.1.mlp.experts.gate_up_proj"]  # [experts, gate rows then up rows, hidden]
+    assert gate_up.shape == (3, 2 * 32, 32)  # intermediate 32, hidden 32
+    e1 = folder_state(paths[2])
+    assert torch.equal(gate_up[1], torch.cat([e1["model.layers.1.mlp.gate_proj.weight"],
+                                              e1["model.layers.1.mlp.up_proj.weight"]]))
+    assert torch.equal(got["model.layers.1.mlp.experts.down_proj"][1], e1["model.layers.1.mlp.down_proj.weight"])
+    assert not any("block_sparse_moe" in k for k in got)
+
+
 def test_moe_is_a_kind_the_runner_plans_dry_run_prints_the_plan_and_writes_nothing(dense, tmp_path):
     _, paths = dense
     recipe = {"base_model": str(paths[0]), "gate_mode": "hidden",
@@ -102,7 +114,7 @@ def test_moe_is_a_kind_the_runner_plans_dry_run_prints_the_plan_and_writes_nothi
     (tmp_path / "moe.yaml").write_text(yaml.safe_dump(recipe))
     res = CliRunner().invoke(app, ["moe", str(tmp_path / "moe.yaml"), "--dry-run", "--out", str(tmp_path / "m")])
     assert res.exit_code == 0, res.output
-    assert "moe: 3 experts x 2 layers" in res.stdout and "hidden routers" in res.stdout
+    assert "moe: mixtral (fused experts), 3 experts x 2 layers" in res.stdout and "hidden routers" in res.stdout
     assert not (tmp_path / "m").exists()
     res = CliRunner().invoke(app, ["moe", str(tmp_path / "moe.yaml")])
     assert res.exit_code == 2 and "--out PATH is required" in res.output

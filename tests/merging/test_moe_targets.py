@@ -12,13 +12,14 @@ import torch
 from checkpoint_helpers import folder_state
 from moe_helpers import build_moe, dense_family
 
-TARGETS = {  # target: (dense family, shared experts, first_k_dense_replace)
-    "mixtral": ("llama", 0, 0),
-    "qwen2_moe": ("qwen2", 1, 0),
-    "qwen3_moe": ("qwen3", 0, 0),
-    "deepseek_v3": ("deepseek_v3", 1, 0),
-    "dots1": ("qwen3", 2, 1),
-}
+TARGETS = [  # (target, dense family, shared experts, first_k_dense_replace)
+    ("mixtral", "llama", 0, 0),
+    ("qwen2_moe", "qwen2", 1, 0),
+    ("qwen2_moe", "llama", 1, 0),  # mergekit-moe's Qwen MoE takes Llama too: no attention biases then
+    ("qwen3_moe", "qwen3", 0, 0),
+    ("deepseek_v3", "deepseek_v3", 1, 0),
+    ("dots1", "qwen3", 2, 1),
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +46,9 @@ def _load(out):
 
 
 @pytest.mark.parametrize("layout", ["fused", "per_expert"])
-@pytest.mark.parametrize("target", list(TARGETS))
-def test_each_target_loads_with_no_missing_or_unexpected_weight_and_generates(families, tmp_path, target, layout):
-    family, shared, dense = TARGETS[target]
+@pytest.mark.parametrize("target, family, shared, dense", TARGETS, ids=[f"{t}-{f}" for t, f, *_ in TARGETS])
+def test_each_target_loads_with_no_missing_or_unexpected_weight_and_generates(families, tmp_path, target, family,
+                                                                              shared, dense, layout):
     paths = families[family]
     code, output, out = build_moe(tmp_path, "moe", _recipe(paths, target, shared, dense, layout))
     assert code == 0, output

@@ -102,11 +102,12 @@ def run(
     main = os.environ.get("RANK", "0") == "0"  # under torchrun only process 0 checks, writes and prints
     if main:
         _check_run_out(out, resume, overwrite)
-        console.print(f"writing the run to {out.absolute()}", highlight=False, markup=False, soft_wrap=True)
     if orders is not None:
+        if main:
+            _say(f"writing the run to {out.absolute()}")
         return _run_orders(cfg, out, orders, resume, _resume_command(config, set_, out, orders))
-    try:
-        metrics = run_experiment(cfg, out, resume=resume)
+    try:  # "writing the run to DIR" once the run has passed its checks (a refused run never prints it)
+        metrics = run_experiment(cfg, out, resume=resume, announce=_say)
         if not main:
             return
     except KeyboardInterrupt:
@@ -115,6 +116,10 @@ def run(
         fail(exc)
     print_results(metrics)
     console.print(f"run directory: [bold]{out.absolute()}[/] (report: {out.absolute() / 'report.html'})")
+
+
+def _say(line: str) -> None:
+    console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 def _run_seeds(config: str | None, sets: list[str], text: str, out: Path | None, resume: bool, dry_run: bool,

@@ -23,7 +23,7 @@ from ..methods.base import TaskContext
 from ..metrics import summarize
 from ..models import ContinualClassifier
 from ..utils.io import append_jsonl, atomic_write_text, read_json, sha256_bytes, sha256_file, write_json
-from ..utils.progress import Progress
+from ..utils.progress import Progress, progress_enabled
 from .checkpoint import (RECORD_KEY, ResumeError, RunLock, checkpoint_contents, checkpoint_record,
                          load_checkpoint, load_head_tensors, resume_checkpoint, save_checkpoint)
 from .evaluate import evaluate_tasks
@@ -308,8 +308,10 @@ def _head_summary(state: RunState, variant: str, sizes: list[int]) -> dict:
             "val_acc": state.head_val.get(variant)}
 
 
-def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool = False) -> dict:
+def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool = False,
+                   announce: Callable[[str], None] = lambda s: None) -> dict:
     """Run (or resume) the experiment into ``out_dir``; return the metrics dict (also in metrics.json).
+    ``announce`` gets ``writing the run to DIR`` once every check has passed, before the first task.
 
     Under ``torchrun`` (several processes) the run is data-parallel (:mod:`.distributed`): process 0 checks,
     writes and evaluates; the others train their share of every batch and return ``{}``.
@@ -346,6 +348,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool =
             # what --resume checks config.yaml against (a hand edit would mix two experiments)
             manifest[CONFIG_SHA_KEY] = sha256_bytes(cfg_text.encode("utf-8"))
             write_json(out / "manifest.json", {**manifest, RECORD_KEY: record})
+            announce(f"writing the run to {out.absolute()}")
         if dp is not None and resume:  # the others start from process 0's restored state
             start = distributed.broadcast_json(dp, start)
             share_state(dp, run)
@@ -369,11 +372,13 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool =
 
 
 def _train_tasks(run: Run, start: int, main: bool) -> None:
-    bar = Progress(range(start, len(run.scenario)), desc="tasks", enabled=run.cfg.run.progress and main)
-    for t in bar:
-        train_task(run, t)
-        if main:
-            _end_task(run, t, bar)
+    shown = run.cfg.run.progress and main
+    bar = Progress(range(start, len(run.scenario)), desc="tasks", enabled=shown)
+    with progress_enabled(shown):  # the methods' and heads' long phases (utils.progress.phase) too
+        for t in bar:
+            train_task(run, t)
+            if main:
+                _end_task(run, t, bar)
     bar.close()
 
 

@@ -36,6 +36,7 @@ from ...utils.inpaths import InputMissing, inside, read_bytes
 from ...utils.io import write_json
 from ...utils.outpaths import check_output_dir
 from ...utils.procs import pid_alive
+from ...utils.progress import phase
 from .base import NO_CAP, MergeInputError
 from .writer import BackgroundWriter, ShardedWriter
 
@@ -335,6 +336,23 @@ def write_model_card(dst: Path, *, recipe_yaml: str, inputs: list[tuple[str, str
     (dst / "README.md").write_text("\n".join(lines) + "\n")
 
 
+class KeyCounter:
+    """A writer that counts the distinct keys written into a progress phase (a merge key by key); everything
+    else is the wrapped writer's."""
+
+    def __init__(self, writer: Any, bar: Any) -> None:
+        self._writer, self._bar, self._seen = writer, bar, set()
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        self._writer.write(key, tensor)
+        if key not in self._seen:  # a rewrite (TIES's sign fix) is not another key
+            self._seen.add(key)
+            self._bar.update()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._writer, name)
+
+
 @dataclass
 class FolderJob:
     """One model folder that :meth:`OutputFolder.write` builds: the tensors (``plan``: ``(key, shape, dtype)``
@@ -403,7 +421,8 @@ class OutputFolder:
                                single_file=self.out.name if self.kind == "file" else None)
         writer = BackgroundWriter(writer) if background else writer
         try:
-            fill(writer)
+            with phase(desc=f"merge {self.out.name}: tensors", total=len(plan)) as bar:
+                fill(KeyCounter(writer, bar))
             writer.close()
         except BaseException:
             writer.abort()

@@ -21,6 +21,11 @@ fill: present                           # a token an input lacks: present | mean
 chat_template_from: path/to/expert_a    # the chat template of this input (default: the reference's)
 ```
 
+A mergekit config (a mapping with mergekit's ``merge_method`` key) is read as it is: :mod:`.mergekit_config`
+translates it into this format first (the one place that reads mergekit keys). Method names that other tools
+use (``linear``, ``ta``, ``dare_ties``, ``dare_linear``) name the clmerge method of the same definition
+(:data:`~.methods.registry.ALIASES`).
+
 A frankenmerge lists ``slices`` instead of ``models`` (mergekit's ``slices:``): each slice's ``sources`` give a model
 and a half-open ``layer_range: [a, b]``; one source is copied (``method: passthrough``), several are merged
 with ``method`` layer by layer. A recipe can also define named ``stages`` (each a full recipe with a ``name``)
@@ -93,6 +98,8 @@ def _check_layout(recipe: Recipe) -> Recipe:
     if bool(recipe.models) == bool(recipe.slices):
         raise ValueError("give either models (a merge of whole models) or slices (layer ranges), not "
                          + ("both" if recipe.models else "neither"))
+    if recipe.outer_tensors is not None and not recipe.slices:
+        raise ValueError("outer_tensors applies to slice recipes (slices:), not to models:")
     if recipe.method == PASSTHROUGH and not recipe.slices:
         raise ValueError("method passthrough copies layer ranges: it needs slices, not models")
     names = [s.name for s in recipe.stages]
@@ -125,6 +132,9 @@ class Recipe(StrictModel):
     fill: Literal["present", "mean", "zero"] = "present"
     chat_template_from: str | None = None
     slices: list[Slice] = Field(default_factory=list)
+    # a slice recipe's embeddings, final norm and head: copied from the base ("base", the default when a base
+    # is given) or merged from the first / last slice's sources ("slices": mergekit's rule, also without a base)
+    outer_tensors: Literal["base", "slices"] | None = None
     name: str | None = None
     stages: list[Recipe] = Field(default_factory=list)
 
@@ -151,12 +161,30 @@ def load_recipe(path: str, data: dict | None = None) -> Recipe:
 
 def recipe_of(data: dict, path: str = "") -> Recipe:
     """Validate a recipe mapping (read from ``path``, named in errors): unknown keys name the nearest valid key,
-    bad values name their key."""
-    data = _normalize(data, "")
+    bad values name their key. A mergekit config is translated first (:func:`.mergekit_config.translate`)."""
+    from .mergekit_config import is_mergekit, translate
+
+    if is_mergekit(data):
+        data = translate(data, path)
+    data = _normalize(_aliased(data), "")
     try:
         return validate_strict(Recipe, data)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}" if path else str(exc)) from None
+
+
+def _aliased(data: dict) -> dict:
+    """``method: linear`` -> ``weight_average`` (and ``dare_ties`` -> ``dare`` with ``combine: ties``): an alias
+    names its method, its fixed hyperparameters fill in what the recipe does not give."""
+    from .methods.registry import ALIASES
+
+    method = data.get("method")
+    if not isinstance(method, str) or method not in ALIASES:
+        return data
+    target, fixed = ALIASES[method]
+    params = data.get("parameters")
+    params = {**fixed, **params} if isinstance(params, dict) else params if params is not None else dict(fixed)
+    return {**data, "method": target, **({"parameters": params} if params else {})}
 
 
 def _normalize(data: dict, where: str) -> dict:

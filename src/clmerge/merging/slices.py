@@ -7,9 +7,12 @@ source whose model is the recipe's ``base`` serving as the base. The output's pe
 (``model.layers.{i}.``) are renumbered ``0..N-1`` in slice order and ``num_hidden_layers`` in ``config.json``
 becomes ``N``.
 
-The non-layer tensors (embeddings, final norm, ``lm_head``) come from the recipe's ``base`` when it names one;
-otherwise, as mergekit, the embeddings come from the first slice's sources and the other non-layer tensors
-from the last slice's (merged when that slice has several sources). Depth gradients in ``overrides`` run over
+The non-layer tensors (embeddings, final norm, ``lm_head``) come from the recipe's ``base`` when it names one
+(``outer_tensors: base``, the default then); otherwise, and with ``outer_tensors: slices``, as mergekit: the
+embeddings come from the first slice's sources and the other non-layer tensors from the last slice's, merged
+when that slice has several sources (the base among them serving as the base; keys without a layer number take
+a gradient's first value). mergekit does this with or without a base, so a mergekit config read by
+:mod:`.mergekit_config` sets ``outer_tensors: slices``. Depth gradients in ``overrides`` run over
 each slice's own layers (``t = i / (n - 1)`` within the slice, as mergekit). Everything streams: one tensor
 per source at a time.
 """
@@ -175,7 +178,7 @@ def _shape_of(src: Any, key: str, where: str, model: str) -> tuple[int, ...]:
 
 def _outer_segments(recipe: Any, sources: dict[str, Any]) -> tuple[Segment, Segment]:
     """The non-layer keys: embeddings (before the layers) and the rest (after), with the sources they come from."""
-    if recipe.base:
+    if recipe.base and recipe.outer_tensors != "slices":
         first = last = [SimpleNamespace(model=recipe.base, parameters={})]
     else:
         first, last = recipe.slices[0].sources, recipe.slices[-1].sources

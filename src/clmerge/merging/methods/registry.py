@@ -18,7 +18,8 @@ from ..io.base import MergeInputError
 from ..io.checks import check_output_finite
 from .hparams import check_hyperparameters
 
-__all__ = ["MergeMethod", "MERGES", "register_merge", "available", "merge", "get_method", "check_output_finite"]
+__all__ = ["ALIASES", "MergeMethod", "MERGES", "register_merge", "available", "merge", "get_method",
+           "check_output_finite"]
 
 MergeFn = Callable[..., dict[str, Tensor]]
 
@@ -39,6 +40,16 @@ class MergeMethod:
 
 
 MERGES: Registry = Registry("merge method")  # name -> MergeMethod
+
+#: other tools' names for registered methods: alias -> (method, the hyperparameters the alias fixes). The
+#: hyperparameters keep clmerge's names and meanings (``dare``'s ``density`` is its TIES trim); a mergekit
+#: config file is translated with mergekit's meanings (:mod:`clmerge.merging.mergekit_config`).
+ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "linear": ("weight_average", {}),  # mergekit's name
+    "ta": ("task_arithmetic", {}),
+    "dare_ties": ("dare", {"combine": "ties"}),  # mergekit's names for dare's two combines
+    "dare_linear": ("dare", {"combine": "task_arithmetic"}),
+}
 
 
 def register_merge(name: str, description: str, *, needs_base: bool = True) -> Callable[[MergeFn], MergeFn]:
@@ -67,9 +78,10 @@ def available() -> dict[str, str]:
 
 
 def get_method(name: str) -> MergeMethod:
-    """The registered method ``name``; an unknown name is a :class:`~clmerge.registry.UnknownNameError` (a
-    ``UsageError`` and ``KeyError``) naming the nearest known ones."""
-    return MERGES.get(name)
+    """The registered method ``name`` (or the method an alias in :data:`ALIASES` names; its fixed
+    hyperparameters are the caller's to apply); an unknown name is a :class:`~clmerge.registry.UnknownNameError`
+    (a ``UsageError`` and ``KeyError``) naming the nearest known ones."""
+    return MERGES.get(ALIASES[name][0] if name in ALIASES and MERGES.get(name, None) is None else name)
 
 
 def merge(name: str, *, base: Any = None, experts: Sequence[Any], **hyperparameters: Any) -> dict[str, Tensor]:
@@ -87,6 +99,8 @@ def merge(name: str, *, base: Any = None, experts: Sequence[Any], **hyperparamet
         ValueError): an output tensor came out NaN or Inf (:func:`check_output_finite`).
     """
     method = get_method(name)
+    if name in ALIASES and method.name != name:
+        hyperparameters = {**ALIASES[name][1], **hyperparameters}
     check_hyperparameters(method, hyperparameters, types=False, data_ok=True, error=TypeError)
     if method.needs_base and base is None:
         raise ValueError(f"{name}: needs base= (the pretrained parameters)")

@@ -143,13 +143,17 @@ RANDOM_DROP = Sparsifier(
     _dare_sum)
 
 
-def magprune_drop_probabilities(tv: Tensor, density: float, epsilon: float) -> Tensor:
+def magprune_drop_probabilities(tv: Tensor, density: float, epsilon: float, window: str = "paper") -> Tensor:
     """MAGPRUNE's drop probabilities (DELLA Sec. 3.1), row by row, shape of ``tv``.
 
     A row is ``tv[i]`` flattened for a tensor of 2+ dims (one output unit), the whole tensor for a 1-D one.
     In a row of ``n`` entries, ``r_i`` is the rank of ``|tau_i|`` in descending order (0 = largest; ties to the
     lower index) and ``p_i = p_min + epsilon * r_i / n`` with ``p_min = (1 - density) - epsilon (n - 1) / (2n)``,
     so the mean drop probability is ``1 - density`` and larger magnitudes are dropped less often.
+
+    ``window="mergekit"``: ``p_i = (1 - density) - epsilon / 2 + epsilon * r_i / (n - 1)`` (the ranks spread over
+    the whole window, ``0`` for a one-entry row): mergekit's ``della_magprune`` (``mergekit/sparsify.py``), whose
+    keep probabilities run over ``[density - e, density + e]`` with ``e = epsilon / 2``.
     """
     if tv.numel() == 0:
         return torch.zeros(tv.shape, dtype=torch.float64)
@@ -158,33 +162,56 @@ def magprune_drop_probabilities(tv: Tensor, density: float, epsilon: float) -> T
     order = torch.sort(rows.abs(), dim=1, descending=True, stable=True).indices
     ranks = torch.empty_like(order)
     ranks.scatter_(1, order, torch.arange(n).expand_as(order))
+    if window == "mergekit":
+        spread = ranks.double() / (n - 1) if n > 1 else torch.zeros(ranks.shape, dtype=torch.float64)
+        return ((1.0 - density) - epsilon / 2 + epsilon * spread).reshape(tv.shape)
     p_min = (1.0 - density) - epsilon * (n - 1) / (2 * n)
     return (p_min + epsilon * ranks.double() / n).reshape(tv.shape)
 
 
-def magprune_tensor(tv: Tensor, density: float, epsilon: float, *, generator: torch.Generator) -> Tensor:
+def magprune_tensor(tv: Tensor, density: float, epsilon: float, *, generator: torch.Generator,
+                    window: str = "paper", rescale: str = "paper") -> Tensor:
     """MAGPRUNE on one tensor: keep ``tau_i`` with probability ``1 - p_i``, rescale kept entries by
     ``1 / (1 - p_i)`` (DELLA Eq. for the rescale; ``E[result] = tau``). Uniform draws as in ``dare_tensor``, so
     ``epsilon = 0`` reproduces DARE with ``drop_rate = 1 - density`` exactly.
 
+    ``window``: the drop probabilities (:func:`magprune_drop_probabilities`). ``rescale``: ``"paper"`` (above),
+    ``"l1"`` (mergekit's ``rescale: true``: the kept entries, not rescaled one by one, times
+    ``|tau|_1 / |kept|_1`` over the whole tensor, unless either norm is below 1e-7: ``rescaled_masked_tensor``
+    in ``mergekit/sparsify.py``) or ``"none"`` (the kept entries as they are). With ``window="mergekit"``,
+    ``density >= 1`` returns ``tv`` as it is (mergekit).
+
     Computed in blocks of rows (:func:`.driver.row_blocks`; the ranks are per row and the generator's draws
     run on from block to block): the numbers of one whole-tensor pass, with temporaries of one block."""
+    if window == "mergekit" and density >= 1.0:
+        return tv.clone()
     out = torch.empty_like(tv)
     for rows in row_blocks(tv):
-        out[rows] = _magprune_block(tv[rows], density, epsilon, generator)
+        out[rows] = _magprune_block(tv[rows], density, epsilon, generator, window, rescale)
+    if rescale == "l1":
+        before, after = float(tv.abs().sum()), float(out.abs().sum())
+        if before >= 1e-7 and after >= 1e-7:
+            out.mul_(before / after)
     return out
 
 
-def _magprune_block(tv: Tensor, density: float, epsilon: float, generator: torch.Generator) -> Tensor:
+def _magprune_block(tv: Tensor, density: float, epsilon: float, generator: torch.Generator, window: str = "paper",
+                    rescale: str = "paper") -> Tensor:
     # compared in float32, as DARE compares its draws with a float32 drop rate
-    p = magprune_drop_probabilities(tv, density, epsilon).to(torch.float32)
+    p = magprune_drop_probabilities(tv, density, epsilon, window).to(torch.float32)
     keep = cpu_draw(torch.rand, tv.shape, generator=generator, like=tv) >= p
-    return (tv * keep / (1.0 - p)).to(tv.dtype)
+    return (tv * keep / (1.0 - p) if rescale == "paper" else tv * keep).to(tv.dtype)
 
 
 def _check_magprune(hp: dict[str, Any]) -> None:
     """A one-line error unless ``density`` and ``epsilon`` give drop probabilities in [0, 1]."""
     density, epsilon = hp["density"], hp["epsilon"]
+    if hp["window"] not in ("paper", "mergekit"):
+        raise ValueError(f"window must be 'paper' or 'mergekit', got {hp['window']!r}")
+    if hp["rescale"] not in ("paper", "l1", "none"):
+        raise ValueError(f"rescale must be 'paper', 'l1' or 'none', got {hp['rescale']!r}")
+    if hp["window"] == "mergekit" and density >= 1.0:
+        return  # mergekit keeps the task vector as it is
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density}")
     if epsilon < 0.0 or epsilon / 2 > min(density, 1.0 - density):
@@ -195,11 +222,13 @@ def _check_magprune(hp: dict[str, Any]) -> None:
 def _pruned(hp: dict[str, Any]) -> TaskVectorFn:
     """MAGPRUNE'd task vectors of one key (the input of DELLA's sign election)."""
     density, epsilon, seed = hp["density"], hp["epsilon"], hp["seed"]
+    opts = {"window": hp["window"], "rescale": hp["rescale"]}
 
     def pruned(key: str, b: Tensor, xs: list[Tensor], idx: list[int]) -> Tensor:
         dt = work_dtype(b.dtype, *(x.dtype for x in xs))  # float32; float64 for float64 inputs
         return torch.stack([magprune_tensor(x.to(dt) - b.to(dt), density, epsilon,
-                                            generator=dare_generator(seed, key, t)) for x, t in zip(xs, idx)])
+                                            generator=dare_generator(seed, key, t), **opts)
+                            for x, t in zip(xs, idx)])
 
     return pruned
 
@@ -211,16 +240,25 @@ def _magprune_sum(hp: dict[str, Any]) -> KeyFn:
     temporaries (the sort's indices and ranks, the float64 probabilities) of one block instead of one tensor
     each. Returned in the experts' dtype."""
     density, epsilon, scaling, seed = hp["density"], hp["epsilon"], hp["scaling"], hp["seed"]
+    window, rescale = hp["window"], hp["rescale"]
 
     def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
         dt = work_dtype(b.dtype, *(x.dtype for x in xs))
-        out = torch.empty(b.shape, dtype=xs[0].dtype)
         gens = [dare_generator(seed, key, t) for t in range(len(xs))]
+        if rescale == "l1":  # a whole-tensor norm: one expert's whole tensor at a time
+            fb = b.to(dt)
+            acc = torch.zeros(fb.shape, dtype=dt)
+            for x, gen in zip(xs, gens):
+                acc.add_(magprune_tensor(x.to(dt) - fb, density, epsilon, generator=gen, window=window,
+                                         rescale=rescale))
+            return acc.mul_(scaling).add_(fb).to(xs[0].dtype)
+        out = torch.empty(b.shape, dtype=xs[0].dtype)
         for rows in row_blocks(b):
             fb = b[rows].to(dt)
             acc = torch.zeros(fb.shape, dtype=dt)
             for x, gen in zip(xs, gens):
-                acc.add_(magprune_tensor(x[rows].to(dt) - fb, density, epsilon, generator=gen))
+                acc.add_(magprune_tensor(x[rows].to(dt) - fb, density, epsilon, generator=gen, window=window,
+                                         rescale=rescale))
             out[rows] = acc.mul_(scaling).add_(fb)
         return out
 
@@ -399,7 +437,7 @@ def ties(*, base: Any, experts: Sequence[Any], density: float = 0.2, scaling: fl
 @_registered
 def dare(*, base: Any, experts: Sequence[Any], drop_rate: float = 0.5, rescale: bool = True, seed: int = 0,
          combine: str = "task_arithmetic", scaling: float = 0.3, density: float = 1.0,
-         trim_scope: str = "global", trim_rule: str = "exact") -> dict[str, Tensor]:
+         trim_scope: str = "global", trim_rule: str = "exact", merge_fn: str = "mean") -> dict[str, Tensor]:
     """DARE: ``tau~_t = m_t * tau_t / (1 - p)``, ``m_t ~ Bernoulli(1 - p)`` elementwise, then ``combine``.
 
     The drop is a random Bernoulli mask as in the paper (and mergekit): the number of dropped entries is
@@ -413,14 +451,18 @@ def dare(*, base: Any, experts: Sequence[Any], drop_rate: float = 0.5, rescale: 
         scaling: ``lambda``.
         density, trim_scope, trim_rule: TIES's trim when ``combine="ties"`` (``density=1``: sign election
             only); see ``ties``.
+        merge_fn: the merge of the entries that agree with the elected sign when ``combine="ties"``: ``"mean"``
+            (TIES's disjoint mean), ``"sum"`` (mergekit's ``dare_ties``, whose ``normalize`` is false by
+            default) or ``"max"``.
     """
     return sparse_merge("dare", base, experts, drop_rate=drop_rate, rescale=rescale, seed=seed, combine=combine,
-                        scaling=scaling, density=density, trim_scope=trim_scope, trim_rule=trim_rule)
+                        scaling=scaling, density=density, trim_scope=trim_scope, trim_rule=trim_rule,
+                        merge_fn=merge_fn)
 
 
 @_registered
 def della(*, base: Any, experts: Sequence[Any], density: float = 0.5, epsilon: float = 0.2, scaling: float = 1.0,
-          seed: int = 0) -> dict[str, Tensor]:
+          seed: int = 0, window: str = "paper", rescale: str = "paper", merge_fn: str = "mean") -> dict[str, Tensor]:
     """DELLA-Merging, Deep et al. 2024: Drop (MAGPRUNE, :func:`magprune_drop_probabilities`), Elect
     (``gamma = sgn(sum_t tau~_t)``), Fuse (mean of the entries that agree with ``gamma``), then
     ``theta_0 + lambda * tau_m``.
@@ -435,13 +477,21 @@ def della(*, base: Any, experts: Sequence[Any], density: float = 0.5, epsilon: f
             needs ``epsilon / 2 <= density`` and ``epsilon / 2 <= 1 - density``.
         scaling: ``lambda`` applied to the merged task vector.
         seed: the random masks depend only on (seed, key, expert index), as DARE's.
+        window: ``"paper"`` (drop probabilities ``p_min + epsilon r_i / n``) or ``"mergekit"`` (ranks spread over
+            the whole window, ``r_i / (n - 1)``; density 1 keeps the task vector): see
+            :func:`magprune_drop_probabilities`.
+        rescale: ``"paper"`` (each kept entry times ``1 / (1 - p_i)``: unbiased, DELLA), ``"l1"`` (the kept
+            entries times the tensor's ``|tau|_1 / |kept|_1``: mergekit's ``rescale: true``) or ``"none"``.
+        merge_fn: ``"mean"`` (the paper's disjoint mean; mergekit's ``normalize: true``), ``"sum"`` or ``"max"``.
     """
-    return sparse_merge("della", base, experts, density=density, epsilon=epsilon, scaling=scaling, seed=seed)
+    return sparse_merge("della", base, experts, density=density, epsilon=epsilon, scaling=scaling, seed=seed,
+                        window=window, rescale=rescale, merge_fn=merge_fn)
 
 
 @_registered
 def della_linear(*, base: Any, experts: Sequence[Any], density: float = 0.5, epsilon: float = 0.2,
-                 scaling: float = 1.0, seed: int = 0) -> dict[str, Tensor]:
+                 scaling: float = 1.0, seed: int = 0, window: str = "paper",
+                 rescale: str = "paper") -> dict[str, Tensor]:
     """DELLA's Drop step (Deep et al. 2024, MAGPRUNE; see :func:`della`) with task arithmetic in place of the
     sign election: ``theta_0 + lambda * sum_t tau~_t`` (mergekit's ``della_linear``: no consensus, no
     normalisation). ``density = 1`` (with ``epsilon = 0``) is task arithmetic.
@@ -452,9 +502,10 @@ def della_linear(*, base: Any, experts: Sequence[Any], density: float = 0.5, eps
             ``epsilon``, see :func:`della`).
         scaling: ``lambda`` (mergekit's per-model ``weight`` times its ``lambda``, both 1 by default).
         seed: the random masks depend only on (seed, key, expert index): the same masks as ``della``.
+        window, rescale: as in :func:`della` (``"mergekit"``, ``"l1"``: mergekit's rule).
     """
     return sparse_merge("della_linear", base, experts, density=density, epsilon=epsilon, scaling=scaling,
-                        seed=seed)
+                        seed=seed, window=window, rescale=rescale)
 
 
 @_registered

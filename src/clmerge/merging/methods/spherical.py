@@ -336,23 +336,34 @@ def karcher_tensor(xs: Sequence[Tensor], weights: Tensor, *, max_iter: int = 10,
 @register_merge("karcher", "Riemannian (Karcher) mean of the models' directions on the sphere times their "
                 "mean norm, tensor by tensor (mergekit's karcher)", needs_base=False)
 def karcher(*, base: Any = None, experts: Sequence[Any], weights: Sequence[float] | None = None,
-            max_iter: int = 10, tol: float = 1e-5) -> dict[str, Tensor]:
-    """Karcher mean (mergekit ``karcher``): :func:`karcher_tensor` of the experts' tensors; the base is not
-    used (as mergekit). One expert is returned as it is.
+            max_iter: int = 10, tol: float = 1e-5, include_base: bool = False) -> dict[str, Tensor]:
+    """Karcher mean (mergekit ``karcher``): :func:`karcher_tensor` of the experts' tensors, and of the base's
+    with ``include_base``. One input is returned as it is.
 
     Args:
         weights: per-expert weights ``w_t``, normalised to sum to 1; ``None``: equal (mergekit uses equal).
         max_iter: iterations of the fixed point (mergekit's ``max_iter``, 10).
         tol: convergence tolerance on the tangent norm, and the norm below which an input has no direction
             (mergekit's ``tol``, 1e-5).
+        include_base: ``False`` (clmerge's default): a base, if given, is not used; ``True``: the base is one more
+            point of the mean, with the experts' equal weight (mergekit's ``karcher`` with a ``base_model``:
+            every input model, the base included, is a point; a mergekit config sets this). Needs a base and
+            no ``weights``.
     """
     if max_iter < 0:
         raise ValueError(f"max_iter must be >= 0, got {max_iter}")
     models = open_models(base, experts)
-    w = _equal_or(check_experts_weights(weights, models.num_experts), models.num_experts)
+    if include_base and models.base is None:
+        raise ValueError("include_base: true needs a base (the base is one more point of the mean)")
+    if include_base and weights is not None:
+        raise ValueError("include_base: true takes equal weights (as mergekit); drop weights")
+    n = models.num_experts + bool(include_base)
+    w = _equal_or(check_experts_weights(weights, models.num_experts), n)
     w = w / float(w.sum())
 
     def kernel(key: str, b: Tensor | None, xs: list[Tensor]) -> Tensor:
+        if include_base:
+            xs = [b, *xs]  # mergekit: the base first among the gathered tensors
         return xs[0] if len(xs) == 1 else karcher_key(xs, like_device(w, xs[0]), max_iter=max_iter, tol=tol)
 
     return map_keys(models, kernel)

@@ -42,6 +42,8 @@ def merge_command(
     threads: int | None = typer.Option(None, "--threads", help="CPU threads (default: half the cores, at most 4 "
                                        "and at most the free cores)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the plan and the memory estimate; write nothing"),
+    print_recipe: bool = typer.Option(False, "--print-recipe", help="print the clmerge recipe (YAML) that RECIPE, "
+                                      "a mergekit config included, becomes; merge nothing"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out"),
     hash_inputs: bool = typer.Option(True, "--hash-inputs/--no-hash-inputs",
                                      help="record each input file's sha256 in the model card"),
@@ -87,6 +89,9 @@ def merge_command(
         spec = build_recipe(recipe, method, base, expert, set_, options)
     except (KeyError, ValueError, FileNotFoundError, TypeError, OSError) as exc:
         fail(exc)  # printed by clmerge.cli.base.handle_errors, exit code by kind
+    if print_recipe:  # what a mergekit config (or the flag form) becomes; nothing is opened
+        typer.echo(spec.to_yaml().rstrip("\n"))
+        return
     if tune is not None:
         return run_tune(spec, tune, out, jobs=jobs, backend=backend, overwrite=overwrite)
     try:
@@ -187,10 +192,15 @@ def export_command(
                                          "here as an HF folder (the base the adapter applies to)"),
     svd: str = typer.Option("auto", "--svd", help="peft: auto, full or randomized truncated SVD"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing non-empty --out / --base-out"),
+    plugin: list[str] = typer.Option([], "--plugin", help=PLUGIN_HELP + "; the run's recorded plugins are "
+                                     "imported without it"),
 ) -> None:
     """Export a continual run's final model as an HF model folder or a PEFT LoRA adapter."""
     from ..engine.export import export_run
     from ..merging.io import MergeInputError
+    from ..plugins import load_plugins
+
+    load_plugins(plugin)  # the run's own recorded plugins are imported by export_run (load_run_model)
 
     try:
         res = export_run(run_dir, format=format, out=out, rank=rank, base_out=base_out, svd=svd,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..version import VERSION as __version__
+from ..utils.provenance import provenance
 from ..config import ExperimentConfig
 from ..data import build_dataset, build_scenario
 from ..data.scenarios import Scenario, configure_loading
@@ -109,7 +109,8 @@ def prepare(cfg: ExperimentConfig, *, data_check: str = "refuse") -> tuple[Scena
     method = build_method(cfg.method.name, options, seed=cfg.seed)
     method.setup(model)
     manifest = {
-        "clmerge_version": __version__, "python": sys.version.split()[0], "torch": torch.__version__,
+        **provenance(),  # clmerge_version, clmerge_commit, plugins (path, sha256): what --resume/export reload
+        "python": sys.version.split()[0], "torch": torch.__version__,
         "platform": platform.platform(), "seed": cfg.seed, "scenario_seed": s.seed, "kind": scenario.kind,
         "dataset": s.dataset, "class_order": scenario.class_order, "class_names": list(scenario.class_names),
         "tasks": [t.describe() for t in scenario.tasks],

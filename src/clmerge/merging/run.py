@@ -38,10 +38,11 @@ from .io.peft import is_peft_adapter
 from .io.readers import HUB_ID, open_checkpoint
 from .lora_merge import ADAPTER_FOLDER_ONLY, open_adapters, write_merged_adapter
 from .recipes import PASSTHROUGH, Recipe, recipe_of
-from .methods.registry import get_method
+from .methods.hparams import effective_hyperparameters
+from .methods.registry import MERGES, get_method
 
-__all__ = ["MergeResult", "Plan", "build_recipe", "check_stage_refs", "model_refs", "parse_set", "plan", "run_merge",
-           "run_moe", "with_stage_paths"]
+__all__ = ["MergeResult", "Plan", "build_recipe", "check_stage_refs", "effective_recipe", "model_refs", "parse_set",
+           "plan", "run_merge", "run_moe", "with_stage_paths"]
 
 NEEDS_OUT = "--out PATH is required (a new folder, or a .safetensors file)"
 
@@ -210,6 +211,7 @@ def plan(recipe: Recipe, *, task: str | None = None, adapter_out: str = "full", 
     Args:
         where: how errors name the global parameters (``"--set "`` for the flag form).
     """
+    recipe = effective_recipe(recipe)  # every default written out: what runs is what the output records
     if recipe.stages:
         check_stage_refs(recipe)
         for stage in [*recipe.stages, recipe]:
@@ -233,6 +235,24 @@ def plan(recipe: Recipe, *, task: str | None = None, adapter_out: str = "full", 
                                form=adapter_out, rank=adapter_rank)
         return Plan(recipe, "adapters", opened, adapter_out=adapter_out, adapter_rank=adapter_rank)
     return Plan(recipe, "models", pipeline.prepare(recipe, method, task=task, where=where))
+
+
+def effective_recipe(recipe: Recipe) -> Recipe:
+    """``recipe`` (and each of its stages) with its method's hyperparameters as the merge uses them, every
+    default filled in (:func:`~.methods.hparams.effective_hyperparameters`). :func:`plan` runs this recipe, and
+    the output folder records it (``clmerge_recipe.yaml``, the model card), so re-running the recorded recipe
+    gives the same merge after a later clmerge changes a default. An unknown method is left for
+    :func:`plan` to name."""
+    update: dict[str, Any] = {}
+    if recipe.stages:
+        update["stages"] = [effective_recipe(s) for s in recipe.stages]
+    if recipe.method != PASSTHROUGH and MERGES.get(recipe.method, None) is not None:
+        per_model = [k for m in recipe.models for k in m.parameters]
+        per_model += [k for sl in recipe.slices for s in sl.sources for k in s.parameters]
+        params = effective_hyperparameters(get_method(recipe.method), recipe.parameters, per_model)
+        if params != recipe.parameters or list(params) != list(recipe.parameters):
+            update["parameters"] = params
+    return recipe.model_copy(update=update) if update else recipe
 
 
 def run_merge(recipe: Recipe, out: Path | None, *, task: str | None = None, dry_run: bool = False,

@@ -36,12 +36,13 @@ from ...utils.inpaths import InputMissing, inside, read_bytes
 from ...utils.io import write_json
 from ...utils.outpaths import check_output_dir
 from ...utils.procs import pid_alive
+from ...utils.provenance import provenance
 from ...utils.progress import phase
 from .base import NO_CAP, MergeInputError
 from .writer import BackgroundWriter, ShardedWriter
 
 __all__ = ["TOKENIZER_FILES", "FolderJob", "InputHashes", "OutputFolder", "OutputTarget", "build_folder", "check_out", "copy_model_files",
-           "model_files", "remove_stale_temps", "write_model_card"]
+           "model_files", "recipe_header", "remove_stale_temps", "write_model_card"]
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.txt", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
@@ -314,21 +315,38 @@ class InputHashes:
         return self.result
 
 
+def recipe_header() -> str:
+    """The comment lines that open a recorded recipe: the clmerge version and commit that made the output, and
+    each plugin imported (its path and sha256, and the ``--plugin`` that re-running the recipe needs)."""
+    info = provenance()
+    lines = [f"# made by clmerge {info['clmerge_version']} (commit {info['clmerge_commit']}); every "
+             "hyperparameter as the merge used it (defaults filled in)"]
+    lines += [f"# plugin {p['plugin']}: {p['path']} sha256 {p['sha256']} (re-run with --plugin {p['path']})"
+              for p in info["plugins"]]
+    return "\n".join(lines) + "\n"
+
+
 def write_model_card(dst: Path, *, recipe_yaml: str, inputs: list[tuple[str, str, list[str]]],
-                     hashes: dict[str, str], base_model: str | None) -> None:
-    """``README.md``: what was merged, how (the recipe), every input file's sha256 and the clmerge version.
+                     hashes: dict[str, str], base_model: str | None, recipe_file: str = "clmerge_recipe.yaml") -> None:
+    """``README.md``: what was merged, how (the recipe, every hyperparameter as used), every input file's
+    sha256, the clmerge version and commit, and the plugins imported (path and sha256).
 
     Args:
         inputs: ``(role, name, files)`` per input (role: ``base`` or ``model``).
     """
-    from ...version import VERSION as __version__
-
+    info = provenance()
     front = ["---", "library_name: transformers", "tags:", "- merge", "- clmerge"]
     front += [f"base_model: {base_model}"] if base_model else []
     lines = front + ["---", "", "# Merged model", "",
-                     f"Made with clmerge {__version__} (`clmerge merge`) from the recipe below "
-                     "(also in `clmerge_recipe.yaml`).", "", "```yaml", recipe_yaml.rstrip(), "```", "",
-                     "## Inputs", "", "| role | input | file | sha256 |", "|---|---|---|---|"]
+                     f"Made by `clmerge merge` (clmerge {info['clmerge_version']}, commit {info['clmerge_commit']}) "
+                     f"from the recipe below (also in `{recipe_file}`), every hyperparameter as the merge used it "
+                     "(defaults filled in).", "", "```yaml", recipe_yaml.rstrip(), "```", ""]
+    if info["plugins"]:
+        lines += ["## Plugins", "", "Imported with `--plugin`; re-running the recipe needs the same code.", "",
+                  "| plugin | path | sha256 |", "|---|---|---|"]
+        lines += [f"| {p['plugin']} | {p['path']} | `{p['sha256']}` |" for p in info["plugins"]]
+        lines.append("")
+    lines += ["## Inputs", "", "| role | input | file | sha256 |", "|---|---|---|---|"]
     for role, name, files in inputs:
         for f in sorted(files, key=lambda f: Path(f).name):
             digest = f"`{hashes[str(f)]}`" if str(f) in hashes else "not computed (--no-hash-inputs)"
@@ -448,9 +466,10 @@ class OutputFolder:
             after_copy(folder)
         if report is not None:
             write_json(folder / "merge_report.json", report)
+        recipe_yaml = recipe_header() + recipe_yaml  # the version, commit and plugins that made it
         (folder / recipe_file).write_text(recipe_yaml)
         write_model_card(folder, recipe_yaml=recipe_yaml, inputs=inputs, hashes=self.hashes.get(),
-                         base_model=base_model)
+                         base_model=base_model, recipe_file=recipe_file)
 
     def write(self, jobs: list[FolderJob]) -> None:
         """Build every folder of ``jobs`` (shards, then the model files, recipe and model card) in the

@@ -19,8 +19,8 @@ class MergeMethod(Protocol):
     name: str
     fn: Any
 
-__all__ = ["DATA_HPARAMS", "HParam", "check_hyperparameters", "coerce_value", "method_hparams", "per_expert_name",
-           "per_model_params"]
+__all__ = ["DATA_HPARAMS", "HParam", "check_hyperparameters", "coerce_value", "effective_hyperparameters",
+           "method_hparams", "per_expert_name", "per_model_params"]
 
 # Hyperparameters that are data-dependent statistics (computed by the Python API from a dataset).
 DATA_HPARAMS = ("fishers", "grams")
@@ -180,4 +180,49 @@ def per_model_params(method: MergeMethod, hps: dict[str, HParam], models: Sequen
         target = per_expert_name(method.name, hps, key)
         out[target] = [coerce_value(method.name, hps[target], [m.parameters[key]], f"models[{i}].parameters.{key}")[0]
                        for i, m in enumerate(models)]
+    return out
+
+
+def _plain(value: Any) -> tuple[bool, Any]:
+    """``(True, value as YAML writes it)`` for a default a recipe can hold (``None``, a bool, an int, a finite
+    float, a string, or a list of those; a tuple becomes a list), else ``(False, None)``."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return True, value
+    if isinstance(value, float):
+        return math.isfinite(value), value
+    if isinstance(value, (list, tuple)):
+        items = [_plain(v) for v in value]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    return False, None
+
+
+def effective_hyperparameters(method: MergeMethod, params: Mapping[str, Any],
+                              per_model: Sequence[str] = ()) -> dict[str, Any]:
+    """``params`` with every keyword hyperparameter of ``method`` that it leaves out at its default: what the
+    method runs with, so a recipe that records it gives the same merge after a default changes.
+
+    Left out: required hyperparameters (no default), the data-dependent statistics (:data:`DATA_HPARAMS`),
+    ``task`` (chosen by ``--task``), the per-expert lists that the models' own ``parameters`` feed
+    (``per_model``: their keys, ``weight`` feeding ``weights``) and a default a recipe cannot hold (an object,
+    a non-finite float). A given name that is no hyperparameter is kept, for the check to name it. The
+    signature's order, then any unknown given names.
+    """
+    hps = method_hparams(method)
+    fed = set()
+    for key in per_model:
+        try:
+            fed.add(per_expert_name(method.name, hps, key))
+        except ValueError:
+            pass  # named by per_model_params when the recipe is checked
+    out: dict[str, Any] = {}
+    for name, hp in hps.items():
+        if name in params:
+            out[name] = params[name]
+            continue
+        if hp.required or name in DATA_HPARAMS or name == "task" or name in fed:
+            continue
+        ok, value = _plain(hp.default)
+        if ok:
+            out[name] = value
+    out.update({k: v for k, v in params.items() if k not in out})
     return out

@@ -68,9 +68,11 @@ def run(
                                    "that holds no run (files of the same names are replaced)"),
     nproc: int = typer.Option(1, "--nproc", min=1, help="data-parallel processes on this machine: relaunches this "
                               "command under torchrun (docs/scaling.md); the batch size stays the global one"),
-    seeds: str | None = typer.Option(None, "--seeds", help="run once per seed (the training seed, `seed`; the "
-                                      "class order is scenario.seed) into OUT/seed<N>: e.g. 0,1,2 (a one-key "
-                                      "`clmerge sweep`, docs/sweeps.md)"),
+    seeds: str | None = typer.Option(None, "--seeds", help="run once per seed into OUT/seed<N>: e.g. 0,1,2; each "
+                                      "seed sets the training seed (`seed`) and the class order (scenario.seed), "
+                                      "as PILOT's seed does (a one-key `clmerge sweep`, docs/sweeps.md)"),
+    fixed_class_order: bool = typer.Option(False, "--fixed-class-order", help="with --seeds: vary only the "
+                                           "training seed; the class order stays the config's scenario.seed"),
     plugin: list[str] = typer.Option([], "--plugin", help=PLUGIN_HELP),
 ) -> None:
     """Run a continual-learning experiment and write a run directory."""
@@ -80,13 +82,16 @@ def run(
     from ..plugins import load_plugins
 
     load_plugins(plugin)
+    if resume and out is not None:  # the run's own plugins, checked, before its config names what they register
     try:
         cfg = load_config(config, set_, note=print_warning)
         check_jobs(nproc, "--nproc")
     except (ConfigError, ValueError) as exc:
         fail(exc)
     if seeds is not None:
-        return _run_seeds(config, set_, seeds, out, resume, dry_run, orders, nproc, cfg)
+        return _run_seeds(config, set_, seeds, out, resume, dry_run, orders, nproc, cfg, fixed_class_order)
+    if fixed_class_order:
+        exit_with("--fixed-class-order goes with --seeds (it keeps scenario.seed fixed across the seeds)")
     if out is None and not dry_run:
         if resume:
             exit_with("--resume needs --out DIR (the run directory to continue)")
@@ -122,9 +127,16 @@ def _say(line: str) -> None:
     console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
+# --seeds: the class order follows the training seed (the sweep's ``link``), as one seed drives both in PILOT
+# (LAMDA-PILOT trainer.py lines 48-55: _set_random(args["seed"]), then DataManager(..., args["seed"], ...), whose
+# _setup_data calls np.random.seed(seed) and permutes the classes)
+SEEDS_LINK = {"scenario.seed": "seed"}
+
+
 def _run_seeds(config: str | None, sets: list[str], text: str, out: Path | None, resume: bool, dry_run: bool,
-               orders: int | None, nproc: int, cfg) -> None:
-    """``clmerge run --seeds 0,1,2``: the sweep whose one grid key is ``seed`` (cells OUT/seed0, ...)."""
+               orders: int | None, nproc: int, cfg, fixed_class_order: bool = False) -> None:
+    """``clmerge run --seeds 0,1,2``: the sweep whose one grid key is ``seed`` (cells OUT/seed0, ...); each
+    cell's ``scenario.seed`` (the class order) is its seed too, unless ``fixed_class_order``."""
     from ..config import apply_overrides, seed_problem
     from ..sweep.grid import SweepSpec, dotted_items, parse_seeds
     from .sweep import dry_run_spec, run_spec
@@ -135,8 +147,13 @@ def _run_seeds(config: str | None, sets: list[str], text: str, out: Path | None,
     for s in seeds:  # the range of the config's seed key (config.SEED_MAX), named as the flag
         if (problem := seed_problem(s, "--seeds")) is not None:
             raise UsageError(problem)
-    spec = SweepSpec(base=str(config) if config is not None else None,
-                     set=dotted_items(apply_overrides({}, sets)), grid={"seed": seeds})
+    fixed = dotted_items(apply_overrides({}, sets))
+    if "scenario.seed" in fixed and not fixed_class_order:
+        raise UsageError(f"--seeds sets scenario.seed (the class order) with each seed; --set scenario.seed="
+                         f"{fixed['scenario.seed']} fixes it: add --fixed-class-order to keep that class order, "
+                         "or drop the --set")
+    spec = SweepSpec(base=str(config) if config is not None else None, set=fixed, grid={"seed": seeds},
+                     link={} if fixed_class_order else dict(SEEDS_LINK))
     if dry_run:
         return dry_run_spec(spec, nproc)
     if out is None:
@@ -144,7 +161,8 @@ def _run_seeds(config: str | None, sets: list[str], text: str, out: Path | None,
             exit_with("--resume needs --out DIR (the folder of the seeds' runs to continue)")
         out = default_run_dir(cfg.method.name, cfg.scenario.dataset)
     words = ["clmerge", "run", *([str(config)] if config else []), *[w for s in sets for w in ("--set", s)],
-             "--seeds", text, "--out", str(out), "--resume", *(["--nproc", str(nproc)] if nproc > 1 else [])]
+             "--seeds", text, *(["--fixed-class-order"] if fixed_class_order else []), "--out", str(out), "--resume",
+             *(["--nproc", str(nproc)] if nproc > 1 else [])]
     run_spec(spec, out, resume=resume, nproc=nproc, resume_command=" ".join(shlex.quote(w) for w in words))
 
 

@@ -49,6 +49,10 @@ __all__ = ["METRICS", "SEED_KEYS", "FORMATS", "Run", "Group", "ResultsTable", "f
            "table_rows"]
 
 SEED_KEYS = ("seed", "scenario.seed")
+SEED_MEANING = {"seed": "the training seed", "scenario.seed": "the class order"}
+#: written after a group's mean ± 0.00 over two or more runs: the runs gave one value, so the error bar
+#: measures nothing (a deterministic method under a varied training seed alone, or runs that are copies)
+NOTHING_VARIED = "nothing varied"
 # name -> path in metrics.json; the TIL ones (task-incremental: the task's own classes only) sit under "til"
 METRICS: dict[str, tuple[str, ...]] = {
     **{m: (m,) for m in ("acc", "aaa", "forgetting", "bwt", "fwt", "plasticity")},
@@ -102,8 +106,15 @@ class ResultsTable:
 
     def notes(self) -> list[str]:
         """What the reader must know besides the numbers: unfinished runs, unpaired runs, what the n count."""
-        varied = " and ".join(self.seeds_varied) or "no seed key"
-        out = [f"runs: the runs averaged; they vary in {varied} (seed keys: {', '.join(SEED_KEYS)})"]
+        varied = " and ".join(f"{SEED_MEANING[k]} ({k})" for k in self.seeds_varied) or "no seed key"
+        out = [f"runs: the runs averaged; what varied: {varied} (seed keys: {', '.join(SEED_KEYS)})"]
+        flat = [f"{m} of {g.label}" for g in self.groups for m in self.metrics if _nothing_varied(g.stats[m])]
+        if flat:
+            hint = ("" if "scenario.seed" in self.seeds_varied else "; the class order (scenario.seed) stayed "
+                    "fixed: clmerge run --seeds varies it unless --fixed-class-order")
+            more = f" and {len(flat) - 4} more" if len(flat) > 4 else ""
+            out.append(f"{NOTHING_VARIED}: the same value in every run ({', '.join(flat[:4])}{more}), so its "
+                       f"± 0.00 is no error bar{hint}")
         if self.vs is not None:
             same = " and ".join(SEED_KEYS)
             out.append(f"Δ: paired difference to {self.vs} over runs with the same {same}, "
@@ -435,11 +446,19 @@ def _chosen(t: ResultsTable, g: Group) -> list[str]:
 
 # -- rendering -----------------------------------------------------------------------------------------------
 
+def _nothing_varied(s: Mapping[str, Any]) -> bool:
+    """A mean over two or more runs whose standard error is zero up to float rounding (the mean of equal values
+    need not equal them to the last bit): every run gave the same value."""
+    return s["n"] >= 2 and s["se"] is not None and s["se"] <= 1e-9 * max(1.0, abs(s["mean"]))
+
+
 def _pm(s: Mapping[str, Any], sign: bool = False) -> str:
     if s["n"] == 0:
         return "—"
     mean = f"{s['mean']:+.2f}" if sign else f"{s['mean']:.2f}"
-    return mean if s["se"] is None else f"{mean} ± {s['se']:.2f}"
+    if s["se"] is None:
+        return mean
+    return f"{mean} ± {s['se']:.2f}" + (f" ({NOTHING_VARIED})" if not sign and _nothing_varied(s) else "")
 
 
 def _header(t: ResultsTable) -> list[str]:

@@ -1,5 +1,5 @@
-"""Merges on loaded objects: ``add_merged_adapter`` against peft's ``add_weighted_adapter`` on Delta W, against
-the adapter-folder path, and ``merge_models`` against the checkpoint-file path."""
+"""Merges on loaded objects: ``add_merged_adapter`` against peft's ``add_weighted_adapter`` on Delta W,
+against the adapter-folder path, and ``merge_models`` against the checkpoint-file path."""
 
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ def tiny_peft(ranks=(2, 2), alphas=(4, 3), targets=("emb", "up", "down")):
 
 def deltas(model, adapter: str) -> dict[str, torch.Tensor]:
     """``{module: Delta W}`` of ``adapter`` from peft's own layers (float64)."""
-    return {n: m.get_delta_weight(adapter).detach().double() for n, m in model.base_model.model.named_modules()
+    return {n: m.get_delta_weight(adapter).detach().double()
+            for n, m in model.base_model.model.named_modules()
             if isinstance(m, LoraLayer) and (adapter in m.lora_A or adapter in m.lora_embedding_A)}
 
 
@@ -69,8 +70,9 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def shared_dare_masks(model, monkeypatch, seed: int = 0) -> None:
-    """Make peft's DARE draw clmerge's masks: peft's ``random_pruning`` is called module by module (named_modules
-    order), adapter by adapter; clmerge's mask of (key, expert t) comes from ``dare_generator(seed, key, t)``."""
+    """Make peft's DARE draw clmerge's masks: peft's ``random_pruning`` is called module by module
+    (``named_modules`` order), adapter by adapter; clmerge's mask of (key, expert t) comes from
+    ``dare_generator(seed, key, t)``."""
     import peft.utils.merge_utils as mu
 
     order = [(f"{n}.weight", t) for n, m in model.base_model.model.named_modules() if isinstance(m, LoraLayer)
@@ -105,7 +107,8 @@ def test_delta_w_agrees_with_add_weighted_adapter(combination, monkeypatch):
     if combination.startswith("dare"):
         shared_dare_masks(model, monkeypatch)
     kw = {} if density is None else {"density": density}
-    model.add_weighted_adapter(list(NAMES), weights, "peft", combination_type=combination, svd_rank=FULL, **kw)
+    model.add_weighted_adapter(list(NAMES), weights, "peft", combination_type=combination, svd_rank=FULL,
+                               **kw)
     report = add_merged_adapter(model, list(NAMES), method=combination, weights=weights, new_name="ours",
                                 rank=FULL, **kw)
     ours, theirs = deltas(model, "ours"), deltas(model, "peft")
@@ -140,12 +143,14 @@ def test_peft_factor_level_linear_is_not_the_sum_of_updates():
 
 
 def test_unequal_ties_weights_elect_on_weighted_updates():
-    """With unequal weights peft elects the sign on the unweighted trimmed updates; clmerge weights the updates
-    first, so the two differ (documented), and clmerge equals TIES on the weighted updates."""
+    """With unequal weights peft elects the sign on the unweighted trimmed updates; clmerge weights the
+    updates first, so the two differ (documented), and clmerge equals TIES on the weighted updates."""
     model = tiny_peft()
     w = [1.0, 0.2]
-    model.add_weighted_adapter(list(NAMES), w, "peft", combination_type="ties_svd", svd_rank=FULL, density=0.5)
-    add_merged_adapter(model, list(NAMES), method="ties_svd", weights=w, density=0.5, new_name="ours", rank=FULL)
+    model.add_weighted_adapter(list(NAMES), w, "peft", combination_type="ties_svd", svd_rank=FULL,
+                               density=0.5)
+    add_merged_adapter(model, list(NAMES), method="ties_svd", weights=w, density=0.5, new_name="ours",
+                       rank=FULL)
     base = {f"{k}.weight": torch.zeros_like(d) for k, d in deltas(model, "math").items()}
     experts = [{f"{k}.weight": wt * d for k, d in deltas(model, a).items()} for wt, a in zip(w, NAMES)]
     ref = merge("ties", base=base, experts=experts, density=0.5, scaling=1.0, trim_scope="per_tensor")

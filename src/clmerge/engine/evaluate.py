@@ -6,13 +6,19 @@ import torch
 from torch import nn
 
 from ..data.scenarios import Task
+from ..utils.progress import phase
 
-__all__ = ["evaluate_tasks", "TaskAccuracy"]
+__all__ = ["evaluate_tasks", "eval_batches", "TaskAccuracy"]
 
 
 class TaskAccuracy(dict):
     """``{"acc": %, "til_acc": %, "n": test size, "loss": mean CE over the seen outputs}`` for one task
     (``acc`` and ``loss`` are None when only ``til_acc`` was asked for)."""
+
+
+def eval_batches(tasks: list[Task], split: str, batch_size: int) -> int:
+    """How many batches an evaluation of ``tasks``' ``split`` reads (its progress total)."""
+    return sum(getattr(t, split).num_batches(batch_size) for t in tasks if getattr(t, split, None) is not None)
 
 
 def _routed(model: nn.Module, task: Task, n_outputs: int) -> bool:
@@ -41,6 +47,7 @@ def evaluate_tasks(model: nn.Module, tasks: list[Task], *, n_outputs: int, batch
     was_training = model.training
     model.eval()
     out = []
+    bar = phase(desc=f"evaluation ({split})", total=eval_batches(tasks, split, batch_size))
     for task in tasks:
         data = getattr(task, split)
         if data is None or len(data) == 0:
@@ -49,7 +56,7 @@ def evaluate_tasks(model: nn.Module, tasks: list[Task], *, n_outputs: int, batch
         routed = til_only and _routed(model, task, n_outputs)
         correct = correct_til = 0
         loss_sum = 0.0
-        for x, y in data.batches(batch_size):
+        for x, y in bar.track(data.batches(batch_size)):
             x, y = x.to(device), y.to(device)
             if routed:
                 correct_til += int((model.task_logits(x, task.index).argmax(-1) + lo == y).sum())
@@ -66,5 +73,6 @@ def evaluate_tasks(model: nn.Module, tasks: list[Task], *, n_outputs: int, batch
         else:
             out.append(TaskAccuracy(acc=100.0 * correct / n, til_acc=100.0 * correct_til / n, n=n,
                                     loss=loss_sum / n))
+    bar.close()
     model.train(was_training)
     return out

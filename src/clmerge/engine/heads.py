@@ -26,8 +26,9 @@ from ..config import HeadConfig
 from ..data.scenarios import Task
 from ..models.classifier import ContinualClassifier, IncrementalHead
 from ..models.heads import ClassFeatureStats, NCMHead, RanPACHead, align_linear_head
-from .evaluate import TaskAccuracy
+from .evaluate import TaskAccuracy, eval_batches
 from ..utils.precision import full_precision
+from ..utils.progress import phase
 
 __all__ = ["VARIANTS", "HeadSuite", "head_variant", "extract_features", "check_head_support"]
 
@@ -66,9 +67,11 @@ def extract_features(model: ContinualClassifier, data, *, batch_size: int, devic
     was = model.training
     model.eval()
     fs, ys = [], []
-    for x, y in data.batches(batch_size):
-        fs.append(model.forward_features(x.to(device)).float().cpu())
-        ys.append(y)
+    with phase(data.batches(batch_size), "head: training features",
+               total=data.num_batches(batch_size)) as bar:
+        for x, y in bar:
+            fs.append(model.forward_features(x.to(device)).float().cpu())
+            ys.append(y)
     model.train(was)
     return torch.cat(fs), torch.cat(ys)
 
@@ -159,13 +162,14 @@ class HeadSuite:
         model.eval()
         fns = self._logit_fns(model, n_outputs, variants)
         out: dict[str, list[TaskAccuracy]] = {v: [] for v in variants}
+        bar = phase(desc=f"evaluation ({split})", total=eval_batches(tasks, split, batch_size))
         for task in tasks:
             data = getattr(task, split)
             if data is None or len(data) == 0:
                 raise ValueError(f"task {task.index} has no {split} data")
             lo, hi = task.class_range
             hits = {v: [0, 0] for v in variants}
-            for x, y in data.batches(batch_size):
+            for x, y in bar.track(data.batches(batch_size)):
                 x, y = x.to(device), y.to(device)
                 feats = model.forward_features(x)
                 for v, fn in fns.items():
@@ -176,6 +180,7 @@ class HeadSuite:
                 n = len(data)
                 out[v].append(TaskAccuracy(acc=100.0 * hits[v][0] / n, til_acc=100.0 * hits[v][1] / n, n=n,
                                            loss=None))
+        bar.close()
         model.train(was)
         return out
 

@@ -80,33 +80,35 @@ def _resolve(method: str, params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         return get_method(method), dict(params)
     except KeyError:
         if method in _FACTOR_LEVEL:
-            raise ValueError(f"method {method!r}: peft's {method!r} combines the A and B factors separately, which "
-                             f"is not a merge of the updates; use {method + '_svd'!r} (the same rule on Delta W) "
-                             "or a clmerge method") from None
+            hint = f"{method}_svd"
+            raise ValueError(f"method {method!r}: peft's {method!r} combines the A and B factors "
+                             "separately, which is not a merge of the updates; use "
+                             f"{hint!r} (the same rule on Delta W) or a clmerge method") from None
         raise
 
 
-def _check_unmerged(peft_model: Any, adapters: Sequence[str]) -> None:
+def _check_unmerged(peft_model: Any) -> None:
     """Refuse a model whose LoRA layers hold merged adapters (their base weights are not the base's)."""
     from peft.tuners.lora import LoraLayer
 
     for name, mod in peft_model.base_model.model.named_modules():
         if isinstance(mod, LoraLayer) and getattr(mod, "merged_adapters", None):
-            raise MergeInputError(f"module {name!r} has adapters merged into its weight "
-                                  f"({', '.join(mod.merged_adapters)}): call unmerge_adapter() first (the merge "
-                                  "needs the base weights)")
+            merged = ", ".join(mod.merged_adapters)
+            raise MergeInputError(f"module {name!r} has adapters merged into its weight ({merged}): call "
+                                  "unmerge_adapter() first (the merge needs the base weights)")
 
 
 class _BaseWeights:
-    """The base model under a ``PeftModel`` as a lazy parameter source, under the names a saved adapter's keys
-    use (peft's ``base_layer`` and ``original_module`` left out; LoRA and saved-module copies skipped); ``get``
-    brings one tensor to the CPU at a time."""
+    """The base model under a ``PeftModel`` as a lazy parameter source, under the names a saved adapter's
+    keys use (peft's ``base_layer`` and ``original_module`` left out; LoRA and saved-module copies skipped);
+    ``get`` brings one tensor to the CPU at a time."""
 
-    def __init__(self, peft_model: Any) -> None:  # noqa: D107
+    def __init__(self, peft_model: Any) -> None:
         self.name, self.files = "the PeftModel's base weights", []
         self._tensors: dict[str, Tensor] = {}
         for key, t in peft_model.base_model.model.state_dict().items():
-            if ".lora_" in key or ".modules_to_save." in key or "token_adapter" in key or not isinstance(t, Tensor):
+            peft_own = ".lora_" in key or ".modules_to_save." in key or "token_adapter" in key
+            if peft_own or not isinstance(t, Tensor):
                 continue
             self._tensors[key.replace(".base_layer.", ".").replace(".original_module.", ".")] = t
 
@@ -155,7 +157,8 @@ def _full_rank(shape: Sequence[int]) -> int:
     return min(shape[0], math.prod(shape[1:]))
 
 
-def _check_args(peft_model: Any, adapters: Sequence[str], weights: Sequence[float] | None, new_name: str) -> None:
+def _check_args(peft_model: Any, adapters: Sequence[str], weights: Sequence[float] | None,
+                new_name: str) -> None:
     import peft
 
     if not isinstance(peft_model, peft.PeftModel):
@@ -170,8 +173,10 @@ def _check_args(peft_model: Any, adapters: Sequence[str], weights: Sequence[floa
         raise ValueError(f"adapters: a name is listed twice ({', '.join(adapters)})")
     if new_name in known:
         raise ValueError(f"new_name {new_name!r}: the model has an adapter of that name already")
-    if weights is not None and (len(weights) != len(adapters) or not all(math.isfinite(float(w)) for w in weights)):
-        raise ValueError(f"weights: need {len(adapters)} finite numbers, one per adapter, got {list(weights)}")
+    if weights is not None and (len(weights) != len(adapters)
+                                or not all(math.isfinite(float(w)) for w in weights)):
+        raise ValueError(f"weights: need {len(adapters)} finite numbers, one per adapter, got "
+                         f"{list(weights)}")
 
 
 def _weighted(src: Any, weight: float, factored: bool) -> None:
@@ -188,8 +193,9 @@ def _weighted(src: Any, weight: float, factored: bool) -> None:
     src.delta = delta
 
 
-def add_merged_adapter(peft_model: Any, adapters: Sequence[str], *, method: str, weights: Sequence[float] | None = None,
-                       new_name: str = "merged", rank: int | None = None, exact: bool = False, svd: str = "auto",
+def add_merged_adapter(peft_model: Any, adapters: Sequence[str], *, method: str,
+                       weights: Sequence[float] | None = None, new_name: str = "merged",
+                       rank: int | None = None, exact: bool = False, svd: str = "auto",
                        device: str | Device | None = None, **method_params: Any) -> dict:
     """Merge adapters of a loaded ``peft.PeftModel`` and add the result to it as a new LoRA adapter.
 
@@ -208,8 +214,8 @@ def add_merged_adapter(peft_model: Any, adapters: Sequence[str], *, method: str,
             ``karcher``, ...) takes them as those; for every other method each adapter's ``Delta W`` is
             multiplied by its weight before the merge (peft's convention). ``None``: unweighted.
         new_name: the new adapter's name (must not exist).
-        rank: the rank of the written adapter. ``None``: the sum of the adapters' ranks (exact for methods linear
-            in the updates); a module whose ``min(out, in)`` is smaller gets that (exact there).
+        rank: the rank of the written adapter. ``None``: the sum of the adapters' ranks (exact for methods
+            linear in the updates); a module whose ``min(out, in)`` is smaller gets that (exact there).
         exact: store the merged update without loss: the concatenated factors for ``weight_average`` and
             ``task_arithmetic`` (rank: the sum of the ranks), else the SVD at rank ``min(out, in)``.
         svd: ``"auto"``, ``"full"`` or ``"randomized"`` (the SVD that re-factorises).
@@ -235,7 +241,7 @@ def add_merged_adapter(peft_model: Any, adapters: Sequence[str], *, method: str,
     own_weights = "weights" in meth.hyperparameters()
     if weights is not None and own_weights:
         hp["weights"] = [float(w) for w in weights]
-    _check_unmerged(peft_model, adapters)
+    _check_unmerged(peft_model)
     base = _BaseWeights(peft_model)
     form = "factored" if exact and meth.name in LINEAR_METHODS else "peft"
     with tempfile.TemporaryDirectory(prefix="clmerge-adapters-") as tmp:

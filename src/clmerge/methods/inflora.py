@@ -28,6 +28,7 @@ from ..adapters import add_lora_component, fold_component, inject_lora, lora_lay
 from .base import ContinualMethod, grid_rate, register_method
 from .seq_lora import LoRAMethodOptions
 from ..utils.precision import full_precision
+from ..utils.progress import phase
 
 __all__ = ["InfLoRA", "InfLoRAOptions", "update_dual_gpm", "project_covariance", "input_covariances"]
 
@@ -62,7 +63,8 @@ def input_covariances(model: torch.nn.Module, layers: dict, data, *, batch_size:
     was_training, seen = model.training, 0
     model.eval()
     try:
-        for x, _ in data.batches(batch_size, shuffle=False):
+        for x, _ in phase(data.batches(batch_size, shuffle=False), "inflora: input covariances",
+                          total=data.num_batches(batch_size)):
             if max_samples is not None:
                 x = x[: max_samples - seen]
             if len(x) == 0:

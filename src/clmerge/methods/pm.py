@@ -37,6 +37,7 @@ from ..params.fisher import eager_attention, resolve_fisher_method  # noqa: F401
 from .base import ContinualMethod, grid_rate, register_method
 from .seq_lora import LoRAMethodOptions
 from ..utils.precision import full_precision
+from ..utils.progress import phase
 
 __all__ = ["PerturbAndMerge", "PMOptions", "sample_perturbation", "closed_form_alpha", "closed_form_alpha_stored",
            "eager_attention"]
@@ -194,7 +195,8 @@ class PerturbAndMerge(ContinualMethod):
         method = resolve_fisher_method(self.model, names, o.fisher_method)
         eager = o.fisher_eager_attention and method == "func"
         guard = eager_attention(self.model) if eager else contextlib.nullcontext()
-        with guard:
+        n = -(-min(len(task.train), o.fisher_samples or len(task.train)) // o.fisher_batch)
+        with guard, phase(batches, f"pm: Fisher of task {task.index + 1}", total=n) as batches:
             fisher = diagonal_fisher(self.model, names, batches, max_samples=o.fisher_samples, logits_fn=logits_fn,
                                      method=method)
         return {n[len("backbone."):-len(".base_layer.weight")]: f for n, f in fisher.items()}

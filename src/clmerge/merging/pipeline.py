@@ -25,6 +25,7 @@ from .io.writer import BackgroundWriter, ShardedWriter, parse_size
 from .recipes import Recipe, key_groups
 from .methods.registry import MergeMethod
 from .methods.sources import ModelSet
+from .preflight import preflight
 from .vocab import VocabPlan, prepare_vocab
 
 __all__ = ["Prepared", "execute", "prepare"]
@@ -48,6 +49,8 @@ class Prepared:
     tokenizer_folder: Path | None = None  # whose tokenizer files are copied (None: ``tokenizer`` is written)
     config_dtype: torch.dtype | None = None  # what the output's config.json records
     tied: tuple[str, str] | None = None  # (input, output) embedding keys kept tied (VocabPlan.tied_pair)
+    tokenizer_reference: Path | None = None  # whose special tokens the output keeps (verified before the move)
+    template_folder: Path | None = None  # whose chat template the output gets (chat_template_from)
 
 
 def _tasks(method: MergeMethod, hps: dict[str, HParam], task: str | int | None, n: int) -> list[int | None]:
@@ -91,6 +94,9 @@ def prepare(recipe: Recipe, method: MergeMethod, *, task: str | int | None = Non
     per_model = per_model_params(method, hps, recipe.models)
     base = None if recipe.base is None else open_checkpoint(recipe.base, name=recipe.base)
     experts = [open_checkpoint(m.model, base=base, name=m.model) for m in recipe.models]
+    labels = ([f"the base ({recipe.base})"] if base is not None else []) + \
+        [f"models[{i}] ({m.model})" for i, m in enumerate(recipe.models)]
+    preflight([base, *experts], labels, embeddings=recipe.embeddings)  # headers and configs only
     if recipe.embeddings is None and "fill" in recipe.model_fields_set:
         raise ValueError(f"fill: {recipe.fill!r} applies only with embeddings: base, union or intersection "
                          "(rows are merged by index without it)")
@@ -105,6 +111,9 @@ def prepare(recipe: Recipe, method: MergeMethod, *, task: str | int | None = Non
     else:
         p = Path(recipe.tokenizer_from)
         tokenizer_folder = p if p.is_dir() else None if p.exists() else resolve_hub_id(recipe.tokenizer_from)
+    opened = dict(zip(names, ([base] if base is not None else []) + experts))
+    tokenizer_reference = _folder_of(recipe.tokenizer_from, opened) if recipe.tokenizer_from else model_folder
+    template_folder = _folder_of(recipe.chat_template_from, opened) if recipe.chat_template_from else None
     vocab, tokenizer, base, experts = prepare_vocab(base, experts, names, embeddings=recipe.embeddings,
                                                     fill=recipe.fill, tokenizer_from=recipe.tokenizer_from,
                                                     chat_template_from=recipe.chat_template_from)
@@ -121,13 +130,21 @@ def prepare(recipe: Recipe, method: MergeMethod, *, task: str | int | None = Non
     out_dtype = to_dtype(recipe.out_dtype)
     prep = Prepared(recipe, method, models, groups, tasks, out_dtype, parse_size(recipe.out_shard_size),
                     vocab=vocab, tokenizer=tokenizer, model_folder=model_folder, tokenizer_folder=tokenizer_folder,
-                    tied=tied)
+                    tied=tied, tokenizer_reference=tokenizer_reference, template_folder=template_folder)
     ref = models.base if models.base is not None else models.experts[0]
     for key in models.keys():
         shape, dtype = ref.meta(key)
         prep.plan.append((key, tuple(shape), out_dtype if out_dtype is not None and dtype.is_floating_point else dtype))
     prep.config_dtype = out_dtype or config_dtype(prep.plan)
     return prep
+
+
+def _folder_of(name: str, opened: dict[str, Any]) -> Path | None:
+    """The model folder of the input ``name`` (or ``name`` itself, a folder that is not an input)."""
+    src = opened.get(name)
+    if src is not None:
+        return getattr(src, "folder", None)
+    return Path(name) if Path(name).is_dir() else None
 
 
 def _merge_into(prep: Prepared, writer: ShardedWriter | BackgroundWriter, task: int | None) -> None:
@@ -185,7 +202,8 @@ def execute(prep: Prepared, output: OutputFolder, *, io_threads: bool = False,
                    recipe_yaml=recipe.to_yaml() + (f"# this folder: task {task}\n" if task is not None else ""),
                    tokenizer_files=prep.tokenizer.files if prep.tokenizer is not None else None,
                    edit_config=prep.vocab.renumbered if prep.vocab is not None else None,
-                   report={"vocabulary": prep.vocab.report} if prep.vocab is not None else None))
+                   report={"vocabulary": prep.vocab.report} if prep.vocab is not None else None,
+                   tokenizer_reference=prep.tokenizer_reference, template_folder=prep.template_folder))
         for task in prep.tasks])
     info = {"method": prep.method.name, "keys": len(prep.plan), "out": str(output.out), "tasks": prep.tasks}
     if device is not None and device.active:

@@ -140,15 +140,32 @@ class OutputTarget:
 
 
 def build_folder(out: Path, fill: Callable[[Path], dict], report_name: str | None = None) -> dict:
-    """Build a folder with ``fill(tmp_dir) -> report`` in an :class:`OutputTarget` and move it to ``out``
-    (``report`` is also written as ``report_name`` there when given). An existing non-empty ``out`` is
+    """Build a folder with ``fill(tmp_dir) -> report`` in an :class:`OutputTarget`, verify it (an adapter
+    folder: :func:`_verify_built`) and move it to ``out`` (``report``, with the verification, is also written as
+    ``report_name`` there when given). An existing non-empty ``out`` is
     replaced only if it was there when this began (``--overwrite`` let it through the checks)."""
     with OutputTarget(Path(out), "folder") as target:
         report = fill(target.tmp)
+        report = _verify_built(target.tmp, Path(out), report)
         if report_name:
             write_json(target.tmp / report_name, report)
         target.commit()
     return report
+
+
+def _verify_built(tmp: Path, out: Path, report: Any) -> Any:
+    """:func:`build_folder`'s verification (:mod:`.verify`) of an adapter folder (``extract-lora``, ``export
+    --format peft``): recorded in ``report`` (a dict); a failure raises :class:`~.verify.VerificationError`
+    before the folder is moved into place. (``export --format hf`` writes a continual run's backbone, not a
+    merge: not verified here.)"""
+    from .verify import VerificationError, verify_folder
+
+    if not (tmp / "adapter_config.json").exists():
+        return report
+    v = verify_folder(tmp, name=str(out))
+    if not v.ok:
+        raise VerificationError(v)
+    return {**report, "verification": v.to_dict()} if isinstance(report, dict) else report
 
 
 def _terminated(signum: int, frame: Any) -> None:
@@ -413,6 +430,11 @@ class OutputFolder:
         self.overwrite, self.hash_inputs = overwrite, hash_inputs
         self.hashes: InputHashes | None = None
         self.target: OutputTarget | None = None
+        # verification before the move into place (:meth:`commit`, :mod:`.verify`): per folder written, what it
+        # is checked against; folders whose tensors the sharded writer checked finite
+        self.to_verify: dict[Path, dict[str, Any]] = {}
+        self._sharded: set[Path] = set()
+        self.verification: list[Any] = []
 
     def check_files(self, model_folder: Path | None, tokenizer_folder: Path | None) -> None:
         """Refuse a config or tokenizer file that leads out of its folder, before any work (folders only)."""
@@ -423,6 +445,8 @@ class OutputFolder:
         files = [f for s in self.inputs for f in getattr(s, "files", [])]
         self.hashes = InputHashes(files, enabled=self.hash_inputs) if self.kind == "folder" else None
         self.target = OutputTarget(self.out, self.kind, log=self.log).__enter__()
+        if self.kind == "folder":
+            _warm_verifier(self.inputs)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -445,18 +469,23 @@ class OutputFolder:
         except BaseException:
             writer.abort()
             raise
+        self._sharded.add(Path(folder))  # close() checked every tensor finite
 
     def write_files(self, folder: Path, *, model_folder: Path | None, tokenizer_folder: Path | None,
                     dtype: torch.dtype | None, recipe_file: str, recipe_yaml: str, base_model: str | None,
                     inputs: list[tuple[str, str, list[str]]], after_copy: Callable[[Path], None] | None = None,
                     tokenizer_files: dict[str, bytes] | None = None, edit_config: Callable[[dict], dict] | None = None,
-                    report: dict | None = None, config_updates: dict[str, Any] | None = None) -> None:
+                    report: dict | None = None, config_updates: dict[str, Any] | None = None,
+                    template_folder: Path | None = None, tokenizer_reference: Path | None = None) -> None:
         """The files beside the shards (folders only): ``tokenizer_files`` (a tokenizer built for the merge:
         name -> bytes) or the tokenizer files copied from ``tokenizer_folder``, the config files of
         ``model_folder`` (the config recording ``dtype`` and ``config_updates`` where it has those keys;
         ``edit_config`` rewrites both config files;
         ``after_copy(folder)`` may rewrite them), ``merge_report.json`` (``report``), the recipe as
-        ``recipe_file`` and ``README.md``."""
+        ``recipe_file`` and ``README.md``. The folder is verified against ``model_folder`` (dtypes),
+        ``tokenizer_reference`` (else ``tokenizer_folder``, else ``model_folder``: special tokens) and
+        ``template_folder`` (a chat template taken from another input) before :meth:`commit` moves it into
+        place."""
         if self.kind != "folder":
             return
         for name, data in (tokenizer_files or {}).items():
@@ -470,6 +499,9 @@ class OutputFolder:
         (folder / recipe_file).write_text(recipe_yaml)
         write_model_card(folder, recipe_yaml=recipe_yaml, inputs=inputs, hashes=self.hashes.get(),
                          base_model=base_model, recipe_file=recipe_file)
+        self.to_verify[Path(folder)] = {"against": model_folder,
+                                        "tokenizer_reference": tokenizer_reference or tokenizer_folder or model_folder,
+                                        "template_reference": template_folder}
 
     def write(self, jobs: list[FolderJob]) -> None:
         """Build every folder of ``jobs`` (shards, then the model files, recipe and model card) in the
@@ -486,4 +518,69 @@ class OutputFolder:
             self.commit()
 
     def commit(self) -> None:
+        """Verify every folder written (:meth:`verify`), then move the result into place.
+
+        Raises:
+            VerificationError: a folder failed (exit code 3); nothing is moved into place and the temporary
+                folder is removed on leaving the context.
+        """
+        self.verify()
         self.target.commit()
+
+    def verify(self) -> None:
+        """Verify each folder :meth:`write_files` wrote (a model folder) or, with none, the output folder itself
+        (an adapter folder) with :func:`.verify.verify_folder`; the result goes into its ``README.md`` (a
+        ``## Verification`` section) and ``merge_report.json`` (``"verification"``) when those exist, and into
+        :attr:`verification`. A single ``.safetensors`` file has no config to verify against: only the
+        writer's checks apply (every planned key written, every tensor finite)."""
+        from .verify import VerificationError, card_section, verify_folder
+
+        if self.kind != "folder":
+            return
+        failed = []
+        # no model folder written (an adapter folder): checked against the base, the first input
+        fallback = {self.tmp: {"against": self.inputs[0]} if self.inputs else {}}
+        for folder, refs in (self.to_verify or fallback).items():
+            rel = folder.relative_to(self.tmp)
+            shown = str(self.out / rel) if str(rel) != "." else str(self.out)
+            v = verify_folder(folder, finite_checked=folder in self._sharded, name=shown, **refs)
+            self.verification.append(v)
+            self.log(f"{shown}: {v.summary()}")
+            for problem in v.problems:
+                self.log(f"  problem: {problem}")
+            card = folder / "README.md"
+            if card.exists():  # our own file, written just now
+                card.write_text(inpaths.read_text(card, within=folder) + "\n" + card_section(v))
+            report = folder / "merge_report.json"
+            if report.exists():
+                data = inpaths.read_json(report, within=folder)
+                if isinstance(data, dict):
+                    write_json(report, {**data, "verification": v.to_dict()})
+            failed += [v] if not v.ok else []
+        if failed:
+            raise VerificationError(failed[0] if len(failed) == 1 else _joined(failed))
+
+
+def _joined(failed: list[Any]) -> Any:
+    """One :class:`~.verify.Verification` holding the problems of several folders (a per-task merge)."""
+    from .verify import Verification
+
+    joined = Verification(", ".join(v.folder for v in failed))
+    joined.problems = [f"{v.folder}: {p}" for v in failed for p in v.problems]
+    return joined
+
+
+def _warm_verifier(inputs: list[Any]) -> None:
+    """Start importing transformers and the inputs' model class in the background (:func:`.verify.warm_up`), so
+    the reload check at the end costs only the meta-device load."""
+    from .verify import warm_up
+
+    folder = next((Path(s.folder) for s in inputs if getattr(s, "folder", None) is not None), None)
+    if folder is None or not (folder / "config.json").is_file():
+        return
+    try:
+        config = inpaths.read_json(folder / "config.json", within=folder, what=f"{folder}: model file")
+    except InputError:
+        return
+    if isinstance(config, dict):
+        warm_up(config)

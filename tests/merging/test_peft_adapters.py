@@ -125,9 +125,9 @@ def test_fan_in_fan_out_gpt2(tmp_path):
 
 def test_unsupported_and_unmatched_adapters(tmp_path, base_dir):
     base = open_checkpoint(base_dir)
-    make_adapter(tmp_path / "dora", 4, use_dora=True)
-    with pytest.raises(MergeInputError, match="use_dora"):
-        AdapterSource(tmp_path / "dora", base)
+    make_adapter(tmp_path / "pissa", 4, init_lora_weights="pissa")  # DoRA is merged: test_adapter_variants.py
+    with pytest.raises(MergeInputError, match="init_lora_weights='pissa' changes the base weights"):
+        AdapterSource(tmp_path / "pissa", base)
     make_adapter(tmp_path / "ok", 4)
     cfg = json.loads((tmp_path / "ok" / "adapter_config.json").read_text())
     renamed = {k.replace("layers.0.self_attn.q_proj", "layers.0.self_attn.nope"): v

@@ -31,7 +31,13 @@ from ...utils.outpaths import check_output_dir
 from ...utils.linalg import randomized_svd
 
 __all__ = ["low_rank_factors", "device_low_rank_factors", "LowRank", "SVD_MODES", "check_svd", "numerical_rank",
-           "check_out_dir", "error_summary", "rank_pattern", "clamped_note"]
+           "check_out_dir", "error_summary", "rank_pattern", "clamped_note", "rank_for_error", "rank_loss",
+           "LOSS_WARN", "KEEP_ERROR"]
+
+#: a write-back whose relative Frobenius error exceeds this in some module gets a warning ...
+LOSS_WARN = 0.10
+#: ... that names the rank at which every module's error is at most this (it keeps 99 % of each Delta W)
+KEEP_ERROR = 0.01
 
 SVD_MODES = ("auto", "full", "randomized")
 # Above this many entries the full SVD runs in float32 (float64 doubles its time on LLM-sized matrices);
@@ -43,13 +49,15 @@ _POWER_ITERATIONS = 4
 
 
 class LowRank(NamedTuple):
-    """``A'`` (k, in) and ``B'`` (out, k), float32; squared Frobenius norms of the residual and of the input."""
+    """``A'`` (k, in) and ``B'`` (out, k), float32; squared Frobenius norms of the residual and of the input;
+    every singular value (float64, on the CPU) when the SVD was the full one, else ``None``."""
 
     a: Tensor
     b: Tensor
     tail: float
     total: float
     svd: str
+    spectrum: Tensor | None = None
 
 
 def check_svd(svd: str) -> None:
@@ -100,7 +108,7 @@ def low_rank_factors(delta: Tensor, rank: int, svd: str = "auto") -> LowRank:
     a = (root[:, None] * vh[:k]).float()
     total = float(x.double().square().sum()) if used == "randomized" else float(s.double().square().sum())
     tail = float(s.double()[k:].square().sum()) if used == "full" else float((x - (u * s) @ vh).double().square().sum())
-    return LowRank(a, b, tail, total, used)
+    return LowRank(a, b, tail, total, used, s.detach().double().cpu() if used == "full" else None)
 
 
 def device_low_rank_factors(delta: Tensor, rank: int, svd: str = "auto") -> LowRank:
@@ -160,3 +168,38 @@ def check_out_dir(out: Path, inputs: list[Path] = (), overwrite: bool = False) -
     (a new folder inside an input folder is fine: nothing there is read); the rule is the one output guard's,
     :func:`clmerge.utils.outpaths.check_output_dir`."""
     check_output_dir(Path(out), flag="--out", inputs=inputs, overwrite=overwrite)
+
+
+def rank_for_error(spectrum: Tensor, target: float = KEEP_ERROR) -> int:
+    """The smallest ``k`` whose truncation error ``sqrt(sum_{i>k} s_i^2 / sum_i s_i^2)`` is at most ``target``
+    (Eckart-Young), from every singular value ``s`` of the matrix."""
+    sq = spectrum.double().square()
+    total = float(sq.sum())
+    if total == 0:
+        return 0
+    tails = (total - sq.cumsum(0)).clamp_min(0)  # tails[k - 1]: the error energy at rank k
+    ok = (tails <= target * target * total).nonzero()
+    return int(ok[0]) + 1 if ok.numel() else int(sq.numel())
+
+
+def rank_loss(rank: int, errors: dict[str, LowRank], pending: dict[str, Tensor]) -> dict | None:
+    """When some module's write-back at ``rank`` loses more than :data:`LOSS_WARN`, the loss and the rank that
+    keeps every module within :data:`KEEP_ERROR` (its singular values: the full SVD's, else ``svdvals`` of the
+    ``pending`` matrices, the randomized modules above that error); ``None`` otherwise.
+
+    Returns:
+        ``{"rank", "max_rel_error", "worst_module", "overall_rel_error", "suggested_rank", "warning"}``.
+    """
+    summary = error_summary(errors)
+    rel = summary["per_module_rel_error"]
+    if not rel or summary["max_rel_error"] <= LOSS_WARN:
+        return None
+    need = [rank_for_error(low.spectrum) for low in errors.values() if low.spectrum is not None]
+    need += [rank_for_error(torch.linalg.svdvals(d)) for d in pending.values()]
+    suggested = max([rank, *need])
+    worst = max(rel, key=rel.get)
+    warning = (f"warning: rank {rank} loses {summary['max_rel_error']:.0%} of the merged update in {worst} "
+               f"(relative Frobenius error of Delta W; {summary['overall_rel_error']:.0%} over all modules); "
+               f"rank {suggested} keeps 99% (error <= {KEEP_ERROR:.0%} in every module): --adapter-rank {suggested}")
+    return {"rank": rank, "max_rel_error": summary["max_rel_error"], "worst_module": worst,
+            "overall_rel_error": summary["overall_rel_error"], "suggested_rank": suggested, "warning": warning}

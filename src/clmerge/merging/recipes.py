@@ -135,6 +135,8 @@ class Recipe(StrictModel):
     # a slice recipe's embeddings, final norm and head: copied from the base ("base", the default when a base
     # is given) or merged from the first / last slice's sources ("slices": mergekit's rule, also without a base)
     outer_tensors: Literal["base", "slices"] | None = None
+    # a vision-language folder: which tower is merged and which kept from the base (clmerge.merging.towers)
+    towers: dict[Literal["language", "vision"], Literal["merge", "base"]] | None = None
     name: str | None = None
     stages: list[Recipe] = Field(default_factory=list)
 

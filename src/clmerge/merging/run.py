@@ -31,7 +31,7 @@ from ..utils.device import Device, parse_device
 from ..utils.dtypes import dtype_name
 from ..utils.threads import io_threads
 from ..utils.yaml_io import YamlLimitError, parse_assignment, read_yaml_mapping
-from . import moe, pipeline, slices
+from . import moe, pipeline, slices, towers
 from .io.base import MergeInputError
 from .io.output import OutputFolder, OutputTarget
 from .io.peft import is_peft_adapter
@@ -234,7 +234,8 @@ def plan(recipe: Recipe, *, task: str | None = None, adapter_out: str = "full", 
         opened = open_adapters(method=method, base=base, adapters=paths, hyperparameters=recipe.parameters,
                                form=adapter_out, rank=adapter_rank)
         return Plan(recipe, "adapters", opened, adapter_out=adapter_out, adapter_rank=adapter_rank)
-    return Plan(recipe, "models", pipeline.prepare(recipe, method, task=task, where=where))
+    prepared = towers.split_towers(pipeline.prepare(recipe, method, task=task, where=where))  # VLM folders
+    return Plan(recipe, "models", prepared)
 
 
 def effective_recipe(recipe: Recipe) -> Recipe:

@@ -15,6 +15,7 @@ import typer
 
 from ..errors import UsageError
 from ..utils.outpaths import check_writable
+from ..plugins import PLUGIN_HELP, load_plugins
 from .base import app, fail
 
 if TYPE_CHECKING:
@@ -37,8 +38,11 @@ def eval_command(
     max_samples: int | None = typer.Option(None, "--max-samples", help="score only the first N documents"),
     json_out: Path | None = typer.Option(None, "--json", help="also write the result here (JSON)"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="a progress bar or progress lines"),
+    plugin: list[str] = typer.Option([], "--plugin", help=PLUGIN_HELP + "; a run directory's recorded plugins "
+                                     "are imported without it"),
 ) -> None:
     """Perplexity of a causal LM on held-out text, or accuracy of a continual run's model on a dataset."""
+    load_plugins(plugin)  # a run directory's own recorded plugins: engine.export.load_run_model
     try:
         if json_out is not None:
             check_writable(json_out, "--json")

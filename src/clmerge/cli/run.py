@@ -79,10 +79,11 @@ def run(
     from ..config import ConfigError, load_config
     from ..engine import distributed
     from ..engine.run import run_experiment
-    from ..plugins import load_plugins
+    from ..plugins import load_plugins, open_run_plugins
 
     load_plugins(plugin)
     if resume and out is not None:  # the run's own plugins, checked, before its config names what they register
+        open_run_plugins(out)
     try:
         cfg = load_config(config, set_, note=print_warning)
         check_jobs(nproc, "--nproc")

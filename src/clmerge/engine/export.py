@@ -1,8 +1,10 @@
 """Export a continual run directory as an HF model folder or a PEFT LoRA adapter.
 
-The model is rebuilt from the run's last checkpoint as a resumed run does (``engine.run.load_into``: the
-config's classifier, :func:`rebuild_structure`, a strict ``load_state_dict``), and every LoRA component is
-folded into its base weight (``W = W_0 + sum_k c_k U_k D_k``, :func:`clmerge.adapters.folded.folded_copy`).
+The plugins the run recorded are imported first (:func:`clmerge.utils.provenance.open_run_plugins`, checked
+against their recorded sha256). The model is rebuilt from the run's last checkpoint as a resumed run does
+(``engine.run.load_into``: the config's classifier, :func:`rebuild_structure`, a strict ``load_state_dict``),
+and every LoRA component is folded into its base weight (``W = W_0 + sum_k c_k U_k D_k``,
+:func:`clmerge.adapters.folded.folded_copy`).
 
 - ``hf``: the folded backbone (an HF ``ViTModel``/``CLIPVisionModel``) with ``save_pretrained``, the
   classifier head as ``head.safetensors`` (``weight`` ``(C, D)``, ``bias`` ``(C,)``: the per-task blocks
@@ -32,6 +34,7 @@ from ..merging.io.output import build_folder
 from ..models.classifier import ContinualClassifier
 from ..merging.io.peft import adapter_config, write_adapter
 from ..utils.inpaths import inside
+from ..utils.provenance import open_run_plugins
 from ..utils.io import read_json, save_tensors
 
 __all__ = ["export_run", "load_run_model", "FORMATS"]
@@ -53,6 +56,7 @@ def load_run_model(run_dir: Path) -> tuple[nn.Module, nn.Module, dict, dict]:
         raise MergeInputError(f"{run_dir}: not a run directory (no config.yaml)")
     for name in ("config.yaml", "manifest.json", "checkpoints"):  # nothing read from outside the run
         inside(run_dir, name, f"{run_dir}: run file")
+    plugins = open_run_plugins(run_dir)  # the run's own plugins (checked, then imported) before its config
     ck, sha = resume_checkpoint(run_dir)  # the newest recorded checkpoint and its sha256
     if ck is None:
         raise MergeInputError(f"{run_dir}: no checkpoint (checkpoints/task_NNN.safetensors); finish a task first")
@@ -61,7 +65,9 @@ def load_run_model(run_dir: Path) -> tuple[nn.Module, nn.Module, dict, dict]:
         cfg = load_config(run_dir / "config.yaml")
         model = build_classifier(cfg)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
-        raise MergeInputError(f"{run_dir / 'config.yaml'}: cannot rebuild the model ({exc})") from exc
+        hint = "" if plugins else ("; a run made with --plugin before runs recorded their plugins needs the same "
+                                   "--plugin FILE here")
+        raise MergeInputError(f"{run_dir / 'config.yaml'}: cannot rebuild the model ({exc}){hint}") from exc
     pretrained = copy.deepcopy(model.backbone).eval()
     state, method_tensors, meta = load_checkpoint(ck, sha256=sha)
     _check_finished(run_dir, meta["task"], cfg.scenario.n_tasks)

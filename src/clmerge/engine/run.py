@@ -24,6 +24,7 @@ from ..metrics import summarize
 from ..models import ContinualClassifier
 from ..utils.io import append_jsonl, atomic_write_text, read_json, sha256_bytes, sha256_file, write_json
 from ..utils.progress import Progress, progress_enabled
+from ..utils.provenance import open_run_plugins
 from .checkpoint import (RECORD_KEY, ResumeError, RunLock, checkpoint_contents, checkpoint_record,
                          load_checkpoint, load_head_tensors, resume_checkpoint, save_checkpoint)
 from .evaluate import evaluate_tasks
@@ -331,6 +332,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, *, resume: bool =
     if main:
         if resume:  # before the lock, which would create a mistyped directory
             check_resumable(out)
+            open_run_plugins(out)  # the plugins it recorded hold the code it ran (imported in this process)
         _check_run_dir(out, cfg_text, resume)
     # data, scenario, model and method errors surface here, before the run directory exists
     run = prepare_run(cfg, out, device)

@@ -31,6 +31,7 @@ from clmerge.errors import InputError
 from clmerge.utils import inpaths
 from clmerge.utils.io import atomic_write_text, read_json
 from clmerge.utils.outpaths import check_writable, child
+from clmerge.utils.provenance import open_run_plugins
 
 __all__ = ["PAGE", "build_report", "build_sweep_report", "check_accuracy_matrix", "load_run", "format_number",
            "page_path"]
@@ -318,6 +319,7 @@ def build_report(run_dir: str | Path) -> Path:
     """
     run_dir = Path(run_dir)
     page_path(run_dir, PAGE)
+    open_run_plugins(run_dir)  # the plugins the run recorded: checked against their sha256, then imported
     run = load_run(run_dir)
     metrics = run["metrics"]
     names = _task_names(metrics, run["manifest"], plots.matrix_to_array(metrics["accuracy_matrix"]).shape[0])

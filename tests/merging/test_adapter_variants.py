@@ -403,3 +403,40 @@ def test_cli_prints_the_lossy_write_back_warning_once(tmp_path):
     assert res.exit_code == 0, res.output
     lines = [ln for ln in res.stderr.splitlines() if "loses" in ln]
     assert len(lines) == 1 and lines[0].startswith("warning: rank 4 loses") and "keeps 99%" in lines[0], res.stderr
+
+
+@pytest.mark.parametrize("kw", [dict(use_dora=True), dict(lora_bias=True), dict(use_rslora=True)])
+def test_fan_in_fan_out_variants_equal_merge_and_unload(tmp_path, kw):
+    """GPT-2's ``Conv1D`` stores ``(in, out)``: DoRA's norm is then taken over the first dimension, and a
+    ``lora_B`` bias is added as is; each Delta W is what merge_and_unload changes."""
+    import warnings
+
+    import peft
+    import transformers
+
+    from clmerge.merging.io import open_checkpoint
+    from clmerge.merging.io.peft import AdapterSource
+
+    cfg = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    transformers.GPT2Model(cfg).save_pretrained(tmp_path / "base")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        model = peft.get_peft_model(transformers.GPT2Model(cfg), peft.LoraConfig(
+            r=2, lora_alpha=4, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True, **kw))
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for _, p in model.named_parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn(p.shape, generator=g) * 0.3)
+        model.save_pretrained(tmp_path / "a")
+        torch.manual_seed(0)
+        base = transformers.GPT2Model(cfg).state_dict()
+        torch.manual_seed(0)
+        merged = peft.PeftModel.from_pretrained(transformers.GPT2Model(cfg), tmp_path / "a").merge_and_unload()
+    want = {k: v - base[k] for k, v in merged.state_dict().items() if not torch.equal(v, base[k])}
+    src = AdapterSource(tmp_path / "a", open_checkpoint(tmp_path / "base"))
+    assert src.delta_keys == set(want)
+    for k, d in want.items():
+        assert _close(src.delta(k), d), k

@@ -246,6 +246,52 @@ def test_refusals_are_one_line():
     assert "merged" not in model.peft_config  # nothing was added by the refused calls
 
 
+def _unloaded(model, adapter: str) -> dict[str, torch.Tensor]:
+    """The weights of ``model`` with ``adapter`` folded in by peft's own ``merge_and_unload`` (float64)."""
+    import copy
+
+    m = copy.deepcopy(model)
+    m.set_adapter(adapter)
+    return {k: v.double() for k, v in m.merge_and_unload().state_dict().items()}
+
+
+MERGED = [{}, {"use_dora": True}, {"modules_to_save": ["emb"]}, {"lora_bias": True}]
+REFUSED = [{"init_lora_weights": "pissa"}]  # changes the base weights: not an update of the base
+
+
+@pytest.mark.parametrize("variant", MERGED + REFUSED, ids=str)
+def test_variants_merge_as_merge_and_unload_or_are_refused_naming_the_adapter(variant):
+    """A variant the adapter-folder reader merges is merged as the weighted sum of what ``merge_and_unload``
+    does to each weight (``exact=True``, so nothing is lost writing it back); one it refuses is refused in one
+    line naming the adapter, not the temporary folder it was read from."""
+    torch.manual_seed(0)
+    model = None
+    for i, name in enumerate(NAMES):
+        cfg = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["up", "down"], **variant)
+        model = peft.get_peft_model(Tiny(), cfg, adapter_name=name) if model is None else model
+        if i:
+            model.add_adapter(name, cfg)
+        _randomise(model, 30 + i, name)
+    w = [1.0, 0.5]
+    if variant in REFUSED:
+        with pytest.raises(MergeInputError) as exc:
+            add_merged_adapter(model, list(NAMES), method="task_arithmetic", weights=w, new_name="x")
+        msg = str(exc.value)
+        assert "\n" not in msg and msg.startswith("adapter 'math'") and "clmerge-adapters-" not in msg, msg
+        assert "x" not in model.peft_config
+        return
+    add_merged_adapter(model, list(NAMES), method="task_arithmetic", scaling=1.0, weights=w, exact=True,
+                       new_name="x")
+    torch.manual_seed(0)
+    base = {k: v.double() for k, v in Tiny().state_dict().items()}  # the weights get_peft_model wrapped
+    states = [_unloaded(model, n) for n in NAMES]
+    got = _unloaded(model, "x")
+    assert got.keys() == base.keys()
+    for k, v in got.items():
+        want = base[k] + sum(wt * (st[k] - base[k]) for wt, st in zip(w, states))
+        assert torch.allclose(v, want, atol=1e-5), (variant, k, float((v - want).abs().max()))
+
+
 def tiny_llama(seed: int):
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,

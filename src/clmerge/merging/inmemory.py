@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import json
 import math
+import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -179,9 +180,16 @@ def _check_args(peft_model: Any, adapters: Sequence[str], weights: Sequence[floa
                          f"{list(weights)}")
 
 
+def _plain(src: Any) -> bool:
+    """Whether every change of the adapter ``src`` is ``s B A`` (no DoRA, ``lora_bias`` or saved tensors)."""
+    return (not getattr(src, "biases", None) and not getattr(src, "saved", None)
+            and all(getattr(m, "magnitude", None) is None for m in src.modules.values()))
+
+
 def _weighted(src: Any, weight: float, factored: bool) -> None:
-    """Multiply every update of the adapter ``src`` by ``weight``: its modules' scale ``s`` where the factors
-    themselves are combined (``form="factored"``), else its ``delta`` (so also DoRA's and saved tensors')."""
+    """Multiply every change the adapter ``src`` makes by ``weight``: its modules' scale ``s`` where the
+    factors themselves are combined (``form="factored"``, plain adapters only), else its ``delta``, which
+    every variant's change goes through (DoRA's, biases', saved tensors')."""
     if factored:
         src.modules = {k: dataclasses.replace(m, scale=m.scale * weight) for k, m in src.modules.items()}
         return
@@ -217,7 +225,8 @@ def add_merged_adapter(peft_model: Any, adapters: Sequence[str], *, method: str,
         rank: the rank of the written adapter. ``None``: the sum of the adapters' ranks (exact for methods
             linear in the updates); a module whose ``min(out, in)`` is smaller gets that (exact there).
         exact: store the merged update without loss: the concatenated factors for ``weight_average`` and
-            ``task_arithmetic`` (rank: the sum of the ranks), else the SVD at rank ``min(out, in)``.
+            ``task_arithmetic`` of plain LoRA adapters (rank: the sum of the ranks), else the SVD at rank
+            ``min(out, in)``.
         svd: ``"auto"``, ``"full"`` or ``"randomized"`` (the SVD that re-factorises).
         device: ``cpu`` (default), ``cuda`` or ``cuda:N``: where the merge and the SVDs compute.
         **method_params: the method's hyperparameters (``density=``, ``scaling=``, ...).
@@ -230,9 +239,9 @@ def add_merged_adapter(peft_model: Any, adapters: Sequence[str], *, method: str,
     Raises:
         TypeError: not a ``PeftModel``, or a hyperparameter the method does not have.
         ValueError: unknown adapter names, an existing ``new_name``, weights of the wrong length.
-        MergeInputError: an adapter clmerge cannot merge (DoRA, convolutions, trained biases,
-            ``modules_to_save``, LoRA on parameters: one line naming the adapter), a base weight that is not
-            floating (quantized), or adapters already merged into the base weights.
+        MergeInputError: a variant the adapter-folder reader refuses (:mod:`.io.peft`; one line naming the
+            adapter), LoRA on parameters, a base weight that is not floating (quantized), or adapters
+            already merged into the base weights.
     """
     _check_args(peft_model, adapters, weights, new_name)
     name, meth_params = method, dict(method_params)
@@ -243,7 +252,6 @@ def add_merged_adapter(peft_model: Any, adapters: Sequence[str], *, method: str,
         hp["weights"] = [float(w) for w in weights]
     _check_unmerged(peft_model)
     base = _BaseWeights(peft_model)
-    form = "factored" if exact and meth.name in LINEAR_METHODS else "peft"
     with tempfile.TemporaryDirectory(prefix="clmerge-adapters-") as tmp:
         srcs = []
         for i, a in enumerate(adapters):
@@ -252,11 +260,17 @@ def add_merged_adapter(peft_model: Any, adapters: Sequence[str], *, method: str,
             try:
                 src = AdapterSource(folder, base)
             except MergeInputError as exc:  # the folder is ours: name the adapter instead
-                raise MergeInputError(str(exc).replace(str(folder), f"adapter {a!r}")) from None
+                where = re.compile(re.escape(str(folder)) + r"(/[\w.]+)?")
+                raise MergeInputError(where.sub(f"adapter {a!r}", str(exc))) from None
             src.name, src.warning = f"adapter {a!r}", None  # all sit on this model's base
-            if weights is not None and not own_weights and float(weights[i]) != 1.0:
-                _weighted(src, float(weights[i]), form == "factored")
             srcs.append(src)
+        # exact: the concatenated factors where they exist (a linear method, plain LoRA), else the full SVD
+        factored = exact and meth.name in LINEAR_METHODS and all(_plain(s) for s in srcs)
+        form = "factored" if factored else "peft"
+        if weights is not None and not own_weights:
+            for src, weight in zip(srcs, weights):
+                if float(weight) != 1.0:
+                    _weighted(src, float(weight), factored)
         if form == "peft" and exact:
             rank = max(_full_rank(base.meta(k)[0]) for s in srcs for k in s.modules)
         elif form == "peft" and rank is None:
@@ -266,6 +280,8 @@ def add_merged_adapter(peft_model: Any, adapters: Sequence[str], *, method: str,
                                 form=form, rank=rank, svd=svd, device=device)
         peft_model.load_adapter(str(out), adapter_name=new_name, torch_device=base.device())
     report.pop("out", None)
+    # the report's hints name the command's flag; here it is this function's argument
+    report["warnings"] = [w.replace("--adapter-rank ", "rank=") for w in report.get("warnings", [])]
     return {"adapter": new_name, **report, "adapters": list(adapters)}
 
 

@@ -151,3 +151,26 @@ def test_every_method_merges_the_same_with_its_defaults_written_out():
         full = merging.merge(name, base=base, experts=ex, **{**effective_hyperparameters(get_method(name), given),
                                                              **given})
         assert _same(full, plain), name
+
+
+def test_an_moe_records_every_assembly_setting_and_rebuilds_from_it(tmp_path):
+    """``clmerge moe``'s ``clmerge_moe.yaml`` writes out the settings left at their defaults too, and re-running
+    it rebuilds the same model bit for bit."""
+    import transformers as tf
+    from checkpoint_helpers import folder_state, llama_config, save_variants
+
+    cfg = llama_config()
+    cfg.hidden_size, cfg.num_hidden_layers = 32, 1
+    paths = save_variants(tmp_path, cfg, ["base", "e0", "e1"], auto=tf.AutoModelForCausalLM)
+    (tmp_path / "moe.yaml").write_text(yaml.safe_dump({"base_model": str(paths[0]), "gate_mode": "random",
+                                                        "experts": [{"source_model": str(p)} for p in paths[1:]]}))
+    res = CliRunner().invoke(app, ["moe", str(tmp_path / "moe.yaml"), "--out", str(tmp_path / "first")])
+    assert res.exit_code == 0, res.output
+    recorded = (tmp_path / "first" / "clmerge_moe.yaml").read_text()
+    assert recorded.startswith(f"# made by clmerge {VERSION} (commit {git_commit()})")
+    settings = yaml.safe_load(recorded)
+    assert {k: settings[k] for k in ("layout", "first_k_dense_replace", "experts_per_token", "seed")} == \
+        {"layout": "auto", "first_k_dense_replace": 0, "experts_per_token": 2, "seed": 0}
+    res = CliRunner().invoke(app, ["moe", str(tmp_path / "first" / "clmerge_moe.yaml"), "--out", str(tmp_path / "again")])
+    assert res.exit_code == 0, res.output
+    assert _same(folder_state(tmp_path / "again"), folder_state(tmp_path / "first"))

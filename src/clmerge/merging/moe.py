@@ -90,6 +90,9 @@ class MoeRecipe(StrictModel):
     out_shard_size: str | int = "5GB"
 
 
+_SETTINGS = ("layout", "first_k_dense_replace", "gate_mode", "experts_per_token", "seed")  # recorded even at defaults
+
+
 def load_moe_recipe(path: str | Path) -> MoeRecipe:
     """Read and validate an MoE recipe (unknown keys name the nearest valid key)."""
     data = read_yaml_mapping(path, "moe recipe")
@@ -319,7 +322,9 @@ def execute_moe(mp: MoePlan, output: OutputFolder, *, log: Callable[[str], None]
     rows = router_rows(recipe, base, s.layers, s.hidden, [recipe.experts] + ([recipe.shared_experts] if gated else []))
     inputs = SimpleNamespace(base=base, experts=mp.experts, shared=mp.shared, gates=rows[0],
                              shared_gates=rows[1] if gated else None)
-    text = yaml.safe_dump(recipe.model_dump(exclude_defaults=True), sort_keys=False)
+    # every assembly setting as used, defaults written out (the recorded recipe outlives a changed default)
+    text = yaml.safe_dump(recipe.model_dump(exclude_defaults=True)
+                          | {k: getattr(recipe, k) for k in _SETTINGS}, sort_keys=False)
 
     def fill(writer: Any) -> None:
         for key, _, _, make in mp.entries:

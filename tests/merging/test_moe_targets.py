@@ -121,3 +121,32 @@ def test_summed_shared_experts_are_one_mlp_with_their_rows_side_by_side(families
     assert torch.equal(got["model.layers.1.mlp.gate.e_score_correction_bias"], torch.zeros(2))
     assert got["model.layers.1.mlp.gate.weight"].dtype == torch.float32
     assert "model.layers.0.mlp.gate_proj.weight" in got  # the dense first layer, from the base
+
+
+def test_a_qwen2_moe_shared_expert_gate_is_made_from_its_prompts(tmp_path):
+    """cheap_embed: the shared expert's gate row is the unit sum of its prompts' input embeddings, as a routed
+    expert's row is (mergekit-moe's shared router weights)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # a Llama base (mergekit-moe's Qwen MoE takes Llama too): AutoTokenizer then keeps this word-level
+    # tokenizer as it is (for a qwen2 config transformers 5 rebuilds it as Qwen2's byte-level BPE)
+    paths = dense_family(tmp_path / "q", "llama")
+    words = ["<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(3, 64)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(paths[0])
+    recipe = {"base_model": str(paths[0]), "architecture": "qwen2_moe", "gate_mode": "cheap_embed",
+              "experts": [{"source_model": str(p), "positive_prompts": [f"w{3 + i} w{9 + i}"]}
+                          for i, p in enumerate(paths[1:3])],
+              "shared_experts": [{"source_model": str(paths[3]), "positive_prompts": ["w20 w21", "w22"]}]}
+    code, output, out = build_moe(tmp_path, "moe", recipe)
+    assert code == 0, output
+    embed = folder_state(paths[0])["model.embed_tokens.weight"]
+    want = embed[[0, 20, 21, 0, 22]].sum(0)  # each prompt with the BOS token in front
+    got = folder_state(out)
+    for layer in (0, 1):
+        torch.testing.assert_close(got[f"model.layers.{layer}.mlp.shared_expert_gate.weight"][0], want / want.norm())
+    row0 = embed[[0, 3, 9]].sum(0)
+    torch.testing.assert_close(got["model.layers.1.mlp.gate.weight"][0], row0 / row0.norm())

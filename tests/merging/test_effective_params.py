@@ -174,3 +174,20 @@ def test_an_moe_records_every_assembly_setting_and_rebuilds_from_it(tmp_path):
     res = CliRunner().invoke(app, ["moe", str(tmp_path / "first" / "clmerge_moe.yaml"), "--out", str(tmp_path / "again")])
     assert res.exit_code == 0, res.output
     assert _same(folder_state(tmp_path / "again"), folder_state(tmp_path / "first"))
+
+
+def test_an_adapter_merge_reports_every_hyperparameter_the_version_and_the_commit(tmp_path):
+    """``--adapter-out peft`` writes no model card: its merge_report.json carries the same record."""
+    import json
+
+    from test_peft_adapters import _llama, make_adapter
+
+    _llama().save_pretrained(tmp_path / "base")
+    make_adapter(tmp_path / "a1", 1)
+    make_adapter(tmp_path / "a2", 2)
+    _merge("--method", "ties", "--base", tmp_path / "base", "--expert", tmp_path / "a1", "--expert", tmp_path / "a2",
+           "--adapter-out", "peft", "--set", "density=0.5", "--out", tmp_path / "m")
+    report = json.loads((tmp_path / "m" / "merge_report.json").read_text())
+    assert report["hyperparameters"] == {"density": 0.5, "scaling": 1.0, "trim_scope": "global", "merge_fn": "mean",
+                                         "trim_rule": "exact"}
+    assert report["clmerge_version"] == VERSION and report["clmerge_commit"] == git_commit()

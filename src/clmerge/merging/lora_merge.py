@@ -30,6 +30,7 @@ from ..errors import UsageError
 from ..utils.device import Device, parse_device, using_device
 from .io.base import MergeInputError, ParamSource
 from ..utils.io import write_json
+from ..utils.provenance import provenance
 from .io.checks import check_output_finite, source_get, source_meta
 from .io.lora_svd import (KEEP_ERROR, LowRank, check_svd, clamped_note, device_low_rank_factors, error_summary,
                           rank_loss)
@@ -314,7 +315,7 @@ def write_merged_adapter(opened: OpenedAdapters, output: OutputFolder, *, device
                             rank_pattern=pattern, alpha_pattern=pattern,
                             base_model=cfg0.get("base_model_name_or_path"), task_type=cfg0.get("task_type"),
                             lora_bias=bool(layout.biases), modules_to_save=list(layout.saved))
-    report = {"out": str(out), "form": form, "method": method.name, "hyperparameters": hp,
+    report = {"out": str(out), "form": form, "method": method.name, "hyperparameters": hp, **provenance(),
               "adapters": [s.name for s in srcs], "keys": layout.keys, "rank": out_rank,
               "ranks": ranks, "lora_bias": sorted(layout.biases.values()), "modules_to_save": sorted(layout.saved),
               **error_summary(errors),

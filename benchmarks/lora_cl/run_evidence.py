@@ -201,6 +201,13 @@ METHODS.update({"olora": ({"name": "olora"}, LORA_LRS), "lae": ({"name": "lae"},
 CL_BASELINES += ["lae", "fecam"]  # O-LoRA is a LoRA method: with the LoRA rows, the four heads
 NO_LORA_SITES |= {"lae", "fecam"}
 EXTRA_CONFIG.update({"lae": OWN_HEAD_ONLY, "fecam": OWN_HEAD_ONLY})
+# CL-LoRA: shared LoRA on the first half of the blocks, task-specific ones on the rest (its own q, v sites, not
+# the LoRA rows' LORA_TARGETS), its diagonal prototype classifier alone, on ADAPTER_LRS.
+METHODS["cl_lora"] = ({"name": "cl_lora"}, ADAPTER_LRS)
+PTM_BASELINES.append("cl_lora")
+CL_BASELINES.append("cl_lora")
+NO_LORA_SITES.add("cl_lora")
+EXTRA_CONFIG["cl_lora"] = OWN_HEAD_ONLY
 # The classic baselines (docs/classic_baselines.md): full fine-tuning, their own rates on FULL_LRS; ER-ACE, X-DER
 # and iCaRL with ER's 200 examples of memory (iCaRL's paper keeps 2000), LwF none. iCaRL (nearest mean of
 # exemplars) and ER-ACE (Mammoth's cosine classifier) are evaluated with their own classifier alone (not one

@@ -150,7 +150,9 @@ def _fit_task(run: Run, t: int, ctx: TaskContext) -> None:
         ctx.fit(model=model, data=ctx.task.train, groups=groups,
                 loss_fn=lambda m, x, y: method.loss(m, x, y, ctx), epochs=cfg.train.epochs, lr=lr,
                 before_step=lambda m: method.before_step(m, ctx),
-                after_step=lambda m: method.after_step(m, ctx), desc=f"task {t + 1}/{len(run.scenario)}")
+                after_step=lambda m: method.after_step(m, ctx), desc=f"task {t + 1}/{len(run.scenario)}",
+                first_loss_fn=lambda m, x, y: method.first_step_loss(m, x, y, ctx),
+                before_first_step=lambda m: method.before_first_step(m, ctx))
     for p in frozen:
         p.requires_grad_(True)
 

@@ -122,12 +122,18 @@ def _check_finite(loss: float, desc: str, epoch: int, first: int, last: int) -> 
 def _optimizer_step(model: nn.Module, loss: torch.Tensor, opt: torch.optim.Optimizer, sched, params: list,
                     grad_clip: float | None, before_step: Callable[[nn.Module], None] | None,
                     after_step: Callable[[nn.Module], None] | None, scaler: torch.amp.GradScaler | None = None,
-                    sync: Callable[[list], None] | None = None) -> None:
+                    sync: Callable[[list], None] | None = None, grads: dict | None = None) -> None:
     """Backward, gradient all-reduce (data-parallel runs), the method's hooks around the update, optional
     clipping, one optimizer and scheduler step. With an fp16 ``scaler`` the gradients are unscaled before the
-    hooks and the clipping (they see true gradients) and a step with inf/nan gradients is skipped."""
+    hooks and the clipping (they see true gradients) and a step with inf/nan gradients is skipped. ``grads``:
+    gradients already taken (no backward)."""
     opt.zero_grad(set_to_none=True)
-    if scaler is not None and scaler.is_enabled():
+    if grads is not None:  # taken before a first step changed the parameters (:func:`_first_step`)
+        for p, g in grads.items():
+            p.grad = g
+        if sync is not None:
+            sync(params)
+    elif scaler is not None and scaler.is_enabled():
         scaler.scale(loss).backward()
         if sync is not None:
             sync(params)
@@ -148,6 +154,29 @@ def _optimizer_step(model: nn.Module, loss: torch.Tensor, opt: torch.optim.Optim
     sched.step()
     if after_step is not None:
         after_step(model)
+
+
+def _first_step(model: nn.Module, loss: torch.Tensor, first: torch.Tensor, opt: torch.optim.Optimizer,
+                params: list, grad_clip: float | None, before_first: Callable[[nn.Module], None] | None,
+                scaler, sync) -> dict:
+    """A method's first step of a batch (``first_step_loss``): the batch loss's gradients are taken first, at
+    the same parameters, then ``first`` gets its own backward, hook and optimizer step (no scheduler step: the
+    batch still counts once). Returns the batch loss's gradients for the step after it."""
+    if scaler is not None and scaler.is_enabled():
+        raise TrainingError("a method with two optimizer steps per batch (first_step_loss) does not run with "
+                            "run.precision=fp16; use bf16 or fp32")
+    live = [p for p in params if p.requires_grad]
+    taken = torch.autograd.grad(loss, live, allow_unused=True)
+    opt.zero_grad(set_to_none=True)
+    first.backward()
+    if sync is not None:
+        sync(params)
+    if before_first is not None:
+        before_first(model)
+    if grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    opt.step()
+    return {p: g for p, g in zip(live, taken) if g is not None}
 
 
 def fit(
@@ -171,6 +200,8 @@ def fit(
     task_index: int | None = None,
     log_every: int | None = None,
     precision: str = "fp32",
+    first_loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None,
+    before_first_step: Callable[[nn.Module], None] | None = None,
 ) -> dict:
     """Train ``model`` on ``data`` (a ``TaskData``) for ``epochs``; return ``{"losses": [...], "seconds": s}``.
 
@@ -203,15 +234,23 @@ def fit(
                        desc=f"{desc} epoch {epoch + 1}/{epochs}", leave=False, enabled=progress)
         for n_batch, (x, y) in bar:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            first = None
             if len(x) == 0:  # an empty share: zero gradients, so that the all-reduce still matches
                 loss = sum((p * 0).sum() for p in params)
             else:
                 with autocast(precision, device):
                     loss = loss_fn(model, x, y)
+                    first = first_loss_fn(model, x, y) if first_loss_fn is not None else None
             if dp is not None:  # this share's mean loss, weighted by its share: gradients then sum over ranks
                 loss = loss * (len(x) / n_batch)
+                first = None if first is None else first * (len(x) / n_batch)
+            sync = dp.all_reduce_grads if dp is not None else None
+            grads = None
+            if len(x) and first is not None:
+                grads = _first_step(model, loss, first, opt, params, optim.grad_clip, before_first_step, scaler,
+                                    sync)
             _optimizer_step(model, loss, opt, sched, params, optim.grad_clip, before_step, after_step, scaler,
-                            dp.all_reduce_grads if dp is not None else None)
+                            sync, grads)
             weighted = loss.detach().to(acc_dtype) * n_batch  # read once per interval, not per step
             epoch_sum.add(weighted, n_batch)
             step_losses.add(weighted, n_batch, epoch + 1, opt.param_groups[0]["lr"], desc)

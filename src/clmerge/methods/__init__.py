@@ -40,3 +40,4 @@ __all__ = [
     "method_options_model",
     "register_method",
 ]
+from . import cl_lora  # noqa: E402,F401  (CL-LoRA: shared LoRA kept by distillation, task-specific LoRAs)

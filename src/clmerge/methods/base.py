@@ -154,6 +154,16 @@ class ContinualMethod:
     def after_step(self, model: nn.Module, ctx: TaskContext) -> None:
         """After ``optimizer.step``."""
 
+    def first_step_loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                        ctx: TaskContext) -> torch.Tensor | None:
+        """A second loss of the batch that gets its own optimizer step, before the step on ``loss`` (None, the
+        default: no such step). Both losses' gradients are taken at the parameters before either step
+        (CL-LoRA's distillation step)."""
+        return None
+
+    def before_first_step(self, model: nn.Module, ctx: TaskContext) -> None:
+        """After the backward of ``first_step_loss``, before its optimizer step."""
+
     def end_task(self, task: Task, ctx: TaskContext) -> None:
         """After training on ``task`` (Fisher estimates, merges, folding)."""
 

@@ -101,3 +101,15 @@ def test_towers_on_a_text_model_is_refused_in_one_line(tmp_path):
     res, out = _merge(tmp_path, paths, towers={"vision": "base"})
     assert res.exit_code == 3, res.output
     assert "towers: the inputs have no vision-tower keys" in res.output and not out.exists()
+
+
+def test_the_docs_towers_recipe_validates():
+    from pathlib import Path
+
+    from clmerge.merging.recipes import recipe_of
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "merging_checkpoints.md").read_text()
+    section = doc.split("## Vision-language models", 1)[1].split("\n## ", 1)[0]
+    (block,) = [b for b in section.split("```yaml\n")[1:]]
+    recipe = recipe_of(yaml.safe_load(block.split("```")[0]))
+    assert recipe.towers == {"language": "merge", "vision": "base"} and recipe.method == "ties"

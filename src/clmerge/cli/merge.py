@@ -216,16 +216,16 @@ def export_command(
 
 @app.command("moe")
 def moe_command(
-    recipe: Path = typer.Argument(..., help="a YAML MoE recipe: base_model, experts, gate_mode "
-                                  "(docs/merging_checkpoints.md)"),
-    out: Path | None = typer.Option(None, "--out", help="new model folder (a Mixtral-style MoE)"),
+    recipe: Path = typer.Argument(..., help="a YAML MoE recipe: base_model, experts, shared_experts, "
+                                  "architecture, gate_mode, layout (docs/moe.md)"),
+    out: Path | None = typer.Option(None, "--out", help="new model folder (the MoE)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out"),
     hash_inputs: bool = typer.Option(True, "--hash-inputs/--no-hash-inputs",
                                      help="record each input file's sha256 in the model card"),
     dry_run: bool = typer.Option(False, "--dry-run", help="check the recipe and the inputs and print the plan; "
                                  "write nothing"),
 ) -> None:
-    """Assemble a Mixtral-style mixture of experts from a dense Llama/Mistral base and dense experts."""
+    """Assemble a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, dots1) from dense experts."""
     from ..merging.moe import load_moe_recipe
     from ..merging.run import run_moe
 

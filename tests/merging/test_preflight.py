@@ -111,3 +111,21 @@ def test_matching_inputs_pass_the_pre_flight(zoo, tmp_path):
     res = CliRunner().invoke(app, ["merge", "--method", "task_arithmetic", "--base", str(zoo / "base"), "--expert",
                                    str(zoo / "ft"), "--out", str(tmp_path / "m"), "--no-hash-inputs"])
     assert res.exit_code == 0, res.output
+
+
+def _slices(zoo: Path, tmp: Path, second: str):
+    import yaml
+
+    recipe = tmp / "slices.yaml"
+    recipe.write_text(yaml.safe_dump({"method": "passthrough", "slices": [
+        {"sources": [{"model": str(zoo / "base"), "layer_range": [0, 2]}]},
+        {"sources": [{"model": str(zoo / second), "layer_range": [1, 2]}]}]}))
+    return CliRunner().invoke(app, ["merge", str(recipe), "--out", str(tmp / "out"), "--no-hash-inputs"])
+
+
+def test_a_slice_recipe_names_another_architecture_but_stacks_models_of_other_depths(zoo, tmp_path):
+    res = _slices(zoo, tmp_path, "bert")
+    out = " ".join(res.output.split())
+    assert res.exit_code == 3 and f"model {zoo / 'bert'} is a bert" in out and "model type differs" in out
+    res = _slices(zoo, tmp_path, "deep")  # 3 layers beside 2: a frankenmerge, not a mismatch
+    assert res.exit_code == 0, res.output

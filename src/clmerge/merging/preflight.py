@@ -29,7 +29,7 @@ from ..utils.inpaths import inside, read_json
 from .io.base import MergeInputError
 from .vocab import embedding_keys
 
-__all__ = ["ARCH_FIELDS", "architecture", "preflight"]
+__all__ = ["ARCH_FIELDS", "architecture", "check_architectures", "preflight"]
 
 #: The config fields that make two checkpoints the same architecture for a merge, and how messages name them.
 ARCH_FIELDS = (("model_type", "model type"), ("num_hidden_layers", "layers"), ("hidden_size", "hidden size"))
@@ -77,6 +77,31 @@ def _fail(problems: list[str], what: str) -> None:
         raise MergeInputError(f"pre-flight (headers and config.json only, nothing merged): {what}: " + "; ".join(problems))
 
 
+def check_architectures(sources: Sequence[Any], labels: Sequence[str], *, fields: Sequence[str] | None = None,
+                        configs: Sequence[dict | None] | None = None) -> None:
+    """Step 1 of :func:`preflight` alone: the inputs' configs agree on ``fields`` (default: every field of
+    :data:`ARCH_FIELDS`; a slice recipe stacks layers of models of different depths, so it checks
+    ``model_type`` and ``hidden_size`` only). Inputs without ``config.json`` are not compared.
+
+    Raises:
+        MergeInputError: names each input whose architecture differs from the first's, and both architectures.
+    """
+    configs = list(configs) if configs is not None else [_config(s) for s in sources]
+    wanted = [(f, n) for f, n in ARCH_FIELDS if fields is None or f in fields]
+    problems = []
+    if configs and configs[0] is not None:
+        for label, cfg in zip(labels[1:], configs[1:]):
+            if cfg is None:
+                continue
+            differ = [name for field, name in wanted
+                      if field in cfg and field in configs[0] and cfg[field] != configs[0][field]]
+            if differ:
+                problems.append(f"{label} is {architecture(cfg)}, {labels[0]} is {architecture(configs[0])} "
+                                f"({', '.join(differ)} differ{'s' if len(differ) == 1 else ''}); a merge combines "
+                                "checkpoints of one architecture")
+    _fail(problems, "the inputs are different architectures")
+
+
 def preflight(sources: Sequence[Any], labels: Sequence[str], *, embeddings: str | None) -> None:
     """Check the opened inputs ``sources`` (the reference first: the base, else the first model) from their
     headers and configs; ``labels`` name them in messages (``the base (X)``, ``models[0] (Y)``).
@@ -87,19 +112,8 @@ def preflight(sources: Sequence[Any], labels: Sequence[str], *, embeddings: str 
     sources = [s for s in sources if s is not None]
     ref, ref_label = sources[0], labels[0]
     configs = [_config(s) for s in sources]
-    # 1. architectures
-    problems = []
-    if configs[0] is not None:
-        for src, label, cfg in zip(sources[1:], labels[1:], configs[1:]):
-            if cfg is None:
-                continue
-            differ = [name for field, name in ARCH_FIELDS
-                      if field in cfg and field in configs[0] and cfg[field] != configs[0][field]]
-            if differ:
-                problems.append(f"{label} is {architecture(cfg)}, {ref_label} is {architecture(configs[0])} "
-                                f"({', '.join(differ)} differ{'s' if len(differ) == 1 else ''}); a merge combines "
-                                "checkpoints of one architecture")
-    _fail(problems, "the inputs are different architectures")
+    check_architectures(sources, labels, configs=configs)
+    problems: list[str] = []
     # 2. vocabularies (rows matched by index unless the recipe says how to match them by token)
     emb = embedding_keys(ref.keys(), lambda k: ref.meta(k)[0])
     if embeddings is None:

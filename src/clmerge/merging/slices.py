@@ -36,6 +36,7 @@ from .methods.hparams import check_hyperparameters, method_hparams, per_model_pa
 from .io.base import MergeInputError
 from .io.checks import is_finite
 from .io.output import FolderJob, OutputFolder, model_files
+from .preflight import check_architectures
 from .io.readers import open_checkpoint, resolve_hub_id
 from .io.writer import parse_size
 from .recipes import PASSTHROUGH, Recipe, key_groups
@@ -202,6 +203,9 @@ def plan_slices(recipe: Recipe, method: MergeMethod | None) -> SlicePlan:
     if method is not None:  # checked once, before anything is opened
         check_hyperparameters(method, {k: v for k, v in recipe.parameters.items() if k != "task"}, "parameters.")
     sources = _open_all(recipe)
+    names = list(dict.fromkeys([*([recipe.base] if recipe.base else []), *sources]))  # the reference first
+    check_architectures([sources[n] for n in names], [f"model {n}" for n in names],
+                        fields=("model_type", "hidden_size"))  # headers and configs only; depths may differ
     segments, ref, start = [], {}, 0
     for i, sl in enumerate(recipe.slices):
         if recipe.method == PASSTHROUGH and len(sl.sources) > 1:

@@ -36,7 +36,7 @@ from .checkpoint import save_checkpoint
 from . import distributed
 from .run import evaluate_row, fresh_objects, prepare_run, resolve_device, restore, train_task
 
-__all__ = ["dry_run", "dry_run_config", "write_lookalike", "lookalike_classes"]
+__all__ = ["dry_run", "dry_run_config", "write_lookalike", "lookalike_classes", "time_left"]
 
 
 def dry_run_config(cfg: ExperimentConfig, *, steps: int = 2, batch_size: int = 4,
@@ -143,9 +143,19 @@ def _capped(objs, steps):
     return objs
 
 
+def time_left(task_seconds: list[float], tasks_left: int) -> str:
+    """The time hint after a task: the tasks left and the evaluation with the resume check (about one more
+    task's time), at the mean time of the tasks so far."""
+    mean = sum(task_seconds) / len(task_seconds)
+    return f"about {mean * (tasks_left + 1):.0f}s left: {tasks_left} more task(s), the evaluation, the resume check"
+
+
 def _run_tasks(cfg: ExperimentConfig, out: Path, tasks: int, echo: Callable[[str], None]) -> dict:
     dp = distributed.setup(cfg.run.device)
     device = dp.device if dp is not None else resolve_device(cfg.run.device)
+    echo(f"building {cfg.model.name} (random init), the data and {cfg.method.name}; then {tasks} task(s) of "
+         f"{cfg.train.max_steps_per_epoch} steps, an evaluation and a resume check (each task's time and the "
+         "time left follow)")
     # with the configured head's statistics, as a run keeps them; the method's options fit to the sample (a
     # replay buffer holds at most its few images: the same draws, no allocation of the configured size)
     run = prepare_run(cfg, out, device, data_check="fit")
@@ -171,7 +181,7 @@ def _run_tasks(cfg: ExperimentConfig, out: Path, tasks: int, echo: Callable[[str
         loss = _task_losses(out).get(t)
         trained = (f"{cfg.train.max_steps_per_epoch} steps, loss {loss:.4f}" if loss is not None
                    else "nothing trained (feature statistics only)")
-        echo(f"task {t}: {trained}, {state.task_seconds[-1]:.1f}s")
+        echo(f"task {t}: {trained}, {state.task_seconds[-1]:.1f}s ({time_left(state.task_seconds, n - t - 1)})")
     evaluate_row(run, n - 1)
     row = [round(v, 2) for v in state.rows[-1][:n] if v is not None]
     echo(f"evaluation after task {n - 1}: accuracy per task {row}")

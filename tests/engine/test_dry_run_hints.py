@@ -1,0 +1,25 @@
+"""A dry run says what it is about to do before the slow part, and after each task how long is left."""
+
+from __future__ import annotations
+
+import re
+
+from clmerge.config import parse_config
+from clmerge.engine.dry_run import dry_run, time_left
+from conftest import tiny_config
+
+
+def test_time_left_counts_the_tasks_and_the_evaluation():
+    assert time_left([100.0], 1) == "about 200s left: 1 more task(s), the evaluation, the resume check"
+    assert time_left([10.0, 30.0], 0).startswith("about 20s left: 0 more task(s)")
+
+
+def test_a_dry_run_announces_itself_and_hints_at_the_time_left(tmp_path):
+    lines: list[str] = []
+    dry_run(parse_config(tiny_config()), workdir=tmp_path, echo=lines.append)
+    first = next(i for i, ln in enumerate(lines) if ln.startswith("building vit-tiny-fmnist (random init)"))
+    assert "2 task(s) of 2 steps, an evaluation and a resume check" in lines[first]
+    tasks = [ln for ln in lines if ln.startswith("task ")]
+    assert len(tasks) == 2 and first < lines.index(tasks[0])
+    assert re.search(r"\(about \d+s left: 1 more task\(s\), the evaluation, the resume check\)$", tasks[0])
+    assert re.search(r"\(about \d+s left: 0 more task\(s\)", tasks[1])

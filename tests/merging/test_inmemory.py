@@ -10,6 +10,7 @@ from torch import nn
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
+from device_helpers import StrictCpuDevice  # noqa: E402
 from peft.tuners.lora import LoraLayer  # noqa: E402
 
 from clmerge.merging import MergeInputError, add_merged_adapter, available, merge, merge_models  # noqa: E402
@@ -380,3 +381,18 @@ def test_merge_models_as_module_and_plain_modules():
     torch.testing.assert_close(sd["bias"], 0.25 * e1.bias + 0.75 * e2.bias)
     with pytest.raises(ValueError, match="non-empty list"):
         merge_models(base, e1, method="ties")
+
+
+def test_device_path_is_the_cpu_path():
+    """``device=``: the kernels and SVDs run on the device (here the CPU stand-in that refuses what a GPU
+    refuses); the results equal the plain CPU path's."""
+    model = tiny_peft()
+    add_merged_adapter(model, list(NAMES), method="ties", density=0.5, new_name="on_cpu")
+    dev = StrictCpuDevice()
+    report = add_merged_adapter(model, list(NAMES), method="ties", density=0.5, new_name="dev", device=dev)
+    assert dev.checked > 0 and "device" in report
+    assert max_diff(deltas(model, "dev"), deltas(model, "on_cpu")) == 0.0
+    base, e1, e2 = tiny_llama(0), _perturbed(1), _perturbed(2)
+    ref = merge_models(base, [e1, e2], method="dare", drop_rate=0.3)
+    got = merge_models(base, [e1, e2], method="dare", drop_rate=0.3, device=StrictCpuDevice())
+    assert all(torch.equal(got[k], ref[k]) for k in ref)

@@ -150,3 +150,21 @@ def test_a_qwen2_moe_shared_expert_gate_is_made_from_its_prompts(tmp_path):
         torch.testing.assert_close(got[f"model.layers.{layer}.mlp.shared_expert_gate.weight"][0], want / want.norm())
     row0 = embed[[0, 3, 9]].sum(0)
     torch.testing.assert_close(got["model.layers.1.mlp.gate.weight"][0], row0 / row0.norm())
+
+
+@pytest.mark.parametrize("target, family, shared", [("qwen3_moe", "qwen3", 0), ("dots1", "qwen3", 1)])
+def test_a_tied_base_gives_a_tied_moe(tmp_path, target, family, shared):
+    """Small Qwen3 models tie their embeddings: no lm_head is stored, and the MoE loads tied."""
+    import transformers as tf
+    from checkpoint_helpers import save_variants
+    from moe_helpers import dense_config
+
+    cfg = dense_config(family)
+    cfg.tie_word_embeddings = True
+    paths = save_variants(tmp_path, cfg, ["base", "e0", "e1", "e2"], auto=tf.AutoModelForCausalLM)
+    code, output, out = build_moe(tmp_path, "moe", _recipe(paths, target, shared, 0, "fused"))
+    assert code == 0, output
+    assert "lm_head.weight" not in folder_state(out)
+    model, info = _load(out)
+    assert {k: v for k, v in info.items() if v} == {}, info
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight

@@ -42,7 +42,8 @@ from ..utils.outpaths import check_output_dir, child
 from ..utils.yaml_io import read_yaml
 from .executors import Executor, make_executor
 from .grid import Cell, SweepSpec, base_data, cell_config, check_cell_count, expand_cells, spec_from_dict
-from .select import SELECT_DIR, SELECTED_FILE, group_label, groups, phase2_cells, run_selection, selection_plan
+from .select import (SELECT_DIR, SELECTED_FILE, group_label, groups, phase2_cells, run_selection, selection_plan,
+                     val_score)
 
 __all__ = ["SweepError", "plan_sweep", "plan_selection", "run_sweep", "run_cell", "run_cell_torchrun",
            "check_nproc", "cell_state", "read_cells", "cell_dir", "check_selection_count"]
@@ -121,7 +122,7 @@ def run_cell(data: dict, out: str, resume: bool) -> dict[str, Any]:
     from ..engine.run import run_experiment
 
     metrics = run_experiment(parse_config(data), Path(out), resume=resume)
-    return {k: metrics.get(k) for k in ("acc", "aaa", "forgetting")}
+    return headline(metrics)
 
 
 def run_cell_torchrun(data: dict, out: str, resume: bool, nproc: int) -> dict[str, Any]:
@@ -147,7 +148,13 @@ def run_cell_torchrun(data: dict, out: str, resume: bool, nproc: int) -> dict[st
         tail = [ln.strip() for ln in lines if ln.strip()][-2:]
         raise RuntimeError(f"torchrun exited with {code} ({log}): {' | '.join(tail)}")
     metrics = read_json(Path(out) / "metrics.json", within=out)
-    return {k: metrics.get(k) for k in ("acc", "aaa", "forgetting")}
+    return headline(metrics)
+
+
+def headline(metrics: dict) -> dict[str, Any]:
+    """A finished cell's headline: test ``acc``, ``aaa``, ``forgetting``, and the validation score a selection
+    chooses by (``val``: :func:`.select.val_score`, None without a validation split)."""
+    return {**{k: metrics.get(k) for k in ("acc", "aaa", "forgetting")}, "val": val_score(metrics)}
 
 
 def _tail(log: Path, size: int = 1 << 16) -> str:
@@ -259,7 +266,7 @@ def _select(spec: SweepSpec, out: Path, new_executor: Callable[[], _CellExecutor
         (out / SELECT_DIR).mkdir(exist_ok=True)
         save()
         if todo:
-            _run_cells(new_executor(), out, todo, status, log, save)
+            _run_cells(new_executor(), out, todo, status, log, save, score="val")
         failed = [n for n, s in status.items() if s.startswith("failed")]
         if failed:
             raise SweepError(f"selection cell {failed[0]} {status[failed[0]]}; no value is chosen without it; "
@@ -313,7 +320,9 @@ class _CellExecutor:
 
 
 def _run_cells(cx: _CellExecutor, out: Path, todo: list, status: dict[str, str], log: Callable[[str], None],
-               save: Callable[[], None]) -> None:
+               save: Callable[[], None], score: str = "acc") -> None:
+    """Run ``todo``; each finished cell's line shows ``score``: the test ``acc`` of a grid cell, or the
+    validation score (``val``) that a selection cell is chosen by."""
     ex = cx.ex
     try:
         handles = {cx.submit_cell(data, str(cell_dir(out, c.name)), cell_state(out / c.name) == "started"): c
@@ -324,7 +333,7 @@ def _run_cells(cx: _CellExecutor, out: Path, todo: list, status: dict[str, str],
             try:
                 m = ex.result(h)
                 status[cell.name] = "done"
-                log(f"{cell.name}: done (acc {_pct(m.get('acc'))})")
+                log(f"{cell.name}: done ({'val acc' if score == 'val' else 'acc'} {_pct(m.get(score))})")
             except Exception as exc:  # noqa: BLE001  (one failed cell does not stop the others)
                 status[cell.name] = f"failed: {type(exc).__name__}: {exc}"
                 log(f"{cell.name}: {status[cell.name]}")

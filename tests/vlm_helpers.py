@@ -24,6 +24,15 @@ def vlm_config(kind: str):
                                                    spatial_merge_size=2, temporal_patch_size=2, mlp_ratio=2),
                                 image_token_id=95, video_token_id=96, vision_start_token_id=93,
                                 vision_end_token_id=94)
+    if kind == "qwen2_5_vl":  # windowed vision attention in block 0, full in block 1
+        rope = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0}
+        return tf.Qwen2_5_VLConfig(text_config=dict(model_type="qwen2_5_vl_text", **_TEXT, rope_parameters=rope,
+                                                    bos_token_id=None, eos_token_id=90),
+                                   vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2,
+                                                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                                                      out_hidden_size=32, window_size=56, fullatt_block_indexes=[1]),
+                                   image_token_id=95, video_token_id=96, vision_start_token_id=93,
+                                   vision_end_token_id=94)
     if kind == "llava":
         return tf.LlavaConfig(text_config=tf.LlamaConfig(**_TEXT, bos_token_id=None, eos_token_id=90),
                               vision_config=tf.CLIPVisionConfig(hidden_size=16, intermediate_size=32,
@@ -44,7 +53,7 @@ def _tokenizer():
 
 
 def save_processor(kind: str, folder: Path) -> None:
-    """The tokenizer, the image processor and the chat template: a LLaVA processor; for Qwen2-VL (whose
+    """The tokenizer, the image processor and the chat template: a LLaVA processor; for Qwen2(.5)-VL (whose
     processor needs torchvision for its video part) the tokenizer, the image processor and the template."""
     import transformers as tf
 

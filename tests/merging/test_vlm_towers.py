@@ -1,4 +1,4 @@
-"""Vision-language folders (Qwen2-VL, LLaVA): ``clmerge merge`` merges the language tower, keeps the vision
+"""Vision-language folders (Qwen2-VL, Qwen2.5-VL, LLaVA): ``clmerge merge`` merges the language tower, keeps the vision
 tower and its projector from the base and copies the processor files unchanged; the result loads with
 ``AutoModelForImageTextToText`` (nothing missing, unexpected or mismatched) and generates from an image."""
 
@@ -15,7 +15,7 @@ from vlm_helpers import vlm_family
 from clmerge.cli import app
 from clmerge.merging.towers import VISION_PREFIXES
 
-KINDS = ["qwen2_vl", "llava"]
+KINDS = ["qwen2_vl", "qwen2_5_vl", "llava"]
 PROCESSOR_FILES = ["chat_template.jinja", "preprocessor_config.json", "processor_config.json", "tokenizer.json",
                    "tokenizer_config.json"]
 

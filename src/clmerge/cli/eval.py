@@ -27,8 +27,15 @@ __all__ = ["eval_command", "run_tune"]
 @app.command("eval")
 def eval_command(
     model: Path = typer.Argument(..., help="an HF causal-LM folder, or a continual run directory (clmerge run)"),
-    data: str = typer.Option(..., "--data", help="causal LM: a text file (blank lines separate documents) or a "
-                             "JSONL of {\"text\": ...}; run directory: a dataset name (clmerge datasets)"),
+    data: str | None = typer.Option(None, "--data", help="model folder: a text file (blank lines separate "
+                                    "documents) or a JSONL of {\"text\": ...} (perplexity), of multiple-choice "
+                                    "{\"question\", \"choices\", \"answer\"} or labelled {\"text\", \"label\"} "
+                                    "examples (accuracy); run directory: a dataset name (clmerge datasets)"),
+    tasks: str | None = typer.Option(None, "--tasks", help="lm-evaluation-harness tasks, comma-separated "
+                                     "(pip install \"clmerge[lm-eval]\"), instead of --data"),
+    metric: str | None = typer.Option(None, "--metric", help="multiple choice: acc (default) or acc_norm; "
+                                      "--tasks: the harness's metric to report as value (default acc)"),
+    num_fewshot: int | None = typer.Option(None, "--num-fewshot", help="--tasks: few-shot examples per prompt"),
     data_option: list[str] = typer.Option([], "--data-option", help="run directory: a dataset option "
                                           "key=value (repeatable), as scenario.options"),
     max_length: int = typer.Option(1024, "--max-length", help="tokens per window"),
@@ -47,9 +54,12 @@ def eval_command(
         if json_out is not None:
             check_writable(json_out, "--json")
         if (model / "config.yaml").is_file():
+            if data is None:
+                raise UsageError("--data: a run directory is measured on a dataset (clmerge datasets)")
             res = _accuracy(model, data, data_option, batch_size)
         else:
-            res = _perplexity(model, data, max_length, stride, batch_size, max_samples, progress)
+            res = _folder(model, data, tasks, metric, num_fewshot, max_length, stride, batch_size, max_samples,
+                          progress)
         if json_out is not None:
             from ..utils.io import write_json  # torch: imported only when needed
 
@@ -59,15 +69,19 @@ def eval_command(
     typer.echo(json.dumps(res, indent=2))
 
 
-def _perplexity(model: Path, data: str, max_length: int, stride: int | None, batch_size: int,
-                max_samples: int | None, progress: bool) -> dict:
-    from ..merging.lm_eval import EvalOptions, load_causal_lm, perplexity, read_texts
+def _folder(model: Path, data: str | None, tasks: str | None, metric: str | None, num_fewshot: int | None,
+            max_length: int, stride: int | None, batch_size: int, max_samples: int | None, progress: bool) -> dict:
+    """A model folder: perplexity, multiple-choice or classification accuracy, or lm-evaluation-harness tasks
+    (:mod:`clmerge.merging.task_eval`)."""
+    from ..merging.task_eval import EvalSpec, evaluate_folder
 
-    opts = EvalOptions(data, max_length, stride, batch_size, max_samples).check()
-    texts = read_texts(data, max_samples)
-    lm, tok = load_causal_lm(model)
-    return {"model": str(model), "data": data, **perplexity(lm, tok, texts, opts, progress=progress),
-            "max_length": max_length, "stride": stride or max_length}
+    names = tuple(t.strip() for t in tasks.split(",") if t.strip()) if tasks is not None else ()
+    if tasks is not None and not names:
+        raise UsageError("--tasks: expected task names, comma-separated (e.g. hellaswag,arc_easy)")
+    spec = EvalSpec(data=data, tasks=names, metric=metric, max_length=max_length, stride=stride,
+                    batch_size=batch_size, max_samples=max_samples, num_fewshot=num_fewshot).check()
+    where = {"tasks": list(names)} if names else {"data": data}
+    return {"model": str(model), **where, **evaluate_folder(model, spec, progress=progress)}
 
 
 def _accuracy(run_dir: Path, data: str, data_option: list[str], batch_size: int) -> dict:

@@ -110,9 +110,10 @@ def windows(n_tokens: int, max_length: int, stride: int) -> list[tuple[int, int,
     return out
 
 
-def load_causal_lm(folder: str | Path, *, quiet: bool = False) -> tuple[Any, Any]:
+def load_causal_lm(folder: str | Path, *, quiet: bool = False, head: str = "causal") -> tuple[Any, Any]:
     """The model (eval mode, float32 on CPU) and tokenizer of an HF causal-LM folder; ``quiet``: without
-    transformers' loading bar (a tune's trials).
+    transformers' loading bar (a tune's trials); ``head="classification"``: the folder's sequence-classification
+    model instead (labelled examples, :mod:`.task_eval`).
 
     The folder is read through the input boundary as ``merge`` reads it: transformers loads a private folder of
     links to the checked files (:func:`~clmerge.merging.io.staging.staged_model`: config, tokenizer, weights and
@@ -120,7 +121,7 @@ def load_causal_lm(folder: str | Path, *, quiet: bool = False) -> tuple[Any, Any
     it loads), so a shard index naming ``../x.safetensors``, a config or tokenizer file linked out of the
     folder, a FIFO or a symlink loop is refused by name before transformers reads anything.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from .io.staging import staged_model
@@ -134,10 +135,12 @@ def load_causal_lm(folder: str | Path, *, quiet: bool = False) -> tuple[Any, Any
             hf_logging.disable_progress_bar()
         try:
             tok = AutoTokenizer.from_pretrained(str(staged))
-            model = AutoModelForCausalLM.from_pretrained(str(staged)).float()
+            auto = AutoModelForSequenceClassification if head == "classification" else AutoModelForCausalLM
+            model = auto.from_pretrained(str(staged)).float()
         except (OSError, ValueError, KeyError) as exc:
             why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise InputError(f"MODEL {folder}: cannot load it as a causal LM with its tokenizer "
+            what = "a sequence classifier" if head == "classification" else "a causal LM"
+            raise InputError(f"MODEL {folder}: cannot load it as {what} with its tokenizer "
                              f"({why.replace(str(staged), str(folder))[:160]})") from None
         finally:
             if quiet and bars:

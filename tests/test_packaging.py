@@ -69,8 +69,8 @@ def test_pyproject_core_dependencies_hold_no_optional_package_and_dev_pulls_in_e
     for dist in ("mlxtend", "mnist1d", "scikit-learn", "matplotlib", "scipy"):
         assert dist not in core, dist
     extras = project["optional-dependencies"]
-    # every extra but wandb (docs/install.md: a large dependency tree for one logging sink)
-    assert extras["all"] == [f"clmerge[{','.join(e for e in extras if e not in ('all', 'dev', 'wandb'))}]"]
+    # every extra but wandb and lm-eval (docs/install.md: large dependency trees for one sink, one flag)
+    assert extras["all"] == [f"clmerge[{','.join(e for e in extras if e not in ('all', 'dev', 'wandb', 'lm-eval'))}]"]
     assert "clmerge[all]" in extras["dev"]
 
 

@@ -1,6 +1,7 @@
 # Quick start: `make demo` runs the default experiment, `make test` runs the test suite (fast tier;
 # `make test-all` adds the tests marked slow).
-# Both create the local virtual environment on first use (torch pinned by constraints.txt).
+# Both create the local virtual environment on first use (torch pinned by constraints.txt, which serves this
+# Makefile and the tests; pyproject.toml itself pins nothing: docs/install.md).
 VENV ?= .venv
 PYTHON ?= python3
 STAMP := $(VENV)/.installed

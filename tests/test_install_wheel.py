@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-OPTIONAL = ["mlxtend", "mnist1d", "sklearn", "matplotlib", "scipy"]
+OPTIONAL = ["mlxtend", "mnist1d", "sklearn", "matplotlib", "scipy", "PIL"]
 
 pytestmark = pytest.mark.slow
 

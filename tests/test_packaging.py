@@ -57,7 +57,7 @@ def test_configs_lists_every_shipped_config_with_method_dataset_and_paper():
 
 
 # ---- extras: packages that merging does not need ---------------------------------------------------------
-OPTIONAL = ["mlxtend", "mnist1d", "sklearn", "matplotlib", "scipy", "optuna"]
+OPTIONAL = ["mlxtend", "mnist1d", "sklearn", "matplotlib", "scipy", "optuna", "PIL"]
 # a child Python in which every optional package fails to import, as in an install without extras
 _BLOCKED = ("import sys; sys.modules.update(dict.fromkeys({mods!r})); sys.argv[0] = 'clmerge'; "
             "from clmerge.cli import main; main()")
@@ -66,7 +66,7 @@ _BLOCKED = ("import sys; sys.modules.update(dict.fromkeys({mods!r})); sys.argv[0
 def test_pyproject_core_dependencies_hold_no_optional_package_and_dev_pulls_in_every_extra():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     core = " ".join(project["dependencies"])
-    for dist in ("mlxtend", "mnist1d", "scikit-learn", "matplotlib", "scipy"):
+    for dist in ("mlxtend", "mnist1d", "scikit-learn", "matplotlib", "scipy", "pillow"):
         assert dist not in core, dist
     extras = project["optional-dependencies"]
     # every extra but wandb and lm-eval (docs/install.md: large dependency trees for one sink, one flag)
@@ -78,7 +78,8 @@ def test_pyproject_core_dependencies_hold_no_optional_package_and_dev_pulls_in_e
                                                  ("sklearn.cluster", "data", "scikit-learn"),
                                                  ("matplotlib", "plots", "matplotlib"),
                                                  ("scipy.optimize", "study", "scipy"),
-                                                 ("optuna", "tune", "optuna")])
+                                                 ("optuna", "tune", "optuna"),
+                                                 ("PIL.Image", "images", "pillow")])
 def test_a_missing_extra_is_one_input_error_naming_pip_install(monkeypatch, module, extra, dist):
     monkeypatch.delitem(sys.modules, module, raising=False)
     monkeypatch.setitem(sys.modules, module.split(".")[0], None)
@@ -124,6 +125,19 @@ def test_merge_and_a_paper_dry_run_import_no_optional_package(tmp_path):
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert dry.returncode == 0, dry.stderr
     assert "dry run ok" in dry.stdout
+
+
+def test_a_dataset_of_image_files_without_pillow_fails_when_built_naming_the_images_extra(tmp_path, monkeypatch):
+    """Checked when the dataset is built, before any training (pillow left the core: merging needs no images)."""
+    from clmerge.data.base import FileListData
+    from clmerge.data.lookalike import png_pool
+
+    monkeypatch.delitem(sys.modules, "PIL.Image", raising=False)
+    monkeypatch.setitem(sys.modules, "PIL", None)
+    with pytest.raises(MissingExtraError, match=r'dataset imagenet_r needs the package pillow.*clmerge\[images\]'):
+        FileListData([tmp_path / "a.png"], [0], name="imagenet_r")
+    with pytest.raises(MissingExtraError, match=r'clmerge\[images\]'):
+        png_pool()
 
 
 def test_hide_prompt_k_means_statistics_without_scikit_learn_fail_at_set_up(monkeypatch):

@@ -100,6 +100,9 @@ class FileListData(ClassificationData):
 
     def __init__(self, paths: list[Path], targets, *, image_size: int | None = 224, mode: str = "RGB", name: str = "",
                  fast_jpeg: bool = False) -> None:
+        from ..utils.extras import require_extra
+
+        require_extra("PIL.Image", what=f"dataset {name or 'of image files'}")  # before any training starts
         self.paths = [Path(p) for p in paths]
         self.targets = np.asarray(targets, dtype=np.int64)
         if len(self.paths) != len(self.targets):

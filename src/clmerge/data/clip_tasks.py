@@ -89,6 +89,9 @@ def _preprocess(path: Path, size: int) -> torch.Tensor:
 
 def load_clip_images(pairs: list[tuple[Path, int]], size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The preprocessed images (N, 3, size, size) and their labels (N,)."""
+    from ..utils.extras import require_extra
+
+    require_extra("PIL.Image", what="the CLIP suites' image files")
     x = torch.stack([_preprocess(p, size) for p, _ in pairs])
     return x, torch.tensor([y for _, y in pairs], dtype=torch.long)
 
@@ -97,8 +100,9 @@ def _noise_pngs(n: int, size: int) -> list[bytes]:
     """``n`` seeded random-noise PNG images (distinct, so that a random model's predictions vary)."""
     import io
 
-    from PIL import Image
+    from ..utils.extras import require_extra
 
+    Image = require_extra("PIL.Image", what="look-alike image files")
     rng = np.random.default_rng(0)
     out = []
     for _ in range(n):

@@ -74,8 +74,9 @@ def write_lookalike(name: str, root: Path, spec: LookalikeSpec) -> bool:
 def png_pool(n: int = 8, size: int = 8) -> list[bytes]:
     """A few distinct tiny PNG images (bytes), reused for every file (fast to write); the readers resize them
     to the backbone's input size as they would real images."""
-    from PIL import Image
+    from ..utils.extras import require_extra
 
+    Image = require_extra("PIL.Image", what="look-alike image files")
     out = []
     for i in range(n):
         arr = np.full((size, size, 3), (37 * i) % 256, dtype=np.uint8)

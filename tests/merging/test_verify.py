@@ -54,6 +54,12 @@ def llama(folder: Path, *, seed: int = 0) -> Path:
     return _save(folder, tf.LlamaForCausalLM(cfg), tok)
 
 
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """Each test starts with an empty verification cache of its own."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("verify_zoo")
@@ -98,6 +104,35 @@ def test_missing_q_norm_and_k_norm_are_named_from_transformers_loading_info(zoo,
     text = problems(v)
     assert "model.layers.{0, 1}.self_attn.q_norm.weight" in text and "k_norm" in text
     assert "initialise them at random" in text
+
+
+def test_transformers_answer_is_cached_per_config_and_tensor_names_shapes_and_dtypes(zoo, tmp_path, monkeypatch):
+    from clmerge.merging.io import verify as verify_mod
+
+    drop = dict(tensors=lambda sd: {k: v for k, v in sd.items() if "q_norm" not in k})
+    first = verify_folder(damaged(zoo / "qwen", tmp_path / "a", **drop))
+    assert first.checks["transformers reload"] == "failed"
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("transformers was asked again for an answer the cache holds")
+
+    monkeypatch.setattr(verify_mod, "_load", no_load)
+    again = verify_folder(damaged(zoo / "qwen", tmp_path / "b", **drop))  # same names, shapes, dtypes, config
+    assert again.problems == first.problems
+    monkeypatch.undo()
+    assert verify_folder(zoo / "qwen").checks["transformers reload"] == "passed"  # other tensors: loaded anew
+    assert verify_folder(zoo / "qwen").checks["transformers reload"] == "passed (cached loading info)"
+
+
+def test_the_cache_is_not_used_with_clmerge_verify_cache_0(zoo, monkeypatch):
+    from clmerge.merging.io import verify as verify_mod
+
+    monkeypatch.setenv("CLMERGE_VERIFY_CACHE", "0")
+    verify_folder(zoo / "llama")
+    calls = []
+    real = verify_mod._load
+    monkeypatch.setattr(verify_mod, "_load", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert verify_folder(zoo / "llama").checks["transformers reload"] == "passed" and calls == [1]
 
 
 def test_a_duplicated_lm_head_that_differs_under_tied_embeddings_is_caught(zoo, tmp_path):

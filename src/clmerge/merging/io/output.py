@@ -575,12 +575,14 @@ def _warm_verifier(inputs: list[Any]) -> None:
     the reload check at the end costs only the meta-device load."""
     from .verify import warm_up
 
-    folder = next((Path(s.folder) for s in inputs if getattr(s, "folder", None) is not None), None)
+    src = next((s for s in inputs if getattr(s, "folder", None) is not None), None)
+    folder = Path(src.folder) if src is not None else None
     if folder is None or not (folder / "config.json").is_file():
         return
     try:
         config = inpaths.read_json(folder / "config.json", within=folder, what=f"{folder}: model file")
-    except InputError:
+        tensors = {k: src.meta(k) for k in src.keys()}
+    except (InputError, KeyError):
         return
     if isinstance(config, dict):
-        warm_up(config)
+        warm_up(config, tensors)

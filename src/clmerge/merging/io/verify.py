@@ -216,9 +216,14 @@ def _model_class(config: dict) -> tuple[Any, str] | str:
     return transformers.AutoModelForCausalLM, "AutoModelForCausalLM"
 
 
-def warm_up(config: dict | None) -> threading.Thread:
+def warm_up(config: dict | None, tensors: dict[str, tuple] | None = None) -> threading.Thread | None:
     """Import transformers and the model class of ``config`` in a background thread (a merge starts this
-    while it merges, so the reload check at the end costs only the meta-device load)."""
+    while it merges, so the reload check at the end costs only the meta-device load). Not started when the
+    cache holds transformers' answer for this config and these ``tensors`` (``{key: (shape, dtype)}`` of the
+    input: a merge's output has the same ones) already: the check at the end then imports nothing."""
+    if tensors is not None and _seen(config or {}, tensors):
+        return None
+
     def run() -> None:
         with contextlib.suppress(Exception):  # the check at the end reports any problem itself
             with _WARM_LOCK:
@@ -248,10 +253,98 @@ def _quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _reload(folder: Path, config: dict, v: Verification) -> Any:
-    """transformers' loading info on the meta device; records the reload check and returns the meta model
-    (``None`` when the check was skipped or the load failed)."""
-    check = "transformers reload"
+@dataclass
+class _Loaded:
+    """What the checks need of transformers' load (cached as JSON: :func:`_cache_file`)."""
+
+    name: str  # the class that loaded it
+    missing: list[str]
+    unexpected: list[str]
+    mismatched: list[list]  # [key, shape in the folder, shape the config implies]
+    errors: list[str]
+    tie: bool
+    ins: str | None  # the input embedding's key (transformers' get_input_embeddings)
+    outs: str | None  # the output projection's key
+    dtypes: dict[str, str]  # key -> the dtype transformers gives that parameter
+    cached: bool = False
+
+
+def _dtype_names(tensors: dict[str, tuple]) -> list:
+    return sorted([k, list(shape), str(dtype).removeprefix("torch.")] for k, (shape, dtype) in tensors.items())
+
+
+def _cache_root() -> Path | None:
+    """``$XDG_CACHE_HOME/clmerge/verify`` (``~/.cache/...``); ``None`` with ``CLMERGE_VERIFY_CACHE=0``."""
+    import os
+
+    if os.environ.get("CLMERGE_VERIFY_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clmerge" / "verify"
+
+
+def _digest(*parts: Any) -> str | None:
+    """sha256 of the installed transformers' version and ``parts`` (``None`` without transformers)."""
+    import hashlib
+    import json
+    from importlib import metadata
+
+    try:
+        version = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
+    blob = json.dumps([version, *parts], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _cache_file(config: dict, tensors: dict[str, tuple]) -> Path | None:
+    """Where transformers' loading info for this config and these tensors' names, shapes and dtypes is kept:
+    it is a function of exactly those and of the transformers version (no tensor value enters it), so a
+    folder with the same ones gets the same answer without importing transformers again."""
+    root, key = _cache_root(), _digest("loading-info", config, _dtype_names(tensors))
+    return root / f"{key}.json" if root is not None and key is not None else None
+
+
+def _seen_file(config: dict, tensors: dict[str, tuple]) -> Path | None:
+    """A marker that this architecture (config without its dtype) and these tensors' names and shapes were
+    loaded before: a merge of such inputs skips the warm-up import."""
+    plain = {k: v for k, v in config.items() if k not in ("dtype", "torch_dtype", "transformers_version")}
+    root = _cache_root()
+    key = _digest("seen", plain, sorted([k, list(shape)] for k, (shape, _) in tensors.items()))
+    return root / f"seen-{key}" if root is not None and key is not None else None
+
+
+def _seen(config: dict, tensors: dict[str, tuple]) -> bool:
+    marker = _seen_file(config, tensors)
+    return marker is not None and marker.exists()
+
+
+def _cached(config: dict, tensors: dict[str, tuple]) -> _Loaded | None:
+    path = _cache_file(config, tensors)
+    if path is None or not path.is_file():
+        return None
+    try:
+        data = inpaths.read_json(path, within=path.parent, what="verification cache")
+        return _Loaded(**{**data, "cached": True})
+    except (InputError, TypeError):  # torn or from another version of this module: load again
+        return None
+
+
+def _store(loaded: _Loaded, config: dict, tensors: dict[str, tuple]) -> None:
+    import dataclasses
+
+    from ...utils.io import write_json
+
+    path, marker = _cache_file(config, tensors), _seen_file(config, tensors)
+    if path is None or marker is None:
+        return
+    with contextlib.suppress(OSError):  # a read-only home: the next verification loads again
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, {k: v for k, v in dataclasses.asdict(loaded).items() if k != "cached"})
+        marker.touch()
+
+
+def _load(folder: Path, config: dict, v: Verification, check: str) -> _Loaded | None:
+    """transformers' load on the meta device (no tensor data read), reduced to :class:`_Loaded`."""
     with _WARM_LOCK:
         found = _model_class(config)
     if isinstance(found, str):
@@ -270,23 +363,43 @@ def _reload(folder: Path, config: dict, v: Verification) -> Any:
         why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         v.fail(check, f"{name}.from_pretrained fails: {type(exc).__name__}: {why}")
         return None
-    missing, unexpected = set(info.get("missing_keys") or ()), set(info.get("unexpected_keys") or ())
-    mismatched = list(info.get("mismatched_keys") or ())
-    if missing:
-        v.fail(check, f"{len(missing)} tensor(s) that {name} expects from this config are missing, so "
-                      f"transformers would initialise them at random: {_grouped(missing)}")
-    if mismatched:
-        shown = "; ".join(f"{k} is {list(a)}, the config implies {list(b)}" for k, a, b in sorted(mismatched)[:_SHOWN])
-        v.fail(check, f"{len(mismatched)} tensor(s) have another shape than the config implies (transformers "
-                      f"would initialise them at random): {shown}")
-    if unexpected:
-        v.fail(check, f"{len(unexpected)} tensor(s) that {name} has no place for (unexpected: transformers "
-                      f"ignores them): {_grouped(unexpected)}")
-    errors = [e for e in info.get("error_msgs") or () if e]
-    if errors:
-        v.fail(check, f"transformers reports: {str(errors[0]).splitlines()[0][:200]}")
-    v.passed(check)
-    return model
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    ins = outs = None
+    with contextlib.suppress(Exception):
+        ins = _param_name(model, model.get_input_embeddings())
+        outs = _param_name(model, model.get_output_embeddings())
+    return _Loaded(name, sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ()),
+                   sorted([k, list(a), list(b)] for k, a, b in info.get("mismatched_keys") or ()),
+                   [str(e).splitlines()[0][:200] for e in info.get("error_msgs") or () if e],
+                   bool(getattr(text_config, "tie_word_embeddings", False)), ins, outs,
+                   {k: str(t.dtype).removeprefix("torch.") for k, t in model.state_dict().items()})
+
+
+def _reload(folder: Path, config: dict, meta: dict[str, tuple], v: Verification) -> _Loaded | None:
+    """transformers' loading info (cached: :func:`_cache_file`); records the reload check. ``None`` when the
+    check was skipped or the load failed."""
+    check = "transformers reload"
+    loaded = _cached(config, meta)
+    if loaded is None:
+        loaded = _load(folder, config, v, check)
+        if loaded is None:
+            return None
+        _store(loaded, config, meta)
+    name = loaded.name
+    if loaded.missing:
+        v.fail(check, f"{len(loaded.missing)} tensor(s) that {name} expects from this config are missing, so "
+                      f"transformers would initialise them at random: {_grouped(loaded.missing)}")
+    if loaded.mismatched:
+        shown = "; ".join(f"{k} is {a}, the config implies {b}" for k, a, b in loaded.mismatched[:_SHOWN])
+        v.fail(check, f"{len(loaded.mismatched)} tensor(s) have another shape than the config implies "
+                      f"(transformers would initialise them at random): {shown}")
+    if loaded.unexpected:
+        v.fail(check, f"{len(loaded.unexpected)} tensor(s) that {name} has no place for (unexpected: "
+                      f"transformers ignores them): {_grouped(loaded.unexpected)}")
+    if loaded.errors:
+        v.fail(check, f"transformers reports: {loaded.errors[0]}")
+    v.checks.setdefault(check, "passed (cached loading info)" if loaded.cached else "passed")
+    return loaded
 
 
 _STAGED = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
@@ -332,12 +445,10 @@ def _param_name(model: Any, module: Any) -> str | None:
     return None
 
 
-def _embedding_names(meta: dict[str, tuple], model: Any) -> tuple[str | None, str | None]:
+def _embedding_names(meta: dict[str, tuple], model: _Loaded | None) -> tuple[str | None, str | None]:
     """``(input embedding key, output projection key)``: transformers' own when the model loaded, else by name."""
     if model is not None:
-        with contextlib.suppress(Exception):
-            return (_param_name(model, model.get_input_embeddings()),
-                    _param_name(model, model.get_output_embeddings()))
+        return model.ins, model.outs
     ins = outs = None
     for k, (shape, _) in meta.items():
         m = re.search(r"(?:^|\.)([A-Za-z_]+)\.weight$", k)
@@ -360,20 +471,17 @@ def _config_dtype(config: dict) -> Any:
     return None
 
 
-def _check_dtypes(v: Verification, config: dict, meta: dict[str, tuple], model: Any,
+def _check_dtypes(v: Verification, config: dict, meta: dict[str, tuple], model: _Loaded | None,
                   ref_meta: dict[str, tuple] | None) -> None:
     check = "dtypes"
     want = _config_dtype(_text_config(config))
     if want is None:
         v.skipped(check, "config.json records no dtype")
         return
-    expected = {}
-    if model is not None:
-        with contextlib.suppress(Exception):
-            expected = {k: t.dtype for k, t in model.state_dict().items()}
+    expected = model.dtypes if model is not None else {}
     bad = []
     for k, (_, dtype) in meta.items():
-        if not dtype.is_floating_point or dtype == want or expected.get(k) == dtype:
+        if not dtype.is_floating_point or dtype == want or expected.get(k) == str(dtype).removeprefix("torch."):
             continue
         if ref_meta is not None and k in ref_meta and ref_meta[k][1] == dtype:
             continue
@@ -397,13 +505,12 @@ def _check_finite(v: Verification, src: Any, meta: dict[str, tuple], finite_chec
     v.passed(check)
 
 
-def _check_tied(v: Verification, config: dict, meta: dict[str, tuple], model: Any, src: Any) -> None:
+def _check_tied(v: Verification, config: dict, meta: dict[str, tuple], model: _Loaded | None, src: Any) -> None:
     import torch
 
     check = "tied embeddings"
     if model is not None:
-        tie = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False)) \
-            if hasattr(model.config, "get_text_config") else bool(getattr(model.config, "tie_word_embeddings", False))
+        tie = model.tie
     else:
         tie = _text_config(config).get("tie_word_embeddings")
     ins, outs = _embedding_names(meta, model)
@@ -498,7 +605,7 @@ def _read_tokenizer(folder: Path) -> _Tok | None:
     return _Tok(ids, size, added, specials, template or None, source)
 
 
-def _check_tokenizer(v: Verification, folder: Path, meta: dict[str, tuple], model: Any,
+def _check_tokenizer(v: Verification, folder: Path, meta: dict[str, tuple], model: _Loaded | None,
                      tok_ref: Path | None, template_ref: Path | None) -> None:
     tok = _read_tokenizer(folder)
     if tok is None:
@@ -593,7 +700,7 @@ def verify_model_folder(folder: str | Path, *, reference: Any = None,
         lost = sorted(set(ref_meta) - set(meta))
         if lost:
             v.notes.append(f"{len(lost)} key(s) of the reference are not here: {_grouped(lost)}")
-    model = _reload(folder, config, v) if config else None
+    model = _reload(folder, config, meta, v) if config else None
     if not config:
         v.skipped("transformers reload", "no config.json")
         v.skipped("dtypes", "no config.json")

@@ -18,7 +18,8 @@ import yaml
 import clmerge.merging.tune as tune_mod
 from clmerge.errors import OutputError, UsageError
 from clmerge.merging.recipes import load_recipe
-from clmerge.merging.lm_eval import EvalOptions, load_causal_lm, perplexity, read_texts
+from clmerge.merging.lm_eval import load_causal_lm, perplexity, read_texts
+from clmerge.merging.task_eval import EvalSpec
 from clmerge.merging.tune import TuneSpec, Dimension, grid_points, load_tune_spec, set_path, tune
 from clmerge.sweep.executors import LocalExecutor
 from clmerge.utils.extras import MissingExtraError
@@ -33,7 +34,7 @@ def planted(tmp_path_factory):
 
 def _spec(root, **kw) -> TuneSpec:
     return TuneSpec(space=[Dimension("parameters.scaling", 0.0, 1.0)],
-                    eval=EvalOptions(str(root / "heldout.txt"), max_length=64, batch_size=8), **kw)
+                    eval=EvalSpec(str(root / "heldout.txt"), max_length=64, batch_size=8), **kw)
 
 
 def test_the_grid_finds_the_planted_weight_and_writes_table_recipe_and_model(planted, tmp_path):
@@ -46,7 +47,7 @@ def test_the_grid_finds_the_planted_weight_and_writes_table_recipe_and_model(pla
     assert best["parameters"]["scaling"] == info["best"]["parameters.scaling"]
     model, tok = load_causal_lm(tmp_path / "out")  # the best model, in DIR
     opts = _spec(root).eval
-    assert perplexity(model, tok, read_texts(opts.data), opts, progress=False)["value"] == pytest.approx(
+    assert perplexity(model, tok, read_texts(opts.data), opts.perplexity_options(), progress=False)["value"] == pytest.approx(
         info["metric"], rel=1e-6)
     assert not (tmp_path / "out" / "tune" / "trials").exists()
 
@@ -125,7 +126,7 @@ def test_paths_set_weights_and_gradient_values():
 
 
 def test_the_grid_is_the_product_of_the_axes(tmp_path):
-    spec = TuneSpec(space=[Dimension("a", 0.0, 1.0), Dimension("b", values=("x", "y"))], eval=EvalOptions("d"),
+    spec = TuneSpec(space=[Dimension("a", 0.0, 1.0), Dimension("b", values=("x", "y"))], eval=EvalSpec("d"),
                     points=3)
     assert [tuple(p.values()) for p in grid_points(spec)] == [(0.0, "x"), (0.0, "y"), (0.5, "x"), (0.5, "y"),
                                                               (1.0, "x"), (1.0, "y")]

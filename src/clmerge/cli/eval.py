@@ -114,5 +114,6 @@ def run_tune(recipe: Recipe, tune_file: Path, out: Path, *, jobs: int, backend: 
     finally:
         if executor is not None:
             executor.close()
-    typer.echo(f"best {info['best']} perplexity {info['metric']:.4f} of {info['trials']} trials; wrote "
-               f"{info['out']} (tune/trials.csv, tune/best_recipe.yaml)")
+    edge = f"; at the edge of its range: {', '.join(info['at_edge'])}" if info.get("at_edge") else ""
+    typer.echo(f"best {info['best']} {info['metric_name']} {info['metric']:.4f} of {info['trials']} trials; wrote "
+               f"{info['out']} (tune/trials.csv, tune/best_recipe.yaml){edge}")

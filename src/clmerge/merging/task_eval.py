@@ -316,13 +316,17 @@ class EvalSpec:
             raise UsageError("--tasks and --data: give one (lm-evaluation-harness tasks, or your own file)")
         if self.num_fewshot is not None and not self.tasks:
             raise UsageError("--num-fewshot: only with --tasks (lm-evaluation-harness)")
+        if self.num_fewshot is not None and (not isinstance(self.num_fewshot, int) or self.num_fewshot < 0):
+            raise UsageError(f"--num-fewshot: expected a whole number >= 0, got {self.num_fewshot!r}")
+        if not isinstance(self.metric, (str, type(None))) or not isinstance(self.delimiter, str):
+            raise UsageError(f"metric, delimiter: expected strings, got {self.metric!r}, {self.delimiter!r}")
+        self.perplexity_options().check()  # the positive integers: max_length, stride, batch_size, max_samples
         kind = self.kind
         if kind == "perplexity":
             from .lm_eval import read_texts
 
             if self.metric not in (None, "perplexity"):
                 raise UsageError(f"--metric {self.metric}: a file of texts is scored by perplexity")
-            self.perplexity_options().check()
             read_texts(self.data, self.max_samples)
         elif kind == "lm_eval":
             require_extra("lm_eval", "lm-eval", what="lm-evaluation-harness tasks (--tasks)")

@@ -1,5 +1,5 @@
-"""A merge tuned on the user's data: search a recipe's free hyperparameters for the lowest held-out perplexity
-(``clmerge merge RECIPE --tune TUNE.yaml --out DIR``; docs/tuning.md).
+"""A merge tuned on the user's data: search a recipe's free hyperparameters for the lowest held-out perplexity,
+or the highest task accuracy (``clmerge merge RECIPE --tune TUNE.yaml --out DIR``; docs/tuning.md).
 
 ```yaml
 search: grid               # grid (no extra package) | optuna (TPE; pip install "clmerge[tune]")
@@ -11,7 +11,15 @@ space:                     # recipe paths -> [low, high] (a float range) or {val
   parameters.density: [0.1, 0.9]
   overrides[0].parameters.density[1]: [0.1, 0.9]   # one value of a per-layer gradient
 eval: {data: heldout.txt, max_length: 512, stride: 256, batch_size: 4, max_samples: 200}
+extend: 2                  # grid: steps past an edge of a range when the best value sits on it
 ```
+
+``eval:`` is what ``clmerge eval`` measures (:class:`.task_eval.EvalSpec`): texts (perplexity, minimised),
+multiple-choice or labelled examples (accuracy, maximised), or lm-evaluation-harness ``tasks``. When the
+grid's best value of a ``[low, high]`` range is its lowest or highest value, the search warns and tries
+points past that edge, one grid step at a time (:func:`clmerge.utils.grid_edge.past_edge`, the rule of a
+sweep's ``select:``), at most ``extend`` of them per range; a value the recipe refuses there (a density
+above 1) stops it with a warning.
 
 Each trial writes the recipe with its values, streams the merge into a temporary folder under ``DIR/tune``,
 scores it (:func:`.lm_eval.perplexity`) and removes it. ``DIR/tune/trials.csv`` gets one row per finished
@@ -39,8 +47,9 @@ from ..utils.inpaths import read_text
 from ..utils.io import atomic_write_text
 from ..utils.outpaths import check_output_dir
 from ..utils.yaml_io import load_yaml, read_yaml
-from .lm_eval import EvalOptions, load_causal_lm, perplexity, read_texts
+from ..utils.grid_edge import past_edge
 from .recipes import Recipe, recipe_of
+from .task_eval import EvalSpec, evaluate_folder
 
 __all__ = ["Dimension", "TuneSpec", "load_tune_spec", "run_trial", "set_path", "tune"]
 
@@ -68,12 +77,13 @@ class Dimension:
 @dataclass
 class TuneSpec:
     space: list[Dimension]
-    eval: EvalOptions
+    eval: EvalSpec
     search: str = "grid"
     points: int = 5
     trials: int = 20
     seed: int = 0
     source: str = "TUNE"
+    extend: int = 2
 
 
 def _parse_path(path: str, where: str) -> list[str | int]:
@@ -118,8 +128,9 @@ def _dimension(path: str, spec: Any, where: str) -> Dimension:
     return Dimension(path, low=float(spec[0]), high=float(spec[1]))
 
 
-_TOP_KEYS = {"search", "points", "trials", "seed", "space", "eval"}
-_EVAL_KEYS = {"data", "max_length", "stride", "batch_size", "max_samples"}
+_TOP_KEYS = {"search", "points", "trials", "seed", "space", "eval", "extend"}
+_EVAL_KEYS = {"data", "tasks", "metric", "max_length", "stride", "batch_size", "max_samples", "num_fewshot",
+              "delimiter"}
 
 
 def load_tune_spec(path: str | Path) -> TuneSpec:
@@ -140,23 +151,36 @@ def load_tune_spec(path: str | Path) -> TuneSpec:
     space, ev = data.get("space"), data.get("eval")
     if not isinstance(space, dict) or not space:
         raise UsageError(f"{where}: space: expected a mapping of recipe paths to ranges")
-    if not isinstance(ev, dict) or not isinstance(ev.get("data"), str):
-        raise UsageError(f"{where}: eval.data: expected the path of the held-out text file")
-    data_path = Path(ev["data"]) if Path(ev["data"]).is_absolute() else path.parent / ev["data"]
-    opts = EvalOptions(**{**ev, "data": str(data_path)}).check()
-    spec = TuneSpec(space=[_dimension(str(p), s, where) for p, s in space.items()], eval=opts,
+    spec = TuneSpec(space=[_dimension(str(p), s, where) for p, s in space.items()], eval=_eval_spec(ev, path),
                     search=data.get("search", "grid"), points=data.get("points", 5), trials=data.get("trials", 20),
-                    seed=data.get("seed", 0), source=where)
+                    seed=data.get("seed", 0), source=where, extend=data.get("extend", 2))
     return _check_spec(spec)
+
+
+def _eval_spec(ev: Any, path: Path) -> EvalSpec:
+    """The ``eval:`` block: ``data`` (read from the tune file's folder when relative) or ``tasks`` (a list or a
+    comma-separated string of lm-evaluation-harness tasks), and the options of ``clmerge eval``."""
+    has_data = isinstance(ev, dict) and isinstance(ev.get("data"), str)
+    tasks = ev.get("tasks") if isinstance(ev, dict) else None
+    tasks = [t.strip() for t in tasks.split(",") if t.strip()] if isinstance(tasks, str) else tasks
+    if not has_data and not (isinstance(tasks, list) and tasks and all(isinstance(t, str) for t in tasks)):
+        raise UsageError(f"{path}: eval.data: expected the path of the held-out file (texts, multiple-choice or "
+                         "labelled examples), or eval.tasks: lm-evaluation-harness tasks")
+    fields = {k: v for k, v in ev.items() if k not in ("data", "tasks")}
+    if has_data:
+        fields["data"] = str(Path(ev["data"]) if Path(ev["data"]).is_absolute() else path.parent / ev["data"])
+    spec = EvalSpec(tasks=tuple(tasks or ()), **fields)
+    spec.perplexity_options().check()  # its numbers (the data is read by tune(), before any merge)
+    return spec
 
 
 def _check_spec(spec: TuneSpec) -> TuneSpec:
     if spec.search not in ("grid", "optuna"):
         raise UsageError(f"{spec.source}: search: expected grid or optuna, got {spec.search!r}")
-    for name in ("points", "trials"):
+    for name, low in (("points", 1), ("trials", 1), ("extend", 0)):
         value = getattr(spec, name)
-        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_TRIALS:
-            raise UsageError(f"{spec.source}: {name}: expected an integer from 1 to {MAX_TRIALS}, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= MAX_TRIALS:
+            raise UsageError(f"{spec.source}: {name}: expected an integer from {low} to {MAX_TRIALS}, got {value!r}")
     if spec.search == "grid":
         n = 1
         for d in spec.space:
@@ -174,7 +198,7 @@ def recipe_with(recipe: Recipe, values: dict[str, Any], source: str = "space") -
     return recipe_of(data)
 
 
-def run_trial(recipe: Recipe, values: dict, opts: EvalOptions, workdir: str) -> dict:
+def run_trial(recipe: Recipe, values: dict, opts: EvalSpec, workdir: str) -> dict:
     """One trial (a top-level function, so a process pool or Ray can run it): merge into ``workdir``, score,
     remove ``workdir``. Returns the values, the metric and the wall time."""
     from .run import run_merge
@@ -183,11 +207,10 @@ def run_trial(recipe: Recipe, values: dict, opts: EvalOptions, workdir: str) -> 
     folder = Path(workdir)
     try:
         run_merge(recipe_with(recipe, values), folder, hash_inputs=False)
-        model, tok = load_causal_lm(folder, quiet=True)
-        res = perplexity(model, tok, read_texts(opts.data, opts.max_samples), opts, progress=False)
+        res = evaluate_folder(folder, opts, progress=False, quiet=True)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    return {"values": values, "metric": res["value"], "nll": res["nll"], "tokens": res["tokens"],
+    return {"values": values, "metric": res["value"], "name": res["metric"],
             "seconds": round(time.perf_counter() - start, 3)}
 
 
@@ -208,8 +231,8 @@ class _Table:
     """``DIR/tune/trials.csv``: one row per finished trial, rewritten atomically after each; read back on
     resume."""
 
-    def __init__(self, path: Path, space: list[Dimension]) -> None:
-        self.path, self.paths = path, [d.path for d in space]
+    def __init__(self, path: Path, space: list[Dimension], higher_is_better: bool = False) -> None:
+        self.path, self.paths, self.higher = path, [d.path for d in space], higher_is_better
         self.rows: list[dict] = self._read() if path.is_file() else []
 
     def _read(self) -> list[dict]:
@@ -236,7 +259,9 @@ class _Table:
         return {_key(r["values"]) for r in self.rows}
 
     def best(self) -> dict:
-        return min(self.rows, key=lambda r: r["metric"])
+        """The best row: the lowest metric (perplexity), or the highest (accuracy); a tie: the earlier."""
+        sign = -1 if self.higher else 1
+        return min(self.rows, key=lambda r: sign * r["metric"])
 
 
 def _run_points(points: list[dict], recipe: Recipe, spec: TuneSpec, table: _Table, executor: Any,
@@ -254,7 +279,7 @@ def _run_points(points: list[dict], recipe: Recipe, spec: TuneSpec, table: _Tabl
         row = {"trial": len(table.rows), "values": values, "metric": res["metric"], "seconds": res["seconds"]}
         table.add(row)
         out.append(row)
-        log(f"trial {row['trial']}: {values} perplexity {res['metric']:.4f} ({res['seconds']:.1f} s)")
+        log(f"trial {row['trial']}: {values} {res['name']} {res['metric']:.4f} ({res['seconds']:.1f} s)")
     return out
 
 
@@ -272,7 +297,8 @@ def _search_optuna(recipe: Recipe, spec: TuneSpec, table: _Table, executor: Any,
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     dists = {d.path: (optuna.distributions.CategoricalDistribution(list(d.values)) if d.values
                       else optuna.distributions.FloatDistribution(d.low, d.high)) for d in spec.space}
-    study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=spec.seed))
+    study = optuna.create_study(direction="maximize" if table.higher else "minimize",
+                                sampler=optuna.samplers.TPESampler(seed=spec.seed))
     for r in table.rows:
         study.add_trial(optuna.trial.create_trial(params=r["values"], distributions=dists, value=r["metric"]))
     while len(table.rows) < spec.trials:
@@ -320,17 +346,92 @@ def tune(recipe: Recipe, spec: TuneSpec, out: Path, *, executor: Any, jobs: int 
     for end in (0, -1):  # both ends of every range: bad paths, inputs or hyperparameters fail before any merge
         point = {d.path: (d.values[end] if d.values else (d.low, d.high)[end]) for d in spec.space}
         plan(recipe_with(recipe, point, f"{spec.source}: space"))
-    read_texts(spec.eval.data, spec.eval.max_samples)  # a bad held-out file fails before any merge
+    spec.eval.check()  # a bad held-out file or metric, a missing lm-eval: before any merge
     if spec.search == "optuna":
         require_extra("optuna", "tune", what="search: optuna")
     (out / "tune").mkdir(parents=True, exist_ok=True)
-    table = _Table(out / "tune" / "trials.csv", spec.space)
+    table = _Table(out / "tune" / "trials.csv", spec.space, spec.eval.higher_is_better)
     search = _search_grid if spec.search == "grid" else _search_optuna
     try:
         search(recipe, spec, table, executor, jobs, log)
+        if spec.search == "grid":
+            _extend_edges(recipe, spec, table, executor, jobs, log)
     finally:
         shutil.rmtree(out / "tune" / "trials", ignore_errors=True)
-    return _finish(recipe, table, out, log)
+    edges = _at_edges(spec, table, log)
+    return {**_finish(recipe, table, out, log), "at_edge": edges, "metric_name": _metric_name(spec.eval)}
+
+
+def _metric_name(ev: EvalSpec) -> str:
+    return "perplexity" if ev.kind == "perplexity" else f"lm_eval {ev.metric or 'acc'}" if ev.tasks \
+        else ev.metric or "acc"
+
+
+# --- the edges of the ranges: warn, and extend the grid past them (the rule of a sweep's select:) ---
+
+def _ranges(spec: TuneSpec) -> list[Dimension]:
+    return [d for d in spec.space if not d.values]
+
+
+def _refused(recipe: Recipe, point: dict, source: str) -> str | None:
+    """Why the recipe refuses ``point`` (a value past a range's edge), or None."""
+    from .run import plan
+
+    try:
+        plan(recipe_with(recipe, point, f"{source}: space"))
+    except (ValueError, KeyError, TypeError) as exc:
+        return str(exc).splitlines()[0][:160]
+    return None
+
+
+def _extend_edges(recipe: Recipe, spec: TuneSpec, table: _Table, executor: Any, jobs: int, log: Any) -> None:
+    """While the best point sits on an edge of a range, try one grid step past it (at most ``spec.extend``
+    values past the range per path; a rerun counts the ones already in the table). A value the recipe
+    refuses, or whose trial fails, stops that path with a warning."""
+    stopped: set[str] = set()
+    while True:
+        best, points = table.best(), []
+        for d in (d for d in _ranges(spec) if d.path not in stopped):
+            grid = d.grid(spec.points)
+            tried = sorted({float(r["values"][d.path]) for r in table.rows})
+            beyond = sum(v < d.low or v > d.high for v in tried)
+            value = float(best["values"][d.path])
+            nxt = past_edge(grid, tried, value, scale="linear") if beyond < spec.extend else None
+            if nxt is None or _key({**best["values"], d.path: nxt}) in table.done():
+                continue
+            point = {**best["values"], d.path: nxt}
+            why = _refused(recipe, point, spec.source)
+            if why is not None:
+                log(f"warning: best {d.path}={value:g} is at the edge of the values tried; {nxt:g} past it is "
+                    f"refused ({why})")
+                stopped.add(d.path)
+                continue
+            log(f"warning: best {d.path}={value:g} is at the edge of the values tried ({min(tried):g} to "
+                f"{max(tried):g}); extending the range: trying {nxt:g}")
+            points.append((d.path, nxt, point))
+        if not points:
+            return
+        for path, nxt, point in points:
+            try:
+                _run_points([point], recipe, spec, table, executor, jobs, log)
+            except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+                log(f"warning: {path}={nxt:g} past the edge failed ({str(exc).splitlines()[0][:160]}); not extended")
+                stopped.add(path)
+
+
+def _at_edges(spec: TuneSpec, table: _Table, log: Any) -> list[str]:
+    """The ranges whose best value is still the lowest or highest tried (a warning each: widen ``space:``)."""
+    best, out = table.best(), []
+    for d in _ranges(spec):
+        tried = [float(r["values"][d.path]) for r in table.rows]
+        value = float(best["values"][d.path])
+        tol = 0.0 if spec.search == "grid" else 0.02 * (d.high - d.low)  # TPE samples a continuum
+        if len(set(tried)) > 1 and (value <= min(tried) + tol or value >= max(tried) - tol):
+            out.append(d.path)
+            log(f"warning: best {d.path}={value:g} is at the edge of the values tried ({min(tried):g} to "
+                f"{max(tried):g}); the best may lie beyond: widen space.{d.path}"
+                + (" or raise extend:" if spec.search == "grid" else ""))
+    return out
 
 
 def _finish(recipe: Recipe, table: _Table, out: Path, log: Any) -> dict:

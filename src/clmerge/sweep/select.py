@@ -19,13 +19,13 @@ Phase 2 (:func:`phase2_cells`) is the grid's cells with each group's chosen valu
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
 from ..errors import RunStateError
+from ..utils.grid_edge import past_edge
 from ..utils.io import read_json
 from .grid import Cell, SweepSpec, cell_config, cell_name, expand_cells, linked
 from .select_spec import SelectSpec
@@ -105,29 +105,10 @@ def pick_best(scores: dict[Any, float], order: list[Any]) -> Any:
     return max(scores, key=lambda v: (scores[v], -v if numeric else -order.index(v)))
 
 
-def _rounded(x: float, tried: list[Any], whole: bool) -> float | int:
-    if whole and round(x) not in tried:
-        return int(round(x))
-    for digits in range(3):
-        y = float(f"{x:.{digits}e}")
-        if y not in tried:
-            return y
-    return x
-
-
 def next_value(sel: SelectSpec, tried: list[Any], best: Any) -> Any | None:
-    """The next value past the edge ``best`` sits at (module docstring), or None when it is interior."""
-    lo, hi = min(sel.values), max(sel.values)
-    step = (hi / lo) ** (1 / (len(sel.values) - 1))
-    if best == max(tried):
-        k = 1 + sum(v > hi for v in tried)
-        x = hi * step ** k
-    elif best == min(tried):
-        k = 1 + sum(v < lo for v in tried)
-        x = lo / step ** k
-    else:
-        return None
-    return _rounded(x, tried, all(isinstance(v, int) for v in sel.values)) if math.isfinite(x) else None
+    """The next value past the edge ``best`` sits at (module docstring; the rule is
+    :func:`clmerge.utils.grid_edge.past_edge`, shared with ``merge --tune``), or None when it is interior."""
+    return past_edge(sel.values, tried, best, scale="geometric")
 
 
 def _scores(out: Path, spec: SweepSpec, per: dict, values: list[Any]) -> dict[Any, dict]:

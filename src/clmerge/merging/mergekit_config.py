@@ -18,8 +18,8 @@ What is translated (mergekit's meaning, :mod:`mergekit.config` and its merge met
 - mergekit's per-model ``weight`` and global ``lambda`` / ``normalize`` become clmerge's ``scaling`` and
   ``merge_fn`` (task-vector methods) or ``weights`` (``linear``, ``nuslerp``, ``multislerp``).
 - ``dtype`` / ``out_dtype``: the output dtype is ``out_dtype``, else ``dtype``. clmerge computes in float32
-  (float64 for float64 inputs) and rounds once when writing; mergekit loads every input in ``dtype`` and
-  computes in it (docs/merge_methods.md, "bf16").
+  (float64 for float64 inputs) and rounds once when writing; mergekit casts every input to ``dtype`` and
+  computes its task-vector methods in it (docs/merge_methods.md, "bf16").
 - ``tokenizer_source`` / ``tokenizer.source``: ``base`` and ``union`` set ``embeddings``; a model sets
   ``tokenizer_from`` with ``embeddings: base``. ``chat_template``: the name of one of the inputs.
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
@@ -56,6 +57,8 @@ UNSUPPORTED = {
     "slices[].parameters": "per-slice parameters are not supported; give them at the top level or per source",
     "slices[].base_model": "a per-slice base model is not supported; give one base_model",
     "slices[].residual_weight": "residual_weight has no clmerge equivalent",
+    "base": "a mergekit config names its base in base_model (drop --base)",
+    "method": "a mergekit config names its method in merge_method (give one of the two formats)",
 }
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16", "half": "float16",
@@ -255,7 +258,7 @@ def _translate(data: dict) -> dict:
 def _model_ref(v: Any, where: str) -> str:
     if not isinstance(v, str) or not v:
         raise _Refused(where, f"expected a model path or hub id, got {v!r}")
-    if "+" in v:
+    if "+" in v and not Path(v).exists():  # mergekit reads "model+lora" as a model with a LoRA applied
         raise _Refused(where, f"{v!r}: a model with a LoRA applied (mergekit's 'model+lora') is not supported; "
                               "give the adapter folder itself as a model (read as base + delta W)")
     return v

@@ -101,12 +101,13 @@ METHODS: dict[str, tuple[dict, str]] = {
     "olora": ({"name": "olora"}, "lora"),
     "lae": ({"name": "lae"}, "adapter"),
     "fecam": ({"name": "fecam"}, "frozen"),
+    "cl_lora": ({"name": "cl_lora"}, "lora"),
 }
 # APER adapts its backbone in the first task only (its later tasks only add prototypes): its step is task 1's
 TIMED_TASK = {"aper": 0}
 CL_BASELINES = ["er", "der", "derpp", "slca", "aper", "ease", "mos", "simplecil", "ranpac", "lwf", "er_ace",
                 "xder", "icarl"]
-CL_BASELINES += ["olora", "lae", "fecam"]
+CL_BASELINES += ["olora", "lae", "fecam", "cl_lora"]
 # Task 1's end-of-task statistics are computed on fewer samples than the methods' defaults: they only set up
 # the state task 2 carries (its size and per-step cost do not depend on the sample count), and the default
 # whole-task Fisher passes would dominate the benchmark's runtime.

@@ -18,7 +18,7 @@ def test_a_dry_run_announces_itself_and_hints_at_the_time_left(tmp_path):
     lines: list[str] = []
     dry_run(parse_config(tiny_config()), workdir=tmp_path, echo=lines.append)
     first = next(i for i, ln in enumerate(lines) if ln.startswith("building vit-tiny-fmnist (random init)"))
-    assert "2 task(s) of 2 steps, an evaluation and a resume check" in lines[first]
+    assert lines[first].endswith("then 2 task(s) of 2 steps, an evaluation, a resume check")
     tasks = [ln for ln in lines if ln.startswith("task ")]
     assert len(tasks) == 2 and first < lines.index(tasks[0])
     assert re.search(r"\(about \d+s left: 1 more task\(s\), the evaluation, the resume check\)$", tasks[0])

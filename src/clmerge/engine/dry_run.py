@@ -153,9 +153,8 @@ def time_left(task_seconds: list[float], tasks_left: int) -> str:
 def _run_tasks(cfg: ExperimentConfig, out: Path, tasks: int, echo: Callable[[str], None]) -> dict:
     dp = distributed.setup(cfg.run.device)
     device = dp.device if dp is not None else resolve_device(cfg.run.device)
-    echo(f"building {cfg.model.name} (random init), the data and {cfg.method.name}; then {tasks} task(s) of "
-         f"{cfg.train.max_steps_per_epoch} steps, an evaluation and a resume check (each task's time and the "
-         "time left follow)")
+    echo(f"building {cfg.model.name} (random init) and {cfg.method.name}; then {tasks} task(s) of "
+         f"{cfg.train.max_steps_per_epoch} steps, an evaluation, a resume check")
     # with the configured head's statistics, as a run keeps them; the method's options fit to the sample (a
     # replay buffer holds at most its few images: the same draws, no allocation of the configured size)
     run = prepare_run(cfg, out, device, data_check="fit")

@@ -10,8 +10,9 @@ from conftest import tiny_config
 
 
 def test_time_left_counts_the_tasks_and_the_evaluation():
-    assert time_left([100.0], 1) == "about 200s left: 1 more task(s), the evaluation, the resume check"
-    assert time_left([10.0, 30.0], 0).startswith("about 20s left: 0 more task(s)")
+    assert time_left([100.0], 1) == "about 100s for 1 more task(s), then the evaluation and the resume check"
+    assert time_left([10.0, 30.0], 2).startswith("about 40s for 2 more task(s)")
+    assert time_left([10.0, 30.0], 0) == "next: the evaluation and the resume check"
 
 
 def test_a_dry_run_announces_itself_and_hints_at_the_time_left(tmp_path):
@@ -21,5 +22,5 @@ def test_a_dry_run_announces_itself_and_hints_at_the_time_left(tmp_path):
     assert lines[first].endswith("then 2 task(s) of 2 steps, an evaluation, a resume check")
     tasks = [ln for ln in lines if ln.startswith("task ")]
     assert len(tasks) == 2 and first < lines.index(tasks[0])
-    assert re.search(r"\(about \d+s left: 1 more task\(s\), the evaluation, the resume check\)$", tasks[0])
-    assert re.search(r"\(about \d+s left: 0 more task\(s\)", tasks[1])
+    assert re.search(r"\(about \d+s for 1 more task\(s\), then the evaluation and the resume check\)$", tasks[0])
+    assert tasks[1].endswith("(next: the evaluation and the resume check)")

@@ -113,11 +113,11 @@ REASONS = {
     "orcamini-platy-44layer.yml @float32": "layers copied in both",
     "ties.yml @float32": "refused by clmerge, as ties.yml",
     "ties.yml": "refused by clmerge: per-model weights and densities that differ between models",
-    "task_arithmetic": "float32: the same sums in another order",
+    "task_arithmetic": "float32: weight x lambda applied once here, in two steps there",
     "ties_gradient_filter": "float32 (a weight gradient, a density filter; densities whose counts are whole "
                             "numbers, where int and round agree)",
-    "dare_ties": "random masks (mergekit: torch.bernoulli; clmerge: seeded per key) and rescale (mergekit: L1 "
-                 "norm, clmerge: 1/(1-p)): equal only in distribution",
+    "dare_ties": "random masks (mergekit: torch.bernoulli; clmerge: seeded per key), and the rescale differs "
+                 "(mergekit: the tensor's L1 norm; clmerge: 1/(1-p)): not equal in distribution",
     "dare_linear": "random masks and rescale, as dare_ties",
     "breadcrumbs": "float32 (gamma 0.0625 and density 0.5: whole-number counts, where int and round agree)",
     "breadcrumbs_ties": "float32, as breadcrumbs",
@@ -130,7 +130,7 @@ REASONS = {
     "karcher_base": "base as a fourth point of the mean in both (include_base: true); float64 vs float32",
     "karcher": "float64 vs float32",
     "model_stock": "float64 vs float32",
-    "sce": "counts int vs round in the Select step",
+    "sce": "float32 (select_topk 0.5 of even-sized tensors: int and round counts agree)",
     "nearswap": "float32, another order of operations",
     "passthrough_models": "copied in both",
     "linear_bf16": "bf16 inputs: mergekit 0.1.5's linear computes in float32 and rounds once, as clmerge",

@@ -1,5 +1,7 @@
 """``clmerge eval MODEL --data FILE``: perplexity of a causal LM on a local text or JSONL file
-(:mod:`clmerge.merging.lm_eval`), and the ``--tune`` part of ``clmerge merge`` (:mod:`clmerge.merging.tune`).
+(:mod:`clmerge.merging.lm_eval`), accuracy on multiple-choice or labelled examples, or ``--tasks`` of
+lm-evaluation-harness (:mod:`clmerge.merging.task_eval`); and the ``--tune`` part of ``clmerge merge``
+(:mod:`clmerge.merging.tune`).
 
 Results are printed as JSON and, with ``--json PATH``, written there (atomically). A progress bar on a
 terminal; piped, one plain line every 50 batches and at the end (:mod:`clmerge.utils.progress`).
@@ -48,7 +50,8 @@ def eval_command(
     plugin: list[str] = typer.Option([], "--plugin", help=PLUGIN_HELP + "; a run directory's recorded plugins "
                                      "are imported without it"),
 ) -> None:
-    """Perplexity of a causal LM on held-out text, or accuracy of a continual run's model on a dataset."""
+    """Perplexity of a causal LM on held-out text, its accuracy on multiple-choice or labelled examples or on
+    lm-evaluation-harness tasks, or accuracy of a continual run's model on a dataset (docs/tuning.md)."""
     load_plugins(plugin)  # a run directory's own recorded plugins: engine.export.load_run_model
     try:
         if json_out is not None:

@@ -1381,3 +1381,25 @@ STUDY_THREADS_CASES = [
 def test_study_refuses_a_thread_count_beyond_the_machine(ws, name, args, code, needles):
     before = _snapshot(ws)
     _check(CliRunner().invoke(app, args), code, needles, before, ws)
+
+
+# -- mergekit configs read as they are: a key or value clmerge does not support is refused by name (exit 2) --
+_MK = {"base_model": "base.safetensors", "models": [{"model": m, "parameters": {"weight": 1.0}}
+                                                    for m in ("e1.safetensors", "e2.safetensors")]}
+MERGEKIT_CASES = [
+    ("mergekit-method-without-equivalent", {**_MK, "merge_method": "ram"}, ["mk.yml", "merge_method: ram"]),
+    ("mergekit-modules", {**_MK, "merge_method": "ties", "modules": {}}, ["mk.yml", "modules"]),
+    ("mergekit-per-model-density", {**_MK, "merge_method": "ties", "models": [
+        {"model": "e1.safetensors", "parameters": {"weight": 1, "density": 0.3}},
+        {"model": "e2.safetensors", "parameters": {"weight": 1, "density": 0.5}}]},
+     ["mk.yml", "models[1].parameters.density", "same value"]),
+    ("mergekit-literal-chat-template", {**_MK, "merge_method": "ties", "chat_template": "chatml"},
+     ["mk.yml", "chat_template"]),
+]
+
+
+@pytest.mark.parametrize("config, words", [c[1:] for c in MERGEKIT_CASES], ids=[c[0] for c in MERGEKIT_CASES])
+def test_mergekit_config_refusal_is_one_line_and_leaves_nothing(ws, config, words):
+    (ws / "mk.yml").write_text(yaml.safe_dump(config))
+    before = _snapshot(ws)
+    _check(CliRunner().invoke(app, ["merge", "mk.yml", "--out", "m"]), USAGE, words, before, ws)

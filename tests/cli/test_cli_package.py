@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "src" / "clmerge"
-GROUPS = {"base", "run", "sweep", "results", "pretrain", "merge", "eval", "bench", "study"}
+GROUPS = {"base", "run", "sweep", "results", "pretrain", "merge", "verify", "eval", "bench", "study"}
 
 
 def _imported_modules(path: Path) -> set[str]:

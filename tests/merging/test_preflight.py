@@ -85,7 +85,7 @@ def test_missing_keys_are_listed_grouped_by_layer(zoo):
     res = merge(zoo, "no_norm")
     out = " ".join(res.output.split())
     assert res.exit_code == 3
-    assert "lacks 2 key(s) that the base" in out and "model.layers.{0, 1}.post_attention_layernorm.weight" in out
+    assert "is missing 2 key(s) that the base" in out and "model.layers.{0, 1}.post_attention_layernorm.weight" in out
 
 
 def test_every_expert_is_named_not_only_the_first_mismatch(zoo):

@@ -141,9 +141,9 @@ def preflight(sources: Sequence[Any], labels: Sequence[str], *, embeddings: str 
         missing = [k for k in ref_keys if k not in keys]
         extra = [k for k in src.keys() if k not in set(ref_keys)]
         if missing:
-            problems.append(f"{label} lacks {len(missing)} key(s) that {ref_label} has: {_grouped(missing)}")
+            problems.append(f"{label} is missing {len(missing)} key(s) that {ref_label} has: {_grouped(missing)}")
         if extra:
-            problems.append(f"{label} has {len(extra)} key(s) that {ref_label} lacks: {_grouped(extra)}")
+            problems.append(f"{ref_label} is missing {len(extra)} key(s) that {label} has: {_grouped(extra)}")
         shapes = [k for k in ref_keys if k in keys and tuple(src.meta(k)[0]) != tuple(ref.meta(k)[0])
                   and not (embeddings is not None and k in emb)]  # rows matched by token: counts may differ
         if shapes:

@@ -38,6 +38,7 @@ from torch import nn
 
 from ..adapters.bottleneck import adapter_bank, adapter_sets, attach_adapters, only_adapters
 from .base import ContinualMethod, MethodOptions, grid_rate, register_method
+from ..utils.progress import phase
 
 __all__ = ["EASE", "EASEOptions", "EaseClassifier", "prototype_complement", "subspace_weights"]
 
@@ -145,7 +146,7 @@ def _class_means(backbone: nn.Module, data, names: list[str], lo: int, hi: int, 
     backbone.eval()
     sums, counts = None, torch.zeros(hi - lo)
     with only_adapters(backbone, names):
-        for x, y in data.batches(batch_size):
+        for x, y in phase(data.batches(batch_size), "ease: prototypes", total=data.num_batches(batch_size)):
             f = backbone(x.to(device)).double().cpu()
             sums = torch.zeros(hi - lo, f.shape[1], dtype=torch.float64) if sums is None else sums
             sums.index_add_(0, y.cpu() - lo, f)

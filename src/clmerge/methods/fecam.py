@@ -46,6 +46,7 @@ from ..models.classifier import ContinualClassifier
 from .base import register_method
 from .first_session import PETLOptions, attach_petl
 from .frozen_backbone import FirstSessionMethod
+from ..utils.progress import phase
 
 __all__ = ["FeCAM", "FeCAMHead", "FeCAMOptions", "shrink_covariance", "normalize_covariance", "tukey",
            "mahalanobis_sq"]
@@ -149,7 +150,7 @@ def _features(model: ContinualClassifier, data, *, batch_size: int, device) -> t
     model.eval()
     fs, ys = [], []
     try:
-        for x, y in data.batches(batch_size):
+        for x, y in phase(data.batches(batch_size), "fecam: features", total=data.num_batches(batch_size)):
             fs.append(model.forward_features(x.to(device)).double().cpu())
             ys.append(y)
     finally:

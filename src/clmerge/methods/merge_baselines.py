@@ -41,6 +41,7 @@ from ..adapters import lora_layers
 from ..params import diagonal_fisher
 from .base import grid_rate, register_method
 from .seq_lora import LoRAMethodOptions, SeqLoRA
+from ..utils.progress import phase
 
 __all__ = ["MergeBaselineOptions", "LoRAAverage", "LoRADare", "CoMA", "CoFiMA", "average_step", "dare_step",
            "coma_step", "cofima_step"]
@@ -188,8 +189,9 @@ class CoFiMA(_LoRAMergeBaseline):
         names = [f"backbone.{n}.base_layer.weight" for n in layers]  # dL/dW_base = dL/dW_eff (W is linear)
         lo, hi = task.class_range
         local = ctx.head_loss == "local"
-        batches = ((x.to(ctx.device), (y - lo if local else y).to(ctx.device))
-                   for x, y in task.train.batches(o.fisher_batch, shuffle=False))
+        batches = phase(((x.to(ctx.device), (y - lo if local else y).to(ctx.device))
+                         for x, y in task.train.batches(o.fisher_batch, shuffle=False)),
+                        f"{self.name}: Fisher of task {task.index + 1}", total=task.train.num_batches(o.fisher_batch))
         logits_fn = (lambda m, x: m(x)[:, lo:hi]) if local else (lambda m, x: m(x)[:, :hi])
         fisher = diagonal_fisher(self.model, names, batches, max_samples=o.fisher_samples, logits_fn=logits_fn)
         out = {n[len("backbone."):-len(".base_layer.weight")]: f.float().cpu() for n, f in fisher.items()}

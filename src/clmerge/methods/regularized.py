@@ -15,6 +15,7 @@ from pydantic import Field
 from ..models.losses import task_logits
 from ..params import diagonal_fisher
 from .base import ContinualMethod, MethodOptions, grid_rate, register_method
+from ..utils.progress import phase
 
 __all__ = ["EWC", "L2", "EWCOptions", "L2Options"]
 
@@ -85,7 +86,8 @@ class EWC(_Anchored):
         o = self.options
         batches = task.train.batches(o.fisher_batch, shuffle=True, generator=ctx.generator)
         lo = task.offset
-        batches = ((x.to(ctx.device), y.to(ctx.device) - lo) for x, y in batches)
+        batches = phase(((x.to(ctx.device), y.to(ctx.device) - lo) for x, y in batches),
+                        f"ewc: Fisher of task {task.index + 1}", total=task.train.num_batches(o.fisher_batch))
         fisher = diagonal_fisher(self.model, self.names, batches, max_samples=o.fisher_samples,
                                  logits_fn=lambda m, x: task_logits(m(x), task))
         for n, f in fisher.items():

@@ -116,10 +116,11 @@ def test_transformers_answer_is_cached_per_config_and_tensor_names_shapes_and_dt
     def no_load(*args, **kwargs):
         raise AssertionError("transformers was asked again for an answer the cache holds")
 
+    real_load = verify_mod._load
     monkeypatch.setattr(verify_mod, "_load", no_load)
     again = verify_folder(damaged(zoo / "qwen", tmp_path / "b", **drop))  # same names, shapes, dtypes, config
     assert again.problems == first.problems
-    monkeypatch.undo()
+    monkeypatch.setattr(verify_mod, "_load", real_load)
     assert verify_folder(zoo / "qwen").checks["transformers reload"] == "passed"  # other tensors: loaded anew
     assert verify_folder(zoo / "qwen").checks["transformers reload"] == "passed (cached loading info)"
 
@@ -272,17 +273,32 @@ def test_a_merge_records_its_verification_in_the_model_card(zoo, tmp_path):
     assert "verification passed" in res.output
 
 
-def test_a_merge_whose_output_fails_verification_is_not_moved_into_place(zoo, tmp_path):
-    # every input lacks q_norm / k_norm: they agree with each other (pre-flight passes), the output is broken
-    drop = dict(tensors=lambda sd: {k: v for k, v in sd.items() if "_norm" not in k or "layernorm" in k})
+def test_a_merge_whose_output_fails_verification_is_not_moved_into_place(zoo, tmp_path, monkeypatch):
+    from clmerge.merging.io import output
+
+    assert (zoo / "qwen" / "chat_template.jinja").exists()
+    # a writer bug: the chat template is no longer copied
+    monkeypatch.setattr(output, "TOKENIZER_FILES", [n for n in output.TOKENIZER_FILES if n != "chat_template.jinja"])
+    out = tmp_path / "m"
+    res = merge("--method", "weight_average", "--base", zoo / "qwen", "--expert", zoo / "qwen_ft", "--out", out)
+    assert res.exit_code == 3, res.output
+    assert "verification failed" in res.output and "chat template" in res.output and "was dropped" in res.output
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".m.")]  # no staging folder left
+
+
+def test_what_the_base_itself_reports_is_a_note_not_a_failure(zoo, tmp_path):
+    # every input lacks q_norm / k_norm: the merge reproduces its base, it does not lose them
+    drop = dict(tensors=lambda sd: {k: v for k, v in sd.items() if "q_norm" not in k and "k_norm" not in k})
     base = damaged(zoo / "qwen", tmp_path / "b", **drop)
     ft = damaged(zoo / "qwen_ft", tmp_path / "f", **drop)
     out = tmp_path / "m"
     res = merge("--method", "weight_average", "--base", base, "--expert", ft, "--out", out)
-    assert res.exit_code == 3, res.output
-    assert "verification failed" in res.output and "q_norm" in res.output
-    assert not out.exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".m.")]  # no staging folder left
+    assert res.exit_code == 0, res.output
+    card = (out / "README.md").read_text()
+    assert "missing key(s) in the reference too (not introduced here)" in card and "q_norm" in card
+    assert not verify_folder(out).ok  # alone, without the base, the folder still fails
+    assert verify_folder(out, against=base).ok
 
 
 def test_an_adapter_merge_is_verified(tmp_path):

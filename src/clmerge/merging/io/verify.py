@@ -116,7 +116,8 @@ class Verification:
         states = list(self.checks.values())
         skipped = sum(s.startswith("skipped") for s in states)
         verdict = "passed" if self.ok else f"FAILED ({len(self.problems)} problems)"
-        return (f"verification {verdict}: {states.count('passed')} checks passed, {states.count('failed')} failed, "
+        passed = sum(s.startswith("passed") for s in states)
+        return (f"verification {verdict}: {passed} checks passed, {states.count('failed')} failed, "
                 f"{skipped} skipped ({self.seconds:.2f} s)")
 
     def to_dict(self) -> dict:
@@ -375,16 +376,51 @@ def _load(folder: Path, config: dict, v: Verification, check: str) -> _Loaded | 
                    {k: str(t.dtype).removeprefix("torch.") for k, t in model.state_dict().items()})
 
 
-def _reload(folder: Path, config: dict, meta: dict[str, tuple], v: Verification) -> _Loaded | None:
-    """transformers' loading info (cached: :func:`_cache_file`); records the reload check. ``None`` when the
-    check was skipped or the load failed."""
-    check = "transformers reload"
+def _loading_info(folder: Path, config: dict, meta: dict[str, tuple], v: Verification,
+                  check: str) -> _Loaded | None:
     loaded = _cached(config, meta)
     if loaded is None:
         loaded = _load(folder, config, v, check)
-        if loaded is None:
-            return None
-        _store(loaded, config, meta)
+        if loaded is not None:
+            _store(loaded, config, meta)
+    return loaded
+
+
+def _inherited(loaded: _Loaded, ref: _Loaded, v: Verification) -> None:
+    """Move what the reference model reports too (a base that transformers itself loads with missing or
+    unexpected keys) from ``loaded`` into a note: the merge did not introduce it."""
+    same = {"missing": set(loaded.missing) & set(ref.missing), "unexpected": set(loaded.unexpected) & set(ref.unexpected)}
+    ref_mismatched = {k: (a, b) for k, a, b in ref.mismatched}
+    same_mm = [m for m in loaded.mismatched if ref_mismatched.get(m[0]) == (m[1], m[2])]
+    for what, keys in same.items():
+        if keys:
+            v.notes.append(f"transformers reports {len(keys)} {what} key(s) in the reference too (not introduced "
+                           f"here): {_grouped(keys)}")
+    if same_mm:
+        v.notes.append(f"transformers reports {len(same_mm)} tensor(s) of another shape than the config implies in "
+                       f"the reference too: {_shown(m[0] for m in same_mm)}")
+    loaded.missing = [k for k in loaded.missing if k not in same["missing"]]
+    loaded.unexpected = [k for k in loaded.unexpected if k not in same["unexpected"]]
+    loaded.mismatched = [m for m in loaded.mismatched if m not in same_mm]
+
+
+def _reload(folder: Path, config: dict, meta: dict[str, tuple], v: Verification,
+            reference: tuple[Path, dict, dict] | None = None) -> _Loaded | None:
+    """transformers' loading info (cached: :func:`_cache_file`); records the reload check. ``None`` when the
+    check was skipped or the load failed. ``reference``: ``(folder, config, tensors)`` of the reference model,
+    whose own missing / unexpected / mismatched keys are notes here, not problems."""
+    import dataclasses
+
+    check = "transformers reload"
+    loaded = _loading_info(folder, config, meta, v, check)
+    if loaded is None:
+        return None
+    if reference is not None:
+        scratch = Verification(str(reference[0]))
+        ref = _loading_info(*reference, scratch, check)
+        if ref is not None and (ref.missing or ref.unexpected or ref.mismatched):
+            loaded = dataclasses.replace(loaded)
+            _inherited(loaded, ref, v)
     name = loaded.name
     if loaded.missing:
         v.fail(check, f"{len(loaded.missing)} tensor(s) that {name} expects from this config are missing, so "
@@ -693,14 +729,17 @@ def verify_model_folder(folder: str | Path, *, reference: Any = None,
         v.seconds = time.perf_counter() - t0
         return v
     v.passed("weights")
-    ref_meta = None
+    ref_meta = ref_model = None
     if reference is not None:
         ref_src = reference if _is_source(reference) else _open(Path(reference))
         ref_meta = {k: ref_src.meta(k) for k in ref_src.keys()}
         lost = sorted(set(ref_meta) - set(meta))
         if lost:
             v.notes.append(f"{len(lost)} key(s) of the reference are not here: {_grouped(lost)}")
-    model = _reload(folder, config, meta, v) if config else None
+        ref_config = _json(Path(ref_folder), "config.json") if ref_folder is not None else None
+        if isinstance(ref_config, dict):
+            ref_model = (Path(ref_folder), ref_config, ref_meta)
+    model = _reload(folder, config, meta, v, ref_model) if config else None
     if not config:
         v.skipped("transformers reload", "no config.json")
         v.skipped("dtypes", "no config.json")

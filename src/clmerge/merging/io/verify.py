@@ -415,7 +415,7 @@ def _reload(folder: Path, config: dict, meta: dict[str, tuple], v: Verification,
     loaded = _loading_info(folder, config, meta, v, check)
     if loaded is None:
         return None
-    if reference is not None:
+    if reference is not None and (loaded.missing or loaded.unexpected or loaded.mismatched):  # only then asked
         scratch = Verification(str(reference[0]))
         ref = _loading_info(*reference, scratch, check)
         if ref is not None and (ref.missing or ref.unexpected or ref.mismatched):

@@ -129,3 +129,14 @@ def test_a_slice_recipe_names_another_architecture_but_stacks_models_of_other_de
     assert res.exit_code == 3 and f"model {zoo / 'bert'} is a bert" in out and "model type differs" in out
     res = _slices(zoo, tmp_path, "deep")  # 3 layers beside 2: a frankenmerge, not a mismatch
     assert res.exit_code == 0, res.output
+
+
+def test_an_moe_expert_of_another_architecture_is_named_as_such(zoo, tmp_path):
+    import yaml
+
+    recipe = tmp_path / "moe.yaml"
+    recipe.write_text(yaml.safe_dump({"base_model": str(zoo / "base"), "gate_mode": "random",
+                                      "experts": [{"source_model": str(zoo / "ft")}, {"source_model": str(zoo / "bert")}]}))
+    res = CliRunner().invoke(app, ["moe", str(recipe), "--out", str(tmp_path / "moe"), "--no-hash-inputs"])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 3 and f"experts[1] ({zoo / 'bert'}) is a bert" in out and "is a llama" in out

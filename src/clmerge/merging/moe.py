@@ -60,6 +60,7 @@ from ..utils.dtypes import DtypeName, to_dtype
 from ..utils.yaml_io import read_yaml_mapping
 from .io.base import MergeInputError
 from .io.output import FolderJob, OutputFolder, model_files
+from .preflight import check_architectures
 from .io.readers import open_checkpoint
 from .io.staging import staged_model
 from .io.writer import parse_size
@@ -181,7 +182,12 @@ def _open_inputs(recipe: MoeRecipe) -> tuple[Any, list[Any], list[Any], dict]:
     for group, items in (("experts", recipe.experts), ("shared_experts", recipe.shared_experts)):
         for i, e in enumerate(items):
             opened[group].append(_open(e.source_model, f"{group}[{i}].source_model"))
-            _check_expert(f"{group}[{i}]", opened[group][-1], base, layers)
+    every = [(f"{group}[{i}] ({src.name})", src) for group, srcs in opened.items() for i, src in enumerate(srcs)]
+    # headers and configs only: another architecture is named as such before any key is compared
+    check_architectures([base, *(s for _, s in every)], [f"base_model ({base.name})", *(label for label, _ in every)])
+    for group, srcs in opened.items():
+        for i, src in enumerate(srcs):
+            _check_expert(f"{group}[{i}]", src, base, layers)
     return base, opened["experts"], opened["shared_experts"], config
 
 

@@ -2,13 +2,13 @@
 
 Models: the llm_scale set (``llm_models.py``: TinyLlama-1.1B widths, bf16, sharded, base + 3 variants), made
 under ``--data`` with ``--layers`` decoder layers (8: the 478M set; 22: the 1.1B set). Each run is one child
-process (``python -m clmerge merge --method task_arithmetic ...``: start-up, merge, verification, move into
-place); "off" runs the same command with ``OutputFolder.verify`` and the warm-up replaced by no-ops (what a
+process (``python -c`` running clmerge's command line ``merge --method task_arithmetic ...``: start-up, merge,
+verification, move into place); "off" runs the same command with ``OutputFolder.verify`` and the warm-up replaced by no-ops (what a
 merge cost before the verifier); "on_cold" verifies with an empty cache (transformers imported in the
 background and asked for its loading info: the first merge of such inputs on a machine); "on_warm" with
 transformers' answer for these tensors cached by an earlier merge (a re-merge of the same models with other
-weights or another method: nothing of transformers is imported). Runs alternate on / off so a change of the machine's load hits both. The
-page cache is warmed before each run (every input read once). Recorded per run: wall seconds, CPU seconds of
+weights or another method: nothing of transformers is imported). The order of the modes rotates, so a change
+of the machine's load hits each. The page cache is warmed before each run (every input read once). Recorded per run: wall seconds, CPU seconds of
 the child (user + system), the in-process verification seconds (its log line) and the load average before.
 
 ```bash

@@ -136,7 +136,8 @@ def test_an_moe_expert_of_another_architecture_is_named_as_such(zoo, tmp_path):
 
     recipe = tmp_path / "moe.yaml"
     recipe.write_text(yaml.safe_dump({"base_model": str(zoo / "base"), "gate_mode": "random",
-                                      "experts": [{"source_model": str(zoo / "ft")}, {"source_model": str(zoo / "bert")}]}))
+                                      "experts": [{"source_model": str(zoo / "ft")},
+                                                  {"source_model": str(zoo / "bert")}]}))
     res = CliRunner().invoke(app, ["moe", str(recipe), "--out", str(tmp_path / "moe"), "--no-hash-inputs"])
     out = " ".join(res.output.split())
     assert res.exit_code == 3 and f"experts[1] ({zoo / 'bert'}) is a bert" in out and "is a llama" in out

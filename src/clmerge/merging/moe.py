@@ -184,7 +184,8 @@ def _open_inputs(recipe: MoeRecipe) -> tuple[Any, list[Any], list[Any], dict]:
             opened[group].append(_open(e.source_model, f"{group}[{i}].source_model"))
     every = [(f"{group}[{i}] ({src.name})", src) for group, srcs in opened.items() for i, src in enumerate(srcs)]
     # headers and configs only: another architecture is named as such before any key is compared
-    check_architectures([base, *(s for _, s in every)], [f"base_model ({base.name})", *(label for label, _ in every)])
+    check_architectures([base, *(s for _, s in every)],
+                        [f"base_model ({base.name})", *(label for label, _ in every)])
     for group, srcs in opened.items():
         for i, src in enumerate(srcs):
             _check_expert(f"{group}[{i}]", src, base, layers)

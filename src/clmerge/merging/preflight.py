@@ -74,7 +74,8 @@ def _grouped(keys: Sequence[str]) -> str:
 
 def _fail(problems: list[str], what: str) -> None:
     if problems:
-        raise MergeInputError(f"pre-flight (headers and config.json only, nothing merged): {what}: " + "; ".join(problems))
+        raise MergeInputError(f"pre-flight (headers and config.json only, nothing merged): {what}: "
+                              + "; ".join(problems))
 
 
 def check_architectures(sources: Sequence[Any], labels: Sequence[str], *, fields: Sequence[str] | None = None,

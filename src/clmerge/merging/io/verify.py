@@ -389,7 +389,8 @@ def _loading_info(folder: Path, config: dict, meta: dict[str, tuple], v: Verific
 def _inherited(loaded: _Loaded, ref: _Loaded, v: Verification) -> None:
     """Move what the reference model reports too (a base that transformers itself loads with missing or
     unexpected keys) from ``loaded`` into a note: the merge did not introduce it."""
-    same = {"missing": set(loaded.missing) & set(ref.missing), "unexpected": set(loaded.unexpected) & set(ref.unexpected)}
+    same = {"missing": set(loaded.missing) & set(ref.missing),
+            "unexpected": set(loaded.unexpected) & set(ref.unexpected)}
     ref_mismatched = {k: (a, b) for k, a, b in ref.mismatched}
     same_mm = [m for m in loaded.mismatched if ref_mismatched.get(m[0]) == (m[1], m[2])]
     for what, keys in same.items():
@@ -821,7 +822,8 @@ def verify_adapter_folder(folder: str | Path, *, base: Any = None, finite_checke
     saved = config.get("modules_to_save") or []
     stray = [k for k in other if not any(f".{s}." in f".{k}" for s in saved)]
     if stray:
-        v.fail("adapter config", f"{len(stray)} tensor(s) are neither LoRA factors nor modules_to_save: {_shown(stray)}")
+        v.fail("adapter config", f"{len(stray)} tensor(s) are neither LoRA factors nor modules_to_save: "
+                                 f"{_shown(stray)}")
     r0 = config.get("r") if isinstance(config.get("r"), int) else None
     bad_rank, unpaired = [], []
     for module, parts in modules.items():

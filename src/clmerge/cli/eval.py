@@ -59,7 +59,10 @@ def eval_command(
         if (model / "config.yaml").is_file():
             if data is None:
                 raise UsageError("--data: a run directory is measured on a dataset (clmerge datasets)")
-            res = _accuracy(model, data, data_option, batch_size)
+            from ..utils.progress import progress_enabled
+
+            with progress_enabled(progress):  # the evaluation's progress lines (--no-progress: none)
+                res = _accuracy(model, data, data_option, batch_size)
         else:
             res = _folder(model, data, tasks, metric, num_fewshot, max_length, stride, batch_size, max_samples,
                           progress)

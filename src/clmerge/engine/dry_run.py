@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ..adapters.structure import model_structure
 from ..utils import inpaths
+from ..utils.progress import progress_enabled
 from ..config import ExperimentConfig
 from ..data.lookalike import LookalikeSpec, lookalike_class_count
 from ..data.lookalike import write_lookalike as write_dataset_lookalike
@@ -225,7 +226,8 @@ def dry_run(cfg: ExperimentConfig, *, tasks: int = 2, steps: int = 2, batch_size
             echo(f"look-alike data: {described}")
         out = base / "run"
         out.mkdir(parents=True, exist_ok=True)
-        summary = _run_tasks(dcfg, out, max(1, tasks), echo)
+        with progress_enabled(cfg.run.progress):  # the long phases follow the config's run.progress
+            summary = _run_tasks(dcfg, out, max(1, tasks), echo)
     summary["seconds"] = round(time.time() - t0, 2)
     summary["method"], summary["dataset"] = cfg.method.name, cfg.scenario.dataset
     summary["processes"] = dp.world if dp is not None else 1

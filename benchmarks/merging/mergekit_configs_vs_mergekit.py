@@ -58,6 +58,8 @@ EXTRA = {
     "della": "merge_method: della\nbase_model: base\n" + _W3 + "parameters: {epsilon: 0.1}\ndtype: float32\n",
     "della_linear": "merge_method: della_linear\nbase_model: base\n" + _W3 + "parameters: {epsilon: 0.1}\n"
                     "dtype: float32\n",
+    "dare_linear_one": "merge_method: dare_linear\nbase_model: base\nmodels:\n  - model: a\n"
+                       "    parameters: {weight: 1.0, density: 0.5}\ndtype: float32\n",
     "della_linear_one": "merge_method: della_linear\nbase_model: base\nmodels:\n  - model: a\n"
                         "    parameters: {weight: 1.0, density: 0.5}\nparameters: {epsilon: 0.15}\ndtype: float32\n",
     "slerp_models": "merge_method: slerp\nbase_model: a\nmodels:\n  - model: a\n  - model: b\n"
@@ -87,12 +89,14 @@ CLMERGE_DEFAULTS = {
     "karcher_base, include_base: false": ("karcher_base", {"parameters": {"include_base": False}}),
     "gradient-slerp.yml @float32, outer_tensors: base": ("gradient-slerp.yml @float32", {"outer_tensors": "base"}),
     "della, window/rescale: paper": ("della", {"parameters": {"window": "paper", "rescale": "paper"}}),
+    "dare_linear_one, rescale_rule: paper": ("dare_linear_one", {"parameters": {"rescale_rule": "paper"}}),
     "della_linear_one, window/rescale: paper": ("della_linear_one",
                                                 {"parameters": {"window": "paper", "rescale": "paper"}}),
 }
 
 #: random merges of one expert whose expected output per magnitude decile is measured (:func:`profile`)
-PROFILED = {"della_linear_one", "della_linear_one, window/rescale: paper"}
+PROFILED = {"della_linear_one", "della_linear_one, window/rescale: paper", "dare_linear_one",
+            "dare_linear_one, rescale_rule: paper"}
 
 #: why a config's outputs differ (or are identical), by config
 REASONS = {
@@ -116,9 +120,11 @@ REASONS = {
     "task_arithmetic": "float32: weight x lambda applied once here, in two steps there",
     "ties_gradient_filter": "float32 (a weight gradient, a density filter; densities whose counts are whole "
                             "numbers, where int and round agree)",
-    "dare_ties": "random masks (mergekit: torch.bernoulli; clmerge: seeded per key), and the rescale differs "
-                 "(mergekit: the tensor's L1 norm; clmerge: 1/(1-p)): not equal in distribution",
-    "dare_linear": "random masks and rescale, as dare_ties",
+    "dare_ties": "random masks (mergekit: torch.bernoulli; clmerge: seeded per key); the same L1 rescale "
+                 "(rescale_rule: l1)",
+    "dare_linear": "random masks, as dare_ties",
+    "dare_linear_one": "one expert, random masks, L1 rescale in both (rescale_rule: l1)",
+    "dare_linear_one, rescale_rule: paper": "clmerge's default: each kept entry divided by 1 - p",
     "breadcrumbs": "float32 (gamma 0.0625 and density 0.5: whole-number counts, where int and round agree)",
     "breadcrumbs_ties": "float32, as breadcrumbs",
     "della": "random masks: the same drop probabilities and L1 rescale (window: mergekit, rescale: l1), other "

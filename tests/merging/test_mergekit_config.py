@@ -150,6 +150,7 @@ def test_mergekit_meanings_of_weight_lambda_normalize_density():
     dare = recipe_of({"merge_method": "dare_ties", "base_model": "B", "models": w})
     assert dare.method == "dare" and dare.parameters["combine"] == "ties"
     assert dare.parameters["drop_rate"] == pytest.approx(0.6) and dare.parameters["merge_fn"] == "sum"
+    assert dare.parameters["rescale_rule"] == "l1"  # mergekit's rescale: true
     lin = recipe_of({"merge_method": "dare_linear", "base_model": "B", "models": w,
                      "parameters": {"normalize": True, "lambda": 3.0}})
     assert lin.parameters["scaling"] == pytest.approx(1.5)  # lambda / T: the normalised mean of 2 task vectors
@@ -300,6 +301,23 @@ def test_della_l1_rescale_keeps_the_l1_norm_and_favours_large_magnitudes():
     small, large = order[:40], order[-40:]
     assert float(ratio["l1"][small].mean()) < 0.85 < 1.05 < float(ratio["l1"][large].mean())
     assert 0.9 < float(ratio["paper"][small].mean()) < 1.1 and 0.9 < float(ratio["paper"][large].mean()) < 1.1
+
+
+@pytest.mark.parametrize("combine", ["task_arithmetic", "ties"])
+def test_dare_l1_rescale_rule_keeps_each_task_vectors_l1_norm(combine):
+    # mergekit 0.1.5 mergekit/sparsify.py bernoulli + rescaled_masked_tensor: masked * (|tv|_1 / |masked|_1)
+    g = torch.Generator().manual_seed(6)
+    base, x = {"w": torch.randn(8, 30, generator=g)}, {"w": torch.randn(8, 30, generator=g)}
+    hp = {"drop_rate": 0.6, "scaling": 1.0, "combine": combine, "seed": 1}
+    l1 = merging.merge("dare", base=base, experts=[x], rescale_rule="l1", **hp)["w"] - base["w"]
+    paper = merging.merge("dare", base=base, experts=[x], **hp)["w"] - base["w"]
+    tv = x["w"] - base["w"]
+    assert float(l1.abs().sum()) == pytest.approx(float(tv.abs().sum()), rel=1e-5)
+    assert torch.equal(l1 != 0, paper != 0)  # the same draws, only the rescale differs
+    kept = paper != 0
+    assert torch.allclose(paper[kept], tv[kept] / 0.4, atol=1e-5)
+    with pytest.raises(ValueError, match="rescale_rule"):
+        merging.merge("dare", base=base, experts=[x], rescale_rule="l2", **hp)
 
 
 def test_slices_outer_tensors_slices_merges_the_non_layer_tensors(tmp_path):

@@ -25,7 +25,8 @@ What is translated (mergekit's meaning, :mod:`mergekit.config` and its merge met
 
 Where clmerge's own choice differs from mergekit's, the translation asks for mergekit's with a named option:
 ``karcher`` with a base (``include_base: true``), a slice recipe with a base (``outer_tensors: slices``) and
-``della`` / ``della_linear`` (``window: mergekit``, ``rescale: l1``).
+``della`` / ``della_linear`` (``window: mergekit``, ``rescale: l1``) and ``dare_ties`` / ``dare_linear``
+(``rescale_rule: l1``).
 
 Anything else is refused with one line naming the file, the key and the reason (:data:`UNSUPPORTED`).
 """
@@ -398,6 +399,8 @@ def _method_params(name: str, spec: Method, st: dict[str, Setting], n: int, per_
         if spec.target == "dare":
             out["drop_rate"] = density.map(lambda d: max(0.0, 1.0 - d))
             out["rescale"] = Setting(rescale)
+            if rescale:
+                out["rescale_rule"] = Setting("l1")  # mergekit rescales to the tensor's L1 norm
         elif spec.target in ("della", "della_linear"):
             out["density"] = density
             out["epsilon"] = st.pop("epsilon").map(lambda e: 2.0 * e)  # mergekit's half-width, clmerge's width

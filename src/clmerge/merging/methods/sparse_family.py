@@ -94,11 +94,24 @@ MAGNITUDE = Sparsifier(
 def _check_drop(hp: dict[str, Any]) -> None:
     if not 0.0 <= hp["drop_rate"] < 1.0:
         raise ValueError(f"drop_rate must be in [0, 1), got {hp['drop_rate']}")
+    if hp["rescale_rule"] not in ("paper", "l1"):
+        raise ValueError(f"rescale_rule must be 'paper' or 'l1', got {hp['rescale_rule']!r}")
+
+
+def l1_rescale_(masked: Tensor, before: float) -> Tensor:
+    """``masked`` times ``before / |masked|_1`` in place (``before``: the L1 norm of the tensor before masking),
+    unless either norm is below 1e-7: mergekit's ``rescale: true`` (``rescaled_masked_tensor`` in
+    ``mergekit/sparsify.py``, L1 norm)."""
+    after = float(masked.abs().sum())
+    if before >= 1e-7 and after >= 1e-7:
+        masked.mul_(before / after)
+    return masked
 
 
 def _dropped(hp: dict[str, Any]) -> TaskVectorFn:
     """DARE's dropped-and-rescaled task vectors of one key (the input of its TIES)."""
     drop_rate, rescale, seed = hp["drop_rate"], hp["rescale"], hp["seed"]
+    l1 = rescale and hp["rescale_rule"] == "l1"
 
     def dropped(key: str, b: Tensor, xs: list[Tensor], idx: list[int]) -> Tensor:
         # written into one preallocated stack, each row in place (no per-expert full-size temporaries); float32,
@@ -106,8 +119,12 @@ def _dropped(hp: dict[str, Any]) -> TaskVectorFn:
         dt = work_dtype(b.dtype, *(x.dtype for x in xs))
         out, fb = torch.empty((len(xs), *b.shape), dtype=dt), b.to(dt)
         for row, x, t in zip(out, xs, idx):
-            dare_tensor(torch.sub(x.to(dt), fb, out=row), drop_rate, rescale=rescale,
-                        generator=dare_generator(seed, key, t), out=row)
+            torch.sub(x.to(dt), fb, out=row)
+            before = float(row.abs().sum()) if l1 else 0.0
+            dare_tensor(row, drop_rate, rescale=rescale and not l1, generator=dare_generator(seed, key, t),
+                        out=row)
+            if l1:
+                l1_rescale_(row, before)
         return out
 
     return dropped
@@ -116,13 +133,22 @@ def _dropped(hp: dict[str, Any]) -> TaskVectorFn:
 def _dare_sum(hp: dict[str, Any]) -> KeyFn:
     """``theta_0 + lambda sum_t DARE(tau_t)`` of one key."""
     drop_rate, seed = hp["drop_rate"], hp["seed"]
-    factor = hp["scaling"] / (1.0 - drop_rate) if hp["rescale"] else hp["scaling"]
+    l1 = hp["rescale"] and hp["rescale_rule"] == "l1"
+    factor = hp["scaling"] / (1.0 - drop_rate) if hp["rescale"] and not l1 else hp["scaling"]
 
     def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
         # sum_t m_t * tau_t accumulated in float32 (float64 for float64 inputs); the 1/(1-p) rescale
         # applied once at the end
         dt = work_dtype(b.dtype, *(x.dtype for x in xs))
         gens = [dare_generator(seed, key, t) for t in range(len(xs))]
+        if l1:  # a whole-tensor norm per expert: one expert's masked task vector at a time
+            fb = b.to(dt)
+            acc = torch.zeros(fb.shape, dtype=dt)
+            for x, g in zip(xs, gens):
+                tv = x.to(dt) - fb
+                before = float(tv.abs().sum())
+                acc.add_(l1_rescale_(dare_tensor(tv, drop_rate, rescale=False, generator=g, out=tv), before))
+            return acc.mul_(factor).add_(fb).to(xs[0].dtype)
         if b.device.type == "cpu":
             return dare_sum_blocks(b, xs, gens, drop_rate, factor, dt)
         acc, fb, tv = torch.zeros(b.shape, dtype=dt), b.to(dt), torch.empty(b.shape, dtype=dt)
@@ -189,9 +215,7 @@ def magprune_tensor(tv: Tensor, density: float, epsilon: float, *, generator: to
     for rows in row_blocks(tv):
         out[rows] = _magprune_block(tv[rows], density, epsilon, generator, window, rescale)
     if rescale == "l1":
-        before, after = float(tv.abs().sum()), float(out.abs().sum())
-        if before >= 1e-7 and after >= 1e-7:
-            out.mul_(before / after)
+        l1_rescale_(out, float(tv.abs().sum()))
     return out
 
 
@@ -437,7 +461,8 @@ def ties(*, base: Any, experts: Sequence[Any], density: float = 0.2, scaling: fl
 @_registered
 def dare(*, base: Any, experts: Sequence[Any], drop_rate: float = 0.5, rescale: bool = True, seed: int = 0,
          combine: str = "task_arithmetic", scaling: float = 0.3, density: float = 1.0,
-         trim_scope: str = "global", trim_rule: str = "exact", merge_fn: str = "mean") -> dict[str, Tensor]:
+         trim_scope: str = "global", trim_rule: str = "exact", merge_fn: str = "mean",
+         rescale_rule: str = "paper") -> dict[str, Tensor]:
     """DARE: ``tau~_t = m_t * tau_t / (1 - p)``, ``m_t ~ Bernoulli(1 - p)`` elementwise, then ``combine``.
 
     The drop is a random Bernoulli mask as in the paper (and mergekit): the number of dropped entries is
@@ -454,10 +479,13 @@ def dare(*, base: Any, experts: Sequence[Any], drop_rate: float = 0.5, rescale: 
         merge_fn: the merge of the entries that agree with the elected sign when ``combine="ties"``: ``"mean"``
             (TIES's disjoint mean), ``"sum"`` (mergekit's ``dare_ties``, whose ``normalize`` is false by
             default) or ``"max"``.
+        rescale_rule: with ``rescale``, ``"paper"`` (each kept entry divided by ``1 - p``: unbiased, the DARE
+            paper) or ``"l1"`` (the kept entries times the tensor's ``|tau|_1 / |kept|_1``: mergekit's
+            ``rescale: true`` for ``dare_ties`` / ``dare_linear``; a mergekit config sets it).
     """
     return sparse_merge("dare", base, experts, drop_rate=drop_rate, rescale=rescale, seed=seed, combine=combine,
                         scaling=scaling, density=density, trim_scope=trim_scope, trim_rule=trim_rule,
-                        merge_fn=merge_fn)
+                        merge_fn=merge_fn, rescale_rule=rescale_rule)
 
 
 @_registered

@@ -112,3 +112,36 @@ def test_a_tune_maximises_multiple_choice_accuracy(planted, tmp_path):
     assert abs(info["best"]["parameters.scaling"] - W_STAR) <= 0.1
     accs = [float(ln.split(" acc ")[1].split()[0]) for ln in lines if ln.startswith("trial ")]
     assert len(accs) == 11 and accs[0] < 100.0 and accs[-1] < 100.0  # A alone and B alone miss some
+
+
+def test_a_tune_scores_trials_with_lm_evaluation_harness_tasks(planted, tmp_path, monkeypatch):
+    """eval: {tasks: [...]} runs each trial's merged model through simple_evaluate (a fake lm_eval here, whose
+    accuracy is highest for the model nearest the planted mixture)."""
+    import sys
+    import types
+
+    root, recipe = planted
+    mix, _ = _mixture(root)
+    target = mix.lm_head.weight.detach().clone()
+    calls = []
+
+    class HFLM:
+        def __init__(self, pretrained, tokenizer, batch_size):
+            self.model = pretrained
+
+    def simple_evaluate(model, tasks, num_fewshot, limit):
+        calls.append((tasks, num_fewshot, limit))
+        distance = float((model.model.lm_head.weight.detach() - target).norm())
+        return {"results": {t: {"acc,none": 1.0 / (1.0 + distance)} for t in tasks}}
+
+    top, hf = types.ModuleType("lm_eval"), types.ModuleType("lm_eval.models.huggingface")
+    top.simple_evaluate, hf.HFLM = simple_evaluate, HFLM
+    for name, mod in (("lm_eval", top), ("lm_eval.models", types.ModuleType("lm_eval.models")),
+                      ("lm_eval.models.huggingface", hf)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    (tmp_path / "tune.yaml").write_text(yaml.safe_dump({"points": 5, "space": {"parameters.scaling": [0.0, 1.0]},
+                                                         "eval": {"tasks": "hellaswag", "max_samples": 7}}))
+    spec = load_tune_spec(tmp_path / "tune.yaml")
+    info = tune(recipe, spec, tmp_path / "out", executor=LocalExecutor(0))
+    assert calls[0] == (["hellaswag"], None, 7) and len(calls) == 5
+    assert info["metric_name"] == "lm_eval acc" and info["best"]["parameters.scaling"] == 0.25  # nearest 0.3

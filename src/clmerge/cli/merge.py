@@ -34,7 +34,9 @@ def merge_command(
     out: Path | None = typer.Option(None, "--out", help="a new folder (a full model), or X.safetensors"),
     set_: list[str] = typer.Option([], "--set", help="hyperparameter key=value (repeatable)"),
     out_dtype: str | None = typer.Option(None, "--out-dtype", help="float32|bfloat16|float16 (default: the base's)"),
-    compute_dtype: str | None = typer.Option(None, "--compute-dtype", help="float32 (default) or float64"),
+    compute_dtype: str | None = typer.Option(None, "--compute-dtype",
+                                             help="float32 (default: one rounding), float64, or bfloat16 / "
+                                                  "float16 / input (mergekit's arithmetic)"),
     out_shard_size: str | None = typer.Option(None, "--out-shard-size",
                                               help="max bytes per shard, e.g. 2GB (default 5GB)"),
     tokenizer_from: str | None = typer.Option(None, "--tokenizer-from", help="copy the tokenizer from this model"),

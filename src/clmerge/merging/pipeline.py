@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..utils.device import Device, using_device
-from ..utils.dtypes import DTYPES, config_dtype, to_dtype
+from ..utils.dtypes import config_dtype, to_dtype
 from .methods.hparams import DATA_HPARAMS, HParam, check_hyperparameters, method_hparams, per_model_params
 from .io.output import FolderJob, OutputFolder
 from .io.readers import open_checkpoint, resolve_hub_id
@@ -25,6 +25,7 @@ from .io.writer import BackgroundWriter, ShardedWriter, parse_size
 from .recipes import Recipe, key_groups
 from .methods.registry import MergeMethod
 from .methods.sources import ModelSet
+from .methods.trim import input_dtype_arithmetic
 from .preflight import preflight
 from .vocab import VocabPlan, prepare_vocab
 
@@ -118,8 +119,7 @@ def prepare(recipe: Recipe, method: MergeMethod, *, task: str | int | None = Non
                                                     fill=recipe.fill, tokenizer_from=recipe.tokenizer_from,
                                                     chat_template_from=recipe.chat_template_from)
     tied = vocab.tied_pair() if vocab is not None else None
-    compute = DTYPES[recipe.compute_dtype]
-    models = ModelSet.of_sources(base, experts, compute_dtype=compute)
+    models = ModelSet.of_sources(base, experts, compute_dtype=recipe.compute_dtype)
     tasks = _tasks(method, hps, task, models.num_experts)
     list_params = {n for n, h in hps.items() if h.is_list}
     groups = key_groups(models.keys(), {**params, **per_model}, recipe.overrides, list_params)
@@ -150,19 +150,26 @@ def _folder_of(name: str, opened: dict[str, Any]) -> Path | None:
 def _merge_into(prep: Prepared, writer: ShardedWriter | BackgroundWriter, task: int | None) -> None:
     prep.models.sink = writer
     try:
-        for hp, keys in prep.groups:
-            extra = {} if task is None else {"task": task}
-            res = prep.method.fn(base=prep.models.base, experts=prep.models.subset(keys), **hp, **extra)
-            if isinstance(res, dict):  # a method that does not stream: write what it returned
-                for k, v in res.items():
-                    writer.write(k, v)
-            elif hasattr(res, "flush"):  # a SinkView: write back a tensor the method patched in place
-                res.flush()
-            del res
+        # compute_dtype bfloat16 / float16 / input: every pass of the method (a model-wide trim's too)
+        # computes in the inputs' dtype (methods.trim.work_dtype); float32 otherwise
+        with input_dtype_arithmetic(prep.models.narrow):
+            _merge_groups(prep, writer, task)
         if prep.tied is not None:  # tied embeddings stay tied: the output projection is the merged input matrix
             writer.write(prep.tied[1], writer.read(prep.tied[0]))
     finally:
         prep.models.sink = None
+
+
+def _merge_groups(prep: Prepared, writer: ShardedWriter | BackgroundWriter, task: int | None) -> None:
+    for hp, keys in prep.groups:
+        extra = {} if task is None else {"task": task}
+        res = prep.method.fn(base=prep.models.base, experts=prep.models.subset(keys), **hp, **extra)
+        if isinstance(res, dict):  # a method that does not stream: write what it returned
+            for k, v in res.items():
+                writer.write(k, v)
+        elif hasattr(res, "flush"):  # a SinkView: write back a tensor the method patched in place
+            res.flush()
+        del res
 
 
 def execute(prep: Prepared, output: OutputFolder, *, io_threads: bool = False,

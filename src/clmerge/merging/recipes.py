@@ -12,7 +12,7 @@ overrides:                              # later entries win; "re:" starts a regu
   - pattern: "*.self_attn.*"
     parameters: {density: [0.1, 0.5]}   # a list: interpolated over the layer index (a depth gradient)
 out_dtype: bfloat16                     # default: the base's dtype
-compute_dtype: float32
+compute_dtype: float32                  # float32 | float64 | bfloat16 | float16 | input
 tokenizer_from: path                    # default: the base
 out_shard_size: 5GB
 # models whose vocabularies differ (docs/merging_checkpoints.md, "Models with different vocabularies"):
@@ -124,7 +124,9 @@ class Recipe(StrictModel):
     parameters: dict[str, Any] = Field(default_factory=dict)
     overrides: list[Override] = Field(default_factory=list)
     out_dtype: DtypeName | None = None
-    compute_dtype: Literal["float32", "float64"] = "float32"
+    # the merge arithmetic: float32 (one rounding, when writing), float64, or mergekit's narrow arithmetic:
+    # bfloat16 / float16 (inputs cast on reading), input (each key's own dtype); clmerge.merging.methods.trim
+    compute_dtype: Literal["float32", "float64", "bfloat16", "float16", "input"] = "float32"
     tokenizer_from: str | None = None
     out_shard_size: str | int = "5GB"
     # vocabularies that differ: rows matched by token string (clmerge.merging.vocab)

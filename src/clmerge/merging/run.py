@@ -187,7 +187,7 @@ def _models_text(prep: pipeline.Prepared) -> str:
     if prep.vocab is not None:
         lines.append(prep.vocab.summary())
     if ms.mixed:
-        lines.append(f"mixed input dtypes on {len(ms.mixed)} keys: upcast to {ms.compute_dtype}")
+        lines.append(f"mixed input dtypes on {len(ms.mixed)} keys: cast to {ms.compute_dtype}")
     return "\n".join(lines)
 
 
@@ -340,7 +340,7 @@ def _log_notes(prep: pipeline.Prepared, log: Callable[[str], None]) -> None:
     for warning in (prep.vocab.warnings if prep.vocab is not None else []):  # tokenizers of different models
         log(warning)
     if prep.models.mixed:
-        log(f"note: the inputs mix floating dtypes on {len(prep.models.mixed)} keys; they are upcast to "
+        log(f"note: the inputs mix floating dtypes on {len(prep.models.mixed)} keys; they are cast to "
             f"{prep.recipe.compute_dtype} for the merge")
 
 

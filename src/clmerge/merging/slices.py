@@ -30,7 +30,7 @@ import torch
 
 from ..errors import InputError
 from ..utils import inpaths
-from ..utils.dtypes import DTYPES, config_dtype, to_dtype
+from ..utils.dtypes import config_dtype, to_dtype
 from ..utils.inpaths import read_bytes
 from .methods.hparams import check_hyperparameters, method_hparams, per_model_params
 from .io.base import MergeInputError
@@ -42,6 +42,7 @@ from .io.writer import parse_size
 from .recipes import PASSTHROUGH, Recipe, key_groups
 from .methods.registry import MergeMethod
 from .methods.sources import ModelSet
+from .methods.trim import input_dtype_arithmetic
 
 __all__ = ["LAYER_KEY", "SlicePlan", "plan_slices", "execute_slices", "split_layer_key"]
 
@@ -282,14 +283,15 @@ def _merge_segment(sp: SlicePlan, seg: Segment, writer: Any) -> None:
                               f"{seg.label}: {method.name} needs a base: set the recipe's base to one of its sources")
     params = {k: v for k, v in recipe.parameters.items() if k != "task"}  # checked by plan_slices
     per_model = per_model_params(method, hps, entries)
-    models = ModelSet(base, experts, compute_dtype=DTYPES[recipe.compute_dtype])
+    models = ModelSet(base, experts, compute_dtype=recipe.compute_dtype)
     local = seg.local or {k: k for k in models.keys()}
     back = {v: k for k, v in local.items()}
     list_params = {n for n, h in hps.items() if h.is_list}
     models.sink = writer
     for hp, keys in key_groups([local[k] for k in models.keys()], {**params, **per_model}, recipe.overrides,
                                list_params):
-        res = method.fn(base=models.base, experts=models.subset([back[k] for k in keys]), **hp)
+        with input_dtype_arithmetic(models.narrow):  # compute_dtype bfloat16 / float16 / input
+            res = method.fn(base=models.base, experts=models.subset([back[k] for k in keys]), **hp)
         if isinstance(res, dict):
             for k, v in res.items():
                 writer.write(k, v)

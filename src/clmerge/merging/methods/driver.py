@@ -21,6 +21,7 @@ from torch import Tensor
 
 from ...utils.device import Device, current_device
 from .sources import ModelSet
+from .trim import input_dtype_arithmetic
 
 __all__ = ["CHUNK", "DEVICE_CHUNK", "Kernel", "SinkView", "apply_chunked", "check_experts_weights", "chunk_for",
            "map_keys", "on_device", "row_blocks", "stack64", "task_vectors64"]
@@ -73,6 +74,14 @@ def map_keys(models: ModelSet, kernel: Kernel, *, needs_base: bool = False,
     out: MutableMapping[str, Tensor] = {} if sink is None else SinkView(sink, models.keys())
     check_inputs = None if not propagates_nonfinite else False
     device = current_device()
+    # compute_dtype bfloat16 / float16 / input: the kernels' work dtype is the inputs' (trim.work_dtype)
+    with input_dtype_arithmetic(getattr(models, "narrow", False)):
+        _map_keys(models, kernel, chunk, propagates_nonfinite, check_inputs, device, out)
+    return out
+
+
+def _map_keys(models: ModelSet, kernel: Kernel, chunk: int | None, propagates_nonfinite: bool,
+              check_inputs: bool | None, device: Device | None, out: MutableMapping[str, Tensor]) -> None:
     for key, base, experts in models.items(check_inputs):
         if not experts[0].is_floating_point():
             res = (base if base is not None else experts[0]).clone()
@@ -86,7 +95,6 @@ def map_keys(models: ModelSet, kernel: Kernel, *, needs_base: bool = False,
             models.load(key, check=True)  # raises MergeInputError naming the key and the file
         out[key] = res
         del base, experts, res  # else this key's inputs stay alive while the next key is read
-    return out
 
 
 def on_device(device: Device, kernel: Kernel, key: str, base: Tensor | None, experts: list[Tensor],

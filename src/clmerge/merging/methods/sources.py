@@ -3,7 +3,8 @@
 :class:`ModelSet` checks once that the inputs agree (the base decides the key set; a missing, extra or
 shape-mismatched key is an error naming the key and the model) and hands out one key at a time, so a
 streaming merge keeps at most one tensor per input in memory besides its output. Floating inputs of different
-dtypes (bf16 beside fp32) are upcast to the compute dtype. The readers live in :mod:`clmerge.merging.io`.
+dtypes (bf16 beside fp32) are cast to the compute dtype (float32 unless the recipe's ``compute_dtype``
+says otherwise). The readers live in :mod:`clmerge.merging.io`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,11 @@ class ModelSet:
         experts: the fine-tuned parameter sets.
         check_finite: raise if a floating tensor holds NaN or Inf (checked as each key is read).
         compute_dtype: floating dtype the inputs of a key are cast to when their dtypes differ, or always
-            when it is wider than float32 (kernels do their arithmetic in at least float32 anyway).
+            when it is wider than float32 (kernels do their arithmetic in at least float32 anyway). A narrower
+            one (``torch.bfloat16``, ``torch.float16``) casts every floating input to it on reading and makes
+            the kernels that compute in :func:`.trim.work_dtype` compute in it (mergekit's arithmetic);
+            ``"input"``: each key's own dtype, which its inputs must share (mixed dtypes are refused).
+            Default float32: one rounding, when the output is written.
         keys: restrict the merge to these keys (a group of a recipe with per-key overrides).
         sink: where :func:`~clmerge.merging.methods.driver.map_keys` streams each merged tensor (``write(key, t)``,
             ``read(key)``) instead of collecting a dict; ``None``: collect in memory.
@@ -47,7 +52,7 @@ class ModelSet:
     """
 
     def __init__(self, base: Any, experts: Sequence[Any], *, check_finite: bool = True,
-                 compute_dtype: torch.dtype = torch.float32, keys: Sequence[str] | None = None,
+                 compute_dtype: torch.dtype | str = torch.float32, keys: Sequence[str] | None = None,
                  sink: Any = None) -> None:
         if isinstance(experts, (str, Path, Mapping)) or len(experts) == 0:
             raise MergeInputError("experts: need a non-empty list of parameter dicts or weight files")
@@ -57,7 +62,7 @@ class ModelSet:
 
     @classmethod
     def of_sources(cls, base: ParamSource | None, experts: Sequence[ParamSource], *,
-                   compute_dtype: torch.dtype = torch.float32) -> ModelSet:
+                   compute_dtype: torch.dtype | str = torch.float32) -> ModelSet:
         """A set of inputs opened already (``clmerge merge`` opens every checkpoint while it plans the recipe),
         validated as :class:`ModelSet` validates any other."""
         if not experts:
@@ -67,10 +72,10 @@ class ModelSet:
         return new
 
     def _setup(self, base: ParamSource | None, experts: list[ParamSource], check_finite: bool,
-               compute_dtype: torch.dtype, keys: Sequence[str] | None, sink: Any) -> None:
+               compute_dtype: torch.dtype | str, keys: Sequence[str] | None, sink: Any) -> None:
         self.base, self.experts = base, experts
         self.check_finite = check_finite
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = _compute_dtype(compute_dtype)
         self.sink = sink
         self.prefetch = False
         self.mixed: set[str] = set()
@@ -110,10 +115,21 @@ class ModelSet:
                     raise MergeInputError(f"key {k!r}: {what} mismatch: {ref.name} has {list(s1)} {d1}, "
                                           f"{other.name} has {list(s2)} {d2}{hint}")
                 if d1 != d2:
+                    if self.compute_dtype is None:
+                        raise MergeInputError(
+                            f"key {k!r}: compute_dtype: input needs one input dtype per key, but {ref.name} has "
+                            f"{d1} and {other.name} has {d2}; set compute_dtype to float32, bfloat16, float16 "
+                            "or float64")
                     self.mixed.add(k)
         if self.mixed:
             log.info("inputs mix floating dtypes on %d keys (e.g. %s); those are upcast to %s", len(self.mixed),
                      next(iter(sorted(self.mixed))), self.compute_dtype)
+
+    @property
+    def narrow(self) -> bool:
+        """Whether the merge arithmetic runs in a dtype narrower than float32 (``compute_dtype`` bfloat16,
+        float16, or ``"input"``: each key's own dtype), rather than in float32 with one rounding at the end."""
+        return self.compute_dtype is None or self.compute_dtype.itemsize < 4
 
     @property
     def num_experts(self) -> int:
@@ -132,8 +148,11 @@ class ModelSet:
     def _cast_to(self, key: str) -> torch.dtype | None:
         if not self.experts[0].meta(key)[1].is_floating_point:
             return None
-        wide = self.compute_dtype.itemsize > 4
-        return self.compute_dtype if key in self.mixed or wide else None
+        if self.compute_dtype is None:  # "input": the key's own dtype (one dtype per key: checked)
+            return None
+        if self.compute_dtype.itemsize != 4:  # float64; or bf16 / fp16, every input cast on reading (mergekit)
+            return self.compute_dtype
+        return self.compute_dtype if key in self.mixed else None
 
     def load(self, key: str, check: bool | None = None) -> tuple[Tensor | None, list[Tensor]]:
         """``(base tensor or None, [expert tensors])`` for one key, checked for NaN/Inf.
@@ -175,6 +194,22 @@ class ModelSet:
                 nxt = pool.submit(self.load, keys[i + 1], check) if i + 1 < len(keys) else None
                 yield k, base, experts
                 del base, experts
+
+
+def _compute_dtype(value: torch.dtype | str) -> torch.dtype | None:
+    """``compute_dtype`` as given (a torch dtype or a recipe name) -> a floating torch dtype, or ``None`` for
+    ``"input"``."""
+    from ...utils.dtypes import DTYPES
+
+    if isinstance(value, str):
+        if value == "input":
+            return None
+        if value not in DTYPES:
+            raise ValueError(f"compute_dtype: expected input or one of {', '.join(DTYPES)}, got {value!r}")
+        return DTYPES[value]
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"compute_dtype: expected a floating dtype, got {value!r}")
+    return value
 
 
 def open_models(base: Any, experts: Sequence[Any] | ModelSet) -> ModelSet:

@@ -368,7 +368,7 @@ def _band_sum(hp: dict[str, Any]) -> KeyFn:
     density, beta, scaling = hp["density"], hp["beta"], hp["scaling"]
 
     def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
-        dtype = torch.promote_types(b.dtype, torch.float32)
+        dtype = work_dtype(b.dtype)
         b32 = b.to(dtype)
         acc = torch.zeros_like(b32)
         for x in xs:

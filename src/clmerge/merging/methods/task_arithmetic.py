@@ -11,6 +11,7 @@ from torch import Tensor
 from .driver import CHUNK, map_keys
 from .registry import register_merge
 from .sources import open_models
+from .trim import work_dtype
 
 __all__ = ["task_arithmetic"]
 
@@ -37,8 +38,9 @@ def task_arithmetic(*, base: Any, experts: Sequence[Any], scaling: float = 0.3,
 
     def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
         # theta_0 + lambda * sum_t (theta_t - theta_0): each difference formed first (exact for nearby
-        # values), summed in place in the inputs' dtype (at least float32), as FusionBench's state-dict sums
-        dtype = torch.promote_types(b.dtype, torch.float32)
+        # values), summed in place in the inputs' dtype (at least float32, unless compute_dtype says bfloat16,
+        # float16 or input: trim.work_dtype), as FusionBench's state-dict sums
+        dtype = work_dtype(b.dtype)
         b = b.to(dtype)
         acc, tmp = torch.sub(xs[0].to(dtype), b), torch.empty_like(b)
         for x in xs[1:]:

@@ -25,7 +25,8 @@ from .driver import bshape, map_keys
 from .sources import ModelSet
 from .ties_kernels import Work, fix_values, negative_choice, ties_key_streamed
 from .trim import (TIE_ALL, Buffers, add_ties, allocate_tie_quotas, check_trim_rule, exact_trim_rows,
-                   keep_count, kth_smallest, tensor_trim_spec, work_dtype)
+                   keep_count, kth_smallest, tensor_trim_spec, work_dtype,
+                   input_dtype_arithmetic)
 
 __all__ = ["ties_from_task_vectors", "plain_task_vectors", "per_tensor_trim_spec", "ties_tensor",
            "global_magnitude_thresholds", "global_trim", "magnitude_threshold", "kth_smallest", "TaskVectorFn",
@@ -369,7 +370,8 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
     check_trim_rule(trim_rule)
     if models.base is None:
         raise ValueError("TIES needs base= (the pretrained parameters)")
-    glob, gq, trim_key = _trim_fns(models, tv_fn, density, trim_scope, trim_rule)
+    with input_dtype_arithmetic(models.narrow):  # a model-wide trim's pass, in the kernels' work dtype
+        glob, gq, trim_key = _trim_fns(models, tv_fn, density, trim_scope, trim_rule)
     total, fixes = [0.0], {}
 
     def merged(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
@@ -377,7 +379,7 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
         # density 1 keeps every entry under both rules: no trimmed copy of the (T, *shape) stack
         flat = (tvs if density >= 1.0 else trim_key(key, tvs)).reshape(len(xs), -1)
         del tvs
-        dtype = torch.promote_types(b.dtype, torch.float32)
+        dtype = work_dtype(b.dtype)
         fb, out = b.reshape(-1), torch.empty(b.shape, dtype=dtype)
         parts = []
         # the election is elementwise: column blocks keep its temporaries small on a large key

@@ -70,8 +70,9 @@ def _keep(mag: Tensor, thr_c: Tensor, thr: Tensor, rem: int, out: Tensor) -> int
     torch.ge(mag, thr_c, out=out)
     if rem <= 0:
         return 0
-    above = float(out.sum())
-    ties = int(float(torch.ge(mag, thr, out=out).sum()) - above)
+    # counted in float64: a bf16 work dtype (compute_dtype: bfloat16) would round a count above 256
+    above = float(out.sum(dtype=torch.float64))
+    ties = int(float(torch.ge(mag, thr, out=out).sum(dtype=torch.float64)) - above)
     if ties > rem:  # the slice where it runs out: "> v" plus the first ``rem`` ties
         torch.ge(mag, thr_c, out=out)
         out.copy_(add_ties(out.bool(), mag, thr, rem))
@@ -82,7 +83,8 @@ def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int
                       merge_fn: str, w: Work, fb: Tensor | None = None,
                       cut: tuple[Tensor, list[int]] | None = None) -> tuple[Tensor, float, tuple[Tensor, ...] | None]:
     """:func:`.ties._ties_core` with zero sums given the sign +1, on one key of plain task vectors, slice by slice in
-    the buffers ``w`` (same arithmetic, in ``w.dtype``: float32, or float64 for float64 inputs). The task vectors
+    the buffers ``w`` (same arithmetic, in ``w.dtype``: float32, float64 for float64 inputs, or bf16 / fp16
+    under ``compute_dtype`` bfloat16, float16 or input: :func:`.trim.work_dtype`). The task vectors
     are ``x - b`` computed in ``w.dtype``, the very numbers the thresholds ``thr`` were found on (see
     :func:`.ties.per_tensor_trim_spec`, :func:`.ties.global_trim`).
 
@@ -116,7 +118,7 @@ def ties_key_streamed(b: Tensor, xs: list[Tensor], thr: Tensor, quotas: list[int
                 mask[t].sub_(pick)
         tv.mul_(mask)  # trimmed (a product with 1 or 0, as with a bool mask)
         torch.sign(sum_rows(tv, total), out=sign)
-        sign_sum += float(sign.sum())
+        sign_sum += float(sign.sum(dtype=torch.float64))  # exact whatever the work dtype
         torch.eq(total, 0, out=zero)  # 1 where the sum is zero; sign is 0 there, so sign + zero puts +1 there
         torch.add(sign, zero, out=pick)
         sign.add_(zero)

@@ -20,14 +20,16 @@ tensor whose count rounds to 0 is zeroed here where mergekit keeps one entry.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import Tensor
 
 __all__ = ["Buffers", "TRIM_RULES", "TIE_ALL", "keep_count", "check_trim_rule", "add_ties",
            "top_magnitude_mask", "exact_trim_rows", "tensor_trim_spec", "allocate_tie_quotas", "kth_smallest",
-           "kth_smallest_counts", "work_dtype"]
+           "kth_smallest_counts", "work_dtype", "input_dtype_arithmetic"]
 
 TRIM_RULES = ("exact", "threshold")
 # A tie quota meaning "every entry equal to the threshold is kept" (the threshold rule; or an exact quota
@@ -35,14 +37,35 @@ TRIM_RULES = ("exact", "threshold")
 TIE_ALL = -1
 
 
+# whether the merge arithmetic runs in the inputs' own dtype (``compute_dtype`` bfloat16, float16 or input:
+# :attr:`.sources.ModelSet.narrow`) instead of at least float32; set by :func:`input_dtype_arithmetic`
+_IN_INPUT_DTYPE: ContextVar[bool] = ContextVar("clmerge_input_dtype_arithmetic", default=False)
+
+
+@contextmanager
+def input_dtype_arithmetic(on: bool) -> Iterator[None]:
+    """Within the block, :func:`work_dtype` is the inputs' own dtype (no float32 floor) when ``on``.
+
+    The merge driver (:func:`.driver.map_keys`) and the streaming pipeline set it from the inputs'
+    :class:`~.sources.ModelSet` (its ``compute_dtype``): the one switch of the kernels that compute in
+    :func:`work_dtype`."""
+    token = _IN_INPUT_DTYPE.set(bool(on))
+    try:
+        yield
+    finally:
+        _IN_INPUT_DTYPE.reset(token)
+
+
 def work_dtype(*dtypes: torch.dtype) -> torch.dtype:
-    """The dtype a trim computes task vectors in: float32, or float64 when an input is float64.
+    """The dtype a kernel computes task vectors (and their sums) in: float32, or float64 when an input is
+    float64; within :func:`input_dtype_arithmetic` the inputs' own dtype (bf16 stays bf16; mixed dtypes
+    promote as torch promotes them).
 
     A count or threshold must be found on the same numbers it is applied to: a threshold found on
     ``x.float() - b.float()`` but applied to ``x - b`` rounded afterwards keeps a different number of entries
     on float64 inputs.
     """
-    out = torch.float32
+    out = dtypes[0] if _IN_INPUT_DTYPE.get() and dtypes else torch.float32
     for d in dtypes:
         out = torch.promote_types(out, d)
     return out

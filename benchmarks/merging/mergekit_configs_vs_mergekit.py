@@ -81,11 +81,18 @@ EXTRA = {
     "task_arithmetic_bf16": "merge_method: task_arithmetic\nbase_model: base16\nmodels:\n"
                             "  - model: a16\n    parameters: {weight: 0.5}\n  - model: b16\n"
                             "    parameters: {weight: 0.5}\ndtype: bfloat16\n",
+    "ties_bf16": "merge_method: ties\nbase_model: base16\nmodels:\n"
+                 "  - model: a16\n    parameters: {weight: 1.0, density: 0.5}\n  - model: b16\n"
+                 "    parameters: {weight: 1.0, density: 0.5}\ndtype: bfloat16\n",
 }
 
-#: clmerge's own choice where a mergekit config follows mergekit: ``{row: (config, changes to the translated
-#: recipe)}``, run against the same mergekit output to show what the named option changes
+#: clmerge's own choice where a mergekit config follows mergekit, and mergekit's arithmetic where a config
+#: keeps clmerge's (``compute_dtype``): ``{row: (config, changes to the translated recipe)}``, run against the
+#: same mergekit output to show what the named option changes
 CLMERGE_DEFAULTS = {
+    "linear_bf16, compute_dtype: bfloat16": ("linear_bf16", {"compute_dtype": "bfloat16"}),
+    "task_arithmetic_bf16, compute_dtype: bfloat16": ("task_arithmetic_bf16", {"compute_dtype": "bfloat16"}),
+    "ties_bf16, compute_dtype: bfloat16": ("ties_bf16", {"compute_dtype": "bfloat16"}),
     "karcher_base, include_base: false": ("karcher_base", {"parameters": {"include_base": False}}),
     "gradient-slerp.yml @float32, outer_tensors: base": ("gradient-slerp.yml @float32", {"outer_tensors": "base"}),
     "della, window/rescale: paper": ("della", {"parameters": {"window": "paper", "rescale": "paper"}}),
@@ -93,6 +100,10 @@ CLMERGE_DEFAULTS = {
     "della_linear_one, window/rescale: paper": ("della_linear_one",
                                                 {"parameters": {"window": "paper", "rescale": "paper"}}),
 }
+
+#: per-tensor TIES merges whose differing entries are checked against each expert's cut (:func:`at_cut`):
+#: ``{row: (density, [expert roles], base role)}``
+AT_CUT = {"ties_bf16, compute_dtype: bfloat16": (0.5, ["a16", "b16"], "base16")}
 
 #: random merges of one expert whose expected output per magnitude decile is measured (:func:`profile`)
 PROFILED = {"della_linear_one", "della_linear_one, window/rescale: paper", "dare_linear_one",
@@ -140,9 +151,20 @@ REASONS = {
     "nearswap": "float32, another order of operations",
     "passthrough_models": "copied in both",
     "linear_bf16": "bf16 inputs: mergekit 0.1.5's linear computes in float32 and rounds once, as clmerge",
+    "linear_bf16, compute_dtype: bfloat16": "clmerge's weight_average stays in float32 under compute_dtype "
+                                            "bfloat16 (the inputs are cast to bf16 on reading, a no-op here), "
+                                            "as mergekit's linear",
     "task_arithmetic_bf16": "bf16 inputs: mergekit forms x - base, the products and the sum in bf16 (its "
                             "generalized task arithmetic computes in the base's dtype), clmerge in float32 "
                             "and rounds once (one bf16 unit)",
+    "task_arithmetic_bf16, compute_dtype: bfloat16": "clmerge computes in bf16 too: the same numbers",
+    "ties_bf16": "bf16 inputs: mergekit forms the task vectors, the sign sum and the disjoint mean in bf16, "
+                 "clmerge in float32, so TIES's per-tensor cut falls between other magnitudes and whole "
+                 "entries differ",
+    "ties_bf16, compute_dtype: bfloat16": "clmerge computes in bf16 too; the rest are entries whose magnitude "
+                                          "equals an expert's cut (bf16 magnitudes tie there): clmerge keeps "
+                                          "such ties in flat order, mergekit in the order its argsort leaves "
+                                          "them",
     "karcher_base, include_base: false": "clmerge's default leaves the base out of the mean; mergekit takes it",
     "gradient-slerp.yml @float32, outer_tensors: base": "clmerge's default copies the embeddings, final norm and "
                                                         "head from the base; mergekit slerps them at t's first value",
@@ -265,6 +287,29 @@ def profile(out: Path, base: Path, expert: Path) -> list[float]:
     return (sums / counts.clamp(min=1)).tolist()
 
 
+def at_cut(a: Path, b: Path, base: Path, experts: list[Path], density: float) -> tuple[int, int]:
+    """``(entries that differ, of those whose task-vector magnitude in some expert equals that expert's
+    per-tensor cut)``: mergekit keeps ``max(1, int(density * n))`` entries by ``argsort``, so which of the
+    entries tied at the cut it keeps is the sort's order."""
+    from clmerge.merging.io.readers import open_checkpoint
+
+    x, y, tb = open_checkpoint(a), open_checkpoint(b), open_checkpoint(base)
+    xs = [open_checkpoint(e) for e in experts]
+    differ = tied = 0
+    for k in x.keys():
+        d = (x.get(k) != y.get(k)).reshape(-1)
+        if not d.any():
+            continue
+        on_cut = torch.zeros_like(d)
+        for e in xs:
+            mag = (e.get(k) - tb.get(k)).abs().reshape(-1).float()
+            cut = mag.sort(descending=True).values[max(1, int(density * mag.numel())) - 1]
+            on_cut |= mag == cut
+        differ += int(d.sum())
+        tied += int((d & on_cut).sum())
+    return differ, tied
+
+
 def compare(a: Path, b: Path) -> tuple[float, int, int, str]:
     """``(max abs diff, tensors, tensors that differ, dtype)`` over every tensor of two model folders."""
     from clmerge.merging.io.readers import open_checkpoint
@@ -321,6 +366,9 @@ def run(python: str, work: Path, names: list[str] | None = None) -> list[dict]:
             row["max_abs_diff"], row["tensors"], row["differ"], row["dtype"] = compare(ours, theirs)
             if label in PROFILED:
                 row["profile"] = [profile(p, models["base"], models["a"]) for p in (ours, theirs)]
+            if label in AT_CUT:
+                density, roles, base_role = AT_CUT[label]
+                row["at_cut"] = at_cut(ours, theirs, models[base_role], [models[r] for r in roles], density)
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -346,6 +394,9 @@ def table(rows: list[dict], command: str) -> str:
             (c, m) = r["profile"]
             why += (f"; expected output / task vector by magnitude decile (smallest, median, largest): clmerge "
                     f"{c[0]:.2f}, {c[4]:.2f}, {c[9]:.2f}; mergekit {m[0]:.2f}, {m[4]:.2f}, {m[9]:.2f}")
+        if "at_cut" in r:
+            why += (f"; entries that differ: {r['at_cut'][0]}, of which {r['at_cut'][1]} have a magnitude equal to "
+                    "their expert's cut")
         lines.append(f"| `{r['config']}` | ran | ran | {r['dtype']} | {r['differ']} of {r['tensors']} | {diff} | "
                      f"{why} |")
     return "\n".join(lines) + "\n"
@@ -355,7 +406,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mergekit-python", default="/work/venvs/mergekit/bin/python")
     ap.add_argument("--work", type=Path, required=True, help="a folder for the models and outputs")
-    ap.add_argument("--only", nargs="*", help="config names (default: all)")
+    ap.add_argument("--only", nargs="*", help="config names (default: all); their rows (and their option "
+                    "rows) replace or extend those of the table already written")
     ap.add_argument("--write", type=Path, default=HERE / "mergekit_configs_vs_mergekit.md")
     ap.add_argument("--rows", type=Path, help="re-render the table from the row lines of an earlier run's log")
     args = ap.parse_args()
@@ -368,9 +420,31 @@ def main() -> None:
         rows = run(args.mergekit_python, args.work, args.only)
     cmd = ("PYTHONPATH=src python benchmarks/merging/mergekit_configs_vs_mergekit.py --mergekit-python "
            "/work/venvs/mergekit/bin/python --work DIR")
-    if not args.only:
-        args.write.write_text(table(rows, cmd))
-        print(f"wrote {args.write}")
+    text = table(rows, cmd)
+    if args.only and args.write.exists():
+        text = splice(args.write.read_text(), text)
+    args.write.write_text(text)
+    print(f"wrote {args.write}")
+
+
+def splice(old: str, new: str) -> str:
+    """The table ``old`` with the rows of ``new`` in place of the rows of the same config (a row of a config
+    ``old`` lacks goes after the last row of its base config, or at the end)."""
+    def rows(text: str) -> list[str]:
+        return [ln for ln in text.splitlines() if ln.startswith("| `")]
+
+    def name(line: str) -> str:
+        return line.split("`")[1]
+
+    lines = old.rstrip("\n").splitlines()
+    for row in rows(new):
+        names = [name(ln) if ln.startswith("| `") else None for ln in lines]
+        if name(row) in names:
+            lines[names.index(name(row))] = row
+            continue
+        related = [i for i, n in enumerate(names) if n is not None and n.split(",")[0] == name(row).split(",")[0]]
+        lines.insert(related[-1] + 1 if related else len(lines), row)
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

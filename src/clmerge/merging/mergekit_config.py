@@ -19,7 +19,9 @@ What is translated (mergekit's meaning, :mod:`mergekit.config` and its merge met
   ``merge_fn`` (task-vector methods) or ``weights`` (``linear``, ``nuslerp``, ``multislerp``).
 - ``dtype`` / ``out_dtype``: the output dtype is ``out_dtype``, else ``dtype``. clmerge computes in float32
   (float64 for float64 inputs) and rounds once when writing; mergekit casts every input to ``dtype`` and
-  computes its task-vector methods in it (docs/merge_methods.md, "bf16").
+  computes its task-vector methods in it (docs/merge_methods.md, "bf16"). The translation keeps clmerge's
+  arithmetic; a ``compute_dtype`` key (or ``--compute-dtype``) passes through, and ``bfloat16`` / ``input``
+  there gives mergekit's.
 - ``tokenizer_source`` / ``tokenizer.source``: ``base`` and ``union`` set ``embeddings``; a model sets
   ``tokenizer_from`` with ``embeddings: base``. ``chat_template``: the name of one of the inputs.
 

@@ -44,7 +44,9 @@ ROW_SUM_MAX = 4  # up to this many experts a sum over them is the same numbers a
 def sum_rows(x: Tensor, out: Tensor) -> Tensor:
     """``torch.sum(x, 0, out=out)`` for ``x`` ``(T, n)``. A dim-0 reduction over a few rows is ~20x slower
     than adding the rows one by one on the CPU; up to :data:`ROW_SUM_MAX` rows torch sums them in row order
-    too, so the row adds give the same numbers (tested), and more rows keep torch's own order."""
+    too, so the row adds give the same numbers (tested), and more rows keep torch's own order. That holds in
+    float32 and float64; a bf16 / fp16 sum (``compute_dtype`` bfloat16) is accumulated in float32 by torch and
+    rounded once, where the row adds round each addition."""
     if x.shape[0] > ROW_SUM_MAX:
         return torch.sum(x, 0, out=out)
     out.copy_(x[0])

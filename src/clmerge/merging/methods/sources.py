@@ -118,8 +118,8 @@ class ModelSet:
                     if self.compute_dtype is None:
                         raise MergeInputError(
                             f"key {k!r}: compute_dtype: input needs one input dtype per key, but {ref.name} has "
-                            f"{d1} and {other.name} has {d2}; set compute_dtype to float32, bfloat16, float16 "
-                            "or float64")
+                            f"{str(d1).removeprefix('torch.')} and {other.name} has {str(d2).removeprefix('torch.')}; "
+                            "set compute_dtype to float32, bfloat16, float16 or float64")
                     self.mixed.add(k)
         if self.mixed:
             log.info("inputs mix floating dtypes on %d keys (e.g. %s); those are upcast to %s", len(self.mixed),

@@ -49,6 +49,8 @@ def test_evidence_config_holds_out_validation() -> None:
     for label in ev.METHODS:
         resolved = parse_config(ev.make_config("mnist_fmnist10", label, 0, 1e-3, smoke=True))
         o = resolved.method_options()
+        if label in ev.NO_LORA_SITES:  # a baseline on its own paper's sites (cl_lora: query and value)
+            continue
         if hasattr(o, "targets") and getattr(o, "variant", "lora") == "lora":  # every LoRA method: same sites
             sites.add(tuple(o.targets))  # (ranpac's first session is an adapter here: its targets are unused)
     assert sites == {("key", "value")}
@@ -198,6 +200,7 @@ def test_baselines_config_uses_each_papers_head_and_selects_on_it() -> None:
         "ease": ("linear", False, False), "mos": ("linear", False, False), "slca": ("linear", True, True),
         "er": ("linear", False, True), "der": ("linear", False, True), "derpp": ("linear", False, True),
         "lae": ("linear", False, False), "fecam": ("linear", False, False),  # their own heads alone
+        "cl_lora": ("linear", False, False),  # its diagonal prototype classifier alone
         "lwf": ("linear", False, True), "xder": ("linear", False, True),
         "er_ace": ("linear", False, False), "icarl": ("linear", False, False)}  # cosine / NME classifiers: alone
     assert all(got[m].method_options().buffer_size == 200 for m in ("er", "der", "derpp"))

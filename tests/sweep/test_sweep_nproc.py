@@ -42,7 +42,7 @@ def test_a_cell_job_is_clmerge_run_of_its_config_under_torchrun(tmp_path, monkey
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     assert cmd[5:8] == ["-m", "clmerge", "run"] and cmd[9:] == ["--out", str(tmp_path / "c"), "--resume"]
     assert yaml.safe_load(cfg_text)["seed"] == 3 and not Path(cmd[8]).exists()  # a temporary file, removed
-    assert got == {"acc": 50.0, "aaa": 60.0, "forgetting": 1.0}
+    assert got == {"acc": 50.0, "aaa": 60.0, "forgetting": 1.0, "val": None}  # no validation score recorded
     assert (tmp_path / ".torchrun" / "c.log").read_text() == "job output\n"  # hidden: no run of `results`
 
 

@@ -16,9 +16,19 @@ class TaskAccuracy(dict):
     (``acc`` and ``loss`` are None when only ``til_acc`` was asked for)."""
 
 
-def eval_batches(tasks: list[Task], split: str, batch_size: int) -> int:
-    """How many batches an evaluation of ``tasks``' ``split`` reads (its progress total)."""
-    return sum(getattr(t, split).num_batches(batch_size) for t in tasks if getattr(t, split, None) is not None)
+def eval_batches(tasks: list[Task], split: str, batch_size: int) -> int | None:
+    """How many batches an evaluation of ``tasks``' ``split`` reads (its progress total; None where a split
+    cannot say, e.g. a stand-in data object without ``num_batches``)."""
+    total = 0
+    for t in tasks:
+        data = getattr(t, split, None)
+        if data is None:
+            continue
+        count = getattr(data, "num_batches", None)
+        if count is None:
+            return None
+        total += count(batch_size)
+    return total
 
 
 def _routed(model: nn.Module, task: Task, n_outputs: int) -> bool:

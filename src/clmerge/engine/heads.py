@@ -68,7 +68,7 @@ def extract_features(model: ContinualClassifier, data, *, batch_size: int, devic
     model.eval()
     fs, ys = [], []
     with phase(data.batches(batch_size), "head: training features",
-               total=data.num_batches(batch_size)) as bar:
+               total=data.num_batches(batch_size) if hasattr(data, "num_batches") else None) as bar:
         for x, y in bar:
             fs.append(model.forward_features(x.to(device)).float().cpu())
             ys.append(y)

@@ -39,6 +39,10 @@ class ShardedSource:
         self._file_of = _weight_map(index)
         self._shards = {f: ParamSource(f, within=self.folder) for f in dict.fromkeys(self._file_of.values())}
         self.files = list(self._shards)
+        missing = [k for k, f in self._file_of.items() if k not in self._shards[f]._meta]  # headers only
+        if missing:
+            raise MergeInputError(f"{index}: key {missing[0]!r} is in the index but not in {self._file_of[missing[0]]}"
+                                  + (f" ({len(missing) - 1} more keys likewise)" if len(missing) > 1 else ""))
 
     def keys(self) -> list[str]:
         return list(self._file_of)

@@ -69,7 +69,7 @@ def test_out_dtype_mixed_inputs_and_tokenizer_from(llama, tmp_path):
     r = invoke("--method", "task_arithmetic", "--base", base, "--expert", f32, "--expert", a, "--out", out,
                "--set", "scaling=0.5", "--out-dtype", "float32", "--tokenizer-from", tmp_path / "tok")
     assert r.exit_code == 0, r.output
-    assert "upcast" in r.output  # one log line for the mixed dtypes
+    assert "cast to float32 for the merge" in r.output  # one log line for the mixed dtypes
     sb, s32, sa = folder_state(base), folder_state(f32), folder_state(a)
     got = folder_state(out)
     k = "model.layers.0.mlp.up_proj.weight"

@@ -159,7 +159,12 @@ def test_run_dir_default_is_runs_under_cwd(monkeypatch):
     (["pretrain", "--epochs", "1", "--data-root", "nowhere"], "pretrained/vit_tiny_fmnist"),
 ])
 def test_a_default_output_folder_is_printed_as_an_absolute_path(tmp_path, monkeypatch, argv, folder):
+    import clmerge.data.idx as idx
+
     monkeypatch.chdir(tmp_path)
+    # the pretrain case must fail on missing data after printing its folder, also where Fashion-MNIST is installed
+    monkeypatch.setattr(idx, "DEBIAN_DATASET_DIR", tmp_path / "no-datasets")
+    monkeypatch.delenv(idx.IDX_ENV_VAR, raising=False)
     res = runner.invoke(app, argv, env=WIDE)
     assert f"writing to {tmp_path / folder} " in res.output, res.output
 

@@ -61,7 +61,7 @@ def merge_command(
                                      "clmerge.merging.register_merge)"),
 ) -> None:
     """Merge checkpoints (model folders, weights files, hub ids, PEFT adapters) into a model folder."""
-    from ..merging.run import build_recipe, run_merge
+    from ..merging.run import build_recipe, effective_recipe, run_merge
     from ..plugins import load_plugins
     from ..utils.device import parse_device, stats_line
     from ..utils.threads import check_threads, default_threads, set_threads
@@ -108,7 +108,8 @@ def merge_command(
         return
     for line in res.warnings:  # adapter merges: another base model named, ranks clamped
         typer.echo(line, err=True)
-    typer.echo(f"wrote {res.out} ({res.keys} tensors, {spec.method} {spec.parameters})")
+    # the hyperparameters as the merge used them (defaults filled in), as clmerge_recipe.yaml records them
+    typer.echo(f"wrote {res.out} ({res.keys} tensors, {spec.method} {effective_recipe(spec).parameters})")
     if res.device is not None and adapter_out != "full":  # a full merge logged it already
         typer.echo(stats_line(res.device), err=True)
     if "overall_rel_error" in res.report:  # an adapter re-factorised by truncated SVD

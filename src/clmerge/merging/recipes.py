@@ -48,7 +48,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 from ..utils.dtypes import DtypeName
 from ..config import ConfigError, StrictModel, check_keys, read_yaml_mapping, validate_strict
 
-__all__ = ["PASSTHROUGH", "ModelEntry", "Override", "Recipe", "Slice", "SliceSource", "key_groups",
+__all__ = ["PASSTHROUGH", "PINNED", "ModelEntry", "Override", "Recipe", "Slice", "SliceSource", "key_groups",
            "layer_index", "load_recipe", "recipe_of"]
 
 
@@ -152,10 +152,29 @@ class Recipe(StrictModel):
         return self
 
     def to_yaml(self) -> str:
-        """The recipe as YAML (defaults left out), as recorded in the output folder."""
+        """The recipe as YAML, as recorded in the output folder: defaults left out, except the keys of
+        :data:`PINNED` set explicitly (:func:`~.run.effective_recipe` sets them: the recorded recipe merges the
+        same after a later clmerge changes their default)."""
         if self._recorded is not None:
             return self._recorded
-        return yaml.safe_dump(self.model_dump(exclude_defaults=True), sort_keys=False)
+        return yaml.safe_dump(_dump(self), sort_keys=False)
+
+
+#: recipe keys whose default decides the output (its arithmetic, its files, a slice recipe's outer tensors, a
+#: merged vocabulary's stand-in rows): written out when set, even at their default
+PINNED = ("compute_dtype", "out_shard_size", "fill", "outer_tensors")
+
+
+def _dump(recipe: Recipe) -> dict[str, Any]:
+    """``recipe`` as a mapping without its defaults, the explicitly set :data:`PINNED` keys kept (field order)."""
+    data = recipe.model_dump(exclude_defaults=True)
+    kept = [k for k in PINNED if k in recipe.model_fields_set and k not in data]
+    if kept:
+        every = recipe.model_dump()
+        data = {k: every[k] for k in every if k in data or k in kept}
+    if recipe.stages:
+        data["stages"] = [_dump(s) for s in recipe.stages]
+    return data
 
 
 def load_recipe(path: str, data: dict | None = None) -> Recipe:
@@ -239,7 +258,8 @@ def key_groups(keys: Sequence[str], parameters: dict[str, Any], overrides: Seque
     Each key starts from ``parameters``; every override whose pattern matches it updates them (in order). A
     list value for a hyperparameter that is not a per-expert list (``list_params``) is a depth gradient: the
     value at ``t = layer / (num_layers - 1)`` of the list spread evenly over [0, 1]; keys without a layer
-    number take the first value.
+    number take the first value. An entry of a per-expert list that is itself a list is that expert's depth
+    gradient, interpolated the same way (``densities: [[1, 0.5], 0.3]``).
 
     Returns:
         ``[(hyperparameters, keys)]`` in the order each group's first key appears.
@@ -253,9 +273,12 @@ def key_groups(keys: Sequence[str], parameters: dict[str, Any], overrides: Seque
             if o.matches(key):
                 hp.update(o.parameters)
         layer = layer_index(key)
+        t = (layer or 0) / span if span else 0.0
         for name, v in hp.items():
             if isinstance(v, list) and name not in list_params:
-                hp[name] = _interpolate(v, (layer or 0) / span if span else 0.0)
+                hp[name] = _interpolate(v, t)
+            elif isinstance(v, list) and any(isinstance(e, list) for e in v):  # an expert's own gradient
+                hp[name] = [_interpolate(e, t) if isinstance(e, list) else e for e in v]
         sig = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in hp.items()))
         groups.setdefault(sig, (hp, []))[1].append(key)
     return list(groups.values())

@@ -242,9 +242,15 @@ def effective_recipe(recipe: Recipe) -> Recipe:
     """``recipe`` (and each of its stages) with its method's hyperparameters as the merge uses them, every
     default filled in (:func:`~.methods.hparams.effective_hyperparameters`). :func:`plan` runs this recipe, and
     the output folder records it (``clmerge_recipe.yaml``, the model card), so re-running the recorded recipe
-    gives the same merge after a later clmerge changes a default. An unknown method is left for
-    :func:`plan` to name."""
-    update: dict[str, Any] = {}
+    gives the same merge after a later clmerge changes a default. The recipe keys whose default decides the
+    output (:data:`~.recipes.PINNED`) are set too, so the recorded YAML writes them out: ``compute_dtype``,
+    ``out_shard_size``, ``fill`` (with ``embeddings``) and a slice recipe's ``outer_tensors`` (``base`` when it
+    names a base, else ``slices``). An unknown method is left for :func:`plan` to name."""
+    update: dict[str, Any] = {"compute_dtype": recipe.compute_dtype, "out_shard_size": recipe.out_shard_size}
+    if recipe.embeddings is not None:  # without embeddings, fill is refused (rows are merged by index)
+        update["fill"] = recipe.fill
+    if recipe.slices:
+        update["outer_tensors"] = recipe.outer_tensors or ("base" if recipe.base else "slices")
     if recipe.stages:
         update["stages"] = [effective_recipe(s) for s in recipe.stages]
     if recipe.method != PASSTHROUGH and MERGES.get(recipe.method, None) is not None:
@@ -253,7 +259,7 @@ def effective_recipe(recipe: Recipe) -> Recipe:
         params = effective_hyperparameters(get_method(recipe.method), recipe.parameters, per_model)
         if params != recipe.parameters or list(params) != list(recipe.parameters):
             update["parameters"] = params
-    return recipe.model_copy(update=update) if update else recipe
+    return recipe.model_copy(update=update)
 
 
 def run_merge(recipe: Recipe, out: Path | None, *, task: str | None = None, dry_run: bool = False,

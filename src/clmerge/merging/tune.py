@@ -436,7 +436,8 @@ def _at_edges(spec: TuneSpec, table: _Table, log: Any) -> list[str]:
 
 def _finish(recipe: Recipe, table: _Table, out: Path, log: Any) -> dict:
     """Merge the best recipe into ``out`` (beside ``tune/``), then write ``tune/best_recipe.yaml``."""
-    from .run import run_merge
+    from .io.output import recipe_header
+    from .run import effective_recipe, run_merge
 
     best = table.best()
     best_recipe = recipe_with(recipe, best["values"])
@@ -449,6 +450,7 @@ def _finish(recipe: Recipe, table: _Table, out: Path, log: Any) -> dict:
             shutil.rmtree(target)
         item.replace(target)
     staging.rmdir()
-    atomic_write_text(out / "tune" / "best_recipe.yaml", best_recipe.to_yaml())
+    # as the merge ran it and as out/clmerge_recipe.yaml records it: every default filled in, version and commit
+    atomic_write_text(out / "tune" / "best_recipe.yaml", recipe_header() + effective_recipe(best_recipe).to_yaml())
     return {"best": best["values"], "metric": best["metric"], "trials": len(table.rows), "out": str(out),
             "keys": info.keys}

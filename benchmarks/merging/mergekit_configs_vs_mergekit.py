@@ -105,6 +105,9 @@ CLMERGE_DEFAULTS = {
 #: ``{row: (density, [expert roles], base role)}``
 AT_CUT = {"ties_bf16, compute_dtype: bfloat16": (0.5, ["a16", "b16"], "base16")}
 
+#: merges with per-model densities whose differing tensors are checked against the kept counts (:func:`counts`)
+COUNTED = {"ties.yml", "ties.yml @float32"}
+
 #: random merges of one expert whose expected output per magnitude decile is measured (:func:`profile`)
 PROFILED = {"della_linear_one", "della_linear_one, window/rescale: paper", "dare_linear_one",
             "dare_linear_one, rescale_rule: paper"}
@@ -126,8 +129,11 @@ REASONS = {
     "gradient-slerp.yml @float32": "float32 inputs: clmerge slerps in float64",
     "linear.yml @float32": "float32",
     "orcamini-platy-44layer.yml @float32": "layers copied in both",
-    "ties.yml @float32": "refused by clmerge, as ties.yml",
-    "ties.yml": "refused by clmerge: per-model weights and densities that differ between models",
+    "ties.yml @float32": "float32: each model's own density and weight (a density gradient, a weight gradient, "
+                         "a weight filter) in both; mergekit keeps max(1, int(d n)) entries of a tensor, clmerge "
+                         "round(d n), which differ for most of these densities",
+    "ties.yml": "float16: mergekit casts the inputs to float16 and forms the task vectors, the sign sum and the "
+                "weighted mean in float16; and the kept counts, as ties.yml @float32",
     "task_arithmetic": "float32: weight x lambda applied once here, in two steps there",
     "ties_gradient_filter": "float32 (a weight gradient, a density filter; densities whose counts are whole "
                             "numbers, where int and round agree)",
@@ -310,6 +316,40 @@ def at_cut(a: Path, b: Path, base: Path, experts: list[Path], density: float) ->
     return differ, tied
 
 
+def counts(data: dict, a: Path, b: Path) -> tuple[int, int, int, float]:
+    """For a TIES merge with per-model densities: ``(tensors that differ, of which some expert of nonzero weight
+    keeps another count -- round(d n) here, max(1, int(d n)) in mergekit 0.1.5's ``magnitude`` sparsification --,
+    tensors whose counts all agree that differ, their max abs diff)``; each tensor's densities and weights as
+    the clmerge runner reads them from the translated config."""
+    import math
+
+    from clmerge.merging.io.readers import open_checkpoint
+    from clmerge.merging.methods.hparams import method_hparams, per_model_params
+    from clmerge.merging.methods.registry import get_method
+    from clmerge.merging.recipes import key_groups, recipe_of
+
+    recipe = recipe_of(data)
+    method = get_method(recipe.method)
+    fed = per_model_params(method, method_hparams(method), recipe.models)
+    x, y = open_checkpoint(a), open_checkpoint(b)
+    differ = by_count = equal_differ = 0
+    worst = 0.0
+    for hp, keys in key_groups(sorted(x.keys()), {**recipe.parameters, **fed}, recipe.overrides,
+                               {"densities", "weights"}):
+        for k in keys:
+            u, v = x.get(k).double(), y.get(k).double()
+            d = float((u - v).abs().max()) if u.numel() else 0.0
+            n = u.numel()
+            moved = any(math.floor(de * n + 0.5) != max(1, int(de * n))
+                        for de, w in zip(hp["densities"], hp["weights"]) if w != 0)
+            differ += d > 0
+            by_count += d > 0 and moved
+            if not moved and d > 0:
+                equal_differ += 1
+                worst = max(worst, d)
+    return differ, by_count, equal_differ, worst
+
+
 def compare(a: Path, b: Path) -> tuple[float, int, int, str]:
     """``(max abs diff, tensors, tensors that differ, dtype)`` over every tensor of two model folders."""
     from clmerge.merging.io.readers import open_checkpoint
@@ -353,6 +393,8 @@ def run(python: str, work: Path, names: list[str] | None = None) -> list[dict]:
             row["max_abs_diff"], row["tensors"], row["differ"], row["dtype"] = compare(ours, theirs)
             if name in PROFILED:
                 row["profile"] = [profile(p, models["base"], models["a"]) for p in (ours, theirs)]
+            if name in COUNTED:
+                row["counts"] = counts(data, ours, theirs)
         rows.append(row)
         print(row, flush=True)
     for label, (name, changes) in CLMERGE_DEFAULTS.items():
@@ -394,6 +436,10 @@ def table(rows: list[dict], command: str) -> str:
             (c, m) = r["profile"]
             why += (f"; expected output / task vector by magnitude decile (smallest, median, largest): clmerge "
                     f"{c[0]:.2f}, {c[4]:.2f}, {c[9]:.2f}; mergekit {m[0]:.2f}, {m[4]:.2f}, {m[9]:.2f}")
+        if "counts" in r:
+            c = r["counts"]
+            why += (f"; of the {c[0]} tensors that differ, {c[1]} have an expert whose count differs; where every "
+                    f"count agrees, {c[2]} differ" + (f" (max {c[3]:.3g})" if c[2] else " (identical)"))
         if "at_cut" in r:
             why += (f"; entries that differ: {r['at_cut'][0]}, of which {r['at_cut'][1]} have a magnitude equal to "
                     "their expert's cut")

@@ -110,7 +110,7 @@ def test_stages_and_per_model_values_are_filled_in_with_their_own_methods(files)
     eff = effective_recipe(recipe)
     assert eff.parameters == {}  # weights come from the models' own parameters: no global `weights: null`
     assert eff.stages[0].parameters == {"density": 0.5, "scaling": 1.0, "trim_scope": "global",
-                                        "merge_fn": "mean", "trim_rule": "exact"}
+                                        "merge_fn": "mean", "trim_rule": "exact", "densities": None, "weights": None}
     assert effective_recipe(eff).model_dump() == eff.model_dump()  # idempotent
     (tmp / "r.yaml").write_text(yaml.safe_dump(recipe.model_dump(exclude_defaults=True)))
     _merge(tmp / "r.yaml", "--out", tmp / "m")
@@ -189,5 +189,5 @@ def test_an_adapter_merge_reports_every_hyperparameter_the_version_and_the_commi
            "--adapter-out", "peft", "--set", "density=0.5", "--out", tmp_path / "m")
     report = json.loads((tmp_path / "m" / "merge_report.json").read_text())
     assert report["hyperparameters"] == {"density": 0.5, "scaling": 1.0, "trim_scope": "global", "merge_fn": "mean",
-                                         "trim_rule": "exact"}
+                                         "trim_rule": "exact", "densities": None, "weights": None}
     assert report["clmerge_version"] == VERSION and report["clmerge_commit"] == git_commit()

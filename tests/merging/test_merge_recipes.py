@@ -79,7 +79,7 @@ def test_per_model_weights_feed_the_methods_list(files):
     want = merging.weight_average(experts=ex, weights=[1.0, 3.0])
     got = load_file(str(tmp / "m.safetensors"))
     assert all(torch.equal(got[k], want[k]) for k in want)
-    bad = write_recipe(tmp, {"method": "ties", "base": pb, "models": [
+    bad = write_recipe(tmp, {"method": "task_arithmetic", "base": pb, "models": [
         {"model": p0, "parameters": {"weight": 1.0}}, {"model": p1, "parameters": {"weight": 2.0}}]})
     r = invoke(bad, "--out", tmp / "x")
     assert r.exit_code == 2 and "no per-expert list" in r.output and r.output.count("\n") == 1

@@ -16,7 +16,9 @@ What is translated (mergekit's meaning, :mod:`mergekit.config` and its merge met
   substring, in reverse order, since a later override wins). A per-model value overrides the global one, as
   in mergekit. mergekit's defaults are written out, since some differ from clmerge's (``density`` is 1 there).
 - mergekit's per-model ``weight`` and global ``lambda`` / ``normalize`` become clmerge's ``scaling`` and
-  ``merge_fn`` (task-vector methods) or ``weights`` (``linear``, ``nuslerp``, ``multislerp``).
+  ``merge_fn`` (task-vector methods) or ``weights`` (``linear``, ``nuslerp``, ``multislerp``). For ``ties``,
+  per-model ``density`` and ``weight`` that differ between models become ``densities`` and ``weights``, each
+  model's gradient and filters included (:func:`_per_expert_overrides`).
 - ``dtype`` / ``out_dtype``: the output dtype is ``out_dtype``, else ``dtype``. clmerge computes in float32
   (float64 for float64 inputs) and rounds once when writing; mergekit casts every input to ``dtype`` and
   computes its task-vector methods in it (docs/merge_methods.md, "bf16"). The translation keeps clmerge's
@@ -334,6 +336,7 @@ def _parameters(name: str, spec: Method, g: dict, entries: list[_Entry], base: s
             raise _Refused(f"parameters.{k}", f"mergekit's {name} requires it")
         settings[k] = s
     per_model: dict[int, dict] = {}
+    pm_settings: dict[str, list[Setting]] = {}
     for k, default in spec.per_model.items():
         gs = parse_setting(g[k], f"parameters.{k}") if k in g else None
         raw = [e.parameters.get(k) for e in others]
@@ -355,12 +358,67 @@ def _parameters(name: str, spec: Method, g: dict, entries: list[_Entry], base: s
                                    "must be plain numbers here (a gradient or filter per model is not supported)")
                 per_model[i] = {"weight": float(s.fallback)}
             continue
+        if (spec.target, k) in _PER_EXPERT and slices is None:  # clmerge's per-expert list (weights, densities)
+            pm_settings[k] = _per_model_settings(others, raw, gs, default, k, name)
+            continue
         i = next(i for i, r in enumerate(raw) if r != raw[0])
         raise _Refused(f"{others[i].where}.parameters.{k}",
                        f"differs from {others[0].where}'s ({raw[i]!r} vs {raw[0]!r}); clmerge's {spec.target} takes "
                        f"one {k} for all models: give every model the same value")
-    return (*_method_params(name, spec, settings, len(_experts_per_slice(others, slices, base)), per_model),
-            per_model)
+    params, overrides = _method_params(name, spec, settings, len(_experts_per_slice(others, slices, base)),
+                                       per_model, pm_settings)
+    for k, per in pm_settings.items():
+        for i, s in enumerate(per):
+            per_model.setdefault(i, {})[k] = list(s.fallback) if isinstance(s.fallback, list) else s.fallback
+        overrides += _per_expert_overrides(_PER_EXPERT[(spec.target, k)], per)
+    return params, overrides, per_model
+
+
+#: (clmerge method, mergekit per-model parameter) -> the clmerge per-expert list it feeds, where values that
+#: differ between models are read per model
+_PER_EXPERT = {("ties", "density"): "densities", ("ties", "weight"): "weights"}
+_MAX_FILTERS = 6  # distinct filters of a per-model parameter: 2^6 - 1 overrides at most
+
+
+def _per_model_settings(others: list[_Entry], raw: list, gs: Setting | None, default: Any, k: str,
+                        name: str) -> list[Setting]:
+    """Each model's own setting of ``k`` (its value over the global one over mergekit's default)."""
+    out = []
+    for e, r in zip(others, raw):
+        s = _layered(parse_setting(r, f"{e.where}.parameters.{k}") if r is not None else None, gs,
+                     None if default is REQUIRED else default)
+        if s.fallback is None:
+            raise _Refused(f"{e.where}.parameters.{k}", f"mergekit's {name} requires a {k} for every tensor: give "
+                                                        "a value without a filter (or one in parameters)")
+        out.append(s)
+    return out
+
+
+def _per_expert_overrides(target: str, per: list[Setting]) -> list[dict]:
+    """Overrides that set the per-expert list ``target`` where a model's filters apply.
+
+    A tensor's value for each model is its first filter that is a substring of the name (mergekit), so the
+    value depends on which of the filters match: one override per set of matching filters, its pattern
+    requiring those and excluding the others (the sets exclude each other, so their order does not matter).
+    Sets that change no model's value are left out."""
+    filters = list(dict.fromkeys(f for s in per for f, _ in s.conds))
+    if len(filters) > _MAX_FILTERS:
+        raise _Refused(f"parameters.{target}", f"more than {_MAX_FILTERS} distinct filters across the models' "
+                                               "per-model values are not supported")
+    out = []
+    for mask in range(1, 1 << len(filters)):
+        hit = [f for j, f in enumerate(filters) if mask >> j & 1]
+        values = [next((v for f, v in s.conds if f in hit), s.fallback) for s in per]
+        if values == [s.fallback for s in per]:
+            continue
+        if len(filters) == 1:
+            pattern = re.escape(filters[0])
+        else:
+            pattern = "^" + "".join(f"(?=.*{re.escape(f)})" if f in hit else f"(?!.*{re.escape(f)})"
+                                    for f in filters)
+        out.append({"pattern": "re:" + pattern,
+                    "parameters": {target: [list(v) if isinstance(v, list) else v for v in values]}})
+    return out
 
 
 def _plain_weights(raw: list, gs: Setting | None) -> bool:
@@ -382,22 +440,25 @@ def _plain(s: Setting, key: str) -> Any:
     return s.fallback
 
 
-def _method_params(name: str, spec: Method, st: dict[str, Setting], n: int, per_model: dict
-                   ) -> tuple[dict, list]:
-    """clmerge's parameters and overrides from mergekit's settings ``st`` (``n``: experts merged)."""
+def _method_params(name: str, spec: Method, st: dict[str, Setting], n: int, per_model: dict,
+                   pm_settings: dict[str, list[Setting]] | None = None) -> tuple[dict, list]:
+    """clmerge's parameters and overrides from mergekit's settings ``st`` (``n``: experts merged);
+    ``pm_settings``: the parameters read per model (fed to a per-expert list, not set here)."""
+    pm_settings = pm_settings or {}
     out: dict[str, Setting] = {k: Setting(v) for k, v in spec.fixed.items()}
     st = dict(st)
     st.pop("int8_mask", None)  # a storage choice of mergekit's masks: no effect on the result
     if spec.kind == "gta":
         lam, normalize = float(_plain(st.pop("lambda"), "lambda")), bool(_plain(st.pop("normalize"), "normalize"))
         rescale = bool(_plain(st.pop("rescale"), "rescale"))
-        weight = st.pop("weight")
+        weight = st.pop("weight", None)
         if spec.consensus:
             out["merge_fn"] = Setting("mean" if normalize else "sum")
-            out["scaling"] = Setting(lam) if normalize else weight.map(lambda w: w * lam)
+            # per-model weights weight the election and the merge themselves (the method's weights)
+            out["scaling"] = Setting(lam) if normalize or weight is None else weight.map(lambda w: w * lam)
         else:
             out["scaling"] = Setting(lam / n) if normalize and n else weight.map(lambda w: w * lam)
-        density = st.pop("density")
+        density = st.pop("density", None)
         if spec.target == "dare":
             out["drop_rate"] = density.map(lambda d: max(0.0, 1.0 - d))
             out["rescale"] = Setting(rescale)
@@ -411,7 +472,7 @@ def _method_params(name: str, spec: Method, st: dict[str, Setting], n: int, per_
             if rescale:
                 raise _Refused("parameters.rescale", f"mergekit's L1 rescale of {name}'s sparsified task vectors "
                                                      "is not supported (rescale: false is)")
-            if spec.target != "task_arithmetic":  # mergekit's task_arithmetic reads density and never uses it
+            if spec.target != "task_arithmetic" and density is not None:  # task_arithmetic never uses it
                 out["density"] = density
     elif spec.kind == "linear":
         normalize = bool(_plain(st.pop("normalize"), "normalize"))

@@ -103,8 +103,17 @@ def coerce_value(method: str, hp: HParam, value: Any, where: str) -> Any:
         ValueError: ``"{where}: {method} expects <type>, got <value>"``.
     """
     if hp.is_list and isinstance(value, (list, tuple)):
-        return [_scalar(method, hp, v, where) for v in value]
+        return [_gradient(method, hp, v, where) if isinstance(v, list) else _scalar(method, hp, v, where)
+                for v in value]
     return _scalar(method, hp, value, where)
+
+
+def _gradient(method: str, hp: HParam, value: list, where: str) -> list:
+    """One expert's entry of a per-expert list given as a depth gradient (a non-empty list of numbers,
+    interpolated over the layers by :func:`..recipes.key_groups`), each number checked."""
+    if not value or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"{where}: a depth gradient is a non-empty list of numbers, got {value!r}")
+    return [_scalar(method, hp, v, where) for v in value]
 
 
 def _scalar(method: str, hp: HParam, value: Any, where: str) -> Any:
@@ -124,13 +133,15 @@ def _scalar(method: str, hp: HParam, value: Any, where: str) -> Any:
 
 
 def per_expert_name(method: str, hps: dict[str, HParam], key: str) -> str:
-    """The list hyperparameter that a per-model value ``key`` feeds (``weight`` -> ``weights``), or an error."""
-    for name in (key, key + "s"):
+    """The list hyperparameter that a per-model value ``key`` feeds (``weight`` -> ``weights``, ``density`` ->
+    ``densities``), or an error."""
+    plural = key[:-1] + "ies" if key.endswith("y") else key + "s"
+    for name in (key, plural):
         if name in hps and hps[name].is_list and name not in DATA_HPARAMS:
             return name
     lists = [n for n, h in hps.items() if h.is_list and n not in DATA_HPARAMS]
     have = f"its per-model lists: {', '.join(lists)}" if lists else "it takes no per-model values"
-    raise ValueError(f"per-model parameter {key!r}: {method} has no per-expert list {key!r} or {key + 's'!r} ({have})")
+    raise ValueError(f"per-model parameter {key!r}: {method} has no per-expert list {key!r} or {plural!r} ({have})")
 
 
 def check_hyperparameters(method: MergeMethod, params: Mapping[str, Any], where: str = "", *,

@@ -422,7 +422,8 @@ def sparse_merge(name: str, base: Any, experts: Sequence[Any], **hp: Any) -> dic
         c = row.sparsifier.consensus(hp)
         return ties_from_task_vectors(models, c.tv_fn, density=c.density, scaling=hp["scaling"],
                                       trim_scope=c.trim_scope, merge_fn=hp.get("merge_fn", row.merge_fn),
-                                      trim_rule=c.trim_rule, key_spec=c.key_spec)
+                                      trim_rule=c.trim_rule, key_spec=c.key_spec,
+                                      densities=hp.get("densities"), weights=hp.get("weights"))
     if row.sparsifier.linear is None:
         raise ValueError(f"{name}: the {row.sparsifier.name} sparsifier has no linear combine")
     return map_keys(models, row.sparsifier.linear(hp), needs_base=True)
@@ -438,7 +439,8 @@ def _registered(fn: Callable[..., dict[str, Tensor]]) -> Callable[..., dict[str,
 
 @_registered
 def ties(*, base: Any, experts: Sequence[Any], density: float = 0.2, scaling: float = 1.0,
-         trim_scope: str = "global", merge_fn: str = "mean", trim_rule: str = "exact") -> dict[str, Tensor]:
+         trim_scope: str = "global", merge_fn: str = "mean", trim_rule: str = "exact",
+         densities: Sequence[float] | None = None, weights: Sequence[float] | None = None) -> dict[str, Tensor]:
     """TIES-merging, Yadav et al. 2023, Eq. / Alg. 1: ``theta_0 + lambda * tau_m``.
 
     1. trim: ``tau_hat_t`` keeps the top-``density`` magnitudes of ``tau_t`` (others set to 0);
@@ -453,9 +455,15 @@ def ties(*, base: Any, experts: Sequence[Any], density: float = 0.2, scaling: fl
         merge_fn: ``"mean"`` (paper), ``"sum"`` or ``"max"``.
         trim_rule: ``"exact"`` (keep exactly ``round(density*n)`` entries, ties broken by key order then flat
             index) or ``"threshold"`` (keep ``|tau| >= thr``, the TIES / FusionBench code); see ``merging.trim``.
+        densities: one density per expert, each task vector trimmed at its own (a recipe's per-model
+            ``density``; mergekit's per-model ``density``); replaces ``density``.
+        weights: one weight per expert (a recipe's per-model ``weight``): each trimmed task vector times its
+            weight before the sign election, and the agreeing entries' weighted sum over their weights' sum
+            (``mean``), their weighted sum (``sum``) or the largest weighted magnitude (``max``): mergekit's
+            per-model ``weight`` (``normalize: true`` is ``mean``). Unset: every weight 1.
     """
     return sparse_merge("ties", base, experts, density=density, scaling=scaling, trim_scope=trim_scope,
-                        merge_fn=merge_fn, trim_rule=trim_rule)
+                        merge_fn=merge_fn, trim_rule=trim_rule, densities=densities, weights=weights)
 
 
 @_registered

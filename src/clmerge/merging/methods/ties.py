@@ -15,7 +15,7 @@ default) or every ``|tau| >= thr`` (``"threshold"``, the TIES / FusionBench code
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -309,8 +309,14 @@ def _ties_core(trimmed: Tensor, merge_fn: str, zero_sign: Tensor | float | None,
     return (out / count.clamp(min=1) if merge_fn == "mean" else out), sign_sum, fix
 
 
-def _trim_fns(models: ModelSet, tv_fn: TaskVectorFn, density: float, trim_scope: str, trim_rule: str):
-    """``(global thresholds or None, global quotas or None, fn(key, tvs) -> trimmed tvs)`` for TIES."""
+def _trim_fns(models: ModelSet, tv_fn: TaskVectorFn, density: float, trim_scope: str, trim_rule: str,
+              densities: list[float] | None = None):
+    """``(global thresholds or None, global quotas or None, fn(key, tvs) -> trimmed tvs)`` for TIES.
+
+    ``densities``: one density per expert (each expert trimmed at its own, as mergekit's per-model
+    ``density``) in place of ``density``."""
+    if densities is not None:
+        return _trim_fns_per_expert(models, tv_fn, densities, trim_scope, trim_rule)
     if trim_scope == "global":
         glob, gq = global_trim(models, density, tv_fn, trim_rule)
         # the thresholds stay where they were found (the CPU); a kernel on a device compares there
@@ -320,28 +326,109 @@ def _trim_fns(models: ModelSet, tv_fn: TaskVectorFn, density: float, trim_scope:
     return None, None, lambda key, tvs: trim(tvs, torch.stack([magnitude_threshold(v.abs(), density) for v in tvs]))
 
 
-def per_tensor_trim_spec(b: Tensor, xs: list[Tensor], density: float, trim_rule: str,
+def _trim_fns_per_expert(models: ModelSet, tv_fn: TaskVectorFn, densities: list[float], trim_scope: str,
+                        trim_rule: str):
+    """:func:`_trim_fns` with expert ``t`` trimmed at ``densities[t]``: the model-wide pass once per distinct
+    density (its rows for the experts of that density), or each row of a key trimmed at its own."""
+    if trim_scope == "global":
+        glob, gq = None, None
+        for d in sorted(set(densities)):
+            thr, quotas = global_trim(models, d, tv_fn, trim_rule)
+            rows = [t for t, dt in enumerate(densities) if dt == d]
+            glob = thr.clone() if glob is None else glob
+            glob[rows] = thr[rows]
+            if quotas is not None:
+                gq = gq if gq is not None else {}
+                for key, q in quotas.items():
+                    gq.setdefault(key, [TIE_ALL] * len(densities))
+                    for t in rows:
+                        gq[key][t] = q[t]
+        if gq is not None:  # experts whose pass kept every tie (density 1) keep them in every key
+            for key in models.keys():
+                if models.is_float(key):
+                    gq.setdefault(key, [TIE_ALL] * len(densities))
+        return glob, gq, lambda key, tvs: trim(tvs, like_device(glob, tvs), None if gq is None else gq[key])
+    if trim_rule == "exact":
+        return None, None, lambda key, tvs: torch.cat([exact_trim_rows(tvs[t:t + 1], d)
+                                                       for t, d in enumerate(densities)])
+    return None, None, lambda key, tvs: trim(tvs, torch.stack([magnitude_threshold(v.abs(), d)
+                                                               for v, d in zip(tvs, densities)]))
+
+
+def _weighted_core(trimmed: Tensor, w: Tensor, merge_fn: str,
+                   collect: bool = False) -> tuple[Tensor, float, tuple[Tensor, Tensor] | None]:
+    """:func:`_ties_core` (zero sums given the sign +1) on weighted task vectors, ``trimmed`` ``(T, m)`` and
+    ``w`` ``(T, 1)``: the sign is elected on ``sum_t w_t tau_hat_t``, and the agreeing entries
+    ``{t : sgn(w_t tau_hat_t) = gamma}`` give ``sum_t w_t tau_hat_t`` (``sum``), that over ``sum_t w_t``
+    (``mean``; a zero sum of weights divides by 1) or the largest ``|w_t tau_hat_t|`` times ``gamma`` (``max``):
+    mergekit's per-model ``weight`` in its generalized task arithmetic with a sign consensus. Equal weights
+    ``w`` give the ``mean`` of :func:`_ties_core`."""
+    if merge_fn not in ("mean", "sum", "max"):
+        raise ValueError(f"merge_fn must be 'mean', 'sum' or 'max', got {merge_fn!r}")
+    weighted = trimmed * w
+    total = weighted.sum(0)
+    sign = torch.sign(total)
+    sign_sum = float(sign.sum())
+    zero = total == 0
+    fix = None
+    if collect:
+        pos = (zero & weighted.ne(0).any(0)).nonzero().squeeze(1)
+        if pos.numel():
+            fix = (pos, _weighted_pick(weighted[:, pos], w, weighted.new_tensor(-1.0), merge_fn))
+    return _weighted_pick(weighted, w, sign.masked_fill_(zero, 1.0), merge_fn), sign_sum, fix
+
+
+def _weighted_pick(weighted: Tensor, w: Tensor, gamma: Tensor, merge_fn: str) -> Tensor:
+    """``tau_m`` of weighted trimmed task vectors ``(T, m)`` for the elected signs ``gamma`` (see
+    :func:`_weighted_core`)."""
+    agree = (weighted * gamma) > 0
+    if merge_fn == "max":
+        return (weighted.abs() * agree).amax(0) * gamma
+    num = (weighted * agree).sum(0)
+    if merge_fn == "sum":
+        return num
+    den = (w * agree).sum(0)
+    return num / torch.where(den == 0, torch.ones_like(den), den)
+
+
+def _per_expert(values: Sequence[float] | None, num: int, name: str, lo: float | None) -> list[float] | None:
+    """``values`` as a list of ``num`` floats (``None`` stays ``None``), or a one-line error; ``lo``: each must
+    lie in ``(lo, 1]``."""
+    if values is None:
+        return None
+    out = [float(v) for v in values]
+    if len(out) != num:
+        raise ValueError(f"{name} needs one value per expert ({num}), got {len(out)}")
+    for v in out:
+        if not math.isfinite(v) or (lo is not None and not lo < v <= 1.0):
+            raise ValueError(f"{name}: every value must be {'in (0, 1]' if lo is not None else 'finite'}, got {v}")
+    return out
+
+
+def per_tensor_trim_spec(b: Tensor, xs: list[Tensor], density: float | Sequence[float], trim_rule: str,
                          bufs: Buffers | None = None, fb: Tensor | None = None) -> tuple[Tensor, list[int]]:
     """Per-expert trim thresholds ``(T,)`` and tie quotas of one key (``trim_scope="per_tensor"``), from one
     expert's magnitudes at a time, computed as the streamed kernel computes them (``x - b`` in
     :func:`.trim.work_dtype`, not ``x`` rounded first): the same kept set as :func:`.trim.exact_trim_rows`
     (exact) or ``|tau| >= magnitude_threshold`` (threshold).
 
-    ``bufs``: work buffers reused across keys; ``fb``: the flat base already in the work dtype."""
+    ``density``: one for every expert, or a sequence of one per expert. ``bufs``: work buffers reused across
+    keys; ``fb``: the flat base already in the work dtype."""
+    dens = [float(density)] * len(xs) if isinstance(density, (int, float)) else [float(d) for d in density]
     dt = work_dtype(b.dtype, *(x.dtype for x in xs))
     bufs = Buffers() if bufs is None else bufs
     fb = b.reshape(-1).to(dt) if fb is None else fb
     mag = bufs.get("mag", b.numel(), dt, b)
     mask = bufs.get("mask", b.numel(), torch.bool, b) if trim_rule == "exact" else None
     thr, quotas = [], []
-    for x in xs:
+    for x, d in zip(xs, dens):
         mag.copy_(x.reshape(-1)).sub_(fb).abs_()  # the numbers of x.to(dt) - fb, in the reused buffer
         if trim_rule == "exact":
-            v, q = tensor_trim_spec(mag[None], density, mask)
+            v, q = tensor_trim_spec(mag[None], d, mask)
             thr.append(v[0])
             quotas.append(q[0])
         else:
-            thr.append(magnitude_threshold(mag, density))
+            thr.append(magnitude_threshold(mag, d))
             quotas.append(TIE_ALL)
     return torch.stack(thr), quotas
 
@@ -352,11 +439,17 @@ KeyTrimSpec = Callable[[str, Tensor, list[Tensor]], tuple[Tensor, list[int], tup
 
 def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: float, scaling: float,
                            trim_scope: str, merge_fn: str, trim_rule: str = "exact",
-                           key_spec: KeyTrimSpec | None = None) -> dict[str, Tensor]:
+                           key_spec: KeyTrimSpec | None = None, densities: Sequence[float] | None = None,
+                           weights: Sequence[float] | None = None) -> dict[str, Tensor]:
     """The TIES pipeline over any task-vector transform (plain for TIES, dropped-and-rescaled for DARE).
 
     ``key_spec`` (with plain task vectors): each key's trim from this function instead of ``density``, and the
     streamed kernel (Model Breadcrumbs' band of magnitudes: a trim minus a cut of outliers).
+
+    ``densities``: one density per expert in place of ``density`` (expert ``t`` trimmed at its own).
+    ``weights``: one weight per expert, each trimmed task vector multiplied by its weight before the sign
+    election, and the disjoint mean weighted (:func:`_weighted_core`); ``None`` (the default) is the unweighted
+    merge, through the streamed kernel.
 
     Zero elected signs are resolved as the reference code does (the majority sign over the whole model): keys
     are merged with sign +1 first; for the entries where the choice matters (a zero trimmed sum over nonzero
@@ -370,21 +463,30 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
     check_trim_rule(trim_rule)
     if models.base is None:
         raise ValueError("TIES needs base= (the pretrained parameters)")
+    densities = _per_expert(densities, models.num_experts, "densities", 0.0)
+    weights = _per_expert(weights, models.num_experts, "weights", None)
+    if densities is not None and key_spec is not None:
+        raise ValueError("densities and key_spec both set the trim: give one")
     with input_dtype_arithmetic(models.narrow):  # a model-wide trim's pass, in the kernels' work dtype
-        glob, gq, trim_key = _trim_fns(models, tv_fn, density, trim_scope, trim_rule)
+        glob, gq, trim_key = _trim_fns(models, tv_fn, density, trim_scope, trim_rule, densities)
     total, fixes = [0.0], {}
+    keep_all = density >= 1.0 if densities is None else min(densities) >= 1.0
 
     def merged(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
         tvs = tv_fn(key, b, xs, list(range(len(xs))))
         # density 1 keeps every entry under both rules: no trimmed copy of the (T, *shape) stack
-        flat = (tvs if density >= 1.0 else trim_key(key, tvs)).reshape(len(xs), -1)
+        flat = (tvs if keep_all else trim_key(key, tvs)).reshape(len(xs), -1)
         del tvs
         dtype = work_dtype(b.dtype)
         fb, out = b.reshape(-1), torch.empty(b.shape, dtype=dtype)
+        w = None if weights is None else torch.tensor(weights, dtype=flat.dtype, device=flat.device)[:, None]
         parts = []
         # the election is elementwise: column blocks keep its temporaries small on a large key
         for i in range(0, fb.numel(), _BLOCK):
-            tau, sign_sum, fix = _ties_core(flat[:, i:i + _BLOCK], merge_fn, 1.0, collect=True)
+            if w is None:
+                tau, sign_sum, fix = _ties_core(flat[:, i:i + _BLOCK], merge_fn, 1.0, collect=True)
+            else:
+                tau, sign_sum, fix = _weighted_core(flat[:, i:i + _BLOCK], w, merge_fn, collect=True)
             total[0] += sign_sum
             fbi = fb[i:i + _BLOCK].to(dtype)
             if fix is not None:
@@ -396,7 +498,7 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
 
     if key_spec is not None and tv_fn is not plain_task_vectors:
         raise ValueError("key_spec needs plain task vectors")
-    if tv_fn is plain_task_vectors and merge_fn in ("mean", "sum", "max"):
+    if tv_fn is plain_task_vectors and merge_fn in ("mean", "sum", "max") and weights is None:
         # elementwise once each expert's threshold is known (model-wide, or this key's, found one expert at a
         # time): cache-sized slices in preallocated buffers, never a (T, *shape) stack of a large tensor
         works: dict[torch.dtype, Work] = {}  # one set of buffers per work dtype (float32; float64 inputs)
@@ -412,7 +514,8 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
             if key_spec is not None:
                 thr, quotas, cut = key_spec(key, b, xs)
             elif glob is None:
-                thr, quotas = per_tensor_trim_spec(b, xs, density, trim_rule, bufs, fb)
+                thr, quotas = per_tensor_trim_spec(b, xs, density if densities is None else densities, trim_rule,
+                                                   bufs, fb)
             else:
                 thr, quotas = like_device(glob, b), (all_ties if gq is None else gq[key])
             if dt not in works:

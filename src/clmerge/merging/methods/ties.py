@@ -465,8 +465,9 @@ def ties_from_task_vectors(models: ModelSet, tv_fn: TaskVectorFn, *, density: fl
         raise ValueError("TIES needs base= (the pretrained parameters)")
     densities = _per_expert(densities, models.num_experts, "densities", 0.0)
     weights = _per_expert(weights, models.num_experts, "weights", None)
-    if densities is not None and key_spec is not None:
-        raise ValueError("densities and key_spec both set the trim: give one")
+    if key_spec is not None and (densities is not None or weights is not None):
+        # a key_spec's trim runs only in the streamed kernel, which takes no weights
+        raise ValueError("key_spec takes neither densities nor weights")
     with input_dtype_arithmetic(models.narrow):  # a model-wide trim's pass, in the kernels' work dtype
         glob, gq, trim_key = _trim_fns(models, tv_fn, density, trim_scope, trim_rule, densities)
     total, fixes = [0.0], {}

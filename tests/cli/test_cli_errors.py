@@ -1389,7 +1389,7 @@ _MK = {"base_model": "base.safetensors", "models": [{"model": m, "parameters": {
 MERGEKIT_CASES = [
     ("mergekit-method-without-equivalent", {**_MK, "merge_method": "ram"}, ["mk.yml", "merge_method: ram"]),
     ("mergekit-modules", {**_MK, "merge_method": "ties", "modules": {}}, ["mk.yml", "modules"]),
-    ("mergekit-per-model-density", {**_MK, "merge_method": "dare_ties", "models": [
+    ("mergekit-per-model-density", {**_MK, "merge_method": "della", "models": [
         {"model": "e1.safetensors", "parameters": {"weight": 1, "density": 0.3}},
         {"model": "e2.safetensors", "parameters": {"weight": 1, "density": 0.5}}]},
      ["mk.yml", "models[1].parameters.density", "same value"]),

@@ -190,3 +190,52 @@ def test_filters_of_several_models_combine_by_which_filters_match():
         for key in keys:
             want = [_mergekit_setting(key, m["parameters"]["weight"], 0.0) for m in models]
             assert hp["weights"] == pytest.approx(want), key
+
+
+# -- DARE with a drop rate and a weight per expert (mergekit's dare_linear / dare_ties per-model values) --------
+
+def _dropped(base, experts, key, rates, seed=0):
+    """Each expert's DARE task vector of ``key``: its own rate, the masks of (seed, key, expert index)."""
+    from clmerge.merging.methods.dare import dare_generator, dare_tensor
+
+    return torch.stack([dare_tensor(e[key] - base[key], p, rescale=True, generator=dare_generator(seed, key, t))
+                        for t, (e, p) in enumerate(zip(experts, rates))])
+
+
+def test_dare_linear_per_expert_rates_and_weights_are_the_weighted_sum_of_each_experts_drop():
+    base, experts = _inputs(seed=6)
+    rates, weights = [0.2, 0.5, 0.7], [1.0, 0.4, -0.3]
+    got = merging.merge("dare", base=base, experts=experts, drop_rates=rates, weights=weights, scaling=0.9)
+    for k in SHAPES:
+        tv = _dropped(base, experts, k, rates)
+        want = base[k] + 0.9 * sum(w * t for w, t in zip(weights, tv))
+        torch.testing.assert_close(got[k], want, rtol=0, atol=1e-6)
+
+
+def test_dare_ties_per_expert_weights_are_mergekits_weighted_consensus():
+    base, experts = _inputs(seed=7)
+    rates, weights = [0.3, 0.5, 0.1], [1.0, 0.3, 0.5]
+    got = merging.merge("dare", base=base, experts=experts, drop_rates=rates, weights=weights, combine="ties",
+                        density=1.0, merge_fn="sum", scaling=1.0)
+    for k in SHAPES:
+        want = base[k] + _mergekit_consensus(_dropped(base, experts, k, rates), weights, normalize=False)
+        torch.testing.assert_close(got[k], want, rtol=0, atol=1e-6)
+
+
+def test_a_dare_ties_config_with_per_model_density_and_weight_becomes_drop_rates_and_weights():
+    models = [{"model": "X", "parameters": {"density": 0.6, "weight": 0.4}},
+              {"model": "Y", "parameters": {"density": [0.3, 0.7], "weight": [{"filter": "mlp", "value": 0.2},
+                                                                               {"value": 0.6}]}}]
+    r = recipe_of({"merge_method": "dare_ties", "base_model": "B", "models": models})
+    method = get_method(r.method)
+    per_model = per_model_params(method, method_hparams(method), r.models)
+    for hp, keys in key_groups(KEYS, {**r.parameters, **per_model}, r.overrides, {"weights", "drop_rates"}):
+        for key in keys:
+            t = int(key.split(".")[2]) / 4 if ".layers." in key else 0.0
+            dens = [_mergekit_setting(key, m["parameters"]["density"], t) for m in models]
+            assert hp["drop_rates"] == pytest.approx([1 - d for d in dens]), key
+            assert hp["weights"] == pytest.approx([_mergekit_setting(key, m["parameters"]["weight"], t)
+                                                   for m in models]), key
+    with pytest.raises(Exception, match="normalize: true with per-model weights"):
+        recipe_of({"merge_method": "dare_linear", "base_model": "B", "models": models,
+                   "parameters": {"normalize": True}})

@@ -219,8 +219,8 @@ def add_merged_adapter(peft_model: Any, adapters: Sequence[str], *, method: str,
             ``svd``, ``cat``, ``ties_svd``, ``dare_linear_svd``, ``dare_ties_svd``, ``magnitude_prune_svd``
             (:data:`PEFT_COMBINATIONS`; ``cat`` implies ``exact``).
         weights: one number per adapter. A method with per-expert ``weights`` of its own (``weight_average``,
-            ``karcher``, ...) takes them as those; for every other method (``ties`` too, whose own ``weights``
-            are mergekit's weighted mean) each adapter's ``Delta W`` is multiplied by its weight before the merge
+            ``karcher``, ...) takes them as those; for every other method (``ties`` and ``dare`` too, whose own
+            ``weights`` are mergekit's) each adapter's ``Delta W`` is multiplied by its weight before the merge
             (peft's convention). ``None``: unweighted.
         new_name: the new adapter's name (must not exist).
         rank: the rank of the written adapter. ``None``: the sum of the adapters' ranks (exact for methods
@@ -248,8 +248,8 @@ def add_merged_adapter(peft_model: Any, adapters: Sequence[str], *, method: str,
     name, meth_params = method, dict(method_params)
     exact = exact or name == "cat"
     meth, hp = _resolve(name, meth_params)
-    # ties' own weights are mergekit's weighted disjoint mean; peft's (ties_svd too) scale each update first
-    own_weights = "weights" in meth.hyperparameters() and meth.name != "ties"
+    # ties' and dare's own weights are mergekit's (a weighted disjoint mean); peft's scale each update first
+    own_weights = "weights" in meth.hyperparameters() and meth.name not in ("ties", "dare")
     if weights is not None and own_weights:
         hp["weights"] = [float(w) for w in weights]
     _check_unmerged(peft_model)

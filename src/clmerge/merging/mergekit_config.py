@@ -17,8 +17,9 @@ What is translated (mergekit's meaning, :mod:`mergekit.config` and its merge met
   in mergekit. mergekit's defaults are written out, since some differ from clmerge's (``density`` is 1 there).
 - mergekit's per-model ``weight`` and global ``lambda`` / ``normalize`` become clmerge's ``scaling`` and
   ``merge_fn`` (task-vector methods) or ``weights`` (``linear``, ``nuslerp``, ``multislerp``). For ``ties``,
-  per-model ``density`` and ``weight`` that differ between models become ``densities`` and ``weights``, each
-  model's gradient and filters included (:func:`_per_expert_overrides`).
+  ``dare_ties`` and ``dare_linear``, per-model ``density`` and ``weight`` that differ between models become
+  ``densities`` (``dare``: ``drop_rates``, ``1 - density``) and ``weights``, each model's gradient and filters
+  included (:func:`_per_expert_overrides`).
 - ``dtype`` / ``out_dtype``: the output dtype is ``out_dtype``, else ``dtype``. clmerge computes in float32
   (float64 for float64 inputs) and rounds once when writing; mergekit casts every input to ``dtype`` and
   computes its task-vector methods in it (docs/merge_methods.md, "bf16"). The translation keeps clmerge's
@@ -368,15 +369,23 @@ def _parameters(name: str, spec: Method, g: dict, entries: list[_Entry], base: s
     params, overrides = _method_params(name, spec, settings, len(_experts_per_slice(others, slices, base)),
                                        per_model, pm_settings)
     for k, per in pm_settings.items():
+        name_, target, fn = _PER_EXPERT[(spec.target, k)]
+        per = [s.map(fn) for s in per] if fn is not None else per
         for i, s in enumerate(per):
-            per_model.setdefault(i, {})[k] = list(s.fallback) if isinstance(s.fallback, list) else s.fallback
-        overrides += _per_expert_overrides(_PER_EXPERT[(spec.target, k)], per)
+            per_model.setdefault(i, {})[name_] = list(s.fallback) if isinstance(s.fallback, list) else s.fallback
+        overrides += _per_expert_overrides(target, per)
     return params, overrides, per_model
 
 
-#: (clmerge method, mergekit per-model parameter) -> the clmerge per-expert list it feeds, where values that
-#: differ between models are read per model
-_PER_EXPERT = {("ties", "density"): "densities", ("ties", "weight"): "weights"}
+def _drop_rate(density: float) -> float:
+    return max(0.0, 1.0 - density)
+
+
+#: (clmerge method, mergekit per-model parameter) -> (clmerge per-model key, the per-expert list it feeds, the
+#: map of mergekit's value or None), where values that differ between models are read per model
+_PER_EXPERT = {("ties", "density"): ("density", "densities", None), ("ties", "weight"): ("weight", "weights", None),
+               ("dare", "density"): ("drop_rate", "drop_rates", _drop_rate),
+               ("dare", "weight"): ("weight", "weights", None)}
 _MAX_FILTERS = 6  # distinct filters of a per-model parameter: 2^6 - 1 overrides at most
 
 
@@ -456,11 +465,17 @@ def _method_params(name: str, spec: Method, st: dict[str, Setting], n: int, per_
             out["merge_fn"] = Setting("mean" if normalize else "sum")
             # per-model weights weight the election and the merge themselves (the method's weights)
             out["scaling"] = Setting(lam) if normalize or weight is None else weight.map(lambda w: w * lam)
+        elif weight is None:  # per-model weights: the method's weights, lambda as the scaling
+            if normalize:
+                raise _Refused("parameters.normalize", f"normalize: true with per-model weights that differ is not "
+                                                       f"supported for {name} (a sum of weights per tensor)")
+            out["scaling"] = Setting(lam)
         else:
             out["scaling"] = Setting(lam / n) if normalize and n else weight.map(lambda w: w * lam)
         density = st.pop("density", None)
         if spec.target == "dare":
-            out["drop_rate"] = density.map(lambda d: max(0.0, 1.0 - d))
+            if density is not None:  # else per model (drop_rates)
+                out["drop_rate"] = density.map(_drop_rate)
             out["rescale"] = Setting(rescale)
             if rescale:
                 out["rescale_rule"] = Setting("l1")  # mergekit rescales to the tensor's L1 norm

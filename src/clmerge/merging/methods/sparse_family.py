@@ -94,6 +94,9 @@ MAGNITUDE = Sparsifier(
 def _check_drop(hp: dict[str, Any]) -> None:
     if not 0.0 <= hp["drop_rate"] < 1.0:
         raise ValueError(f"drop_rate must be in [0, 1), got {hp['drop_rate']}")
+    for p in hp.get("drop_rates") or ():
+        if not 0.0 <= float(p) < 1.0:
+            raise ValueError(f"drop_rates: every value must be in [0, 1), got {p}")
     if hp["rescale_rule"] not in ("paper", "l1"):
         raise ValueError(f"rescale_rule must be 'paper' or 'l1', got {hp['rescale_rule']!r}")
 
@@ -112,6 +115,7 @@ def _dropped(hp: dict[str, Any]) -> TaskVectorFn:
     """DARE's dropped-and-rescaled task vectors of one key (the input of its TIES)."""
     drop_rate, rescale, seed = hp["drop_rate"], hp["rescale"], hp["seed"]
     l1 = rescale and hp["rescale_rule"] == "l1"
+    rates = hp.get("drop_rates")  # one per expert (a recipe's per-model drop_rate), else drop_rate for all
 
     def dropped(key: str, b: Tensor, xs: list[Tensor], idx: list[int]) -> Tensor:
         # written into one preallocated stack, each row in place (no per-expert full-size temporaries); float32,
@@ -121,8 +125,8 @@ def _dropped(hp: dict[str, Any]) -> TaskVectorFn:
         for row, x, t in zip(out, xs, idx):
             torch.sub(x.to(dt), fb, out=row)
             before = float(row.abs().sum()) if l1 else 0.0
-            dare_tensor(row, drop_rate, rescale=rescale and not l1, generator=dare_generator(seed, key, t),
-                        out=row)
+            dare_tensor(row, drop_rate if rates is None else _one_each(rates, len(xs), t, "drop_rates"),
+                        rescale=rescale and not l1, generator=dare_generator(seed, key, t), out=row)
             if l1:
                 l1_rescale_(row, before)
         return out
@@ -130,8 +134,44 @@ def _dropped(hp: dict[str, Any]) -> TaskVectorFn:
     return dropped
 
 
+def _one_each(values: Sequence[float], n: int, t: int, name: str) -> float:
+    """``values[t]`` of a per-expert list, checked to hold one value per expert (``n``)."""
+    if len(values) != n:
+        raise ValueError(f"{name} needs one value per expert ({n}), got {len(values)}")
+    return float(values[t])
+
+
+def _dare_sum_per_expert(hp: dict[str, Any]) -> KeyFn:
+    """``theta_0 + lambda sum_t w_t DARE_{p_t}(tau_t)`` of one key: each expert's own drop rate ``p_t``
+    (``drop_rates``) and weight ``w_t`` (``weights``), one expert's whole tensor at a time (mergekit's
+    ``dare_linear`` with per-model ``density`` and ``weight``)."""
+    seed, rescale, scaling = hp["seed"], hp["rescale"], hp["scaling"]
+    l1 = rescale and hp["rescale_rule"] == "l1"
+
+    def kernel(key: str, b: Tensor, xs: list[Tensor]) -> Tensor:
+        n = len(xs)
+        rates = [hp["drop_rate"]] * n if hp.get("drop_rates") is None else hp["drop_rates"]
+        ws = [1.0] * n if hp.get("weights") is None else hp["weights"]
+        dt = work_dtype(b.dtype, *(x.dtype for x in xs))
+        fb = b.to(dt)
+        acc = torch.zeros(fb.shape, dtype=dt)
+        for t, x in enumerate(xs):
+            tv = x.to(dt) - fb
+            before = float(tv.abs().sum()) if l1 else 0.0
+            dare_tensor(tv, _one_each(rates, n, t, "drop_rates"), rescale=rescale and not l1,
+                        generator=dare_generator(seed, key, t), out=tv)
+            if l1:
+                l1_rescale_(tv, before)
+            acc.add_(tv, alpha=_one_each(ws, n, t, "weights"))
+        return acc.mul_(scaling).add_(fb).to(xs[0].dtype)
+
+    return kernel
+
+
 def _dare_sum(hp: dict[str, Any]) -> KeyFn:
     """``theta_0 + lambda sum_t DARE(tau_t)`` of one key."""
+    if hp.get("drop_rates") is not None or hp.get("weights") is not None:
+        return _dare_sum_per_expert(hp)
     drop_rate, seed = hp["drop_rate"], hp["seed"]
     l1 = hp["rescale"] and hp["rescale_rule"] == "l1"
     factor = hp["scaling"] / (1.0 - drop_rate) if hp["rescale"] and not l1 else hp["scaling"]
@@ -470,7 +510,8 @@ def ties(*, base: Any, experts: Sequence[Any], density: float = 0.2, scaling: fl
 def dare(*, base: Any, experts: Sequence[Any], drop_rate: float = 0.5, rescale: bool = True, seed: int = 0,
          combine: str = "task_arithmetic", scaling: float = 0.3, density: float = 1.0,
          trim_scope: str = "global", trim_rule: str = "exact", merge_fn: str = "mean",
-         rescale_rule: str = "paper") -> dict[str, Tensor]:
+         rescale_rule: str = "paper", drop_rates: Sequence[float] | None = None,
+         weights: Sequence[float] | None = None) -> dict[str, Tensor]:
     """DARE: ``tau~_t = m_t * tau_t / (1 - p)``, ``m_t ~ Bernoulli(1 - p)`` elementwise, then ``combine``.
 
     The drop is a random Bernoulli mask as in the paper (and mergekit): the number of dropped entries is
@@ -490,10 +531,15 @@ def dare(*, base: Any, experts: Sequence[Any], drop_rate: float = 0.5, rescale: 
         rescale_rule: with ``rescale``, ``"paper"`` (each kept entry divided by ``1 - p``: unbiased, the DARE
             paper) or ``"l1"`` (the kept entries times the tensor's ``|tau|_1 / |kept|_1``: mergekit's
             ``rescale: true`` for ``dare_ties`` / ``dare_linear``; a mergekit config sets it).
+        drop_rates: one drop rate per expert (a recipe's per-model ``drop_rate``; mergekit's per-model
+            ``density`` is ``1 - p``); replaces ``drop_rate``.
+        weights: one weight per expert (a recipe's per-model ``weight``; mergekit's per-model ``weight``):
+            ``theta_0 + lambda sum_t w_t tau~_t`` (``task_arithmetic``), or, with ``combine="ties"``, the
+            dropped task vectors weighted before the sign election as in ``ties``'s ``weights``. Unset: 1.
     """
     return sparse_merge("dare", base, experts, drop_rate=drop_rate, rescale=rescale, seed=seed, combine=combine,
                         scaling=scaling, density=density, trim_scope=trim_scope, trim_rule=trim_rule,
-                        merge_fn=merge_fn, rescale_rule=rescale_rule)
+                        merge_fn=merge_fn, rescale_rule=rescale_rule, drop_rates=drop_rates, weights=weights)
 
 
 @_registered

@@ -269,3 +269,31 @@ def test_alignment_starts_at_the_second_task_unless_asked(tmp_path):
     on = run_experiment(_cfg(**base, **{"head.align_first_task": True}), tmp_path / "on")
     assert len(on["head"]["align_losses"][0]) == 2
     assert on["heads"]["linear"]["accuracy_matrix"] == off["heads"]["linear"]["accuracy_matrix"]
+
+
+def test_ridge_solve_keeps_the_exact_solution_when_g_is_rank_deficient_and_lambda_tiny():
+    """Fewer training rows than M: G + 1e-8 I is numerically singular (condition ~1e17). The floor keeps the
+    solve equal to the exact ridge solution, the SVD form that ridge_grid_choice scores; without it the
+    Cholesky solve is far off."""
+    from clmerge.models.heads import ridge_floor, ridge_solve
+
+    g = torch.Generator().manual_seed(0)
+    M, N, C = 600, 200, 5
+    H = torch.relu(torch.randn(N, 48, generator=g) @ torch.randn(48, M, generator=g) * 30).double()
+    Y = torch.nn.functional.one_hot(torch.randint(0, C, (N,), generator=g), C).double()
+    G, Q = H.T @ H, H.T @ Y
+    U, s, Vh = torch.linalg.svd(H, full_matrices=False)
+    lam = 1e-8
+    exact = Vh.T @ ((s / (s ** 2 + lam))[:, None] * (U.T @ Y))
+    assert lam < ridge_floor(G)
+    got = ridge_solve(G, Q, lam)
+    rel = float((got - exact).norm() / exact.norm())
+    assert rel < 1e-3, rel
+    A = G.clone()
+    A.diagonal().add_(lam)
+    bare = torch.linalg.solve(A, Q)  # what the solve did before the floor
+    assert float((bare - exact).norm() / exact.norm()) > 100 * rel
+    big = 10 * ridge_floor(G)  # above the floor nothing changes
+    A = G.clone()
+    A.diagonal().add_(big)
+    assert torch.equal(ridge_solve(G, Q, big), torch.cholesky_solve(Q, torch.linalg.cholesky(A)))

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from .classifier import IncrementalHead
 from ..utils.precision import full_precision
 
-__all__ = ["ClassFeatureStats", "NCMHead", "RanPACHead", "align_linear_head", "ridge_grid_choice",
-           "ridge_solve"]
+__all__ = ["ClassFeatureStats", "NCMHead", "RanPACHead", "align_linear_head", "ridge_floor",
+           "ridge_grid_choice", "ridge_solve"]
 
 RANPAC_RIDGES = [10.0**k for k in range(-8, 9)]
 
@@ -169,10 +169,26 @@ def ridge_grid_choice(H: torch.Tensor, Y: torch.Tensor, ridges: list[float] = RA
     return ridges[min(range(len(ridges)), key=losses.__getitem__)]
 
 
+RIDGE_FLOOR = 1e-12  # relative to trace(G): below it the float64 solve of a rank-deficient G has no correct digit
+
+
+def ridge_floor(G: torch.Tensor) -> float:
+    """The smallest λ :func:`ridge_solve` uses: ``1e-12 · trace(G)``. With fewer training rows than M (G
+    rank-deficient) a λ far below G's largest eigenvalue makes ``G + λI`` numerically singular: at λ = 1e-8 and
+    a largest eigenvalue of 1e9 its condition number is 1e17, and the solve returns a W_o 64x too large that
+    classifies 43% of a toy problem where the exact ridge solution (the SVD form that :func:`ridge_grid_choice`
+    scores) classifies 100%. Above the floor the condition number is at most 1e12 (trace(G) bounds the largest
+    eigenvalue) and the solution agrees with the exact one."""
+    return float(G.diagonal().sum()) * RIDGE_FLOOR
+
+
 def ridge_solve(G: torch.Tensor, Q: torch.Tensor, lam: float) -> torch.Tensor:
     """``(G + λI)⁻¹ Q`` for a Gram matrix G (RanPAC Eq. 5), by Cholesky: G + λI is symmetric positive definite
-    for λ > 0, so this is the official code's ``torch.linalg.solve`` (an LU) at half its flops. Memory: G's
-    shifted copy and its factor, two more M×M float64 matrices (1.6 GB at M = 10000)."""
+    for λ > 0, so this is the official code's ``torch.linalg.solve`` (an LU) at half its flops. λ is raised to
+    :func:`ridge_floor` where it is below it (a numerical guard; the official setting, more training rows than
+    M, never reaches it). Memory: G's shifted copy and its factor, two more M×M float64 matrices (1.6 GB at
+    M = 10000)."""
+    lam = max(lam, ridge_floor(G))
     A = G.clone()
     A.diagonal().add_(lam)
     L, info = torch.linalg.cholesky_ex(A)
@@ -217,7 +233,7 @@ class RanPACHead:
         self.G += H.T @ H
         self.Q += H.T @ Y
         lam = ridge_grid_choice(H, Y)
-        self.ridges.append(lam)
+        self.ridges.append(max(lam, ridge_floor(self.G)))  # the λ the solve uses
         self.W_o = ridge_solve(self.G, self.Q, lam)
 
     def logits(self, feats: torch.Tensor, n_outputs: int) -> torch.Tensor:

@@ -96,12 +96,16 @@ def main() -> None:
         for mode in modes[i % 3:] + modes[:i % 3]:  # the order rotates, so a change of load hits every mode
             rows.append(run(mode, args, args.data / f"out_{mode}"))
             print(json.dumps(rows[-1]), flush=True)
+            if args.json:  # the rows so far, so a run cut short still leaves its finished repetitions
+                args.json.write_text(json.dumps({"layers": args.layers, "threads": args.threads, "rows": rows,
+                                                 "partial": True}, indent=2) + "\n")
     summary = {}
     for mode in modes:
         walls = [r["wall_s"] for r in rows if r["mode"] == mode]
         cpus = [r["cpu_s"] for r in rows if r["mode"] == mode]
         summary[mode] = {"median_wall_s": statistics.median(walls), "min_wall_s": min(walls), "walls": walls,
-                         "median_cpu_s": statistics.median(cpus), "cpus": cpus}
+                         "median_cpu_s": statistics.median(cpus), "min_cpu_s": min(cpus), "max_cpu_s": max(cpus),
+                         "cpus": cpus}
     for mode in modes[1:]:
         off = summary["off"]
         summary[mode]["verify_s"] = [r["verify_s"] for r in rows if r["mode"] == mode]

@@ -128,25 +128,20 @@ def _optimizer_step(model: nn.Module, loss: torch.Tensor, opt: torch.optim.Optim
     hooks and the clipping (they see true gradients) and a step with inf/nan gradients is skipped. ``grads``:
     gradients already taken (no backward)."""
     opt.zero_grad(set_to_none=True)
-    if grads is not None:  # taken before a first step changed the parameters (:func:`_first_step`)
+    scaled = scaler is not None and scaler.is_enabled()
+    if grads is not None:  # taken before a first step changed the parameters (:func:`_first_step`; never fp16)
         for p, g in grads.items():
             p.grad = g
-        if sync is not None:
-            sync(params)
-    elif scaler is not None and scaler.is_enabled():
+    elif scaled:
         scaler.scale(loss).backward()
-        if sync is not None:
-            sync(params)
-        scaler.unscale_(opt)
     else:
         loss.backward()
-        if sync is not None:
-            sync(params)
-    if before_step is not None:
-        before_step(model)
-    if grad_clip is not None:
-        torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    if scaler is not None and scaler.is_enabled():
+    if sync is not None:
+        sync(params)
+    if scaled:
+        scaler.unscale_(opt)
+    _hook_and_clip(model, params, before_step, grad_clip)
+    if scaled:
         scaler.step(opt)
         scaler.update()
     else:
@@ -154,6 +149,15 @@ def _optimizer_step(model: nn.Module, loss: torch.Tensor, opt: torch.optim.Optim
     sched.step()
     if after_step is not None:
         after_step(model)
+
+
+def _hook_and_clip(model: nn.Module, params: list, hook: Callable[[nn.Module], None] | None,
+                   grad_clip: float | None) -> None:
+    """The method's gradient hook, then the optional norm clipping: what every update does before its step."""
+    if hook is not None:
+        hook(model)
+    if grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
 
 
 def _first_step(model: nn.Module, loss: torch.Tensor, first: torch.Tensor, opt: torch.optim.Optimizer,
@@ -171,10 +175,7 @@ def _first_step(model: nn.Module, loss: torch.Tensor, first: torch.Tensor, opt: 
     first.backward()
     if sync is not None:
         sync(params)
-    if before_first is not None:
-        before_first(model)
-    if grad_clip is not None:
-        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    _hook_and_clip(model, params, before_first, grad_clip)
     opt.step()
     return {p: g for p, g in zip(live, taken) if g is not None}
 

@@ -269,8 +269,37 @@ def test_a_merge_records_its_verification_in_the_model_card(zoo, tmp_path):
     res = merge("--method", "task_arithmetic", "--base", zoo / "qwen", "--expert", zoo / "qwen_ft", "--out", out)
     assert res.exit_code == 0, res.output
     card = (out / "README.md").read_text()
-    assert "## Verification" in card and "| transformers reload | passed |" in card
+    # the output has the base's config and tensor names and shapes: answered from the base, not loaded again
+    assert "## Verification" in card and "| transformers reload | passed (the reference's config" in card
     assert "verification passed" in res.output
+    assert verify_folder(out).checks["transformers reload"] == "passed"  # clmerge verify loads it
+
+
+def test_a_merge_of_one_architecture_imports_no_transformers(zoo, tmp_path):
+    """The verification's cost on a first merge (empty cache): the reload check of an output with its base's
+    architecture is answered from the base, and no warm-up imports transformers in the background."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from typer.testing import CliRunner; from clmerge.cli import app; "
+            f"r = CliRunner().invoke(app, ['merge', '--method', 'task_arithmetic', '--base', {str(zoo / 'qwen')!r}, "
+            f"'--expert', {str(zoo / 'qwen_ft')!r}, '--out', {str(tmp_path / 'm')!r}, '--no-hash-inputs']); "
+            "import time; time.sleep(0.5); "  # a background import would have begun by now
+            "print(r.exit_code, 'transformers.modeling_utils' in sys.modules)")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.stdout.split()[-2:] == ["0", "False"], out.stdout + out.stderr
+    assert not list((tmp_path / "cache").rglob("*.json"))  # nothing loaded, nothing cached
+
+
+def test_an_auto_reload_loads_a_folder_whose_architecture_differs_from_the_reference(zoo, tmp_path):
+    bad = damaged(zoo / "qwen", tmp_path / "no_norm",
+                  tensors=lambda sd: {k: v for k, v in sd.items() if "q_norm" not in k})
+    v = verify_folder(bad, against=zoo / "qwen", reload="auto")
+    assert v.checks["transformers reload"] == "failed" and "q_norm" in problems(v)
+    with pytest.raises(ValueError, match="reload must be"):
+        verify_folder(zoo / "qwen", reload="sometimes")
 
 
 def test_a_merge_whose_output_fails_verification_is_not_moved_into_place(zoo, tmp_path, monkeypatch):
@@ -296,9 +325,23 @@ def test_what_the_base_itself_reports_is_a_note_not_a_failure(zoo, tmp_path):
     res = merge("--method", "weight_average", "--base", base, "--expert", ft, "--out", out)
     assert res.exit_code == 0, res.output
     card = (out / "README.md").read_text()
-    assert "missing key(s) in the reference too (not introduced here)" in card and "q_norm" in card
+    # the output has the base's architecture: the reload check is the base's, not asked again in the merge
+    assert "transformers was not asked about" in card and "| transformers reload | passed (the reference's" in card
     assert not verify_folder(out).ok  # alone, without the base, the folder still fails
-    assert verify_folder(out, against=base).ok
+    v = verify_folder(out, against=base)  # clmerge verify --against: loaded, the base's gaps are notes
+    assert v.ok and v.checks["transformers reload"].startswith("passed")
+    assert "missing key(s) in the reference too (not introduced here)" in "\n".join(v.notes)
+    assert "q_norm" in "\n".join(v.notes)
+    # with the base's loading info cached (it was just loaded), a merge's check inherits its notes
+    from clmerge.merging.io.verify import _architecture
+
+    out2 = tmp_path / "m2"
+    assert merge("--method", "weight_average", "--base", base, "--expert", ft, "--out", out2, "--out-dtype",
+                 "float32").exit_code == 0
+    card2 = (out2 / "README.md").read_text()
+    assert "missing key(s) in the reference too (not introduced here)" in card2 and "loaded as" in card2
+    assert _architecture(json.loads((out2 / "config.json").read_text()), {}) == \
+        _architecture(json.loads((base / "config.json").read_text()), {})
 
 
 def test_an_adapter_merge_is_verified(tmp_path):

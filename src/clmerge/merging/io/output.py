@@ -499,7 +499,7 @@ class OutputFolder:
         (folder / recipe_file).write_text(recipe_yaml)
         write_model_card(folder, recipe_yaml=recipe_yaml, inputs=inputs, hashes=self.hashes.get(),
                          base_model=base_model, recipe_file=recipe_file)
-        self.to_verify[Path(folder)] = {"against": model_folder,
+        self.to_verify[Path(folder)] = {"against": model_folder, "reload": "auto",
                                         "tokenizer_reference": tokenizer_reference or tokenizer_folder or model_folder,
                                         "template_reference": template_folder}
 
@@ -572,17 +572,24 @@ def _joined(failed: list[Any]) -> Any:
 
 def _warm_verifier(inputs: list[Any]) -> None:
     """Start importing transformers and the inputs' model class in the background (:func:`.verify.warm_up`), so
-    the reload check at the end costs only the meta-device load."""
-    from .verify import warm_up
+    the reload check at the end costs only the meta-device load. Not when every input folder has one
+    architecture (:func:`.verify.same_architecture`): the output then has it too, and the check answers from
+    the reference without transformers (``reload="auto"``); an output that differs after all imports at the end."""
+    from .verify import same_architecture, warm_up
 
-    src = next((s for s in inputs if getattr(s, "folder", None) is not None), None)
-    folder = Path(src.folder) if src is not None else None
-    if folder is None or not (folder / "config.json").is_file():
+    found = []
+    for src in inputs:
+        folder = getattr(src, "folder", None)
+        if folder is None or not (Path(folder) / "config.json").is_file():
+            continue
+        try:
+            config = inpaths.read_json(Path(folder) / "config.json", within=Path(folder),
+                                       what=f"{folder}: model file")
+            tensors = {k: src.meta(k) for k in src.keys()}
+        except (InputError, KeyError):
+            continue
+        if isinstance(config, dict):
+            found.append((config, tensors))
+    if not found or (len(found) > 1 and same_architecture(*zip(*found, strict=True))):
         return
-    try:
-        config = inpaths.read_json(folder / "config.json", within=folder, what=f"{folder}: model file")
-        tensors = {k: src.meta(k) for k in src.keys()}
-    except (InputError, KeyError):
-        return
-    if isinstance(config, dict):
-        warm_up(config, tensors)
+    warm_up(*found[0])

@@ -49,7 +49,7 @@ from ...utils import inpaths
 from .base import MergeInputError
 
 __all__ = ["CHECKS", "Verification", "VerificationError", "card_section", "verify_adapter_folder", "verify_folder",
-           "verify_model_folder", "warm_up"]
+           "same_architecture", "verify_model_folder", "warm_up"]
 
 #: The checks of a model folder, in the order the report lists them.
 CHECKS = ("weights", "transformers reload", "dtypes", "finite", "tied embeddings", "tokenizer rows",
@@ -405,14 +405,66 @@ def _inherited(loaded: _Loaded, ref: _Loaded, v: Verification) -> None:
     loaded.mismatched = [m for m in loaded.mismatched if m not in same_mm]
 
 
+_DTYPE_KEYS = ("dtype", "torch_dtype", "transformers_version")
+
+
+def _architecture(config: dict, meta: dict[str, tuple]) -> tuple[dict, dict]:
+    """What transformers' missing / unexpected / mismatched keys are a function of: the config without its dtype
+    (and the version that wrote it) and every tensor's name and shape (not its dtype, not its values)."""
+    return ({k: v for k, v in config.items() if k not in _DTYPE_KEYS},
+            {k: tuple(shape) for k, (shape, _) in meta.items()})
+
+
+def same_architecture(configs: Iterable[dict], metas: Iterable[dict[str, tuple]]) -> bool:
+    """Whether every (config, tensors) pair has one :func:`_architecture` (a merge of such inputs writes it too)."""
+    first = None
+    for config, meta in zip(configs, metas, strict=True):
+        arch = _architecture(config, meta)
+        if first is None:
+            first = arch
+        elif arch != first:
+            return False
+    return first is not None
+
+
+def _as_reference(folder: Path, config: dict, meta: dict[str, tuple], v: Verification, check: str,
+                  reference: tuple[Path, dict, dict]) -> _Loaded | None | bool:
+    """The reload check answered from the reference (``reload="auto"``) when the folder has its architecture
+    (:func:`_architecture`): transformers then reports for the folder exactly what it reports for the reference,
+    which the merge did not introduce (notes, not problems), so it is not loaded again. Returns the reference's
+    cached loading info where there is one (its dtypes and embedding names serve the later checks), ``True``
+    when the check passed without it, ``False`` when the architectures differ (load the folder)."""
+    ref_folder, ref_config, ref_meta = reference
+    if _architecture(config, meta) != _architecture(ref_config, ref_meta):
+        return False
+    ref = _cached(ref_config, ref_meta)
+    if ref is not None:
+        import dataclasses
+
+        loaded = dataclasses.replace(ref)
+        _inherited(loaded, ref, v)
+        v.checks[check] = f"passed (the reference's config and tensors: loaded as {ref_folder} loads, cached)"
+        return loaded
+    v.checks[check] = (f"passed (the reference's config and tensor names and shapes: transformers loads it as it "
+                       f"loads {ref_folder}, so it was not loaded again)")
+    v.notes.append(f"transformers was not asked about {ref_folder} itself (the merge changed no key, shape or "
+                   f"config entry but the dtype); `clmerge verify` asks it")
+    return True
+
+
 def _reload(folder: Path, config: dict, meta: dict[str, tuple], v: Verification,
-            reference: tuple[Path, dict, dict] | None = None) -> _Loaded | None:
+            reference: tuple[Path, dict, dict] | None = None, mode: str = "always") -> _Loaded | None:
     """transformers' loading info (cached: :func:`_cache_file`); records the reload check. ``None`` when the
-    check was skipped or the load failed. ``reference``: ``(folder, config, tensors)`` of the reference model,
-    whose own missing / unexpected / mismatched keys are notes here, not problems."""
+    check was skipped, answered from the reference (``mode="auto"``: :func:`_as_reference`) or the load failed.
+    ``reference``: ``(folder, config, tensors)`` of the reference model, whose own missing / unexpected /
+    mismatched keys are notes here, not problems."""
     import dataclasses
 
     check = "transformers reload"
+    if mode == "auto" and reference is not None and _cached(config, meta) is None:
+        answer = _as_reference(folder, config, meta, v, check, reference)
+        if answer is not False:
+            return answer if isinstance(answer, _Loaded) else None
     loaded = _loading_info(folder, config, meta, v, check)
     if loaded is None:
         return None
@@ -699,7 +751,8 @@ def _check_tokenizer(v: Verification, folder: Path, meta: dict[str, tuple], mode
 
 def verify_model_folder(folder: str | Path, *, reference: Any = None,
                         tokenizer_reference: str | Path | None = None, template_reference: str | Path | None = None,
-                        finite_checked: bool = False, name: str | None = None) -> Verification:
+                        finite_checked: bool = False, name: str | None = None,
+                        reload: str = "always") -> Verification:
     """Verify a model folder (the module docstring's checks).
 
     Args:
@@ -709,7 +762,13 @@ def verify_model_folder(folder: str | Path, *, reference: Any = None,
         template_reference: the folder whose chat template must be preserved (default: ``tokenizer_reference``).
         finite_checked: every tensor was checked finite as it was written (a merge's writer): not read again.
         name: how messages name the folder (default: its path).
+        reload: ``"always"`` loads the folder in transformers (from the cache when it answered for this config
+            and these tensors before); ``"auto"`` (a merge's check) does not when the folder has the
+            ``reference``'s config (but its dtype) and tensor names and shapes: transformers would report for it
+            what it reports for the reference, which the merge did not introduce.
     """
+    if reload not in ("always", "auto"):
+        raise ValueError(f"reload must be 'always' or 'auto', not {reload!r}")
     t0 = time.perf_counter()
     folder = Path(folder)
     v = Verification(name or str(folder), "model")
@@ -740,7 +799,7 @@ def verify_model_folder(folder: str | Path, *, reference: Any = None,
         ref_config = _json(Path(ref_folder), "config.json") if ref_folder is not None else None
         if isinstance(ref_config, dict):
             ref_model = (Path(ref_folder), ref_config, ref_meta)
-    model = _reload(folder, config, meta, v, ref_model) if config else None
+    model = _reload(folder, config, meta, v, ref_model, reload) if config else None
     if not config:
         v.skipped("transformers reload", "no config.json")
         v.skipped("dtypes", "no config.json")

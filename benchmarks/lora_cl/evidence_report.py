@@ -236,7 +236,11 @@ BASELINE_REFERENCES = (("seq_lora", "linear"), ("sd_lora", "linear"), ("pm", "li
 OWN_HEAD = {"simplecil": "cosine prototypes", "aper": "cosine prototypes, [pretrained; adapted]",
             "ease": "own: reweighted subspace prototypes", "mos": "own: retrieval + prototype ensemble",
             "slca": "linear+align", "er": "linear", "der": "linear", "derpp": "linear", "ranpac": "ranpac",
-            "ranpac_rp": "ranpac", "aper_finetune": "cosine prototypes, [pretrained; fine-tuned]"}
+            "ranpac_rp": "ranpac", "aper_finetune": "cosine prototypes, [pretrained; fine-tuned]",
+            "lwf": "linear", "xder": "linear", "er_ace": "own: cosine classifier (Mammoth's)",
+            "icarl": "own: nearest mean of exemplars", "lae": "own: online + offline energy ensemble",
+            "fecam": "own: Mahalanobis, shrunk class covariances", "cl_lora": "own: diagonal cosine prototypes",
+            "olora": "linear"}
 # The claims, as paired same-seed differences of final CIL accuracy (A - B > 0), each (label, head) with head
 # None for the method's own (primary) head. A claim holds when every pair does.
 _OWN = None
@@ -248,6 +252,14 @@ CLAIMS = (
      [((a, _OWN), (b, _OWN)) for a in ("er", "derpp") for b in ("seq_lora", "sd_lora", "pm")]),
     ("SD-LoRA / P&M beat the prototype methods (SimpleCIL, APER, EASE, MOS)",
      [((a, _OWN), (b, _OWN)) for a in ("sd_lora", "pm") for b in ("simplecil", "aper", "ease", "mos")]),
+    # the classic and LoRA-line baselines (docs/classic_baselines.md, docs/ptm_baselines.md)
+    ("iCaRL and LwF are below the PTM methods (the prototype line: SimpleCIL, APER, EASE, MOS, RanPAC, FeCAM)",
+     [((a, _OWN), (b, _OWN)) for b in ("icarl", "lwf") for a in ("simplecil", "aper", "ease", "mos", "ranpac",
+                                                                  "fecam")]),
+    ("O-LoRA / CL-LoRA ≥ InfLoRA (their papers)", [(("olora", _OWN), ("inflora", _OWN)),
+                                                   (("cl_lora", _OWN), ("inflora", _OWN))]),
+    ("ER-ACE > ER in class-incremental settings (its paper)", [(("er_ace", _OWN), ("er", _OWN))]),
+    ("X-DER > DER++ (its paper)", [(("xder", _OWN), ("derpp", _OWN))]),
 )
 
 

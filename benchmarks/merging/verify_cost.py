@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE))
 from llm_models import make_models, model_dirs  # noqa: E402
 
 OFF = ("import sys; import clmerge.merging.io.output as o; o.OutputFolder.verify = lambda self: None; "
-       "o._warm_verifier = lambda inputs: None; from clmerge.cli import main; sys.argv[0] = 'clmerge'; main()")
+       "o._warm_verifier = lambda inputs, **kw: None; from clmerge.cli import main; sys.argv[0] = 'clmerge'; main()")
 ON = "import sys; from clmerge.cli import main; sys.argv[0] = 'clmerge'; main()"
 
 

@@ -444,3 +444,17 @@ def test_verification_error_is_an_input_error_with_exit_code_3():
     v.fail("dtypes", "b")
     err = VerificationError(v)
     assert err.exit_code == 3 and str(err) == "x: verification failed (2 problems): finite: a; dtypes: b"
+
+
+def test_the_background_import_starts_only_where_the_output_changes_the_architecture(zoo, monkeypatch):
+    from clmerge.merging.io import output, verify
+    from clmerge.merging.io.readers import open_checkpoint as open_source
+
+    started = []
+    monkeypatch.setattr(verify, "warm_up", lambda config, tensors=None: started.append(config["model_type"]))
+    same = [open_source(zoo / "qwen"), open_source(zoo / "qwen_ft")]
+    output._warm_verifier(same)
+    assert started == []  # one architecture: the reload check is answered from the base
+    output._warm_verifier(same, always=True)  # an MoE or a layer stack: transformers will be asked
+    output._warm_verifier([open_source(zoo / "qwen"), open_source(zoo / "llama")])  # two architectures
+    assert started == ["qwen3", "qwen3"]

@@ -327,7 +327,7 @@ def _output(p: Plan, out: Path | None, *, overwrite: bool, hash_inputs: bool,
         raise ValueError(_NEEDS_OUT.get(p.kind, NEEDS_OUT).format(form=p.adapter_out))
     # an adapter folder has no model card, so its inputs are not hashed
     return OutputFolder(out, p.inputs(), overwrite=overwrite, hash_inputs=hash_inputs and p.kind != "adapters",
-                        log=log, folder_only=_FOLDER_ONLY.get(p.kind))
+                        log=log, folder_only=_FOLDER_ONLY.get(p.kind), reshapes=p.kind in ("moe", "slices"))
 
 
 # what a missing --out says, and why a kind writes only folders (``--out X.safetensors`` is one file)

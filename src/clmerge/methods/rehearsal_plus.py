@@ -86,7 +86,8 @@ class ERACE(ER):
     name = "er_ace"
     description = "ER-ACE: experience replay with the asymmetric cross-entropy (current logits masked)"
     Options = ERACEOptions
-    optim_defaults, optim_source = grid_rate(1e-4, "er's rate (er_ace changes er's loss only; not in the grid)")
+    optim_defaults, optim_source = grid_rate(1e-4, "Adam, split_mnist5k seed 0: validation CIL 74.25 at 1e-4 "
+                                                   "against 62.50, 74.00, 62.50 at 3e-5, 3e-4, 1e-3")
 
     def __init__(self, options: ERACEOptions, *, seed: int = 0) -> None:
         super().__init__(options, seed=seed)
@@ -174,7 +175,8 @@ class XDER(DERpp):  # DER++'s buffer machinery; its loss and its buffer filling 
     name = "xder"
     description = "X-DER: DER++ with a class-balanced end-of-task buffer and future/past logit rewriting"
     Options = XDEROptions
-    optim_defaults, optim_source = grid_rate(3e-4, "derpp's rate (xder extends derpp; not in the grid)")
+    optim_defaults, optim_source = grid_rate(3e-4, "Adam, split_mnist5k seed 0: validation CIL 79.25 at 3e-4 "
+                                                   "against 72.75, 62.00 at 1e-4, 1e-3")
 
     def __init__(self, options: XDEROptions, *, seed: int = 0) -> None:
         super().__init__(options, seed=seed)

@@ -594,6 +594,6 @@ def _warm_verifier(inputs: list[Any], *, always: bool = False) -> None:
             continue
         if isinstance(config, dict):
             found.append((config, tensors))
-    if not found or (not always and len(found) > 1 and same_architecture(*zip(*found, strict=True))):
+    if not found or (not always and len(found) > 1 and same_architecture(found)):
         return
     warm_up(*found[0])

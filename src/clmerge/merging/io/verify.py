@@ -297,6 +297,16 @@ def _digest(*parts: Any) -> str | None:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+_DTYPE_KEYS = ("dtype", "torch_dtype", "transformers_version")
+
+
+def _architecture(config: dict, meta: dict[str, tuple]) -> tuple[dict, dict]:
+    """What transformers' missing / unexpected / mismatched keys are a function of: the config without its dtype
+    (and the version that wrote it) and every tensor's name and shape (not its dtype, not its values)."""
+    return ({k: v for k, v in config.items() if k not in _DTYPE_KEYS},
+            {k: tuple(shape) for k, (shape, _) in meta.items()})
+
+
 def _cache_file(config: dict, tensors: dict[str, tuple]) -> Path | None:
     """Where transformers' loading info for this config and these tensors' names, shapes and dtypes is kept:
     it is a function of exactly those and of the transformers version (no tensor value enters it), so a
@@ -308,9 +318,7 @@ def _cache_file(config: dict, tensors: dict[str, tuple]) -> Path | None:
 def _seen_file(config: dict, tensors: dict[str, tuple]) -> Path | None:
     """A marker that this architecture (config without its dtype) and these tensors' names and shapes were
     loaded before: a merge of such inputs skips the warm-up import."""
-    plain = {k: v for k, v in config.items() if k not in ("dtype", "torch_dtype", "transformers_version")}
-    root = _cache_root()
-    key = _digest("seen", plain, sorted([k, list(shape)] for k, (shape, _) in tensors.items()))
+    root, key = _cache_root(), _digest("seen", *_architecture(config, tensors))
     return root / f"seen-{key}" if root is not None and key is not None else None
 
 
@@ -405,38 +413,19 @@ def _inherited(loaded: _Loaded, ref: _Loaded, v: Verification) -> None:
     loaded.mismatched = [m for m in loaded.mismatched if m not in same_mm]
 
 
-_DTYPE_KEYS = ("dtype", "torch_dtype", "transformers_version")
+def same_architecture(models: Iterable[tuple[dict, dict[str, tuple]]]) -> bool:
+    """Whether every ``(config, tensors)`` pair has one :func:`_architecture` (a merge of such inputs writes it
+    too); False for none."""
+    archs = [_architecture(config, meta) for config, meta in models]
+    return bool(archs) and all(a == archs[0] for a in archs[1:])
 
 
-def _architecture(config: dict, meta: dict[str, tuple]) -> tuple[dict, dict]:
-    """What transformers' missing / unexpected / mismatched keys are a function of: the config without its dtype
-    (and the version that wrote it) and every tensor's name and shape (not its dtype, not its values)."""
-    return ({k: v for k, v in config.items() if k not in _DTYPE_KEYS},
-            {k: tuple(shape) for k, (shape, _) in meta.items()})
-
-
-def same_architecture(configs: Iterable[dict], metas: Iterable[dict[str, tuple]]) -> bool:
-    """Whether every (config, tensors) pair has one :func:`_architecture` (a merge of such inputs writes it too)."""
-    first = None
-    for config, meta in zip(configs, metas, strict=True):
-        arch = _architecture(config, meta)
-        if first is None:
-            first = arch
-        elif arch != first:
-            return False
-    return first is not None
-
-
-def _as_reference(folder: Path, config: dict, meta: dict[str, tuple], v: Verification, check: str,
-                  reference: tuple[Path, dict, dict]) -> _Loaded | None | bool:
-    """The reload check answered from the reference (``reload="auto"``) when the folder has its architecture
-    (:func:`_architecture`): transformers then reports for the folder exactly what it reports for the reference,
-    which the merge did not introduce (notes, not problems), so it is not loaded again. Returns the reference's
-    cached loading info where there is one (its dtypes and embedding names serve the later checks), ``True``
-    when the check passed without it, ``False`` when the architectures differ (load the folder)."""
+def _as_reference(v: Verification, check: str, reference: tuple[Path, dict, dict]) -> _Loaded | None:
+    """The reload check of a folder with the reference's :func:`_architecture`, answered from the reference
+    (``reload="auto"``): transformers reports for the folder exactly what it reports for the reference, which the
+    merge did not introduce (notes, not problems), so it is not loaded again. Returns the reference's cached
+    loading info where there is one (its dtypes and embedding names serve the later checks), else ``None``."""
     ref_folder, ref_config, ref_meta = reference
-    if _architecture(config, meta) != _architecture(ref_config, ref_meta):
-        return False
     ref = _cached(ref_config, ref_meta)
     if ref is not None:
         import dataclasses
@@ -449,7 +438,7 @@ def _as_reference(folder: Path, config: dict, meta: dict[str, tuple], v: Verific
                        f"loads {ref_folder}, so it was not loaded again)")
     v.notes.append(f"transformers was not asked about {ref_folder} itself (the merge changed no key, shape or "
                    f"config entry but the dtype); `clmerge verify` asks it")
-    return True
+    return None
 
 
 def _reload(folder: Path, config: dict, meta: dict[str, tuple], v: Verification,
@@ -461,11 +450,14 @@ def _reload(folder: Path, config: dict, meta: dict[str, tuple], v: Verification,
     import dataclasses
 
     check = "transformers reload"
-    if mode == "auto" and reference is not None and _cached(config, meta) is None:
-        answer = _as_reference(folder, config, meta, v, check, reference)
-        if answer is not False:
-            return answer if isinstance(answer, _Loaded) else None
-    loaded = _loading_info(folder, config, meta, v, check)
+    loaded = None
+    if mode == "auto" and reference is not None and \
+            _architecture(config, meta) == _architecture(reference[1], reference[2]):
+        loaded = _cached(config, meta)  # this folder's own answer, where an earlier load gave one
+        if loaded is None:
+            return _as_reference(v, check, reference)
+    if loaded is None:
+        loaded = _loading_info(folder, config, meta, v, check)
     if loaded is None:
         return None
     if reference is not None and (loaded.missing or loaded.unexpected or loaded.mismatched):  # only then asked

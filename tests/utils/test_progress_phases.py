@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import select
 import sys
 
 import pytest
@@ -100,8 +101,6 @@ def test_a_bar_shows_under_a_pseudo_terminal_of_size_zero(monkeypatch):
         bar.close()
         stream.flush()
         # a pty may hand each write over as its own read: read until nothing more arrives
-        import select
-
         data = b""
         while select.select([master], [], [], 0.5)[0]:
             data += os.read(master, 65536)

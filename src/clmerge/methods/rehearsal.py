@@ -43,7 +43,8 @@ __all__ = ["ER", "DER", "DERpp", "ReplayOptions", "DEROptions", "DERppOptions", 
 _INSERT, _DRAW_LOGITS, _DRAW_LABELS = 0, 1, 2  # generator streams per step
 _LOCAL_WITH_MAMMOTH = ("head.loss={}: method.head_convention=mammoth trains one cross-entropy over every output "
                        "of the full head; use head.loss=seen or method.head_convention=grow")
-_GROW_SELECTED = "selected under head_convention grow"  # the grid ran before the full-size head was the default
+# the grid re-run under the full-size head (head_convention mammoth, the default), Adam, split_mnist5k seed 0
+_MAMMOTH_SELECTED = "selected under head_convention mammoth: validation CIL {}"
 
 
 class ReplayOptions(MethodOptions):
@@ -202,7 +203,8 @@ class ER(_Replay):
     name = "er"
     description = "experience replay: current batch plus a reservoir-buffer batch in one cross-entropy"
     Options = ReplayOptions
-    optim_defaults, optim_source = grid_rate(1e-4, _GROW_SELECTED)
+    optim_defaults, optim_source = grid_rate(3e-4, _MAMMOTH_SELECTED.format("75.25 at 3e-4 against 68.50, 71.50 at "
+                                                                            "1e-4, 1e-3 (1e-4 under grow)"))
 
     def loss(self, model, x, y, ctx) -> torch.Tensor:
         buf = self.draw(_DRAW_LOGITS, ctx.batch_size)
@@ -221,7 +223,8 @@ class DER(_Replay):
     description = "dark experience replay: cross-entropy plus MSE to the logits stored with buffer examples"
     Options = DEROptions
     keeps_logits = True
-    optim_defaults, optim_source = grid_rate(1e-4, _GROW_SELECTED)
+    optim_defaults, optim_source = grid_rate(3e-4, _MAMMOTH_SELECTED.format("50.00 at 3e-4 against 42.00, 27.50 at "
+                                                                            "1e-4, 1e-3 (1e-4 under grow)"))
 
     def loss(self, model, x, y, ctx) -> torch.Tensor:
         logits = model(x)
@@ -246,7 +249,8 @@ class DERpp(DER):
     name = "derpp"
     description = "DER++: DER plus cross-entropy on the labels of a second buffer batch"
     Options = DERppOptions
-    optim_defaults, optim_source = grid_rate(3e-4, _GROW_SELECTED)
+    optim_defaults, optim_source = grid_rate(3e-4, _MAMMOTH_SELECTED.format("73.25 at 3e-4 against 64.50, 61.00 at "
+                                                                            "1e-4, 1e-3 (3e-4 under grow too)"))
 
     def label_replay(self, model, ctx) -> torch.Tensor | float:
         buf = self.draw(_DRAW_LABELS, ctx.batch_size)
